@@ -1,0 +1,36 @@
+# One entry point for set-up, demo and tests. The venv is created on first use;
+# torch is installed first and pinned so pip never pulls a CUDA build.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ckptfs-installed
+TORCH := torch==2.13.0
+
+.PHONY: venv demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test]" $(TORCH)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m ckptfs.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check ckptfs tests bench conformance
+	$(BIN)/python -m pytest -q -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check ckptfs tests bench conformance
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,65 @@
+"""The ckptfs exception hierarchy: every error names the key, file or field at fault."""
+
+from __future__ import annotations
+
+
+class CkptfsError(Exception):
+    """Base class of every error ckptfs raises on purpose."""
+
+
+class CheckpointNotFoundError(CkptfsError, FileNotFoundError):
+    """No committed checkpoint (no index) at the URL."""
+
+
+class CheckpointExistsError(CkptfsError, FileExistsError):
+    """A committed checkpoint already exists and overwrite was not requested."""
+
+
+class FormatVersionError(CkptfsError):
+    """The index has a format version, feature or backend this reader does not know."""
+
+
+class UnknownBackendError(FormatVersionError):
+    """No backend is registered for a (name, version) pair."""
+
+
+class MalformedIndexError(CkptfsError):
+    """The index file is malformed: a field is missing or has the wrong type."""
+
+
+class UnsupportedValueError(CkptfsError, TypeError):
+    """A state-dict entry has a type ckptfs cannot store."""
+
+
+class MismatchError(CkptfsError, ValueError):
+    """Shape, dtype or kind of a target entry differs from the checkpoint."""
+
+
+class ShardingError(CkptfsError, ValueError):
+    """The shards of a key do not tile its global tensor, or ranks disagree about it."""
+
+
+class MissingKeysError(CkptfsError, KeyError):
+    """strict=True and keys of the target state dict are not in the checkpoint."""
+
+    def __init__(self, url: str, keys: list[str]) -> None:
+        self.keys = keys
+        shown = ", ".join(repr(k) for k in keys[:20])
+        more = f" (+{len(keys) - 20} more)" if len(keys) > 20 else ""
+        super().__init__(f"checkpoint {url} lacks {len(keys)} key(s) of the target: {shown}{more}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class IntegrityError(CkptfsError):
+    """Stored bytes do not match their checksum or their recorded size."""
+
+
+class RankError(CkptfsError):
+    """One or more ranks failed; the message lists each rank's error."""
+
+    def __init__(self, what: str, errors: dict[int, str]) -> None:
+        self.errors = errors
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(errors.items()))
+        super().__init__(f"{what} failed on {len(errors)} rank(s):\n{lines}")

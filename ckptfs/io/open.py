@@ -1,0 +1,46 @@
+"""``open_store(url)``: one function that turns a URL or path into a Store."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+
+from ckptfs.io.store import IOConfig, Store
+
+
+def split_protocol(url: str) -> tuple[str, str]:
+    """("file", "/abs/path") for plain paths; (protocol, rest) for URLs."""
+    if "://" in url:
+        proto, rest = url.split("://", 1)
+        return proto, rest
+    return "file", url
+
+
+async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
+                     config: IOConfig | None = None) -> Store:
+    """Open the checkpoint root at ``url``. Call inside the ckptfs I/O loop.
+
+    Plain paths and ``file://`` use the local fast path; every other protocol goes through
+    fsspec with ``storage_options`` passed to the filesystem.
+    """
+    url = os.fspath(url)
+    proto, rest = split_protocol(url)
+    opts = dict(storage_options or {})
+    if proto in ("file", "local"):
+        from ckptfs.io.local_store import LocalStore
+
+        return LocalStore(rest, config)
+    from ckptfs.io.fsspec_store import FsspecStore
+
+    cls = fsspec.get_filesystem_class(proto)
+    if getattr(cls, "async_impl", False):
+        opts.setdefault("asynchronous", True)
+        opts.setdefault("skip_instance_cache", True)
+    fs = cls(**opts)
+    root = cls._strip_protocol(url)
+    if hasattr(fs, "set_session"):
+        await fs.set_session()
+    return FsspecStore(fs, root, url, config)

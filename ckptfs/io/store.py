@@ -1,0 +1,114 @@
+"""The Store ABC: the whole contract between ckptfs and a storage system."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ckptfs.io.ranges import ReadInto, coalesce
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class IOConfig:
+    """Tuning of the I/O layer; every store honours these."""
+
+    max_concurrency: int = 16  #: requests in flight at once per store
+    max_gap: int = 64 * 1024  #: reads closer than this are fetched as one request
+    max_span: int = 64 * 2**20  #: upper bound on one coalesced request
+    fsync: bool = True  #: make local writes durable before the index is committed
+
+
+@dataclass(slots=True)
+class IOStats:
+    """Counters of one store: what a load or save really moved."""
+
+    read_requests: int = 0
+    bytes_read: int = 0
+    write_requests: int = 0
+    bytes_written: int = 0
+    files_written: list[str] = field(default_factory=list)
+
+    def add_read(self, nbytes: int, requests: int = 1) -> None:
+        self.read_requests += requests
+        self.bytes_read += nbytes
+
+
+class Store(ABC):
+    """Async access to the files under one checkpoint root. Paths are relative, '/'-separated."""
+
+    def __init__(self, url: str, config: IOConfig | None = None) -> None:
+        self.url = url
+        self.config = config or IOConfig()
+        self.stats = IOStats()
+        self._sem: asyncio.Semaphore | None = None
+
+    @property
+    def semaphore(self) -> asyncio.Semaphore:
+        """Bounds requests in flight (created lazily inside the running loop)."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.config.max_concurrency)
+        return self._sem
+
+    def full_path(self, path: str) -> str:
+        """The URL of ``path``, for messages."""
+        return f"{self.url.rstrip('/')}/{path}"
+
+    # -- reading ---------------------------------------------------------------------------
+    @abstractmethod
+    async def get_range(self, path: str, start: int, end: int) -> Buffer:
+        """Bytes ``[start, end)`` of ``path``; raises FileNotFoundError naming the URL."""
+
+    @abstractmethod
+    async def get(self, path: str) -> Buffer:
+        """All bytes of ``path``."""
+
+    async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
+        """Fill each ``read.dest`` from ``path``; near reads are coalesced, requests run
+        concurrently up to ``max_concurrency``. Short reads raise an error naming the file."""
+        groups = coalesce(reads, self.config.max_gap, self.config.max_span)
+
+        async def one(g) -> None:
+            async with self.semaphore:
+                data = await self.get_range(path, g.span.start, g.span.end)
+            if len(data) != g.span.length:
+                raise EOFError(
+                    f"{self.full_path(path)}: wanted bytes [{g.span.start}, {g.span.end}), "
+                    f"got {len(data)} bytes"
+                )
+            mv = memoryview(data)
+            for r in g.reads:
+                o = r.start - g.span.start
+                r.dest[:] = mv[o : o + r.dest.nbytes]
+
+        await asyncio.gather(*(one(g) for g in groups))
+
+    # -- writing ---------------------------------------------------------------------------
+    @abstractmethod
+    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Write the concatenation of ``parts`` as ``path`` (overwriting)."""
+
+    @abstractmethod
+    async def put_if_absent(self, path: str, data: Buffer) -> None:
+        """Create ``path`` atomically; raise FileExistsError if it exists (the commit)."""
+
+    # -- namespace -------------------------------------------------------------------------
+    @abstractmethod
+    async def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    async def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    async def list(self, prefix: str = "") -> list[str]:
+        """Relative paths of all files under ``prefix`` (recursive)."""
+
+    @abstractmethod
+    async def delete(self, paths: Sequence[str]) -> None:
+        """Remove files; missing ones are ignored."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release sessions and connections."""

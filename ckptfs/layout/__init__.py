@@ -1,0 +1,1 @@
+"""How bytes are laid out: the index, dtypes, keys, backends."""

@@ -1,0 +1,161 @@
+"""The Backend ABC: how one (name, version) lays tensor chunks out as bytes in files.
+
+A backend describes bytes; it never opens files. On save it turns the chunks a rank writes into
+``FileWrite`` values (path + buffers) and index entries; on load it tells where a chunk's bytes
+are (``RawChunk``) or how to decode them (``EncodedChunk``). The engine moves the bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from ckptfs.layout.dtypes import DType
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.planning.boxes import Box
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ByteReader(Protocol):
+    """Read-only access a backend gets to inspect metadata (foreign checkpoints, headers)."""
+
+    async def get(self, path: str) -> Buffer: ...
+    async def get_range(self, path: str, start: int, end: int) -> Buffer: ...
+    async def exists(self, path: str) -> bool: ...
+    async def list(self, prefix: str = "") -> list[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkData:
+    """A chunk a rank writes: its place in the global tensor and its CPU, C-contiguous data."""
+
+    key: str
+    dtype: DType
+    global_shape: tuple[int, ...]
+    box: Box
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RankWriteJob:
+    rank: int
+    world_size: int
+    save_id: str  #: unique per save; put it in data file names so saves never clobber
+    chunks: tuple[ChunkData, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FileWrite:
+    """Write the concatenation of ``parts`` as ``path`` (relative to the checkpoint root)."""
+
+    path: str
+    parts: tuple[Buffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class RankWrite:
+    """What a rank writes and where each chunk ended up (index entries without checksums)."""
+
+    files: tuple[FileWrite, ...]
+    chunks: tuple[tuple[str, ChunkEntry], ...]  #: (key, entry)
+
+
+@dataclass(frozen=True, slots=True)
+class RawChunk:
+    """The chunk's raw C-order little-endian bytes are ``[offset, offset+nbytes)`` of ``file``."""
+
+    file: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    """Fetch ``[start, end)`` of ``file`` (whole file if None) and ``decode`` it to the
+    chunk's raw C-order bytes."""
+
+    file: str
+    decode: Callable[[Buffer], Buffer]
+    start: int | None = None
+    end: int | None = None
+
+
+ChunkSource = RawChunk | EncodedChunk
+
+
+class Backend(ABC):
+    """One on-disk layout, identified by ``(name, version)``; see formats/<name>-<version>.md."""
+
+    name: ClassVar[str]
+    version: ClassVar[int]
+    #: options a caller may pass (``backend_options``), with their defaults
+    default_options: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(self.default_options))
+        if unknown:
+            raise ValueError(
+                f"backend {self.name}-{self.version}: unknown option(s) {unknown}; "
+                f"known: {sorted(self.default_options)}"
+            )
+        self.options: dict[str, Any] = {**self.default_options, **options}
+
+    def index_options(self) -> dict[str, Any]:
+        """Options recorded in the index (JSON)."""
+        return dict(self.options)
+
+    def split_chunks(self, key: str, dtype: str, shape: tuple[int, ...],
+                     boxes: list[Box]) -> list[Box]:
+        """Stored chunks for a key, given the distinct boxes ranks hold. Each returned box must
+        lie inside one of ``boxes``; together they must tile the tensor. Default: as held."""
+        return boxes
+
+    def prepare(self, plans: Mapping[str, Any]) -> list[FileWrite]:
+        """Files the coordinator writes before any rank writes data (e.g. array metadata)."""
+        return []
+
+    @abstractmethod
+    def write_rank(self, job: RankWriteJob) -> RankWrite:
+        """Lay out this rank's chunks as files."""
+
+    def finalize(self, index: Index) -> list[FileWrite]:
+        """Files the coordinator writes after all data and before the index."""
+        return []
+
+    @abstractmethod
+    async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,
+                           reader: ByteReader) -> ChunkSource:
+        """Where the bytes of ``chunk`` are, or how to decode them."""
+
+    @classmethod
+    async def sniff(cls, reader: ByteReader) -> Index | None:
+        """An index for a checkpoint written without one (foreign tools), or None."""
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """A registered (name, version) and the class (or "module:Class" string) behind it."""
+
+    name: str
+    version: int
+    target: type[Backend] | str = field(compare=False)
+
+
+def data_file_name(rank: int, index: int, save_id: str, ext: str) -> str:
+    """The conventional data file name: unique per save, rank and file."""
+    return f"data/{save_id}/r{rank:05d}-{index:03d}{ext}"
+
+
+def file_writes_nbytes(files: Sequence[FileWrite]) -> int:
+    return sum(f.nbytes for f in files)

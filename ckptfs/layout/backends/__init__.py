@@ -1,0 +1,1 @@
+"""Built-in backends; each module implements one (name, version) of formats/."""

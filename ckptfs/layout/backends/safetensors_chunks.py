@@ -1,0 +1,99 @@
+"""Backend ``safetensors_chunks`` version 1 (formats/safetensors_chunks-1.md).
+
+Each writing rank packs its chunks into valid safetensors files. The index records each chunk's
+file and absolute byte range, so a load reads exactly the bytes of the rows it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, ClassVar
+
+from ckptfs.layout.backend import (
+    Backend,
+    ByteReader,
+    ChunkData,
+    ChunkSource,
+    FileWrite,
+    RankWrite,
+    RankWriteJob,
+    RawChunk,
+    data_file_name,
+)
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import ChunkEntry, TensorEntry
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+EXT = ".safetensors"
+
+
+def tensor_name(key: str, offsets: tuple[int, ...]) -> str:
+    """Name of a chunk inside its safetensors file: ``<key>@<offsets,...>``."""
+    return f"{key}@{','.join(map(str, offsets))}"
+
+
+class SafetensorsChunksBackend(Backend):
+    name: ClassVar[str] = "safetensors_chunks"
+    version: ClassVar[int] = 1
+    default_options: ClassVar[dict[str, Any]] = {"max_file_bytes": 1 << 30}
+
+    def write_rank(self, job: RankWriteJob) -> RankWrite:
+        files: list[FileWrite] = []
+        entries: list[tuple[str, ChunkEntry]] = []
+        limit = int(self.options["max_file_bytes"])
+        batch: list[ChunkData] = []
+        size = 0
+        for c in job.chunks:
+            n = c.data.numel() * c.dtype.itemsize
+            if batch and size + n > limit:
+                self._emit(job, batch, files, entries)
+                batch, size = [], 0
+            batch.append(c)
+            size += n
+        if batch:
+            self._emit(job, batch, files, entries)
+        return RankWrite(tuple(files), tuple(entries))
+
+    def _emit(self, job: RankWriteJob, chunks: list[ChunkData], files: list[FileWrite],
+              entries: list[tuple[str, ChunkEntry]]) -> None:
+        path = data_file_name(job.rank, len(files), job.save_id, EXT)
+        # largest items first keeps every tensor aligned to its element size
+        ordered = sorted(chunks, key=lambda c: -c.dtype.itemsize)
+        header: dict[str, Any] = {"__metadata__": {
+            "format": "ckptfs.safetensors_chunks", "version": str(self.version),
+            "save_id": job.save_id}}
+        pos = 0
+        spans = []
+        for c in ordered:
+            n = c.data.numel() * c.dtype.itemsize
+            header[tensor_name(c.key, c.box.offsets)] = {
+                "dtype": c.dtype.safetensors, "shape": list(c.box.shape),
+                "data_offsets": [pos, pos + n]}
+            spans.append((pos, n))
+            pos += n
+        raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        base = 8 + len(raw)
+        parts: list[Any] = [struct.pack("<Q", len(raw)), raw]
+        for c, (start, n) in zip(ordered, spans, strict=True):
+            parts.append(tensor_bytes(c.data))
+            entries.append((c.key, ChunkEntry(
+                offsets=c.box.offsets, shape=c.box.shape, file=path,
+                byte_offset=base + start, byte_length=n,
+                extra={"name": tensor_name(c.key, c.box.offsets)})))
+        files.append(FileWrite(path, tuple(parts)))
+
+    async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,
+                           reader: ByteReader) -> ChunkSource:
+        if chunk.file is None or chunk.byte_offset is None:
+            raise ValueError(f"key {tensor.key!r}: chunk at {list(chunk.offsets)} has no file/byte_offset")
+        nbytes = from_name(tensor.dtype, tensor.key).itemsize
+        for s in chunk.shape:
+            nbytes *= s
+        if chunk.byte_length is not None and chunk.byte_length != nbytes:
+            raise ValueError(
+                f"key {tensor.key!r}: chunk at {list(chunk.offsets)} records byte_length "
+                f"{chunk.byte_length}, its shape and dtype need {nbytes}"
+            )
+        return RawChunk(chunk.file, chunk.byte_offset, nbytes)

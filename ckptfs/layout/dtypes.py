@@ -1,0 +1,62 @@
+"""Data type names of the format and their torch and safetensors equivalents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """One storable data type."""
+
+    name: str  #: name in the index (formats/README.md §Data types)
+    torch: torch.dtype
+    itemsize: int
+    safetensors: str  #: dtype string in a safetensors header
+
+
+_ALL = (
+    DType("bool", torch.bool, 1, "BOOL"),
+    DType("uint8", torch.uint8, 1, "U8"),
+    DType("int8", torch.int8, 1, "I8"),
+    DType("int16", torch.int16, 2, "I16"),
+    DType("int32", torch.int32, 4, "I32"),
+    DType("int64", torch.int64, 8, "I64"),
+    DType("float16", torch.float16, 2, "F16"),
+    DType("bfloat16", torch.bfloat16, 2, "BF16"),
+    DType("float32", torch.float32, 4, "F32"),
+    DType("float64", torch.float64, 8, "F64"),
+    DType("complex64", torch.complex64, 8, "C64"),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, 1, "F8_E4M3"),
+    DType("float8_e5m2", torch.float8_e5m2, 1, "F8_E5M2"),
+)
+BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
+BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _ALL}
+BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _ALL}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+
+
+def from_torch(dtype: torch.dtype, key: str = "?") -> DType:
+    """The format's dtype for a torch dtype, or a clear error naming the key."""
+    from ckptfs.errors import UnsupportedValueError
+
+    try:
+        return BY_TORCH[dtype]
+    except KeyError:
+        raise UnsupportedValueError(
+            f"key {key!r}: dtype {dtype} cannot be stored; supported: {', '.join(NAMES)}"
+        ) from None
+
+
+def from_name(name: str, key: str = "?") -> DType:
+    """The dtype for an index name, or a clear error naming the key."""
+    from ckptfs.errors import MalformedIndexError
+
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise MalformedIndexError(
+            f"key {key!r}: unknown dtype {name!r} in the index; known: {', '.join(NAMES)}"
+        ) from None

@@ -1,0 +1,167 @@
+"""``ckptfs.load`` (in place, resharding) and ``ckptfs.load_keys`` (whole tensors, no targets)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptfs.errors import MismatchError, MissingKeysError
+from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import Index
+from ckptfs.layout.keys import encode_key
+from ckptfs.layout.registry import get_backend
+from ckptfs.metadata import read_index
+from ckptfs.planning.boxes import full_box
+from ckptfs.planning.collectives import Comm
+from ckptfs.planning.load_plan import plan_reads
+from ckptfs.reader import TensorRead, execute_reads
+from ckptfs.state.flatten import decode_value, flatten, set_path, unflatten
+from ckptfs.state.shards import local_shard
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one rank's load found and moved."""
+
+    missing_keys: list[str] = field(default_factory=list)  #: in the target, not the checkpoint
+    unexpected_keys: list[str] = field(default_factory=list)  #: in the checkpoint, not the target
+    bytes_read: int = 0  #: data bytes fetched from storage by this rank (index excluded)
+    bytes_needed: int = 0  #: bytes of the tensor regions this rank had to fill
+    read_requests: int = 0
+    seconds: float = 0.0
+
+
+def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
+         process_group: dist.ProcessGroup | None = None,
+         storage_options: Mapping[str, Any] | None = None, strict: bool = True,
+         verify: bool = True, io_config: IOConfig | None = None) -> LoadResult:
+    """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
+
+    Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
+    plain values are replaced. With ``strict`` a target key missing from the checkpoint raises
+    MissingKeysError naming it. ``verify`` checks crc32c of every chunk read whole.
+    """
+    t0 = time.perf_counter()
+    url = os.fspath(url)
+    comm = Comm(process_group)
+    store = run_sync(open_store(url, storage_options, io_config))
+    try:
+        index: Index = comm.decide(f"load: reading the index of {url}",
+                                   lambda: run_sync(read_index(store)))
+
+        def work() -> LoadResult:
+            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+            jobs, replace, missing, unexpected = _plan(state_dict, index, comm.rank)
+            if strict and missing:
+                raise MissingKeysError(url, missing)
+            before = (store.stats.bytes_read, store.stats.read_requests)
+            needed = run_sync(execute_reads(store, backend, jobs, verify=verify))
+            for path, value in replace:
+                set_path(state_dict, path, value)
+            st = store.stats
+            return LoadResult(missing, unexpected, st.bytes_read - before[0], needed,
+                              st.read_requests - before[1], time.perf_counter() - t0)
+
+        return comm.agree(f"load from {url}", work)[comm.rank]
+    finally:
+        run_sync(store.close())
+
+
+def _plan(state_dict: Mapping[str, Any], index: Index, rank: int):
+    flat = flatten(state_dict)
+    jobs: list[TensorRead] = []
+    replace: list[tuple[tuple, Any]] = []
+    missing: list[str] = []
+    for key, obj in flat.tensors.items():
+        entry = index.tensors.get(key)
+        if entry is None:
+            if key in index.values:
+                raise MismatchError(f"key {key!r}: the target holds a tensor, the checkpoint a "
+                                    f"value ({decode_value(index.values[key], key)!r})")
+            missing.append(key)
+            continue
+        shard = local_shard(key, obj, rank)
+        if shard is None:
+            continue
+        if shard.dtype.name != entry.dtype or shard.global_shape != entry.shape:
+            raise MismatchError(
+                f"key {key!r}: the checkpoint has {entry.dtype} {list(entry.shape)}, the target "
+                f"has {shard.dtype.name} {list(shard.global_shape)}"
+            )
+        if shard.box.volume:
+            jobs.append(TensorRead(entry, shard.local, tuple(plan_reads(entry, shard.box))))
+    for key in flat.values:
+        if key in index.values:
+            replace.append((flat.paths[key], decode_value(index.values[key], key)))
+        elif key in index.tensors:
+            raise MismatchError(f"key {key!r}: the target holds a value, the checkpoint a tensor "
+                                f"{index.tensors[key].dtype} {list(index.tensors[key].shape)}")
+        else:
+            missing.append(key)
+    have = set(flat.tensors) | set(flat.values)
+    unexpected = sorted(k for k in (*index.tensors, *index.values) if k not in have)
+    return jobs, replace, sorted(missing), unexpected
+
+
+def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None, *,
+              storage_options: Mapping[str, Any] | None = None, verify: bool = True,
+              io_config: IOConfig | None = None) -> dict[str, Any]:
+    """Whole (unsharded) tensors and values of the checkpoint, as the nested state dict that was
+    saved, with its exact types (int keys, tuples, lists). ``keys`` selects leaves or subtrees
+    by canonical key ("optim/state/0") or path tuple; None loads everything. Runs in one process.
+    """
+
+    async def go() -> dict[str, Any]:
+        store = await open_store(url, storage_options, io_config)
+        try:
+            index = await read_index(store)
+            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+            chosen, prefixes = _select(index, keys, os.fspath(url))
+            leaves: dict[str, Any] = {}
+            jobs = []
+            for k in chosen:
+                if k in index.tensors:
+                    e = index.tensors[k]
+                    t = torch.empty(e.shape, dtype=from_name(e.dtype, k).torch)
+                    leaves[k] = t
+                    if t.numel():
+                        jobs.append(TensorRead(e, t, tuple(plan_reads(e, full_box(e.shape)))))
+                else:
+                    leaves[k] = decode_value(index.values[k], k)
+            await execute_reads(store, backend, jobs, verify=verify)
+            conts = {k: v for k, v in index.containers.items()
+                     if prefixes is None or any(_related(k, p) for p in prefixes)}
+            return unflatten(conts, leaves)
+        finally:
+            await store.close()
+
+    return run_sync(go())
+
+
+def _related(a: str, b: str) -> bool:
+    """a is b, an ancestor of b, or inside b."""
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def _select(index: Index, keys: Iterable[str | tuple] | None,
+            url: str) -> tuple[list[str], list[str] | None]:
+    every = [*index.tensors, *index.values]
+    if keys is None:
+        return every, None
+    out: list[str] = []
+    prefixes: list[str] = []
+    for k in keys:
+        key = encode_key(tuple(k)) if isinstance(k, tuple) else k
+        hits = [x for x in every if x == key or x.startswith(key + "/")]
+        if not hits and key not in index.containers:
+            raise MissingKeysError(url, [key])
+        prefixes.append(key)
+        out.extend(h for h in hits if h not in out)
+    return out, prefixes

@@ -1,0 +1,34 @@
+"""Checkpoint housekeeping: delete."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ckptfs.errors import CheckpointNotFoundError
+from ckptfs.io import open_store, run_sync
+from ckptfs.layout.index import INDEX_FILE
+
+
+def delete(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+           missing_ok: bool = False) -> int:
+    """Remove the checkpoint at ``url``: the index first (un-commit), then every file under the
+    root. Returns the number of files removed."""
+
+    async def go() -> int:
+        store = await open_store(url, storage_options)
+        try:
+            files = await store.list()
+            if not files:
+                if missing_ok:
+                    return 0
+                raise CheckpointNotFoundError(f"{store.url}: nothing to delete")
+            if INDEX_FILE in files:
+                await store.delete([INDEX_FILE])
+            await store.delete([f for f in files if f != INDEX_FILE])
+            return len(files)
+        finally:
+            await store.close()
+
+    return run_sync(go())

@@ -1,0 +1,45 @@
+"""Reading a checkpoint's index (or a foreign checkpoint's metadata) without touching data."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ckptfs.errors import CheckpointNotFoundError
+from ckptfs.io import open_store, run_sync
+from ckptfs.io.store import Store
+from ckptfs.layout.index import INDEX_FILE, Index
+from ckptfs.layout.registry import available_backends, get_backend
+
+
+async def read_index(store: Store) -> Index:
+    """The checkpoint's index; foreign checkpoints are sniffed by the registered backends."""
+    try:
+        data = await store.get(INDEX_FILE)
+    except FileNotFoundError:
+        data = None
+    if data is not None:
+        return Index.loads(bytes(data), store.full_path(INDEX_FILE))
+    for name, version in available_backends():
+        found = await get_backend(name, version).sniff(store)
+        if found is not None:
+            return found
+    raise CheckpointNotFoundError(
+        f"{store.full_path(INDEX_FILE)}: no committed ckptfs checkpoint here (no index), and no "
+        f"registered backend recognises the files as a foreign checkpoint"
+    )
+
+
+def load_metadata(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Index:
+    """The index of the checkpoint at ``url``: backend, versions, every tensor's shape, dtype and
+    chunks, and the plain values. Reads no tensor data."""
+
+    async def go() -> Index:
+        store = await open_store(url, storage_options)
+        try:
+            return await read_index(store)
+        finally:
+            await store.close()
+
+    return run_sync(go())

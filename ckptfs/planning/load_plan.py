@@ -1,0 +1,41 @@
+"""Who reads what: intersect a rank's local shard with the stored chunks of its key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptfs.errors import ShardingError
+from ckptfs.layout.index import ChunkEntry, TensorEntry
+from ckptfs.planning.boxes import Box
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPiece:
+    """Copy region ``src`` of a stored chunk into region ``dst`` of the local tensor."""
+
+    chunk: ChunkEntry
+    src: Box  #: in the chunk's coordinates
+    dst: Box  #: in the local tensor's coordinates
+
+    @property
+    def whole_chunk(self) -> bool:
+        return self.src.shape == self.chunk.shape
+
+
+def plan_reads(entry: TensorEntry, local: Box) -> list[ReadPiece]:
+    """The pieces that fill ``local``; raises ShardingError if the chunks leave a hole."""
+    pieces = []
+    covered = 0
+    for c in entry.chunks:
+        cbox = Box(c.offsets, c.shape)
+        common = cbox.intersect(local)
+        if common is None:
+            continue
+        pieces.append(ReadPiece(c, common.relative_to(cbox), common.relative_to(local)))
+        covered += common.volume
+    if covered != local.volume:
+        raise ShardingError(
+            f"key {entry.key!r}: the checkpoint's chunks cover {covered} of the {local.volume} "
+            f"elements this rank needs ({local})"
+        )
+    return pieces

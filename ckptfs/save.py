@@ -1,0 +1,227 @@
+"""``ckptfs.save``: every rank writes the chunks assigned to it, then rank 0 commits the index."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptfs.errors import CheckpointExistsError, CkptfsError, ShardingError
+from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io.store import Store
+from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
+from ckptfs.layout.checksum import checksum
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
+from ckptfs.layout.registry import get_backend
+from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.metadata import read_index
+from ckptfs.planning.collectives import Comm
+from ckptfs.planning.save_plan import ShardInfo, TensorPlan, plan_save
+from ckptfs.state.flatten import flatten
+from ckptfs.state.shards import LocalShard, local_shard
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one rank did during a save."""
+
+    url: str
+    backend: str
+    backend_version: int
+    bytes_written: int  #: by this rank (data files)
+    total_bytes: int  #: data bytes of the whole checkpoint
+    files: tuple[str, ...]  #: data files this rank wrote
+    seconds: float
+
+
+def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
+         backend: str = "safetensors_chunks", backend_version: int | None = None,
+         backend_options: Mapping[str, Any] | None = None,
+         process_group: dist.ProcessGroup | None = None,
+         storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
+         io_config: IOConfig | None = None, progress: bool = False) -> SaveResult:
+    """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
+
+    Each stored chunk is written by exactly one rank (replicas once). The index is written last,
+    create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
+    existing checkpoint is refused and left intact.
+    """
+    t0 = time.perf_counter()
+    url = os.fspath(url)
+    comm = Comm(process_group)
+    local: dict[str, Any] = {}
+
+    def describe() -> tuple[list[ShardInfo], dict, dict]:
+        be = get_backend(backend, backend_version)(backend_options)
+        flat = flatten(state_dict)
+        shards: dict[str, LocalShard] = {}
+        for key, obj in flat.tensors.items():
+            s = local_shard(key, obj, comm.rank)
+            if s is not None:
+                shards[key] = s
+        local.update(backend=be, shards=shards)
+        infos = [ShardInfo(k, s.dtype.name, s.global_shape, s.box, s.replica_id)
+                 for k, s in shards.items()]
+        return infos, flat.values, flat.containers
+
+    gathered = comm.agree("save: describing the state dict", describe)
+    be: Backend = local["backend"]
+    store: Store = run_sync(open_store(url, storage_options, io_config))
+    try:
+        old_files = comm.decide("save: checking the target", lambda: run_sync(
+            _claim_target(store, overwrite)))
+        save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
+        plans = plan_save([g[0] for g in gathered], lambda d: from_name(d).itemsize,
+                          split=be.split_chunks)
+        values, containers = _merge_values(gathered, plans)
+        prep = be.prepare(plans) if comm.is_coordinator else []
+        comm.decide("save: preparing the layout",
+                    lambda: run_sync(_write_files(store, prep, False)))
+
+        def write() -> tuple[list[tuple[str, ChunkEntry]], dict[str, int]]:
+            return _write_rank(be, store, plans, local["shards"], comm, save_id, progress)
+
+        outcomes = comm.agree("save: writing data", write)
+
+        def commit() -> int:
+            index = _build_index(be, plans, outcomes, values, containers, comm.size)
+            run_sync(_commit(store, be, index, old_files))
+            return index.total_bytes
+
+        try:
+            total = comm.decide("save: committing the index", commit)
+        except BaseException:
+            if comm.is_coordinator:
+                written = [f for _, files in outcomes for f in files]
+                run_sync(store.delete(written))
+            raise
+        mine = outcomes[comm.rank][1]
+        return SaveResult(url, be.name, be.version, sum(mine.values()), total,
+                          tuple(mine), time.perf_counter() - t0)
+    finally:
+        run_sync(store.close())
+
+
+async def _claim_target(store: Store, overwrite: bool) -> list[str]:
+    """Refuse an existing checkpoint, or (overwrite) un-commit it; returns its old files."""
+    if not await store.exists(INDEX_FILE):
+        return []
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{store.full_path(INDEX_FILE)} exists: a checkpoint is already committed at "
+            f"{store.url}; pass overwrite=True to replace it"
+        )
+    try:
+        old = list((await read_index(store)).files)
+    except CkptfsError:
+        old = []
+    await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
+    return old
+
+
+def _merge_values(gathered, plans: Mapping[str, TensorPlan]) -> tuple[dict, dict]:
+    """Values and containers of all ranks (lowest rank wins for a value held by several)."""
+    values: dict[str, Any] = {}
+    containers: dict[str, str] = {}
+    for _, vals, conts in gathered:
+        for k, v in vals.items():
+            values.setdefault(k, v)
+        for k, kind in conts.items():
+            if containers.setdefault(k, kind) != kind:
+                raise ShardingError(f"key {k!r}: ranks disagree whether it is a {kind} or a "
+                                    f"{containers[k]}")
+    clash = sorted((set(values) & set(plans)) | (set(containers) & (set(values) | set(plans))))
+    if clash:
+        raise ShardingError(f"key {clash[0]!r} is a tensor, a value or a container on different ranks")
+    return values, containers
+
+
+def _write_rank(be: Backend, store: Store, plans: Mapping[str, TensorPlan],
+                shards: Mapping[str, LocalShard], comm: Comm, save_id: str,
+                progress: bool) -> tuple[list[tuple[str, ChunkEntry]], dict[str, int]]:
+    chunks: list[ChunkData] = []
+    for key, plan in plans.items():
+        for c in plan.chunks:
+            if c.writer != comm.rank:
+                continue
+            s = shards[key]
+            data = s.local.detach()[c.box.relative_to(s.box).slices()]
+            if data.device.type != "cpu":
+                data = data.to("cpu")
+            chunks.append(ChunkData(key, s.dtype, plan.shape, c.box, data.contiguous()))
+    job = RankWriteJob(comm.rank, comm.size, save_id, tuple(chunks))
+    rw = be.write_rank(job)
+    sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in chunks}
+    entries = [(key, _with_checksum(e, sums.get((key, e.offsets)))) for key, e in rw.chunks]
+    run_sync(_write_files(store, rw.files, progress and comm.is_coordinator))
+    return entries, {f.path: f.nbytes for f in rw.files}
+
+
+def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:
+    return ChunkEntry(e.offsets, e.shape, e.file, e.byte_offset, e.byte_length,
+                      value if e.checksum is None else e.checksum, e.extra)
+
+
+async def _write_files(store: Store, files: list[FileWrite] | tuple[FileWrite, ...],
+                       progress: bool) -> None:
+    import asyncio
+
+    bar = None
+    if progress and files:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(f.nbytes for f in files), unit="B", unit_scale=True,
+                   desc=f"ckptfs save {store.url}", leave=False)
+
+    async def one(f: FileWrite) -> None:
+        await store.put(f.path, f.parts)
+        if bar is not None:
+            bar.update(f.nbytes)
+
+    try:
+        await asyncio.gather(*(one(f) for f in files))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _build_index(be: Backend, plans: Mapping[str, TensorPlan], outcomes, values, containers,
+                 world_size: int) -> Index:
+    by_key: dict[str, list[ChunkEntry]] = {k: [] for k in plans}
+    files: dict[str, int] = {}
+    for entries, rank_files in outcomes:
+        for key, e in entries:
+            by_key[key].append(e)
+        files.update(rank_files)
+    tensors = {}
+    for key, plan in plans.items():
+        chunks = tuple(sorted(by_key[key], key=lambda e: e.offsets))
+        if len(chunks) != len(plan.chunks):
+            raise CkptfsError(f"key {key!r}: {len(plan.chunks)} chunks planned, "
+                              f"{len(chunks)} written")
+        tensors[key] = TensorEntry(key, plan.dtype, plan.shape, chunks)
+    from ckptfs import __version__
+
+    writer = {"library": "ckptfs", "library_version": __version__,
+              "torch_version": torch.__version__, "python_version": platform.python_version(),
+              "world_size": world_size,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return Index(backend=be.name, backend_version=be.version, tensors=tensors, values=values,
+                 containers=containers, files=dict(sorted(files.items())),
+                 backend_options=be.index_options(), writer=writer)
+
+
+async def _commit(store: Store, be: Backend, index: Index, old_files: list[str]) -> None:
+    await _write_files(store, be.finalize(index), False)
+    await store.put_if_absent(INDEX_FILE, index.dumps())
+    stale = sorted(set(old_files) - set(index.files))
+    if stale:
+        await store.delete(stale)

@@ -1,0 +1,150 @@
+"""Nested state dicts <-> flat maps keyed by canonical keys (formats/README.md §Keys, §Values).
+
+Containers are dicts (str or int keys), lists and tuples; leaves are tensors or plain Python
+values (None, bool, int, float, str). Every container is recorded with its kind, so nesting,
+empty containers and int-vs-str keys round-trip exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptfs.errors import MalformedIndexError, UnsupportedValueError
+from ckptfs.layout.keys import Path, decode_key, encode_key
+from ckptfs.state.shards import is_tensor_like
+
+Json = Any
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@dataclass
+class FlatState:
+    """A state dict taken apart: leaves and containers keyed by canonical key."""
+
+    tensors: dict[str, Any] = field(default_factory=dict)  #: key -> tensor-like
+    values: dict[str, Json] = field(default_factory=dict)  #: key -> encoded value
+    containers: dict[str, str] = field(default_factory=dict)  #: key -> dict|list|tuple
+    paths: dict[str, Path] = field(default_factory=dict)  #: key -> path, for every leaf
+
+
+def encode_value(v: Any, key: str) -> Json:
+    """JSON form of a plain value; non-finite floats become {"$float": "nan"|"inf"|"-inf"}."""
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return v
+        return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    raise UnsupportedValueError(
+        f"key {key!r}: {type(v).__module__}.{type(v).__qualname__} cannot be stored; "
+        "values must be tensors, None, bool, int, float, str, or dicts/lists/tuples of them"
+    )
+
+
+def decode_value(v: Json, key: str) -> Any:
+    if isinstance(v, dict):
+        tag = v.get("$float")
+        if tag in _SPECIAL and len(v) == 1:
+            return _SPECIAL[tag]
+        raise MalformedIndexError(f"values[{key!r}]: unknown encoded value {v!r}")
+    if isinstance(v, list):
+        raise MalformedIndexError(f"values[{key!r}]: a value must not be a JSON array")
+    return v
+
+
+def flatten(state_dict: Mapping[str, Any]) -> FlatState:
+    """Take ``state_dict`` apart. Raises UnsupportedValueError naming the offending key."""
+    if not isinstance(state_dict, Mapping):
+        raise UnsupportedValueError(
+            f"a state dict must be a dict, got {type(state_dict).__name__}"
+        )
+    flat = FlatState()
+    _walk(state_dict, (), flat)
+    return flat
+
+
+def _walk(obj: Any, path: Path, flat: FlatState) -> None:
+    if is_tensor_like(obj):
+        key = encode_key(path)
+        flat.tensors[key] = obj
+        flat.paths[key] = path
+        return
+    if isinstance(obj, Mapping | list | tuple):
+        if path:
+            flat.containers[encode_key(path)] = (
+                "dict" if isinstance(obj, Mapping) else "list" if isinstance(obj, list) else "tuple"
+            )
+        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+        for k, v in items:
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                where = encode_key(path) if path else "<root>"
+                raise UnsupportedValueError(
+                    f"key {k!r} under {where!r} is a {type(k).__name__}; dict keys must be str or int"
+                )
+            _walk(v, (*path, k), flat)
+        return
+    if not path:
+        raise UnsupportedValueError("a state dict must be a dict")
+    key = encode_key(path)
+    flat.values[key] = encode_value(obj, key)
+    flat.paths[key] = path
+
+
+def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild a nested state dict from container kinds and already-decoded leaves."""
+    root: dict[Any, Any] = {}
+    nodes: dict[str, Any] = {"": root}
+    # build containers parent-first; tuples are built as lists and frozen at the end
+    for key in sorted(containers, key=lambda k: k.count("/")):
+        kind = containers[key]
+        if kind not in ("dict", "list", "tuple"):
+            raise MalformedIndexError(f"containers[{key!r}]: unknown kind {kind!r}")
+        nodes[key] = {} if kind == "dict" else []
+    entries = [(k, nodes[k]) for k in nodes if k] + list(leaves.items())
+    for key, value in sorted(entries, key=lambda kv: _sort_key(decode_key(kv[0]))):
+        path = decode_key(key)
+        parent_key = encode_key(path[:-1]) if len(path) > 1 else ""
+        parent = nodes.get(parent_key)
+        if parent is None:
+            raise MalformedIndexError(f"key {key!r}: its container {parent_key!r} is not recorded")
+        if isinstance(parent, list):
+            if path[-1] != len(parent):
+                raise MalformedIndexError(f"key {key!r}: list items must be numbered 0..n-1")
+            parent.append(value)
+        else:
+            parent[path[-1]] = value
+    for key in sorted(containers, key=lambda k: -k.count("/")):
+        if containers[key] == "tuple":
+            path = decode_key(key)
+            parent = nodes[encode_key(path[:-1]) if len(path) > 1 else ""]
+            parent[path[-1]] = tuple(nodes[key])
+            nodes[key] = parent[path[-1]]
+    return root
+
+
+def _sort_key(path: Path) -> tuple:
+    # ints before strs at each level, ints numerically: list items arrive in order
+    return tuple((0, c, "") if isinstance(c, int) else (1, 0, c) for c in path)
+
+
+def get_path(root: Any, path: Path) -> Any:
+    for c in path:
+        root = root[c]
+    return root
+
+
+def set_path(root: Any, path: Path, value: Any) -> Any:
+    """Set ``value`` at ``path`` in place; tuples on the way are rebuilt. Returns the root."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    child = set_path(root[head], rest, value) if rest else value
+    if isinstance(root, tuple):
+        items = list(root)
+        items[head] = child
+        return type(root)(items)
+    root[head] = child
+    return root

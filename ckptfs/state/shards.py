@@ -1,0 +1,106 @@
+"""What one rank holds of a tensor: plain tensors, DTensors and explicit ShardedTensors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ckptfs.errors import ShardingError, UnsupportedValueError
+from ckptfs.layout.dtypes import DType, from_torch
+from ckptfs.planning.boxes import Box, full_box
+
+try:  # torch >= 2.4 has the public DTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """A hand-made shard: ``local_tensor`` is the box ``[global_offset, +shape)`` of a tensor of
+    ``global_shape``. Ranks holding the same box are replicas and must use distinct
+    ``replica_id``s; each box is written once, by one of its holders."""
+
+    local_tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))
+        object.__setattr__(self, "global_offset", tuple(int(x) for x in self.global_offset))
+        box = Box(self.global_offset, tuple(self.local_tensor.shape))
+        if len(self.global_shape) != self.local_tensor.dim() or not box.in_bounds(self.global_shape):
+            raise ShardingError(
+                f"ShardedTensor: local shape {tuple(self.local_tensor.shape)} at offset "
+                f"{self.global_offset} does not fit in global shape {self.global_shape}"
+            )
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One rank's piece of one tensor, in global coordinates."""
+
+    key: str
+    local: torch.Tensor  #: the data this rank holds (a view of the user's tensor)
+    dtype: DType
+    global_shape: tuple[int, ...]
+    box: Box  #: where ``local`` sits in the global tensor
+    replica_id: int  #: distinct among ranks holding the same box
+
+
+def is_tensor_like(obj: object) -> bool:
+    return isinstance(obj, torch.Tensor | ShardedTensor)
+
+
+def local_shard(key: str, obj: torch.Tensor | ShardedTensor, rank: int) -> LocalShard | None:
+    """Describe what this rank holds of ``obj``; None when the rank holds nothing of it."""
+    if isinstance(obj, ShardedTensor):
+        t = obj.local_tensor
+        return LocalShard(key, t, from_torch(t.dtype, key), obj.global_shape,
+                          Box(obj.global_offset, tuple(t.shape)), obj.replica_id)
+    if DTensor is not None and isinstance(obj, DTensor):
+        return _dtensor_shard(key, obj)
+    if isinstance(obj, torch.Tensor):
+        if obj.is_sparse or obj.layout != torch.strided:
+            raise UnsupportedValueError(f"key {key!r}: {obj.layout} tensors cannot be stored")
+        return LocalShard(key, obj, from_torch(obj.dtype, key), tuple(obj.shape),
+                          full_box(obj.shape), rank)
+    raise UnsupportedValueError(f"key {key!r}: {type(obj).__name__} is not a tensor")
+
+
+def _dtensor_shard(key: str, x: DTensor) -> LocalShard | None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = x.device_mesh, x.placements
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh
+        return None
+    replica_id, stride = 0, 1
+    for dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise UnsupportedValueError(
+                f"key {key!r}: DTensor with a Partial placement on mesh dim {dim}; "
+                "reduce it first (x.redistribute(placements=[Replicate()...]))"
+            )
+        if type(p) is not Shard and not isinstance(p, Replicate):
+            raise UnsupportedValueError(
+                f"key {key!r}: DTensor placement {p} is not supported (Shard and Replicate are)"
+            )
+        if isinstance(p, Replicate):
+            replica_id += coord[dim] * stride
+            stride *= mesh.size(dim)
+    shape, offset = compute_local_shape_and_global_offset(x.shape, mesh, placements)
+    local = x._local_tensor
+    if tuple(local.shape) != tuple(shape):
+        raise ShardingError(
+            f"key {key!r}: DTensor local tensor has shape {tuple(local.shape)}, "
+            f"its placements imply {tuple(shape)}"
+        )
+    if math.prod(shape) == 0:
+        offset = tuple(min(o, n) for o, n in zip(offset, x.shape, strict=True))
+    return LocalShard(key, local, from_torch(x.dtype, key), tuple(x.shape),
+                      Box(tuple(offset), tuple(shape)), replica_id)
