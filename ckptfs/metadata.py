@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -11,6 +12,8 @@ from ckptfs.io import open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.registry import available_backends, get_backend
+
+log = logging.getLogger(__name__)
 
 
 async def read_index(store: Store) -> Index:
@@ -22,7 +25,12 @@ async def read_index(store: Store) -> Index:
     if data is not None:
         return Index.loads(bytes(data), store.full_path(INDEX_FILE))
     for name, version in available_backends():
-        found = await get_backend(name, version).sniff(store)
+        try:
+            cls = get_backend(name, version)
+        except ImportError as e:  # a broken plugin must not hide the others
+            log.warning("ckptfs: backend %s-%s cannot be imported: %s", name, version, e)
+            continue
+        found = await cls.sniff(store)
         if found is not None:
             return found
     raise CheckpointNotFoundError(

@@ -77,5 +77,9 @@ def _unknown(name: str, version: int | None) -> str:
     return f"no backend {what} is registered; registered backends: {pairs}"
 
 
+# Built-ins, imported on first use.
 register_backend("safetensors_chunks", 1,
                  "ckptfs.layout.backends.safetensors_chunks:SafetensorsChunksBackend")
+register_backend("zarr", 2, "ckptfs.layout.backends.zarr_backend:ZarrV2Backend")
+register_backend("zarr", 3, "ckptfs.layout.backends.zarr_backend:ZarrV3Backend")
+register_backend("torch_dist", 1, "ckptfs.layout.backends.torch_dist:TorchDistBackend")
