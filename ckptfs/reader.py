@@ -78,9 +78,10 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
 def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
               itemsize: int, max_gap: int, work: _FileWork, verify: bool) -> None:
     chunk = piece.chunk
+    layout = src.stored_shape or chunk.shape
     dst = job.target[piece.dst.slices()]
-    starts, run = region_runs(chunk.shape, itemsize, piece.src)
-    check = chunk.checksum if verify and piece.whole_chunk else None
+    starts, run = region_runs(layout, itemsize, piece.src)
+    check = chunk.checksum if verify and piece.whole_chunk and layout == chunk.shape else None
     key = job.entry.key
 
     def verify_bytes(buf) -> None:
@@ -115,7 +116,7 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
 
         def place_span() -> None:
             flat = _typed(buf, dtype, (span // itemsize,))
-            view = flat.as_strided(piece.src.shape, c_strides(chunk.shape))
+            view = flat.as_strided(piece.src.shape, c_strides(layout))
             dst.copy_(view)
 
         work.after.append(place_span)

@@ -71,11 +71,17 @@ class RankWrite:
 
 @dataclass(frozen=True, slots=True)
 class RawChunk:
-    """The chunk's raw C-order little-endian bytes are ``[offset, offset+nbytes)`` of ``file``."""
+    """The chunk's raw C-order little-endian bytes are ``[offset, offset+nbytes)`` of ``file``.
+
+    ``stored_shape`` is the C-order shape the bytes are laid out in when it differs from the
+    chunk's shape (e.g. zarr edge chunks padded to the full chunk shape); the chunk's elements
+    are then its leading corner.
+    """
 
     file: str
     offset: int
     nbytes: int
+    stored_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
