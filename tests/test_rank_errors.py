@@ -1,0 +1,72 @@
+"""Mismatches between ranks raise on every rank instead of hanging (2 spawned gloo ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptfs
+from tests.dist_utils import run_ranks
+
+
+def expect_error(fn, *types) -> str:
+    try:
+        fn()
+    except types as e:
+        return str(e)
+    raise AssertionError(f"no error raised, wanted {types}")
+
+
+def scenarios(rank: int, world: int, root: str) -> None:
+    other = ckptfs.RankError
+    # 1. one rank holds an unstorable value: both raise, the culprit with its own error
+    sd = {"a": torch.ones(2), "x": object() if rank == 1 else 1}
+    msg = expect_error(lambda: ckptfs.save(sd, f"{root}/1"), ckptfs.UnsupportedValueError, other)
+    assert "'x'" in msg
+
+    # 2. ranks disagree about a tensor's shape
+    sd = {"a": torch.ones(2 + rank)}
+    msg = expect_error(lambda: ckptfs.save(sd, f"{root}/2"), ckptfs.ShardingError)
+    assert "key 'a'" in msg and "disagree" in msg
+
+    # 3. explicit shards that overlap
+    sd = {"w": ckptfs.ShardedTensor(torch.ones(3, 2), (4, 2), (rank, 0))}
+    msg = expect_error(lambda: ckptfs.save(sd, f"{root}/3"), ckptfs.ShardingError)
+    assert "key 'w'" in msg and "overlap" in msg
+
+    # 4. two holders of one shard claim the same replica id
+    sd = {"w": ckptfs.ShardedTensor(torch.ones(2, 2), (2, 2), (0, 0), replica_id=0)}
+    msg = expect_error(lambda: ckptfs.save(sd, f"{root}/4"), ckptfs.ShardingError)
+    assert "replica_id 0" in msg
+
+    # 5. pipeline-style: each rank holds different keys; replicas with distinct ids are fine
+    sd = {f"stage{rank}": {"w": torch.full((3,), float(rank))},
+          "shared": ckptfs.ShardedTensor(torch.ones(2, 2), (2, 2), (0, 0), replica_id=rank)}
+    ckptfs.save(sd, f"{root}/5")
+    target = {f"stage{rank}": {"w": torch.zeros(3)}, "shared": torch.zeros(2, 2)}
+    res = ckptfs.load(target, f"{root}/5", strict=True)
+    assert torch.equal(target[f"stage{rank}"]["w"], torch.full((3,), float(rank)))
+    assert res.unexpected_keys == [f"stage{1 - rank}/w"]
+
+    # 6. saving again without overwrite: refused on every rank, checkpoint intact
+    msg = expect_error(lambda: ckptfs.save(sd, f"{root}/5"), ckptfs.CheckpointExistsError, other)
+    assert "overwrite=True" in msg
+
+    # 7. one rank's load target mismatches: both raise
+    target = {"shared": torch.zeros(2, 2 + rank)}
+    expect_error(lambda: ckptfs.load(target, f"{root}/5", strict=False), ckptfs.MismatchError, other)
+
+    # 8. one rank misses a key under strict: both raise
+    target = {"shared": torch.zeros(2, 2)} | ({"nope": torch.zeros(1)} if rank else {})
+    expect_error(lambda: ckptfs.load(target, f"{root}/5"), ckptfs.MissingKeysError, other)
+
+    # 9. after all that, collectives are still in step
+    t = torch.tensor([rank])
+    dist.all_reduce(t)
+    assert t.item() == 1
+
+
+@pytest.mark.timeout(180)
+def test_rank_mismatches_raise_everywhere(tmp_path):
+    run_ranks(2, scenarios, str(tmp_path))
