@@ -48,28 +48,35 @@ class LocalStore(Store):
             raise FileNotFoundError(f"{self.full_path(path)}: no such file") from None
 
     async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
-        """preadv into the destinations: bytes land in place, gaps go to a scratch buffer."""
+        """preadv straight into the destinations. Coalesced spans are cut into pieces of at most
+        ``read_piece`` bytes that run in parallel threads (cold reads scale with queue depth);
+        gap bytes go to scratch buffers."""
         groups = coalesce(reads, self.config.max_gap, self.config.max_span)
         full = self.full_path(path)
+        tasks: list[tuple[int, list[memoryview]]] = []
+        overlapping: list[ReadInto] = []
+        for g in groups:
+            segs = _segments(g, overlapping)
+            tasks.extend(_cut(segs, g.span.start, _READ_PIECE))
 
-        def work(gs) -> tuple[int, int]:
-            nbytes = 0
+        def work(offset: int, bufs: list[memoryview]) -> int:
             with self._open_read(path) as f:
-                fd = f.fileno()
-                for g in gs:
-                    nbytes += _preadv_group(fd, g, full)
-            return nbytes, len(gs)
+                return _preadv_all(f.fileno(), bufs, offset, full)
 
-        # spread groups over a few threads so one file's reads overlap
-        n = max(1, min(len(groups), self.config.max_concurrency, 4))
-        shares = [groups[i::n] for i in range(n)]
-
-        async def one(share):
+        async def one(offset: int, bufs: list[memoryview]) -> int:
             async with self.semaphore:
-                return await asyncio.to_thread(work, share)
+                return await asyncio.to_thread(work, offset, bufs)
 
-        for nbytes, nreq in await asyncio.gather(*(one(s) for s in shares if s)):
-            self.stats.add_read(nbytes, nreq)
+        got = await asyncio.gather(*(one(o, b) for o, b in tasks))
+        self.stats.add_read(sum(got), len(groups))
+        if overlapping:
+            def rest() -> int:
+                with self._open_read(path) as f:
+                    for r in overlapping:
+                        r.dest[:] = os.pread(f.fileno(), r.dest.nbytes, r.start)
+                return sum(r.dest.nbytes for r in overlapping)
+
+            self.stats.add_read(await asyncio.to_thread(rest), len(overlapping))
 
     async def put(self, path: str, parts: Sequence[Buffer]) -> None:
         full = self._p(path)
@@ -179,38 +186,56 @@ def _write_all(fd: int, bufs: list[memoryview]) -> int:
     return total
 
 
-def _preadv_group(fd: int, g, full: str) -> int:
-    """One coalesced span: preadv into the destinations, gaps into scratch buffers."""
-    bufs: list[memoryview] = []
-    later: list[ReadInto] = []
+_READ_PIECE = 8 << 20
+
+
+def _segments(g, overlapping: list[ReadInto]) -> list[memoryview]:
+    """The span of a coalesced group as consecutive buffers (destinations and gap scratch)."""
+    segs: list[memoryview] = []
     pos = g.span.start
     for r in g.reads:
         if r.start < pos:  # overlaps an earlier read of this span
-            later.append(r)
+            overlapping.append(r)
             continue
         if r.start > pos:
-            bufs.append(memoryview(bytearray(r.start - pos)))
-        bufs.append(r.dest.cast("B") if r.dest.format != "B" else r.dest)
+            segs.append(memoryview(bytearray(r.start - pos)))
+        segs.append(r.dest.cast("B") if r.dest.format != "B" else r.dest)
         pos = r.end
-    nbytes, off = 0, g.span.start
-    for i in range(0, len(bufs), _IOV_MAX):
-        batch = bufs[i : i + _IOV_MAX]
-        want = sum(b.nbytes for b in batch)
-        got = os.preadv(fd, batch, off)
-        while got < want and got > 0:  # short read: finish the batch piecewise
-            rest = _skip(batch, got)
-            more = os.preadv(fd, rest, off + got)
-            if more <= 0:
-                break
-            got += more
-        if got != want:
-            raise EOFError(f"{full}: wanted {want} bytes at offset {off}, file ended after {got}")
-        nbytes += got
-        off += want
-    for r in later:
-        r.dest[:] = os.pread(fd, r.dest.nbytes, r.start)
-        nbytes += r.dest.nbytes
-    return nbytes
+    return segs
+
+
+def _cut(segs: list[memoryview], offset: int, piece: int) -> list[tuple[int, list[memoryview]]]:
+    """Cut consecutive buffers starting at file ``offset`` into tasks of at most ``piece`` bytes
+    and at most _IOV_MAX buffers."""
+    tasks: list[tuple[int, list[memoryview]]] = []
+    cur: list[memoryview] = []
+    cur_off, size = offset, 0
+    for seg in segs:
+        while seg.nbytes:
+            take = min(seg.nbytes, piece - size)
+            cur.append(seg[:take])
+            seg = seg[take:]
+            size += take
+            if size == piece or len(cur) == _IOV_MAX:
+                tasks.append((cur_off, cur))
+                cur_off, cur, size = cur_off + size, [], 0
+    if cur:
+        tasks.append((cur_off, cur))
+    return tasks
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], offset: int, full: str) -> int:
+    """preadv that finishes short reads and reports EOF naming the file."""
+    want = sum(b.nbytes for b in bufs)
+    got = os.preadv(fd, bufs, offset)
+    while 0 < got < want:
+        more = os.preadv(fd, _skip(bufs, got), offset + got)
+        if more <= 0:
+            break
+        got += more
+    if got != want:
+        raise EOFError(f"{full}: wanted {want} bytes at offset {offset}, file ended after {got}")
+    return got
 
 
 def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:

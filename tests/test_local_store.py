@@ -1,0 +1,83 @@
+"""LocalStore and the coalescing policy against a plain-Python reference (hypothesis)."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptfs.io import ReadInto, coalesce, local_store, open_store, run_sync
+from ckptfs.io.store import IOConfig
+
+BLOB = os.urandom(1 << 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(BLOB) - 1), st.integers(0, 3000)), min_size=1,
+                max_size=40),
+       st.integers(0, 5000), st.sampled_from([7, 100, 1 << 20]))
+def test_read_into_matches_reference(tmp_path_factory, reqs, max_gap, piece):
+    root = tmp_path_factory.mktemp("ls")
+    (root / "f").write_bytes(BLOB)
+    old = local_store._READ_PIECE
+    local_store._READ_PIECE = piece  # force splitting of spans into many parallel pieces
+    try:
+        reads = [ReadInto(s, memoryview(bytearray(min(n, len(BLOB) - s)))) for s, n in reqs]
+
+        async def go():
+            store = await open_store(str(root), config=IOConfig(max_gap=max_gap))
+            await store.read_into("f", reads)
+            return store.stats
+
+        stats = run_sync(go())
+    finally:
+        local_store._READ_PIECE = old
+    for r in reads:
+        assert bytes(r.dest) == BLOB[r.start : r.start + r.dest.nbytes]
+    assert stats.bytes_read >= sum(r.dest.nbytes for r in reads) - 0  # overlaps re-read
+
+
+def test_coalesce_policy():
+    def r(s, n):
+        return ReadInto(s, memoryview(bytearray(n)))
+
+    groups = coalesce([r(100, 10), r(0, 10), r(15, 5), r(1000, 1)], max_gap=10, max_span=1 << 20)
+    assert [(g.span.start, g.span.end) for g in groups] == [(0, 20), (100, 110), (1000, 1001)]
+    groups = coalesce([r(0, 10), r(10, 10), r(20, 10)], max_gap=0, max_span=20)
+    assert [(g.span.start, g.span.end) for g in groups] == [(0, 20), (20, 30)]
+
+
+def test_short_file_is_an_error_naming_it(tmp_path):
+    (tmp_path / "f").write_bytes(b"x" * 10)
+
+    async def go():
+        store = await open_store(str(tmp_path))
+        await store.read_into("f", [ReadInto(5, memoryview(bytearray(10)))])
+
+    try:
+        run_sync(go())
+    except EOFError as e:
+        assert "/f" in str(e)
+    else:
+        raise AssertionError("no EOFError")
+
+
+def test_put_writes_parts_and_put_if_absent_is_create_only(tmp_path):
+    async def go():
+        store = await open_store(str(tmp_path))
+        parts = [os.urandom(5000) for _ in range(1500)]  # more buffers than IOV_MAX
+        await store.put("a/b/c.bin", parts)
+        await store.put_if_absent("idx", b"1")
+        try:
+            await store.put_if_absent("idx", b"2")
+        except FileExistsError as e:
+            assert "idx" in str(e)
+        else:
+            raise AssertionError("second create succeeded")
+        return parts, await store.list()
+
+    parts, listing = run_sync(go())
+    assert (tmp_path / "a/b/c.bin").read_bytes() == b"".join(parts)
+    assert (tmp_path / "idx").read_bytes() == b"1"
+    assert listing == ["a/b/c.bin", "idx"]
