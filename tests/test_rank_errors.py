@@ -70,3 +70,23 @@ def scenarios(rank: int, world: int, root: str) -> None:
 @pytest.mark.timeout(180)
 def test_rank_mismatches_raise_everywhere(tmp_path):
     run_ranks(2, scenarios, str(tmp_path))
+
+
+def subgroups(rank: int, world: int, root: str) -> None:
+    # two independent groups checkpoint at the same time; group ranks, not global ranks, plan
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    g = rank // 2
+    local = torch.full((2, 3), float(rank))
+    sd = {"w": ckptfs.ShardedTensor(local, (4, 3), ((rank % 2) * 2, 0)), "g": g}
+    res = ckptfs.save(sd, f"{root}/group{g}", process_group=mine)
+    assert res.total_bytes > 4 * 3 * 4  # data plus safetensors headers
+    target = {"w": torch.zeros(4, 3), "g": -1}
+    ckptfs.load(target, f"{root}/group{g}", process_group=mine)
+    want = torch.cat([torch.full((2, 3), float(2 * g)), torch.full((2, 3), float(2 * g + 1))])
+    assert torch.equal(target["w"], want) and target["g"] == g
+
+
+@pytest.mark.timeout(180)
+def test_independent_process_groups(tmp_path):
+    run_ranks(4, subgroups, str(tmp_path))
