@@ -1,0 +1,277 @@
+"""The index JSON Schema (formats/index.schema.json) against real indexes and malformed ones.
+
+Every index written here (one rich state dict per importable built-in backend, in one process and
+on 2 spawned gloo ranks) must validate and round-trip; the example in formats/README.md must
+validate and parse; malformed indexes must be rejected by the schema, and by the reader where it
+checks the same thing. ``validate_index`` is importable by other tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.errors import FormatVersionError, MalformedIndexError
+from ckptfs.layout.dtypes import BY_NAME
+from ckptfs.layout.index import INDEX_FILE, Index
+from tests.dist_utils import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "formats" / "index.schema.json").read_text())
+VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
+
+
+def validate_index(index: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """Validate an index (a dict, or a checkpoint root / index file path) against the schema."""
+    if not isinstance(index, dict):
+        p = Path(index)
+        index = json.loads((p / INDEX_FILE if p.is_dir() else p).read_text())
+    errors = sorted(VALIDATOR.iter_errors(index), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
+    return index
+
+
+def importable_backends() -> list[tuple[str, int]]:
+    out = []
+    for name, version in ckptfs.available_backends():
+        try:
+            ckptfs.get_backend(name, version)
+        except ImportError:
+            continue
+        out.append((name, version))
+    return out
+
+
+BACKENDS = importable_backends()
+NONFINITE = (math.nan, math.inf, -math.inf)
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for name, dt in BY_NAME.items():
+        if dt.torch == torch.bool:
+            t = torch.randint(0, 2, (5, 3), generator=g).bool()
+        elif dt.torch.is_complex:
+            t = torch.randn(5, 3, generator=g, dtype=dt.torch)
+        elif dt.torch.is_floating_point:
+            t = (torch.randn(5, 3, generator=g) * 4).to(dt.torch)
+        else:
+            t = torch.randint(-100 if dt.torch != torch.uint8 else 0, 100, (5, 3), generator=g).to(dt.torch)
+        out[name] = t
+    return out
+
+
+def rich_state() -> dict[str, Any]:
+    """Nested dicts/lists/tuples, int and awkward str keys, non-finite floats, every dtype,
+    0-d and empty tensors: everything a v1 index can describe except sharding."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"layers.0.weight": torch.randn(8, 4, generator=g),
+                  "layers.0.bias": torch.randn(8, generator=g).to(torch.bfloat16)},
+        "dtypes": every_dtype(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "optim": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(8, 4, generator=g)},
+                      1: {"step": torch.tensor(7.0), "exp_avg": torch.randn(8, generator=g)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
+                              "foreach": None, "params": [0, 1]}],
+        },
+        "keys": {"a/b": 1, "100%": 2, "%41": 3, "0": "str zero", 0: "int zero", -1: "int neg",
+                 "-1": "str neg", "dots.in.key": 4.0, "ünï cødé": "x", "": "empty key"},
+        "floats": [*NONFINITE, 1e300, -0.0, 5e-324, 0.1],
+        "big": 2**70,
+        "nested": [[], {}, (), ((1, 2), [3, {"x": None}])],
+        "flags": (True, False, None),
+    }
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Exact equality: types (int vs str keys, list vs tuple), tensor bits, float bits."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist(), where
+    elif isinstance(a, dict):
+        assert list(map(repr, sorted(a, key=repr))) == list(map(repr, sorted(b, key=repr))), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k!r}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), where
+    else:
+        assert a == b, where
+
+
+# -- real indexes -------------------------------------------------------------------------------
+
+def test_schema_is_valid_draft_2020_12():
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert set(SCHEMA["$defs"]["dtype"]["enum"]) == set(BY_NAME)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=[f"{n}-{v}" for n, v in BACKENDS])
+def test_rich_state_index_validates_and_round_trips(tmp_path, backend):
+    name, version = backend
+    sd = rich_state()
+    url = tmp_path / "ck"
+    ckptfs.save(sd, url, backend=name, backend_version=version)
+    d = validate_index(url)
+    assert d["backend"]["name"] == name and d["backend"]["version"] == version
+    # the awkward keys are stored in their canonical form, and their values JSON-encoded
+    assert d["values"]["keys/a%2Fb"] == 1 and d["values"]["keys/%2541"] == 3
+    assert d["values"]["keys/%30"] == "str zero" and d["values"]["keys/0"] == "int zero"
+    assert d["values"]["keys/%2D1"] == "str neg" and d["values"]["keys/-1"] == "int neg"
+    assert [d["values"][f"floats/{i}"] for i in range(3)] == [{"$float": s} for s in ("nan", "inf", "-inf")]
+    assert d["containers"]["flags"] == "tuple" and d["containers"]["nested/0"] == "list"
+    assert d["tensors"]["empty"]["chunks"] == []
+    assert d["tensors"]["scalar"]["shape"] == [] and len(d["tensors"]["scalar"]["chunks"]) == 1
+    assert {d["tensors"][f"dtypes/{n}"]["dtype"] for n in BY_NAME} == set(BY_NAME)
+    assert_same(ckptfs.load_keys(url), rich_state())
+
+
+def _save_sharded(rank: int, world: int, root: str, backends: list[tuple[str, int]]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(7, 5, generator=g), torch.randn(7, 5, generator=g).to(torch.bfloat16)
+    lo, hi = (0, 1) if rank == 0 else (1, 4)  # uneven hand-made split of 4 rows
+    for name, version in backends:
+        sd = {"rows": distribute_tensor(w, mesh, [Shard(0)]),
+              "cols": distribute_tensor(b, mesh, [Shard(1)]),
+              "rep": distribute_tensor(w, mesh, [Replicate()]),
+              "hand": ckptfs.ShardedTensor(torch.arange(lo * 3, hi * 3).reshape(-1, 3), (4, 3), (lo, 0)),
+              "step": 5}
+        ckptfs.save(sd, f"{root}/{name}-{version}", backend=name, backend_version=version)
+
+
+def test_sharded_indexes_validate(tmp_path):
+    run_ranks(2, _save_sharded, str(tmp_path), BACKENDS)
+    for name, version in BACKENDS:
+        d = validate_index(tmp_path / f"{name}-{version}")
+        assert d["writer"]["world_size"] == 2
+        for key, t in d["tensors"].items():  # the chunks tile each tensor
+            assert sum(math.prod(c["shape"]) for c in t["chunks"]) == math.prod(t["shape"]), key
+        assert {tuple(c["offsets"]) for c in d["tensors"]["hand"]["chunks"]} >= {(0, 0), (1, 0)}
+
+
+def test_spec_example_validates_and_parses():
+    text = (ROOT / "formats" / "README.md").read_text()
+    blocks = re.findall(r"```json\n(\{\n.*?\n\})\n```", text, flags=re.S)
+    assert blocks, "formats/README.md has no example index"
+    example = json.loads(blocks[-1])
+    validate_index(example)
+    index = Index.from_json(example)
+    assert index.tensors["model/embed.weight"].shape == (4, 3)
+
+
+# -- malformed and extended indexes --------------------------------------------------------------
+
+def _example() -> dict[str, Any]:
+    return {
+        "format": "ckptfs", "format_version": 1, "required_features": [],
+        "backend": {"name": "safetensors_chunks", "version": 1, "options": {}},
+        "containers": {"model": "dict"},
+        "values": {"step": 3, "scale": {"$float": "inf"}},
+        "tensors": {"model/w": {"dtype": "float32", "shape": [4, 3], "chunks": [
+            {"offsets": [0, 0], "shape": [4, 3], "file": "data/x/r00000-000.safetensors",
+             "byte_offset": 128, "byte_length": 48, "checksum": "crc32c:0123abcd"}]}},
+        "files": {"data/x/r00000-000.safetensors": 176},
+    }
+
+
+def _mutate(path: tuple | str, value: Any) -> dict[str, Any]:
+    """The example with the field at ``path`` set to ``value`` (or deleted)."""
+    d = copy.deepcopy(_example())
+    *parents, last = (path,) if isinstance(path, str) else path
+    node: Any = d
+    for p in parents:
+        node = node[p]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return d
+
+
+_DELETE = object()
+W = ("tensors", "model/w")
+C0 = (*W, "chunks", 0)
+
+# rejected by the schema AND by Index.from_json (MalformedIndexError or FormatVersionError)
+BOTH = {
+    "missing format_version": ("format_version", _DELETE),
+    "missing tensors": ("tensors", _DELETE),
+    "missing backend name": (("backend", "name"), _DELETE),
+    "shape is a string": ((*W, "shape"), "4x3"),
+    "shape has a negative": ((*W, "shape"), [-4, 3]),
+    "shape has a fraction": ((*W, "shape"), [4.5, 3]),
+    "offsets is a number": ((*C0, "offsets"), 0),
+    "chunk without shape": ((*C0, "shape"), _DELETE),
+    "backend version is a string": (("backend", "version"), "1"),
+    "byte_offset is a string": ((*C0, "byte_offset"), "128"),
+    "format_version is newer": ("format_version", 2),
+    "format is foreign": ("format", "dcp"),
+    "required_features not a list": ("required_features", "zstd"),
+    "values not an object": ("values", [1, 2]),
+}
+# structurally valid for the reader's first pass; the schema catches them up front
+SCHEMA_ONLY = {
+    "unknown dtype": ((*W, "dtype"), "float128"),
+    "checksum of another algorithm": ((*C0, "checksum"), "md5:0123abcd"),
+    "checksum in upper case": ((*C0, "checksum"), "crc32c:0123ABCD"),
+    "value is an array": (("values", "step"), [1, 2]),
+    "bad non-finite float": (("values", "scale"), {"$float": "NaN"}),
+    "unknown container kind": (("containers", "model"), "set"),
+    "file escapes the root": ((*C0, "file"), "../../etc/passwd"),
+    "absolute file": ((*C0, "file"), "/etc/passwd"),
+    "negative file size": (("files", "data/x/r00000-000.safetensors"), -1),
+    "bad percent escape in key": (("values", "a%zz"), 1),
+}
+
+
+def test_example_is_valid():
+    validate_index(_example())
+    Index.from_json(_example())
+
+
+@pytest.mark.parametrize("case", list(BOTH))
+def test_malformed_rejected_by_schema_and_reader(case):
+    d = _mutate(*BOTH[case])
+    assert not VALIDATOR.is_valid(d), case
+    with pytest.raises((MalformedIndexError, FormatVersionError)):
+        Index.from_json(d)
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_ONLY))
+def test_malformed_rejected_by_schema(case):
+    assert not VALIDATOR.is_valid(_mutate(*SCHEMA_ONLY[case])), case
+
+
+def test_unknown_optional_fields_are_legal_everywhere():
+    d = _example()
+    d["future_field"] = {"anything": [1, 2]}
+    d["backend"]["future"] = True
+    d["writer"] = {"library": "ckptfs", "world_size": 2, "future": "x"}
+    d["tensors"]["model/w"]["future"] = 1
+    d["tensors"]["model/w"]["chunks"][0]["future"] = {"a": 1}
+    validate_index(d)
+    index = Index.from_json(d)
+    assert index.extra == {"future_field": {"anything": [1, 2]}}
+    assert index.tensors["model/w"].chunks[0].byte_offset == 128
