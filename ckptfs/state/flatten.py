@@ -93,20 +93,21 @@ def _walk(obj: Any, path: Path, flat: FlatState) -> None:
     flat.paths[key] = path
 
 
+_ROOT = object()  # the root has no key; "" is the key of the path ("",)
+
+
 def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any]) -> dict[str, Any]:
     """Rebuild a nested state dict from container kinds and already-decoded leaves."""
     root: dict[Any, Any] = {}
-    nodes: dict[str, Any] = {"": root}
-    # build containers parent-first; tuples are built as lists and frozen at the end
-    for key in sorted(containers, key=lambda k: k.count("/")):
-        kind = containers[key]
+    nodes: dict[Any, Any] = {_ROOT: root}
+    for key, kind in containers.items():
         if kind not in ("dict", "list", "tuple"):
             raise MalformedIndexError(f"containers[{key!r}]: unknown kind {kind!r}")
-        nodes[key] = {} if kind == "dict" else []
-    entries = [(k, nodes[k]) for k in nodes if k] + list(leaves.items())
+        nodes[key] = {} if kind == "dict" else []  # tuples are frozen at the end
+    entries = [(k, nodes[k]) for k in containers] + list(leaves.items())
     for key, value in sorted(entries, key=lambda kv: _sort_key(decode_key(kv[0]))):
         path = decode_key(key)
-        parent_key = encode_key(path[:-1]) if len(path) > 1 else ""
+        parent_key = encode_key(path[:-1]) if len(path) > 1 else _ROOT
         parent = nodes.get(parent_key)
         if parent is None:
             raise MalformedIndexError(f"key {key!r}: its container {parent_key!r} is not recorded")
@@ -116,10 +117,10 @@ def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any]) -> dict[
             parent.append(value)
         else:
             parent[path[-1]] = value
-    for key in sorted(containers, key=lambda k: -k.count("/")):
+    for key in sorted(containers, key=lambda k: -len(decode_key(k))):
         if containers[key] == "tuple":
             path = decode_key(key)
-            parent = nodes[encode_key(path[:-1]) if len(path) > 1 else ""]
+            parent = nodes[encode_key(path[:-1]) if len(path) > 1 else _ROOT]
             parent[path[-1]] = tuple(nodes[key])
             nodes[key] = parent[path[-1]]
     return root
