@@ -40,15 +40,43 @@ class _FileWork:
     after: list[Callable[[], None]]
 
 
+#: Scratch memory (bytes) the reader may hold at once for regions that cannot be read in place.
+SCRATCH_BUDGET = 512 << 20
+
+
+class _ByteBudget:
+    """A counting semaphore over bytes; a request larger than the budget waits for it to be
+    empty and then runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used, self.peak = limit, 0, 0
+        self.cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    async def release(self, n: int) -> None:
+        async with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
 def _typed(buf: bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     return t.view(dtype).reshape(shape)
 
 
 async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
-                        verify: bool = True) -> int:
-    """Run every read; returns the number of bytes the targets needed."""
-    per_file: dict[str, _FileWork] = defaultdict(lambda: _FileWork([], []))
+                        verify: bool = True, scratch_budget: int | None = None) -> int:
+    """Run every read; returns the number of bytes the targets needed.
+
+    Reads into contiguous CPU targets need no memory; the others get scratch buffers, allocated
+    batch by batch so that at most ``scratch_budget`` bytes of scratch exist at once.
+    """
+    per_file: dict[str, list[tuple[int, Callable[[_FileWork], None]]]] = defaultdict(list)
     encoded: list[tuple[TensorRead, ReadPiece, EncodedChunk]] = []
     needed = 0
     sources = await asyncio.gather(*(
@@ -60,23 +88,67 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             src = next(it)
             needed += piece.src.volume * dt.itemsize
             if isinstance(src, RawChunk):
-                _plan_raw(job, piece, src, dt.torch, dt.itemsize, store.config.max_gap,
-                          per_file[src.file], verify)
+                per_file[src.file].append(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
+                                                    store.config.max_gap, verify))
             else:
                 encoded.append((job, piece, src))
+    scratch_budget = SCRATCH_BUDGET if scratch_budget is None else scratch_budget
+    budget = _ByteBudget(scratch_budget)
 
-    async def run_file(path: str, work: _FileWork) -> None:
-        await store.read_into(path, work.reads)
-        if work.after:
-            await asyncio.to_thread(lambda: [f() for f in work.after])
+    async def run_file(path: str, planned: list[tuple[int, Callable[[_FileWork], None]]]) -> None:
+        for cost, batch in _batches(planned, scratch_budget):
+            await budget.acquire(cost)
+            try:
+                work = _FileWork([], [])
+                for materialize in batch:
+                    materialize(work)
+                await store.read_into(path, work.reads)
+                if work.after:
+                    await asyncio.to_thread(_run_all, work.after)
+            finally:
+                await budget.release(cost)
+
+    async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
+        cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
+        await budget.acquire(cost)
+        try:
+            await _run_encoded(store, job, piece, src, verify)
+        finally:
+            await budget.release(cost)
 
     await asyncio.gather(*(run_file(p, w) for p, w in per_file.items()),
-                         *(_run_encoded(store, j, p, s, verify) for j, p, s in encoded))
+                         *(run_encoded(j, p, s) for j, p, s in encoded))
     return needed
 
 
+def _run_all(fns: list[Callable[[], None]]) -> None:
+    for f in fns:
+        f()
+
+
+def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
+    for n in shape:
+        itemsize *= n
+    return itemsize
+
+
+def _batches(planned: list[tuple[int, Callable[[_FileWork], None]]], budget: int):
+    """Consecutive pieces whose scratch fits the budget (a lone oversized piece is a batch)."""
+    batch: list[Callable[[_FileWork], None]] = []
+    cost = 0
+    for c, fn in planned:
+        if batch and cost + c > budget:
+            yield cost, batch
+            batch, cost = [], 0
+        batch.append(fn)
+        cost += c
+    if batch:
+        yield cost, batch
+
+
 def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
-              itemsize: int, max_gap: int, work: _FileWork, verify: bool) -> None:
+              itemsize: int, max_gap: int, verify: bool) -> tuple[int, Callable[[_FileWork], None]]:
+    """(scratch bytes, a function adding this piece's reads and post-copies to a _FileWork)."""
     chunk = piece.chunk
     layout = src.stored_shape or chunk.shape
     dst = job.target[piece.dst.slices()]
@@ -91,42 +163,51 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
                 f"(index says {check}, data gives {checksum(buf)})"
             )
 
-    if len(starts) == 1:
-        if dst.device.type == "cpu" and dst.is_contiguous():
+    if len(starts) == 1 and dst.device.type == "cpu" and dst.is_contiguous():
+        def direct(work: _FileWork) -> None:
             mv = tensor_bytes(dst)
             work.reads.append(ReadInto(src.offset + int(starts[0]), mv))
             if check is not None:
                 work.after.append(lambda: verify_bytes(mv))
-            return
-        buf = bytearray(run)
-        work.reads.append(ReadInto(src.offset + int(starts[0]), memoryview(buf)))
 
-        def place_compact() -> None:
-            verify_bytes(buf)
-            dst.copy_(_typed(buf, dtype, piece.src.shape))
+        return 0, direct
+    if len(starts) == 1:
+        def compact(work: _FileWork) -> None:
+            buf = bytearray(run)
+            work.reads.append(ReadInto(src.offset + int(starts[0]), memoryview(buf)))
 
-        work.after.append(place_compact)
-        return
+            def place() -> None:
+                verify_bytes(buf)
+                dst.copy_(_typed(buf, dtype, piece.src.shape))
+
+            work.after.append(place)
+
+        return run, compact
     span = int(starts[-1]) + run - int(starts[0])
     gaps = span - run * len(starts)
     if gaps <= max_gap * (len(starts) - 1):
-        # one read of the whole span, then one strided copy out of it
-        buf = bytearray(span)
-        work.reads.append(ReadInto(src.offset + int(starts[0]), memoryview(buf)))
+        def spanned(work: _FileWork) -> None:
+            # one read of the whole span, then one strided copy out of it
+            buf = bytearray(span)
+            work.reads.append(ReadInto(src.offset + int(starts[0]), memoryview(buf)))
 
-        def place_span() -> None:
-            flat = _typed(buf, dtype, (span // itemsize,))
-            view = flat.as_strided(piece.src.shape, c_strides(layout))
-            dst.copy_(view)
+            def place() -> None:
+                flat = _typed(buf, dtype, (span // itemsize,))
+                dst.copy_(flat.as_strided(piece.src.shape, c_strides(layout)))
 
-        work.after.append(place_span)
-        return
-    # far-apart runs: read each into its slot of a compact buffer
-    buf = bytearray(run * len(starts))
-    mv = memoryview(buf)
-    for i, s in enumerate(starts.tolist()):
-        work.reads.append(ReadInto(src.offset + s, mv[i * run : (i + 1) * run]))
-    work.after.append(lambda: dst.copy_(_typed(buf, dtype, piece.src.shape)))
+            work.after.append(place)
+
+        return span, spanned
+
+    def runs(work: _FileWork) -> None:
+        # far-apart runs: read each into its slot of a compact buffer
+        buf = bytearray(run * len(starts))
+        mv = memoryview(buf)
+        for i, s in enumerate(starts.tolist()):
+            work.reads.append(ReadInto(src.offset + s, mv[i * run : (i + 1) * run]))
+        work.after.append(lambda: dst.copy_(_typed(buf, dtype, piece.src.shape)))
+
+    return run * len(starts), runs
 
 
 async def _run_encoded(store: Store, job: TensorRead, piece: ReadPiece, src: EncodedChunk,

@@ -244,3 +244,25 @@ def test_unknown_backend_lists_registered(tmp_path):
     with pytest.raises(ckptfs.UnknownBackendError, match="registered backends:.*safetensors_chunks-1"):
         ckptfs.save({"a": torch.ones(1)}, tmp_path / "c", backend="nope")
     assert ("safetensors_chunks", 1) in ckptfs.available_backends()
+
+
+def test_scratch_memory_is_bounded(tmp_path, monkeypatch):
+    """Targets that cannot be filled in place get scratch buffers, at most the budget at once."""
+    from ckptfs import reader
+
+    peaks = []
+    real = reader._ByteBudget
+
+    class Recording(real):
+        async def release(self, n):
+            peaks.append(self.peak)
+            await super().release(n)
+
+    monkeypatch.setattr(reader, "_ByteBudget", Recording)
+    monkeypatch.setattr(reader, "SCRATCH_BUDGET", 3000)
+    src = {f"w{i}": torch.randn(16, 16) for i in range(6)}  # 1 KiB each
+    ckptfs.save(src, tmp_path / "c")
+    target = {k: torch.zeros(16, 16).t() for k in src}  # transposed: never contiguous in place
+    ckptfs.load(target, tmp_path / "c")
+    assert all(torch.equal(target[k], src[k]) for k in src)
+    assert peaks and max(peaks) <= 3000
