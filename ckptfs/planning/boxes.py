@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ class Box:
 
     @property
     def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.shape, strict=True))
+        return tuple(map(operator.add, self.offsets, self.shape))
 
     @property
     def volume(self) -> int:
@@ -27,11 +28,12 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The common region, or None when it is empty."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=True))
-        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+        lo = tuple(map(max, self.offsets, other.offsets))
+        hi = tuple(map(min, self.ends, other.ends))
+        shape = tuple(map(operator.sub, hi, lo))
+        if any(n <= 0 for n in shape):
             return None
-        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+        return Box(lo, shape)
 
     def contains(self, other: Box) -> bool:
         return all(
@@ -41,7 +43,7 @@ class Box:
 
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it)."""
-        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets, strict=True)), self.shape)
+        return Box(tuple(map(operator.sub, self.offsets, outer.offsets)), self.shape)
 
     def in_bounds(self, shape: Sequence[int]) -> bool:
         return len(shape) == len(self.offsets) and all(
