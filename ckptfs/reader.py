@@ -79,8 +79,8 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     per_file: dict[str, list[tuple[int, Callable[[_FileWork], None]]]] = defaultdict(list)
     encoded: list[tuple[TensorRead, ReadPiece, EncodedChunk]] = []
     needed = 0
-    sources = await asyncio.gather(*(
-        backend.chunk_source(job.entry, p.chunk, store) for job in jobs for p in job.pieces))
+    sources = await backend.chunk_sources(
+        [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
     it = iter(sources)
     for job in jobs:
         dt = from_name(job.entry.dtype, job.entry.key)

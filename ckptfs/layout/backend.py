@@ -7,6 +7,7 @@ are (``RawChunk``) or how to decode them (``EncodedChunk``). The engine moves th
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -142,6 +143,12 @@ class Backend(ABC):
     async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,
                            reader: ByteReader) -> ChunkSource:
         """Where the bytes of ``chunk`` are, or how to decode them."""
+
+    async def chunk_sources(self, items: Sequence[tuple[TensorEntry, ChunkEntry]],
+                            reader: ByteReader) -> list[ChunkSource]:
+        """``chunk_source`` for many chunks; backends whose answer needs no I/O override this
+        with a plain loop (no task per chunk)."""
+        return list(await asyncio.gather(*(self.chunk_source(t, c, reader) for t, c in items)))
 
     @classmethod
     async def sniff(cls, reader: ByteReader) -> Index | None:

@@ -24,7 +24,7 @@ class Box:
         return math.prod(self.shape)
 
     def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape, strict=True))
+        return tuple(map(slice, self.offsets, self.ends))
 
     def intersect(self, other: Box) -> Box | None:
         """The common region, or None when it is empty."""

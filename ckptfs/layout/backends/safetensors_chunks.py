@@ -84,8 +84,14 @@ class SafetensorsChunksBackend(Backend):
                 extra={"name": tensor_name(c.key, c.box.offsets)})))
         files.append(FileWrite(path, tuple(parts)))
 
+    async def chunk_sources(self, items, reader: ByteReader) -> list[ChunkSource]:
+        return [self._source(t, c) for t, c in items]
+
     async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,
                            reader: ByteReader) -> ChunkSource:
+        return self._source(tensor, chunk)
+
+    def _source(self, tensor: TensorEntry, chunk: ChunkEntry) -> ChunkSource:
         if chunk.file is None or chunk.byte_offset is None:
             raise ValueError(f"key {tensor.key!r}: chunk at {list(chunk.offsets)} has no file/byte_offset")
         nbytes = from_name(tensor.dtype, tensor.key).itemsize
