@@ -1,0 +1,323 @@
+"""Backends ``zarr`` version 2 and 3 (formats/zarr-2.md, formats/zarr-3.md).
+
+The checkpoint root is a zarr group; each tensor is an array of its global shape at the path of
+its key (zarr_paths). Every chunk (or shard, with v3 sharding) lies inside one rank's shard and
+is written by that rank alone (zarr_grid), as a file at its zarr chunk key. zarr-python makes
+the metadata documents (zarr_meta); the chunk bytes never go through it: uncompressed chunks
+are the raw C-order bytes, padded at array edges, so a resharded load reads only the byte
+ranges it needs; compressed or checksummed chunks are encoded and decoded with numcodecs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numcodecs
+import numpy as np
+
+from ckptfs.errors import (
+    CkptfsError,
+    IntegrityError,
+    MalformedIndexError,
+    ShardingError,
+    UnsupportedValueError,
+)
+from ckptfs.layout.backend import (
+    Backend,
+    Buffer,
+    ByteReader,
+    ChunkData,
+    ChunkSource,
+    EncodedChunk,
+    FileWrite,
+    RankWrite,
+    RankWriteJob,
+    RawChunk,
+)
+from ckptfs.layout.backends import zarr_dtypes
+from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline
+from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
+from ckptfs.layout.backends.zarr_megatron import sniff_megatron
+from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
+from ckptfs.layout.backends.zarr_paths import array_path, chunk_key, group_paths, join
+from ckptfs.layout.checksum import checksum
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.planning.boxes import Box
+
+#: blosc cannot take buffers of 2 GiB or more: compressed chunks are kept below this
+BLOSC_MAX_CHUNK_BYTES = 1 << 30
+#: the v3 shard index marks an absent inner chunk with this offset and length
+EMPTY = np.uint64(2**64 - 1)
+
+# plain zarr-python readers of ckptfs checkpoints need the ML data types (zarr_dtypes)
+zarr_dtypes.register()
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """How one tensor is stored: its array path, chunk (or shard) grid and inner chunks."""
+
+    key: str
+    path: str
+    dtype: str
+    itemsize: int
+    grid: Grid  #: chunk grid; with sharding, the shard grid
+    inner: tuple[int, ...] | None = None  #: inner chunk shape when sharded
+
+
+class _ZarrBackend(Backend):
+    name: ClassVar[str] = "zarr"
+    zarr_format: ClassVar[int]
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(options)
+        o = self.options
+        self.codecs = CodecOptions.from_options(self.zarr_format, o)
+        self.separator = o["dimension_separator"]
+        if self.separator not in (".", "/"):
+            raise ValueError(f"backend zarr-{self.zarr_format}: option 'dimension_separator' must "
+                             f"be '.' or '/', got {self.separator!r}")
+        self.max_chunk_bytes = _positive(self.zarr_format, o, "max_chunk_bytes", none_ok=True)
+        self.max_chunks = _positive(self.zarr_format, o, "max_chunks")
+        self.sharding = bool(o.get("sharding", False))
+        self.inner_chunk_bytes = _positive(self.zarr_format, o, "inner_chunk_bytes", none_ok=True)
+        self._layouts: dict[str, _Layout] = {}
+        self._meta: MetadataBuilder | None = None
+        self._pipelines: dict[str, Pipeline] = {}
+
+    # -- planning ---------------------------------------------------------------------------
+    def _layout(self, key: str, dtype: str, shape: tuple[int, ...], boxes: list[Box]) -> _Layout:
+        itemsize = from_name(dtype, key).itemsize
+        limit = self.max_chunk_bytes
+        if self.codecs.compressor == "blosc":
+            limit = min(limit or BLOSC_MAX_CHUNK_BYTES, BLOSC_MAX_CHUNK_BYTES)
+        if self.sharding:  # the shard grid follows the ranks; inner chunks are bounded
+            grid = grid_for_boxes(key, shape, boxes, itemsize, self.max_chunk_bytes, self.max_chunks)
+            limits = [x for x in (self.inner_chunk_bytes, limit) if x is not None]
+            inner = shrink(grid.chunk, itemsize, min(limits) if limits else None)
+            return _Layout(key, array_path(key), dtype, itemsize, grid, inner)
+        grid = grid_for_boxes(key, shape, boxes, itemsize, limit, self.max_chunks)
+        return _Layout(key, array_path(key), dtype, itemsize, grid)
+
+    def split_chunks(self, key: str, dtype: str, shape: tuple[int, ...],
+                     boxes: list[Box]) -> list[Box]:
+        """The regular grid's cells (zarr_grid): each inside one rank's box."""
+        layout = self._layouts[key] = self._layout(key, dtype, shape, boxes)
+        return list(layout.grid.cells())
+
+    def prepare(self, plans: Mapping[str, Any]) -> list[FileWrite]:
+        """Group and array metadata of every tensor, written before any chunk."""
+        meta = MetadataBuilder(self.zarr_format, self.codecs, self.separator)
+        paths = {}
+        for key, plan in plans.items():
+            lay = self._layouts.get(key) or self._layout(
+                key, plan.dtype, plan.shape, [c.box for c in plan.chunks])
+            self._layouts[key] = lay
+            paths[lay.path] = key
+            meta.add_array(lay.path, ArrayLayout(plan.dtype, plan.shape, lay.grid.chunk, lay.inner),
+                           {"ckptfs": {"key": key, "dtype": plan.dtype}})
+        groups = group_paths(list(paths))
+        clash = sorted(set(groups) & set(paths))
+        if clash:
+            raise UnsupportedValueError(f"key {paths[clash[0]]!r} is a tensor and holds other "
+                                        f"tensors; a zarr array cannot contain nodes")
+        for g in groups:
+            meta.add_group(g, {"ckptfs": {"backend": self.name, "backend_version": self.version}}
+                           if g == "" else None)
+        self._meta = meta
+        return [FileWrite(k, (v,)) for k, v in meta.files().items()]
+
+    def finalize(self, index: Index) -> list[FileWrite]:
+        """Consolidated metadata (option ``consolidated``), after all chunks."""
+        if not self.options["consolidated"] or self._meta is None:
+            return []
+        return [FileWrite(k, (v,)) for k, v in self._meta.consolidated().items()]
+
+    # -- writing ----------------------------------------------------------------------------
+    def write_rank(self, job: RankWriteJob) -> RankWrite:
+        files: list[FileWrite] = []
+        entries: list[tuple[str, ChunkEntry]] = []
+        for c in job.chunks:
+            lay = self._layouts.get(c.key)
+            if lay is None:
+                raise CkptfsError(f"zarr backend: key {c.key!r} has no chunk grid; "
+                                  f"split_chunks must run (in plan_save) before write_rank")
+            index = lay.grid.index_of(c.box.offsets)
+            if lay.grid.cell(index) != c.box:
+                raise ShardingError(f"key {c.key!r}: chunk {c.box} is not a cell of the zarr "
+                                    f"grid {list(lay.grid.chunk)}")
+            path = join(lay.path, chunk_key(self.zarr_format, index, self.separator))
+            if lay.inner is None:
+                parts = self._encode(_bytes_array(c), lay.grid.chunk, lay.itemsize)
+                extra = {} if c.box.shape == lay.grid.chunk else {"stored_shape": list(lay.grid.chunk)}
+                entries.append((c.key, ChunkEntry(c.box.offsets, c.box.shape, path, 0,
+                                                  _nbytes(parts), extra=extra)))
+            else:
+                parts = self._shard(c, lay, path, entries)
+            files.append(FileWrite(path, parts))
+        return RankWrite(tuple(files), tuple(entries))
+
+    def _encode(self, arr: np.ndarray, stored: tuple[int, ...], itemsize: int) -> tuple[Buffer, ...]:
+        """One stored chunk: ``arr`` (uint8, shape + (itemsize,)) padded to ``stored`` with
+        zeros, then encoded. Raw chunks of contiguous data are not copied."""
+        shape = arr.shape[:-1]
+        if shape != stored:
+            if self.codecs.raw and shape[1:] == stored[1:] and arr.flags.c_contiguous:
+                pad = (math.prod(stored) - math.prod(shape)) * itemsize
+                return (memoryview(arr.reshape(-1)), bytes(pad))
+            full = np.zeros((*stored, itemsize), dtype=np.uint8)
+            full[tuple(slice(0, n) for n in shape)] = arr
+            arr = full
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if self.codecs.raw:
+            return (memoryview(flat),)
+        return self._options_pipeline(itemsize).encode(flat.view(f"<u{itemsize}"))
+
+    def _shard(self, c: ChunkData, lay: _Layout, path: str,
+               entries: list[tuple[str, ChunkEntry]]) -> tuple[Buffer, ...]:
+        """A v3 shard: inner chunks in C order, then the index ((offset, nbytes) uint64 pairs,
+        absent chunks all-ones) and its crc32c. One index entry per inner chunk."""
+        assert lay.inner is not None
+        counts = tuple(s // i for s, i in zip(lay.grid.chunk, lay.inner, strict=True))
+        table = np.full((*counts, 2), EMPTY, dtype="<u8")
+        arr = _bytes_array(c)
+        parts: list[Buffer] = []
+        pos = 0
+        for j in itertools.product(*(range(n) for n in counts)):
+            lo = tuple(o + k * i for o, k, i in zip(c.box.offsets, j, lay.inner, strict=True))
+            shape = tuple(min(i, e - x) for i, e, x in zip(lay.inner, c.box.ends, lo, strict=True))
+            if any(n <= 0 for n in shape):
+                continue  # beyond the array's edge: absent
+            sub = arr[tuple(slice(x - o, x - o + n)
+                            for x, o, n in zip(lo, c.box.offsets, shape, strict=True))]
+            enc = self._encode(sub, lay.inner, lay.itemsize)
+            n = _nbytes(enc)
+            table[j] = (pos, n)
+            extra = {} if shape == lay.inner else {"stored_shape": list(lay.inner)}
+            entries.append((c.key, ChunkEntry(lo, shape, path, pos, n,
+                                              checksum(np.ascontiguousarray(sub).reshape(-1)),
+                                              extra)))
+            parts.extend(enc)
+            pos += n
+        parts.extend(Pipeline((numcodecs.CRC32C(),)).encode(table.reshape(-1)))
+        return tuple(parts)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _options_pipeline(self, itemsize: int | None = None) -> Pipeline:
+        return self.codecs.pipeline(itemsize)
+
+    def _pipeline(self, tensor: TensorEntry) -> Pipeline:
+        pipe = self._pipelines.get(tensor.key)
+        if pipe is None:
+            configs = tensor.extra.get("codecs")
+            pipe = Pipeline.from_json(configs) if configs else self._options_pipeline()
+            self._pipelines[tensor.key] = pipe
+        return pipe
+
+    async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,
+                           reader: ByteReader) -> ChunkSource:
+        return self._source(tensor, chunk)
+
+    async def chunk_sources(self, items: Sequence[tuple[TensorEntry, ChunkEntry]],
+                            reader: ByteReader) -> list[ChunkSource]:
+        return [self._source(t, c) for t, c in items]  # the index says it all: no I/O
+
+    def _source(self, tensor: TensorEntry, chunk: ChunkEntry) -> ChunkSource:
+        where = f"key {tensor.key!r}: chunk at {list(chunk.offsets)}"
+        if chunk.file is None:
+            raise MalformedIndexError(f"{where} records no file")
+        itemsize = from_name(tensor.dtype, tensor.key).itemsize
+        stored = tuple(chunk.extra.get("stored_shape") or chunk.shape)
+        if len(stored) != len(chunk.shape) or any(s < n for s, n in zip(stored, chunk.shape, strict=True)):
+            raise MalformedIndexError(f"{where}: stored_shape {list(stored)} cannot hold shape "
+                                      f"{list(chunk.shape)}")
+        nbytes = math.prod(stored) * itemsize
+        pipe = self._pipeline(tensor)
+        offset = chunk.byte_offset or 0
+        if not pipe.codecs:
+            return RawChunk(chunk.file, offset, nbytes, stored if stored != chunk.shape else None)
+        file, shape = chunk.file, chunk.shape
+
+        def decode(data: Buffer) -> Buffer:
+            try:
+                raw = pipe.decode(data, out=bytearray(nbytes))
+            except Exception as e:  # the codec's own checks: crc32c, truncated streams, ...
+                raise IntegrityError(f"{where} in {file} cannot be decoded: "
+                                     f"{type(e).__name__}: {e}") from None
+            if memoryview(raw).nbytes != nbytes:
+                raise IntegrityError(f"{where} in {file} decodes to {memoryview(raw).nbytes} "
+                                     f"bytes, expected {nbytes}")
+            if stored == shape:
+                return raw
+            out = bytearray(math.prod(shape) * itemsize)
+            src = np.frombuffer(raw, dtype=np.uint8).reshape(*stored, itemsize)
+            np.frombuffer(out, dtype=np.uint8).reshape(*shape, itemsize)[...] = \
+                src[tuple(slice(0, n) for n in shape)]
+            return out
+
+        if chunk.byte_length is None:
+            return EncodedChunk(file, decode)
+        return EncodedChunk(file, decode, offset, offset + chunk.byte_length)
+
+
+def _bytes_array(c: ChunkData) -> np.ndarray:
+    """The chunk's data as uint8, shape + (itemsize,), sharing memory."""
+    return np.frombuffer(tensor_bytes(c.data), dtype=np.uint8).reshape(
+        *c.data.shape, c.dtype.itemsize)
+
+
+def _nbytes(parts: tuple[Buffer, ...]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def _positive(fmt: int, options: Mapping[str, Any], name: str, none_ok: bool = False) -> int | None:
+    v = options.get(name)
+    if v is None and none_ok:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"backend zarr-{fmt}: option {name!r} must be a positive int"
+                         f"{' or None' if none_ok else ''}, got {v!r}")
+    return v
+
+
+_COMMON_OPTIONS: dict[str, Any] = {
+    "compressor": None,  #: None, "zstd" or "blosc"
+    "level": None,  #: compression level (None: zstd 3, blosc 5)
+    "blosc_cname": "zstd",
+    "blosc_shuffle": "shuffle",  #: "noshuffle", "shuffle" or "bitshuffle"
+    "checksum": False,  #: crc32c per chunk (v2 filter, v3 codec)
+    "max_chunk_bytes": None,  #: split each rank's region into chunks (shards) of at most this
+    "max_chunks": 100_000,  #: refuse grids with more chunks per tensor than this
+}
+
+
+class ZarrV2Backend(_ZarrBackend):
+    """zarr format 2: ``.zgroup`` / ``.zarray`` / ``.zattrs``, chunk keys ``i.j``."""
+
+    version: ClassVar[int] = 2
+    zarr_format: ClassVar[int] = 2
+    default_options: ClassVar[dict[str, Any]] = {
+        **_COMMON_OPTIONS, "dimension_separator": ".", "consolidated": True}
+
+    @classmethod
+    async def sniff(cls, reader: ByteReader) -> Index | None:
+        """Megatron-Core zarr checkpoints (zarr_megatron)."""
+        return await sniff_megatron(reader)
+
+
+class ZarrV3Backend(_ZarrBackend):
+    """zarr format 3: ``zarr.json``, chunk keys ``c/i/j``, optional sharding codec."""
+
+    version: ClassVar[int] = 3
+    zarr_format: ClassVar[int] = 3
+    default_options: ClassVar[dict[str, Any]] = {
+        **_COMMON_OPTIONS, "dimension_separator": "/", "consolidated": False,
+        "sharding": False,  #: one shard per rank region, holding inner chunks
+        "inner_chunk_bytes": 16 * 2**20,  #: inner chunk size bound when sharding
+    }

@@ -1,0 +1,158 @@
+"""Chunk codecs of the zarr backend: numcodecs objects that encode and decode chunk bytes, and
+the matching zarr-python codec definitions for the array metadata.
+
+The pipeline is a tuple of numcodecs codecs in encoding order. zarr v2 applies ``filters``
+then the ``compressor`` (so a crc32c filter checksums the raw bytes); zarr v3 applies the
+bytes-to-bytes ``codecs`` in order (compressor, then crc32c over the compressed bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numcodecs
+import numpy as np
+from numcodecs.abc import Codec
+
+Buffer = bytes | bytearray | memoryview
+
+COMPRESSORS = (None, "zstd", "blosc")
+BLOSC_SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
+                  "bitshuffle": numcodecs.Blosc.BITSHUFFLE}
+DEFAULT_LEVELS = {"zstd": 3, "blosc": 5}
+
+
+@dataclass(frozen=True, slots=True)
+class CodecOptions:
+    """The codec part of the backend options (validated)."""
+
+    zarr_format: int
+    compressor: str | None = None
+    level: int | None = None
+    blosc_cname: str = "zstd"
+    blosc_shuffle: str = "shuffle"
+    checksum: bool = False
+
+    @classmethod
+    def from_options(cls, zarr_format: int, options: Mapping[str, Any]) -> CodecOptions:
+        comp = options.get("compressor")
+        if comp not in COMPRESSORS:
+            raise ValueError(f"backend zarr-{zarr_format}: option 'compressor' must be one of "
+                             f"{list(COMPRESSORS)}, got {comp!r}")
+        level = options.get("level")
+        if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
+            raise ValueError(f"backend zarr-{zarr_format}: option 'level' must be an int or None, "
+                             f"got {level!r}")
+        shuffle = options.get("blosc_shuffle", "shuffle")
+        if shuffle not in BLOSC_SHUFFLES:
+            raise ValueError(f"backend zarr-{zarr_format}: option 'blosc_shuffle' must be one of "
+                             f"{list(BLOSC_SHUFFLES)}, got {shuffle!r}")
+        cname = options.get("blosc_cname", "zstd")
+        if cname not in numcodecs.blosc.list_compressors():
+            raise ValueError(f"backend zarr-{zarr_format}: option 'blosc_cname' must be one of "
+                             f"{numcodecs.blosc.list_compressors()}, got {cname!r}")
+        return cls(zarr_format, comp, level, cname, shuffle, bool(options.get("checksum", False)))
+
+    @property
+    def raw(self) -> bool:
+        """Chunks are the plain C-order bytes (readable by byte ranges)."""
+        return self.compressor is None and not self.checksum
+
+    def _compressor(self, itemsize: int | None) -> Codec | None:
+        if self.compressor == "zstd":
+            return numcodecs.Zstd(level=self._level)
+        if self.compressor == "blosc":
+            return numcodecs.Blosc(cname=self.blosc_cname, clevel=self._level,
+                                   shuffle=BLOSC_SHUFFLES[self.blosc_shuffle], typesize=itemsize)
+        return None
+
+    @property
+    def _level(self) -> int:
+        return self.level if self.level is not None else DEFAULT_LEVELS[self.compressor or "zstd"]
+
+    def pipeline(self, itemsize: int | None = None) -> Pipeline:
+        comp = self._compressor(itemsize)
+        crc = [numcodecs.CRC32C()] if self.checksum else []
+        if self.zarr_format == 2:
+            return Pipeline(tuple(crc + ([comp] if comp else [])))
+        return Pipeline(tuple(([comp] if comp else []) + crc))
+
+    def zarr_python_kwargs(self) -> dict[str, Any]:
+        """``compressors``/``filters`` for zarr-python's ``create_array`` (metadata only)."""
+        if self.zarr_format == 2:
+            return {"compressors": self._compressor(None),
+                    "filters": [numcodecs.CRC32C()] if self.checksum else None}
+        from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+        codecs: list[Any] = []
+        if self.compressor == "zstd":
+            codecs.append(ZstdCodec(level=self._level))
+        elif self.compressor == "blosc":
+            codecs.append(BloscCodec(cname=self.blosc_cname, clevel=self._level,
+                                     shuffle=self.blosc_shuffle))
+        if self.checksum:
+            codecs.append(Crc32cCodec())
+        return {"compressors": codecs or None}
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """numcodecs codecs in encoding order; decoding runs them in reverse."""
+
+    codecs: tuple[Codec, ...]
+
+    @classmethod
+    def from_zarray(cls, doc: Mapping[str, Any]) -> Pipeline:
+        """The pipeline of a zarr v2 ``.zarray`` document (any numcodecs codec)."""
+        filters = [numcodecs.get_codec(dict(f)) for f in doc.get("filters") or ()]
+        comp = doc.get("compressor")
+        return cls(tuple(filters + ([numcodecs.get_codec(dict(comp))] if comp else [])))
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [c.get_config() for c in self.codecs]
+
+    @classmethod
+    def from_json(cls, configs: Sequence[Mapping[str, Any]]) -> Pipeline:
+        return cls(tuple(numcodecs.get_codec(dict(c)) for c in configs))
+
+    def encode(self, arr: np.ndarray) -> tuple[Buffer, ...]:
+        """Encode one chunk given as a C-contiguous array (its itemsize guides blosc)."""
+        if not self.codecs:
+            return (_bytes_view(arr),)
+        *head, last = self.codecs
+        buf: Any = arr
+        for c in head:
+            buf = c.encode(buf)
+        if isinstance(last, numcodecs.CRC32C) and last.location == "end":
+            # the codec's own checksum, appended without copying the chunk
+            data = _bytes_view(buf)
+            crc = last.checksum(np.frombuffer(data, dtype=np.uint8)) & 0xFFFFFFFF
+            return (data, struct.pack("<I", crc))
+        return (_bytes_view(last.encode(buf)),)
+
+    def decode(self, data: Buffer, out: bytearray | None = None) -> Buffer:
+        """Decode one stored chunk to its raw bytes, into ``out`` when given and the codec can
+        (raises the codec's own error on corruption)."""
+        buf: Any = data
+        last = len(self.codecs) - 1
+        for i, c in enumerate(reversed(self.codecs)):
+            if i == last and out is not None:
+                got = c.decode(buf, out=out)
+                if got is out or (isinstance(got, np.ndarray)
+                                  and np.shares_memory(got, np.frombuffer(out, dtype=np.uint8))):
+                    return out
+                buf = got
+            else:
+                buf = c.decode(buf)
+        return _bytes_view(buf)
+
+
+def _bytes_view(buf: Any) -> memoryview:
+    """A flat byte view of a codec's output (bytes, bytearray, memoryview or ndarray)."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")

@@ -1,0 +1,82 @@
+"""Reading Megatron-Core ``zarr`` checkpoints (sharded_backend "zarr", version 1).
+
+Megatron wrote one zarr v2 array per ShardedTensor key directly under the checkpoint directory
+(``<key>/.zarray`` plus chunk files, chunks = one rank's shard, ``fill_value: null``, bfloat16
+patched into the dtype), ``metadata.json`` naming the backend, and no index. ``sniff`` builds a
+ckptfs Index from those files (formats/zarr-2.md §Megatron-Core checkpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ckptfs.errors import MalformedIndexError, UnsupportedValueError
+from ckptfs.layout.backend import ByteReader
+from ckptfs.layout.backends.zarr_codecs import Pipeline
+from ckptfs.layout.backends.zarr_grid import Grid
+from ckptfs.layout.backends.zarr_meta import V2_DTYPES
+from ckptfs.layout.backends.zarr_paths import chunk_key, join
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.keys import encode_component
+
+MARKER = "metadata.json"
+
+
+async def sniff_megatron(reader: ByteReader) -> Index | None:
+    """An Index for a Megatron-Core zarr checkpoint at the reader's root, or None."""
+    if not await reader.exists(MARKER):
+        return None
+    try:
+        meta = json.loads(bytes(await reader.get(MARKER)))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("sharded_backend") != "zarr":
+        return None
+    paths = sorted(f[: -len("/.zarray")] for f in await reader.list("") if f.endswith("/.zarray"))
+    docs = await asyncio.gather(*(reader.get(join(p, ".zarray")) for p in paths))
+    tensors = {}
+    for path, raw in zip(paths, docs, strict=True):
+        try:
+            doc = json.loads(bytes(raw))
+        except ValueError as e:
+            raise MalformedIndexError(f"{join(path, '.zarray')}: not valid JSON ({e})") from None
+        # Megatron keys are flat strings: the directory path is one key component
+        entry = tensor_from_zarray(encode_component(path), path, doc)
+        tensors[entry.key] = entry
+    writer = {"library": "megatron-core",
+              **{k: v for k, v in meta.items() if isinstance(v, str | int | float | bool)}}
+    return Index(backend="zarr", backend_version=2, tensors=tensors, writer=writer)
+
+
+def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEntry:
+    """The TensorEntry of the zarr v2 array at ``path`` described by ``doc`` (its .zarray)."""
+    where = join(path, ".zarray")
+    if not isinstance(doc, Mapping) or doc.get("zarr_format") != 2:
+        raise MalformedIndexError(f"{where}: not a zarr v2 array document")
+    dtype = V2_DTYPES.get(doc.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise UnsupportedValueError(
+            f"{where}: dtype {doc.get('dtype')!r} is not supported; supported: {sorted(V2_DTYPES)}")
+    if doc.get("order", "C") != "C":
+        raise UnsupportedValueError(f"{where}: order {doc.get('order')!r}; only 'C' is supported")
+    try:
+        shape = tuple(int(n) for n in doc["shape"])
+        chunks = tuple(int(n) for n in doc["chunks"])
+    except (KeyError, TypeError, ValueError):
+        raise MalformedIndexError(f"{where}: fields 'shape' and 'chunks' must be int lists") from None
+    sep = doc.get("dimension_separator") or "."
+    grid = Grid(shape, chunks)
+    entries = []
+    for cell in grid.cells():
+        extra = {"stored_shape": list(chunks)} if cell.shape != chunks else {}
+        entries.append(ChunkEntry(cell.offsets, cell.shape,
+                                  file=join(path, chunk_key(2, grid.index_of(cell.offsets), sep)),
+                                  byte_offset=0, extra=extra))
+    codecs = Pipeline.from_zarray(doc).to_json()
+    extra: dict[str, Any] = {"zarr_path": path}
+    if codecs:
+        extra["codecs"] = codecs
+    return TensorEntry(key, dtype, shape, tuple(entries), extra=extra)
