@@ -78,6 +78,7 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     """
     per_file: dict[str, list[tuple[int, Callable[[_FileWork], None]]]] = defaultdict(list)
     encoded: list[tuple[TensorRead, ReadPiece, EncodedChunk]] = []
+    keys_of: dict[str, set[str]] = defaultdict(set)  # file -> keys read from it (for errors)
     needed = 0
     sources = await backend.chunk_sources(
         [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
@@ -88,6 +89,7 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             src = next(it)
             needed += piece.src.volume * dt.itemsize
             if isinstance(src, RawChunk):
+                keys_of[src.file].add(job.entry.key)
                 per_file[src.file].append(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
                                                     store.config.max_gap, verify))
             else:
@@ -102,7 +104,10 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
                 work = _FileWork([], [])
                 for materialize in batch:
                     materialize(work)
-                await store.read_into(path, work.reads)
+                try:
+                    await store.read_into(path, work.reads)
+                except FileNotFoundError as e:
+                    raise _missing_file(sorted(keys_of[path]), e) from None
                 if work.after:
                     await asyncio.to_thread(_run_all, work.after)
             finally:
@@ -119,6 +124,11 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     await asyncio.gather(*(run_file(p, w) for p, w in per_file.items()),
                          *(run_encoded(j, p, s) for j, p, s in encoded))
     return needed
+
+
+def _missing_file(keys: list[str], e: FileNotFoundError) -> IntegrityError:
+    """A data file the index lists is gone: the checkpoint is damaged."""
+    return IntegrityError(f"key(s) {', '.join(map(repr, keys))}: a data file is missing ({e})")
 
 
 def _run_all(fns: list[Callable[[], None]]) -> None:
@@ -212,10 +222,13 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
 
 async def _run_encoded(store: Store, job: TensorRead, piece: ReadPiece, src: EncodedChunk,
                        verify: bool) -> None:
-    if src.start is None:
-        data = await store.get(src.file)
-    else:
-        data = await store.get_range(src.file, src.start, src.end)
+    try:
+        if src.start is None:
+            data = await store.get(src.file)
+        else:
+            data = await store.get_range(src.file, src.start, src.end)
+    except FileNotFoundError as e:
+        raise _missing_file([job.entry.key], e) from None
     chunk = piece.chunk
     dt = from_name(job.entry.dtype, job.entry.key)
 
