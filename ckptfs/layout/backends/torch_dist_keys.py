@@ -1,0 +1,192 @@
+"""ckptfs canonical keys <-> DCP FQNs (formats/torch_dist-1.md §Keys).
+
+DCP (torch >= 2.4, ``_traverse.traverse_state_dict``) flattens a nested state dict into items
+named by the dot-joined object path: dict keys become ``str(k)``, list items stay ``int``.
+A list holding no tensor and no dict (at any depth through lists) is one leaf, a tuple is always
+one leaf, and an empty dict yields nothing. Every leaf that is not a tensor is one pickled
+(BYTE_IO) item. ``dcp_leaves`` reproduces that traversal over a ckptfs index; the functions
+below it turn DCP object paths and loaded BYTE_IO values back into ckptfs keys and values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfs.errors import MalformedIndexError, UnsupportedValueError
+from ckptfs.layout.keys import Component, decode_key, encode_key, parent_key
+
+Json = Any
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@dataclass(frozen=True, slots=True)
+class DcpLeaf:
+    """One DCP item: a tensor, or a Python object written as BYTE_IO."""
+
+    fqn: str
+    path: tuple[str | int, ...]  #: DCP's object path (Metadata.planner_data)
+    key: str  #: the ckptfs key of the node it comes from
+    tensor: bool
+    value: Any = None  #: the object of a BYTE_IO item
+
+
+def decode_plain(v: Json, key: str) -> Any:
+    """An index value as a Python object (formats/README.md §Values)."""
+    if isinstance(v, dict):
+        if len(v) == 1 and v.get("$float") in _SPECIAL:
+            return _SPECIAL[v["$float"]]
+        raise MalformedIndexError(f"values[{key!r}]: unknown encoded value {v!r}")
+    return v
+
+
+def encode_plain(v: Any) -> tuple[bool, Json]:
+    """(True, JSON form) for None/bool/int/float/str, else (False, None)."""
+    if v is None or isinstance(v, bool | int | str):
+        return True, v
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return True, v
+        return True, {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    return False, None
+
+
+# -- ckptfs index -> DCP items --------------------------------------------------------------------
+
+
+def dcp_leaves(tensors: Iterable[str], values: Mapping[str, Json],
+               containers: Mapping[str, str]) -> list[DcpLeaf]:
+    """The items DCP's flatten_state_dict makes of the state dict an index describes."""
+    tensors = set(tensors)
+    children: dict[str, list[str]] = defaultdict(list)
+    for key in (*tensors, *values, *containers):
+        children[parent_key(key)].append(key)
+    tree = _Tree(tensors, values, containers, children)
+    out: list[DcpLeaf] = []
+    for key in tree.ordered(""):
+        tree.walk(key, (str(decode_key(key)[-1]),), out)
+    seen: dict[str, str] = {}
+    for leaf in out:
+        other = seen.setdefault(leaf.fqn, leaf.key)
+        if other != leaf.key:
+            raise UnsupportedValueError(
+                f"keys {other!r} and {leaf.key!r} both become DCP item {leaf.fqn!r}; DCP joins "
+                f"paths with '.', so torch_dist cannot store both"
+            )
+    return out
+
+
+@dataclass
+class _Tree:
+    tensors: set[str]
+    values: Mapping[str, Json]
+    containers: Mapping[str, str]
+    children: Mapping[str, list[str]]
+
+    def ordered(self, key: str) -> list[str]:
+        kids = self.children.get(key, [])
+        return sorted(kids, key=lambda k: _order(decode_key(k)[-1]))
+
+    def walk(self, key: str, path: tuple[str | int, ...], out: list[DcpLeaf]) -> None:
+        fqn = ".".join(map(str, path))
+        if key in self.tensors:
+            out.append(DcpLeaf(fqn, path, key, True))
+            return
+        if key in self.values:
+            out.append(DcpLeaf(fqn, path, key, False, decode_plain(self.values[key], key)))
+            return
+        kind = self.containers[key]
+        if kind == "tuple" or (kind == "list" and self.terminal_list(key)):
+            out.append(DcpLeaf(fqn, path, key, False, self.build(key, key)))
+            return
+        for child in self.ordered(key):
+            c = decode_key(child)[-1]
+            self.walk(child, (*path, c if kind == "list" else str(c)), out)
+
+    def terminal_list(self, key: str) -> bool:
+        """DCP's _is_terminal: no tensor and no dict among the items, lists checked inside."""
+        for child in self.children.get(key, []):
+            if child in self.tensors:
+                return False
+            kind = self.containers.get(child)
+            if kind == "dict" or (kind == "list" and not self.terminal_list(child)):
+                return False
+        return True
+
+    def build(self, key: str, leaf: str) -> Any:
+        """The Python object of a subtree written as one BYTE_IO item."""
+        if key in self.tensors:
+            raise UnsupportedValueError(
+                f"key {key!r} is a tensor inside {leaf!r}, which DCP stores as one pickled "
+                f"object (a tuple, or a list without tensors or dicts); torch_dist cannot write "
+                f"it from shards: use a list or a dict for containers of tensors"
+            )
+        if key in self.values:
+            return decode_plain(self.values[key], key)
+        kind = self.containers[key]
+        kids = self.ordered(key)
+        if kind == "dict":
+            return {decode_key(k)[-1]: self.build(k, leaf) for k in kids}
+        items = [self.build(k, leaf) for k in kids]
+        return tuple(items) if kind == "tuple" else items
+
+
+def _order(c: Component) -> tuple:
+    return (0, c, "") if isinstance(c, int) else (1, 0, c)
+
+
+# -- DCP items -> ckptfs keys and values ----------------------------------------------------------
+
+
+def component_of(c: str | int) -> Component:
+    """A DCP path component as a ckptfs one: dict keys that read as canonical ints become ints
+    (DCP writes ``str(k)``, losing int dict keys such as optimizer state ids)."""
+    if isinstance(c, str) and c and (c.isdigit() or (c[0] == "-" and c[1:].isdigit())) \
+            and str(int(c)) == c:
+        return int(c)
+    return c
+
+
+def key_of_path(path: tuple[str | int, ...]) -> str:
+    return encode_key(tuple(component_of(c) for c in path))
+
+
+def containers_of_paths(paths: Iterable[tuple[str | int, ...]]) -> dict[str, str]:
+    """Container kinds implied by DCP object paths: an int component is a list index."""
+    kinds: dict[str, str] = {}
+    indices: dict[str, set[int]] = defaultdict(set)
+    for path in paths:
+        for i in range(1, len(path)):
+            key = key_of_path(path[:i])
+            kind = "list" if isinstance(path[i], int) else "dict"
+            if kinds.setdefault(key, kind) != kind:
+                kinds[key] = "dict"
+            if kind == "list":
+                indices[key].add(path[i])  # type: ignore[arg-type]
+    for key, idx in indices.items():
+        if kinds[key] == "list" and idx != set(range(len(idx))):
+            kinds[key] = "dict"  # items DCP did not write (empty dicts): keep the indices
+    return kinds
+
+
+def expand_value(key: str, obj: Any, values: dict[str, Json], containers: dict[str, str],
+                 skipped: list[str]) -> None:
+    """Add a loaded BYTE_IO object under ``key``: containers are opened into ckptfs containers
+    and plain leaves; leaves that are not plain values are listed in ``skipped``."""
+    if isinstance(obj, dict | list | tuple):
+        containers[key] = "dict" if isinstance(obj, dict) else type(obj).__name__
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                skipped.append(f"{key}/{k!r}")
+                continue
+            expand_value(encode_key((*decode_key(key), k)), v, values, containers, skipped)
+        return
+    ok, enc = encode_plain(obj)
+    if ok:
+        values[key] = enc
+    else:
+        skipped.append(f"{key} ({type(obj).__module__}.{type(obj).__qualname__})")

@@ -1,0 +1,214 @@
+"""A ckptfs Index for a directory written by PyTorch DCP or Megatron-Core ``torch_dist``
+(formats/torch_dist-1.md §Reading foreign checkpoints). Reads metadata only, never tensor data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+
+from ckptfs.errors import CheckpointNotFoundError, FormatVersionError, MalformedIndexError
+from ckptfs.layout.backend import ByteReader
+from ckptfs.layout.backends.torch_dist_keys import containers_of_paths, expand_value, key_of_path
+from ckptfs.layout.backends.torch_dist_pickle import (
+    DcpMetadata,
+    DcpStorage,
+    DcpTensor,
+    ForbiddenGlobalError,
+    load_dcp_metadata,
+)
+from ckptfs.layout.dtypes import from_torch
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.keys import encode_key
+
+METADATA = ".metadata"
+MEGATRON_CONFIG = "metadata.json"
+MEGATRON_COMMON = "common.pt"
+#: set to "skip" to read a Megatron checkpoint whose common.pt torch.load(weights_only=True) refuses
+COMMON_ENV = "CKPTFS_MEGATRON_COMMON"
+
+
+def _where(reader: ByteReader, path: str) -> str:
+    full = getattr(reader, "full_path", None)
+    return full(path) if callable(full) else path
+
+
+async def sniff_dcp(reader: ByteReader, backend: str, version: int) -> Index | None:
+    """The Index of a DCP / Megatron torch_dist checkpoint at ``reader``, or None if it is not one."""
+    megatron = await _megatron_config(reader)
+    if megatron is False:
+        return None
+    source = _where(reader, METADATA)
+    if not await reader.exists(METADATA):
+        if megatron is not None:
+            raise CheckpointNotFoundError(
+                f"{source} is missing: {_where(reader, MEGATRON_CONFIG)} names a torch_dist "
+                f"checkpoint, but its DCP metadata was never written (incomplete save?)"
+            )
+        if await reader.exists("__0.metadata"):
+            raise FormatVersionError(
+                f"{_where(reader, '__0.metadata')}: a rank-local DCP checkpoint "
+                f"(use_collectives=False) has no global metadata; torch_dist-1 does not read it"
+            )
+        return None
+    raw = bytes(await reader.get(METADATA))
+    md = await asyncio.to_thread(load_dcp_metadata, raw, source)
+    return await _index(md, reader, source, backend, version, megatron)
+
+
+async def _megatron_config(reader: ByteReader) -> dict[str, Any] | bool | None:
+    """Megatron's metadata.json: None when absent, False when it names another backend."""
+    if not await reader.exists(MEGATRON_CONFIG):
+        return None
+    where = _where(reader, MEGATRON_CONFIG)
+    try:
+        cfg = json.loads(bytes(await reader.get(MEGATRON_CONFIG)))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MalformedIndexError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or "sharded_backend" not in cfg:
+        return None  # some other tool's metadata.json
+    if cfg["sharded_backend"] != "torch_dist":
+        return False
+    if cfg.get("sharded_backend_version") != 1:
+        raise FormatVersionError(
+            f"{where}: sharded_backend_version is {cfg.get('sharded_backend_version')!r}; "
+            f"ckptfs reads Megatron torch_dist version 1"
+        )
+    common = cfg.get("common_backend", "torch")
+    if common != "torch" or cfg.get("common_backend_version", 1) != 1:
+        raise FormatVersionError(
+            f"{where}: common_backend {common!r} version {cfg.get('common_backend_version')!r}; "
+            f"ckptfs reads Megatron's common state only as 'torch' version 1 (common.pt)"
+        )
+    return cfg
+
+
+async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str, version: int,
+                 megatron: dict[str, Any] | None) -> Index:
+    tensors: dict[str, TensorEntry] = {}
+    values: dict[str, Any] = {}
+    containers: dict[str, str] = {}
+    files: dict[str, int] = {}
+    paths: dict[str, tuple] = {}
+    byte_items: list[tuple[str, DcpStorage]] = []
+    for fqn, item in md.items.items():
+        path = md.planner_data.get(fqn) or (fqn,)
+        key = key_of_path(path)
+        if key in paths:
+            raise MalformedIndexError(f"{source}: DCP items {paths[key]!r} and {path!r} both map "
+                                      f"to ckptfs key {key!r}")
+        paths[key] = path
+        if isinstance(item, DcpTensor):
+            tensors[key] = _tensor(md, fqn, key, item, source, files)
+        else:
+            st = md.storage.get((fqn, None))
+            if st is None:
+                raise MalformedIndexError(f"{source}: BYTE_IO item {fqn!r} has no storage_data entry")
+            byte_items.append((key, st))
+    skipped: list[str] = []
+
+    async def fetch(key: str, st: DcpStorage) -> tuple[str, DcpStorage, bytes]:
+        data = await reader.get_range(st.relative_path, st.offset, st.offset + st.length)
+        return key, st, bytes(data)
+
+    for key, st, data in await asyncio.gather(*(fetch(k, s) for k, s in byte_items)):
+        _grow(files, st)
+        if st.transforms:
+            skipped.append(f"{key} (DCP transforms {list(st.transforms)})")
+            continue
+        try:
+            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as e:
+            skipped.append(f"{key} (torch.load(weights_only=True) refuses it: {_reason(e)})")
+            continue
+        expand_value(key, obj, values, containers, skipped)
+    containers.update(containers_of_paths(paths.values()))
+    writer: dict[str, Any] = {"library": "torch.distributed.checkpoint", "dcp_version": md.version,
+                              "read_from": METADATA,
+                              "pickle_globals": sorted(md.globals_seen)}
+    if megatron is not None:
+        writer["megatron"] = megatron
+        await _merge_common(reader, values, containers, skipped, tensors)
+    if skipped:
+        warnings.warn(
+            f"{source}: {len(skipped)} value(s) are not plain Python values and are left out of "
+            f"the index (loading them raises a missing-key error): {'; '.join(skipped[:10])}"
+            f"{' ...' if len(skipped) > 10 else ''}", stacklevel=3)
+    clash = sorted(set(containers) & (set(values) | set(tensors)))
+    if clash:
+        raise MalformedIndexError(f"{source}: key {clash[0]!r} is both a container and a leaf")
+    return Index(backend=backend, backend_version=version, tensors=dict(sorted(tensors.items())),
+                 values=values, containers=containers, files=dict(sorted(files.items())),
+                 writer=writer)
+
+
+def _grow(files: dict[str, int], st: DcpStorage) -> None:
+    files[st.relative_path] = max(files.get(st.relative_path, 0), st.offset + st.length)
+
+
+def _tensor(md: DcpMetadata, fqn: str, key: str, item: DcpTensor, source: str,
+            files: dict[str, int]) -> TensorEntry:
+    dt = from_torch(item.dtype, key)
+    chunks = []
+    for c in item.chunks:
+        if not math.prod(c.sizes):
+            continue
+        st = md.storage.get((fqn, c.offsets))
+        if st is None:
+            raise MalformedIndexError(
+                f"{source}: tensor {fqn!r} chunk at {list(c.offsets)} has no storage_data entry")
+        extra: dict[str, Any] = {"item_offset": st.offset, "item_length": st.length}
+        if st.transforms:
+            extra["transforms"] = list(st.transforms)
+        chunks.append(ChunkEntry(c.offsets, c.sizes, st.relative_path, extra=extra))
+        _grow(files, st)
+    chunks.sort(key=lambda c: c.offsets)
+    return TensorEntry(key, dt.name, item.size, tuple(chunks), extra={"dcp_fqn": fqn})
+
+
+async def _merge_common(reader: ByteReader, values: dict[str, Any], containers: dict[str, str],
+                        skipped: list[str], tensors: dict[str, TensorEntry]) -> None:
+    """Megatron's common.pt: the non-sharded state, at the root of the state dict."""
+    if not await reader.exists(MEGATRON_COMMON):
+        return
+    where = _where(reader, MEGATRON_COMMON)
+    data = bytes(await reader.get(MEGATRON_COMMON))
+    try:
+        common = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:
+        if os.environ.get(COMMON_ENV) == "skip":
+            warnings.warn(f"{where}: left out ({COMMON_ENV}=skip): {_reason(e)}", stacklevel=4)
+            return
+        raise ForbiddenGlobalError(
+            f"{where}: Megatron's common state cannot be read safely: torch.load(weights_only="
+            f"True) refuses it ({_reason(e)}); ckptfs does not unpickle arbitrary objects. The "
+            f"sharded tensors in .metadata are readable: set {COMMON_ENV}=skip to load the "
+            f"checkpoint without common.pt"
+        ) from None
+    if not isinstance(common, dict):
+        raise MalformedIndexError(f"{where}: holds a {type(common).__name__}, not a dict")
+    for k, v in common.items():
+        if isinstance(k, bool) or not isinstance(k, str | int):
+            skipped.append(f"common.pt key {k!r}")
+            continue
+        key = encode_key((k,))
+        if key in values or key in tensors:
+            raise MalformedIndexError(f"{where}: key {key!r} is also in the DCP metadata")
+        expand_value(key, v, values, containers, skipped)
+
+
+def _reason(e: Exception) -> str:
+    msg = str(e)
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
+    if m:
+        return f"it needs {m.group(1)}, which weights_only does not allow"
+    line = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(e).__name__)
+    return line[:300]

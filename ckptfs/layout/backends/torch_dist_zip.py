@@ -1,0 +1,360 @@
+"""The ``torch.save`` zip container of one DCP item (formats/torch_dist-1.md §Blobs).
+
+Reading: ``locate_tensor`` finds where a saved tensor's storage bytes sit inside a blob with two
+small ranged reads (the central directory at the end, then the head up to the storage record's
+local header). It is written sans-IO, as a generator of ``(start, end)`` requests, so the same
+parser runs over bytes in memory (at save time) and over ranged reads of a store (at load time).
+
+Writing: ``tensor_blob`` produces the exact bytes ``torch.save(t)`` would, as (head, data, tail)
+where ``data`` is the tensor's own memory: torch serialises the container with
+``torch.serialization.skip_data`` (no copy of the data), then the data record's CRC-32 and the
+serialization id derived from it are patched in.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+
+import torch
+
+from ckptfs.layout.backends.torch_dist_pickle import StoredTensor, read_tensor_pickle
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+Request = tuple[int, int]  #: bytes [start, end) relative to the blob start
+Steps = Generator[Request, bytes, "TensorLayout"]
+
+TAIL = 1024  #: speculative size of the first read at the blob's end (the central directory)
+_EOCD = b"PK\x05\x06"
+_EOCD64_LOC = b"PK\x06\x07"
+_EOCD64 = b"PK\x06\x06"
+_CENTRAL = b"PK\x01\x02"
+_LOCAL = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+_U32 = 0xFFFFFFFF
+_U16 = 0xFFFF
+_M64 = (1 << 64) - 1
+
+
+class ZipFormatError(ValueError):
+    """The bytes are not the torch.save zip container this module understands."""
+
+
+@dataclass(frozen=True, slots=True)
+class ZipRecord:
+    """One file of the zip, from its central-directory entry (offsets from the blob start)."""
+
+    name: str
+    header_offset: int  #: the record's local header
+    compressed_size: int
+    size: int
+    method: int  #: 0 = stored
+    flags: int
+    crc: int
+    crc_at: int  #: where the CRC-32 field of its central-directory entry is
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Where a blob's tensor storage is, and whether its bytes are the tensor in C order."""
+
+    data_offset: int  #: first byte of the tensor's elements, from the blob start
+    tensor: StoredTensor | None  #: None when data.pkl is not a plain tensor
+    record: ZipRecord | None
+    byteorder: str
+    records: tuple[ZipRecord, ...]
+
+    def raw_problem(self, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+        """Why the bytes at ``data_offset`` are not ``dtype[shape]`` in C order, or None."""
+        t = self.tensor
+        if t is None or self.record is None:
+            return "data.pkl is not a single plain tensor"
+        if t.dtype != dtype:
+            return f"the blob holds {t.dtype}, the metadata says {dtype}"
+        if tuple(t.size) != tuple(shape):
+            return f"the blob holds shape {list(t.size)}, the metadata says {list(shape)}"
+        if self.record.method != 0:
+            return f"record {self.record.name} is compressed (method {self.record.method})"
+        if self.byteorder != "little":
+            return f"byte order is {self.byteorder}"
+        if not t.c_contiguous:
+            return f"strides {list(t.stride)} are not C order"
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        end = (t.storage_offset + t.numel) * itemsize
+        if t.numel and end > self.record.size:
+            return f"storage record {self.record.name} holds {self.record.size} bytes, needs {end}"
+        return None
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+
+def locate_records(blob_len: int) -> Generator[Request, bytes, tuple[ZipRecord, ...]]:
+    """Central-directory records of a zip of ``blob_len`` bytes (zip64 included)."""
+    tail_start = max(0, blob_len - TAIL)
+    tail = yield (tail_start, blob_len)
+    pos = len(tail) - 22 if tail[-22:-18] == _EOCD else tail.rfind(_EOCD)
+    if pos < 0:
+        raise ZipFormatError("no end-of-central-directory record at the end of the blob")
+    entries, cd_size, cd_offset = struct.unpack_from("<HII", tail, pos + 10)
+    if _U16 in (entries,) or _U32 in (cd_size, cd_offset):
+        loc = pos - 20
+        if loc < 0 or tail[loc : loc + 4] != _EOCD64_LOC:
+            raise ZipFormatError("zip64 end-of-central-directory locator is missing")
+        (eocd64,) = struct.unpack_from("<Q", tail, loc + 8)
+        rec = (tail[eocd64 - tail_start : eocd64 - tail_start + 56] if eocd64 >= tail_start
+               else (yield (eocd64, eocd64 + 56)))
+        if rec[:4] != _EOCD64:
+            raise ZipFormatError("zip64 end-of-central-directory record is missing")
+        entries, cd_size, cd_offset = struct.unpack_from("<QQQ", rec, 32)
+    if cd_offset + cd_size > blob_len:
+        raise ZipFormatError(f"central directory [{cd_offset}, +{cd_size}) exceeds the blob")
+    if cd_offset >= tail_start:
+        cd = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
+    else:
+        cd = yield (cd_offset, cd_offset + cd_size)
+    return tuple(_parse_central(bytes(cd), cd_offset, entries))
+
+
+def _parse_central(cd: bytes, base: int, entries: int) -> list[ZipRecord]:
+    out = []
+    p = 0
+    for _ in range(entries):
+        if cd[p : p + 4] != _CENTRAL:
+            raise ZipFormatError(f"bad central-directory entry at {base + p}")
+        flags, method = struct.unpack_from("<HH", cd, p + 8)
+        crc, csize, usize, nlen, elen, clen = struct.unpack_from("<IIIHHH", cd, p + 16)
+        (offset,) = struct.unpack_from("<I", cd, p + 42)
+        name = cd[p + 46 : p + 46 + nlen].decode("utf-8", "replace")
+        extra = cd[p + 46 + nlen : p + 46 + nlen + elen]
+        if _U32 in (usize, csize, offset):
+            usize, csize, offset = _zip64_extra(extra, usize, csize, offset, name)
+        out.append(ZipRecord(name, offset, csize, usize, method, flags, crc, base + p + 16))
+        p += 46 + nlen + elen + clen
+    return out
+
+
+def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int,
+                 name: str) -> tuple[int, int, int]:
+    q = 0
+    while q + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, q)
+        if tag == 1:
+            vals = [struct.unpack_from("<Q", extra, q + 4 + 8 * i)[0] for i in range(size // 8)]
+            it = iter(vals)
+            usize = next(it) if usize == _U32 else usize
+            csize = next(it) if csize == _U32 else csize
+            offset = next(it) if offset == _U32 else offset
+            return usize, csize, offset
+        q += 4 + size
+    raise ZipFormatError(f"record {name}: zip64 sizes without a zip64 extra field")
+
+
+def _local_data_start(head: bytes, rec: ZipRecord) -> int | None:
+    """Offset of ``rec``'s payload, if its local header lies in ``head`` (from byte 0)."""
+    h = rec.header_offset
+    if h + 30 > len(head):
+        return None
+    if head[h : h + 4] != _LOCAL:
+        raise ZipFormatError(f"record {rec.name}: no local header at {h}")
+    nlen, elen = struct.unpack_from("<HH", head, h + 26)
+    return h + 30 + nlen + elen
+
+
+def locate_tensor(blob_len: int) -> Steps:
+    """Where the tensor of a ``torch.save`` blob keeps its storage bytes."""
+    records = yield from locate_records(blob_len)
+    by_name = {r.name: r for r in records}
+    pkl = next((r for r in records if r.name.endswith("/data.pkl") and r.name.count("/") == 1), None)
+    if pkl is None:
+        raise ZipFormatError("no <archive>/data.pkl record: not a torch.save blob")
+    prefix = pkl.name[: -len("data.pkl")]
+    storages = [r for r in records if r.name.startswith(prefix + "data/")]
+    wanted = [pkl, *storages, *([by_name[prefix + "byteorder"]] if prefix + "byteorder" in by_name
+                                else [])]
+    end = max(r.header_offset + 30 + len(r.name.encode()) for r in wanted)
+    head = yield (0, min(end, blob_len))
+
+    payloads: dict[str, bytes] = {}
+    for rec in (pkl, by_name.get(prefix + "byteorder")):
+        if rec is None:
+            continue
+        start = _local_data_start(head, rec)
+        if start is None or start + rec.compressed_size > len(head):
+            lh = yield (rec.header_offset, rec.header_offset + 30 + len(rec.name.encode()) + _U16)
+            nlen, elen = struct.unpack_from("<HH", lh, 26)
+            start = rec.header_offset + 30 + nlen + elen
+            payloads[rec.name] = yield (start, start + rec.compressed_size)
+        else:
+            payloads[rec.name] = head[start : start + rec.compressed_size]
+        if rec.method != 0:
+            payloads[rec.name] = zlib.decompress(payloads[rec.name], -15)
+    byteorder = payloads.get(prefix + "byteorder", b"little").decode("ascii", "replace")
+    try:
+        tensor: StoredTensor | None = read_tensor_pickle(payloads[pkl.name])
+    except Exception:  # not a plain tensor: the caller decodes the blob with torch.load
+        tensor = None
+    record = by_name.get(f"{prefix}data/{tensor.key}") if tensor is not None else None
+    data_offset = -1
+    if record is not None:
+        start = _local_data_start(head, record)
+        if start is None:
+            raise ZipFormatError(f"record {record.name}: local header not in the blob head")
+        itemsize = torch.empty((), dtype=tensor.dtype).element_size()  # type: ignore[union-attr]
+        data_offset = start + tensor.storage_offset * itemsize  # type: ignore[union-attr]
+    return TensorLayout(data_offset, tensor, record, byteorder, records)
+
+
+def run_on_bytes(steps: Generator[Request, bytes, object], data: bytes | memoryview) -> object:
+    """Drive a parser over bytes in memory."""
+    mv = memoryview(data)
+    try:
+        start, end = next(steps)
+        while True:
+            start, end = steps.send(bytes(mv[start:end]))
+    except StopIteration as stop:
+        return stop.value
+
+
+async def run_on_reader(steps: Generator[Request, bytes, object],
+                        get_range: Callable[[int, int], Awaitable[bytes]]) -> object:
+    """Drive a parser with ranged reads (``get_range(start, end)`` relative to the blob)."""
+    try:
+        start, end = next(steps)
+        while True:
+            data = await get_range(start, end)
+            start, end = steps.send(bytes(data))
+    except StopIteration as stop:
+        return stop.value
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBlob:
+    """``torch.save(t)`` as three parts: container head, the tensor's own bytes, container tail."""
+
+    head: bytes
+    data: memoryview
+    tail: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + self.data.nbytes + len(self.tail)
+
+    @property
+    def data_offset(self) -> int:
+        return len(self.head)
+
+
+class _SparseWriter(io.RawIOBase):
+    """A seekable sink that keeps what torch writes and remembers the holes it seeks over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = 0
+        self.size = 0
+        self.parts: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        data = bytes(memoryview(b).cast("B"))
+        self.parts.append((self.pos, data))
+        self.pos += len(data)
+        self.size = max(self.size, self.pos)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        self.size = max(self.size, self.pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def bytes(self) -> bytearray:
+        out = bytearray(self.size)
+        for p, d in self.parts:
+            out[p : p + len(d)] = d
+        return out
+
+
+def _is_compact(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def tensor_blob(t: torch.Tensor) -> TensorBlob:
+    """The bytes of ``torch.save(t)`` (as DCP writes an item), without copying ``t``'s data.
+
+    ``t`` must be a CPU, C-contiguous tensor. Like DCP (which clones such tensors), a view into
+    a larger storage is saved as if compact.
+    """
+    data = tensor_bytes(t)
+    skip = getattr(torch.serialization, "skip_data", None)
+    if skip is not None:
+        try:
+            return _blob_without_copy(t, data, skip)
+        except (ZipFormatError, AssertionError, RuntimeError):
+            pass
+    bio = io.BytesIO()
+    torch.save(t if _is_compact(t) else t.clone(), bio)
+    raw = bio.getbuffer()
+    layout = run_on_bytes(locate_tensor(len(raw)), raw)
+    assert isinstance(layout, TensorLayout)
+    start = layout.data_offset
+    return TensorBlob(bytes(raw[:start]), data, bytes(raw[start + data.nbytes :]))
+
+
+def _blob_without_copy(t: torch.Tensor, data: memoryview, skip) -> TensorBlob:
+    stand_in = t if _is_compact(t) else torch.empty(t.shape, dtype=t.dtype)  # never touched
+    sink = _SparseWriter()
+    with skip():
+        torch.save(stand_in, sink)
+    blob = sink.bytes()
+    layout = run_on_bytes(locate_tensor(len(blob)), blob)
+    assert isinstance(layout, TensorLayout) and layout.record is not None
+    start, n = layout.data_offset, data.nbytes
+    assert layout.record.size == n and not any(s < start + n and s + len(d) > start
+                                               for s, d in sink.parts if d)
+    crcs = {r.name: r.crc for r in layout.records}
+    _set_crc(blob, layout.record, start + n, zlib.crc32(data))
+    crcs[layout.record.name] = zlib.crc32(data)
+    # torch's serialization id: 20 digits of combined record-name hashes (unchanged), then 20
+    # digits of the hash_combine fold of the CRC-32 of every earlier non-empty record
+    sid = next((r for r in layout.records if r.name.endswith("/.data/serialization_id")), None)
+    if sid is not None:
+        sid_start = _local_data_start(blob, sid)
+        assert sid_start is not None and sid.size == 40 and sid.method == 0
+        fold = 0
+        for r in layout.records:
+            if r is not sid and r.size:
+                fold = _hash_combine(fold, crcs[r.name])
+        new = bytes(blob[sid_start : sid_start + 20]) + f"{fold:020d}".encode()
+        assert len(new) == 40
+        blob[sid_start : sid_start + 40] = new
+        _set_crc(blob, sid, sid_start + 40, zlib.crc32(new))
+    return TensorBlob(bytes(blob[:start]), data, bytes(blob[start + n :]))
+
+
+def _set_crc(blob: bytearray, rec: ZipRecord, payload_end: int, crc: int) -> None:
+    """Write ``crc`` for ``rec`` into its central-directory entry and its data descriptor (or
+    its local header when it has none)."""
+    struct.pack_into("<I", blob, rec.crc_at, crc)
+    if rec.flags & 0x8:
+        at = payload_end + (4 if blob[payload_end : payload_end + 4] == _DESCRIPTOR else 0)
+        struct.pack_into("<I", blob, at, crc)
+    else:
+        struct.pack_into("<I", blob, rec.header_offset + 14, crc)
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _M64) + (seed >> 2)) & _M64)) & _M64
