@@ -1,0 +1,109 @@
+"""The two checkpointers under test, behind one small interface, with the same durability.
+
+ckptfs fsyncs data files and the index by default (IOConfig.fsync=True); DCP's FileSystemWriter
+is given sync_files=True (also its default). Everything else is each library's default.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+import ckptfs
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBytes:
+    """What one rank's load read, by the library's own account."""
+
+    read: int  #: bytes fetched (ckptfs: measured by its I/O layer; DCP: estimated, see below)
+    needed: int  #: bytes of the local shards the rank had to fill
+
+
+def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, shape) of this rank's shard of a DTensor (or a whole plain tensor)."""
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(offset), tuple(shape)
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+class Checkpointer(ABC):
+    name: str
+
+    @abstractmethod
+    def save(self, state: dict[str, torch.Tensor], path: str) -> None: ...
+
+    @abstractmethod
+    def load(self, state: dict[str, torch.Tensor], path: str) -> LoadBytes: ...
+
+    def remove(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Ckptfs(Checkpointer):
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend, self.version = backend, version
+        self.name = f"ckptfs[{backend}-{version}]"
+
+    def save(self, state, path):
+        ckptfs.save(state, path, backend=self.backend, backend_version=self.version)
+
+    def load(self, state, path):
+        res = ckptfs.load(state, path)
+        return LoadBytes(res.bytes_read, res.bytes_needed)
+
+
+class Dcp(Checkpointer):
+    name = "DCP"
+
+    def save(self, state, path):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+
+    def load(self, state, path):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        return LoadBytes(dcp_bytes_read(state, path), sum(_nbytes(t) for t in state.values()))
+
+
+def dcp_bytes_read(state: dict[str, torch.Tensor], path: str) -> int:
+    """DCP's bytes read for this rank, estimated from its metadata.
+
+    DCP's FileSystemReader deserialises (torch.load) every stored item whose chunk overlaps the
+    rank's shard, whole, and narrows it afterwards; so the bytes it reads are the stored lengths
+    of those items (``_StorageInfo.length``, torch.save zip framing included).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    lengths = {(mi.fqn, tuple(mi.offset)): info.length for mi, info in md.storage_data.items()}
+    total = 0
+    for key, t in state.items():
+        off, shape = local_box(t)
+        for chunk in md.state_dict_metadata[key].chunks:
+            if all(o < co + cs and co < o + s
+                   for o, s, co, cs in zip(off, shape, chunk.offsets, chunk.sizes, strict=True)):
+                total += lengths[(key, tuple(chunk.offsets))]
+    return total
+
+
+def checkpointers(backends: list[tuple[str, int]]) -> list[Checkpointer]:
+    return [*(Ckptfs(n, v) for n, v in backends), Dcp()]

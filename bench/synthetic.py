@@ -1,0 +1,108 @@
+"""The benchmark's synthetic training state: fp32 and bf16 tensors, row-sharded as DTensors.
+
+Contents are a cheap deterministic function of (tensor, global row, column), so any rank can
+build its own shard for any world size without communication and check a resharded load
+bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HIDDEN = 4096
+FFN = 11008  # odd multiple of 2: rows split unevenly over 3 ranks, like 4096 does
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    seed: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def layer_specs(layer: int) -> list[TensorSpec]:
+    """One transformer-like layer: ~157 MB (a 64 MiB fp32 matrix, an 86 MiB bf16 matrix, 2 vectors)."""
+    p = f"layers.{layer}."
+    base = 16 * layer
+    return [
+        TensorSpec(p + "attn.wq", torch.float32, (HIDDEN, HIDDEN), base + 1),
+        TensorSpec(p + "mlp.w_up", torch.bfloat16, (FFN, HIDDEN), base + 2),
+        TensorSpec(p + "attn.bias", torch.float32, (HIDDEN,), base + 3),
+        TensorSpec(p + "norm.weight", torch.bfloat16, (HIDDEN,), base + 4),
+    ]
+
+
+def state_specs(gb: float) -> list[TensorSpec]:
+    """Layers until the state holds at least ``gb`` GB (1e9 bytes); at least one layer."""
+    specs: list[TensorSpec] = []
+    layer = 0
+    while not specs or sum(s.nbytes for s in specs) < gb * 1e9:
+        specs += layer_specs(layer)
+        layer += 1
+    return specs
+
+
+def row_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """DTensor Shard(0) rows of ``rank`` (torch.chunk semantics: ceil-sized, last ones short)."""
+    per = -(-n // world)
+    lo = min(rank * per, n)
+    return lo, min(lo + per, n)
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+
+
+def fill(spec: TensorSpec, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of the tensor: row hash XOR column hash, as raw bits of the dtype."""
+    it = _int_view(spec.dtype)
+    mask = (1 << (8 * spec.dtype.itemsize - 1)) - 1
+    rows = ((torch.arange(lo, hi, dtype=torch.int64) * 2654435761 + spec.seed * 97531) & mask).to(it)
+    if len(spec.shape) == 1:
+        return rows.view(spec.dtype)
+    cols = ((torch.arange(spec.shape[1], dtype=torch.int64) * 40503 + spec.seed) & mask).to(it)
+    return torch.bitwise_xor(rows[:, None], cols[None, :]).view(spec.dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    it = _int_view(a.dtype)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(it), b.view(it))
+
+
+def make_state(specs: list[TensorSpec], rank: int, world: int, *, zeros: bool) -> dict[str, torch.Tensor]:
+    """This rank's state: each tensor a DTensor Shard(0) over a 1-D mesh of ``world`` ranks.
+
+    ``zeros`` gives pre-faulted zero targets for loads (allocated once, reused by every run, as
+    a resumed training job's model and optimizer already are)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for s in specs:
+        lo, hi = row_range(s.shape[0], rank, world)
+        local = torch.zeros((hi - lo, *s.shape[1:]), dtype=s.dtype) if zeros else fill(s, lo, hi)
+        stride = (s.shape[1], 1) if len(s.shape) == 2 else (1,)
+        out[s.key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                        shape=torch.Size(s.shape), stride=stride)
+    return out
+
+
+def check_state(specs: list[TensorSpec], state: dict[str, torch.Tensor], rank: int, world: int) -> list[str]:
+    """Keys whose local shard differs from the expected contents."""
+    bad = []
+    for s in specs:
+        lo, hi = row_range(s.shape[0], rank, world)
+        if not same_bits(state[s.key].to_local(), fill(s, lo, hi)):
+            bad.append(s.key)
+    return bad
