@@ -156,34 +156,36 @@ def _case_key(case: str) -> tuple:
 
 
 def render(summary: dict, state_bytes: int, args: argparse.Namespace) -> str:
-    lines: list[str] = []
     gb = state_bytes / 1e9
-    for kind, title in (("save", "save"), ("cold", "load, cold page cache" if args.drop_caches
-                                             else "load (page cache NOT dropped)"),
-                        ("warm", "load, warm page cache")):
-        table = summary.get(kind)
-        if not table:
-            continue
-        libs = sorted({lib for per in table.values() for lib in per}, key=lambda x: (x == "DCP", x))
-        ours = [x for x in libs if x != "DCP"]
-        head = ["case", *libs, *(f"DCP/{x.split('[')[0]}" if len(ours) == 1 else f"DCP/{x}" for x in ours)]
-        rows = []
-        for case in sorted(table, key=_case_key):
-            per = table[case]
-            cells = [case]
-            for lib in libs:
-                m = per.get(lib)
-                cells.append(f"{m['seconds']:.2f} s {gb / m['seconds']:5.2f} GB/s" if m else "-")
-            for lib in ours:
-                if lib in per and "DCP" in per:
-                    ratio = per["DCP"]["seconds"] / per[lib]["seconds"]
-                    cells.append(f"{ratio:.2f}x")
-                else:
-                    cells.append("-")
-            rows.append(cells)
-        lines += ["", f"{title}: median of {args.reps} runs, {gb:.2f} GB state "
-                  f"(speed-up = DCP time / ckptfs time; target {TARGET_SPEEDUP:g}x)", *_table(head, rows)]
-    cold = summary.get("cold") or {}
+    save, cold, warm = (summary.get(k) or {} for k in ("save", "cold", "warm"))
+    libs = sorted({lib for t in (save, cold, warm) for per in t.values() for lib in per},
+                  key=lambda x: (x == "DCP", x))
+    ours = [x for x in libs if x != "DCP"]
+
+    def cells(table: dict, case: str, lib: str) -> list[str]:
+        m = table.get(case, {}).get(lib)
+        if not m:
+            return ["-", "-", "-"]
+        dcp = table[case].get("DCP")
+        ratio = f"{dcp['seconds'] / m['seconds']:.2f}x" if dcp and lib != "DCP" else ""
+        return [f"{m['seconds']:.2f} s", f"{gb / m['seconds']:.2f}", ratio]
+
+    rows = []
+    for case in sorted({*save, *cold, *warm}, key=_case_key):
+        for lib in libs:
+            first = save if case in save else cold
+            if lib not in first.get(case, {}):
+                continue
+            m = first[case][lib]
+            spread = f"{min(m['all_seconds']):.2f}-{max(m['all_seconds']):.2f}"
+            rows.append([case, lib, *cells(first, case, lib), spread,
+                         *(cells(warm, case, lib) if case in warm else ["", "", ""])])
+    cold_title = "cold" if args.drop_caches else "cache NOT dropped"
+    lines = ["", f"median of {args.reps} runs, {gb:.2f} GB state; 'x DCP' = DCP time / this time "
+             f"(target {TARGET_SPEEDUP:g}x); loads: {cold_title}, then warm page cache",
+             *_table(["case", "library", "time", "GB/s", "x DCP", "min-max s",
+                      "warm", "GB/s", "x DCP"], rows)]
+
     rows = []
     for case in sorted(cold, key=_case_key):
         for lib, m in sorted(cold[case].items(), key=lambda kv: (kv[0] == "DCP", kv[0])):
@@ -195,9 +197,29 @@ def render(summary: dict, state_bytes: int, args: argparse.Namespace) -> str:
     if rows:
         lines += ["", "bytes read / bytes needed, all ranks (target for resharded loads <= "
                   f"{TARGET_READ_RATIO}); 'disk' = /proc/self/io read_bytes after drop_caches "
-                  "(includes readahead)",
+                  "(page cache shared by ranks, readahead included)",
                   *_table(["case", "library", "needed", "read", "read/needed", "disk/needed", "read counted"],
                           rows)]
+
+    lines += ["", "targets:"]
+    for lib in ours:
+        def speedups(table: dict, prefix: tuple[str, ...], lib: str = lib) -> list[float]:
+            return [per["DCP"]["seconds"] / per[lib]["seconds"] for case, per in table.items()
+                    if case.startswith(prefix) and lib in per and "DCP" in per]
+        sv, ld = speedups(save, ("save",)), speedups(cold, ("load", "reshard"))
+        rd = [per[lib]["read"] / (per[lib]["needed"] or 1) for case, per in cold.items()
+              if case.startswith("reshard") and lib in per]
+        def verdict(ok: bool) -> str:
+            return "met" if ok else "NOT met"
+        if sv:
+            lines.append(f"  {lib}: save >= {TARGET_SPEEDUP:g}x DCP: worst {min(sv):.2f}x "
+                         f"({verdict(min(sv) >= TARGET_SPEEDUP)})")
+        if ld:
+            lines.append(f"  {lib}: load >= {TARGET_SPEEDUP:g}x DCP ({cold_title}): worst {min(ld):.2f}x "
+                         f"({verdict(min(ld) >= TARGET_SPEEDUP)})")
+        if rd:
+            lines.append(f"  {lib}: resharded read/needed <= {TARGET_READ_RATIO}: worst {max(rd):.3f} "
+                         f"({verdict(max(rd) <= TARGET_READ_RATIO)})")
     return "\n".join(lines)
 
 
