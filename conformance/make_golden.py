@@ -1,0 +1,110 @@
+"""Write the golden checkpoint of every registered pair that has none yet; never touch existing ones.
+
+    python -m conformance.make_golden [--backend NAME:VERSION ...] [--golden-dir DIR]
+
+Each new directory ``<golden-dir>/<backend>-<version>/`` gets ``checkpoint/`` (saved by
+GOLDEN_WORLD spawned gloo ranks from a fixed seed), ``expected.json`` (the whole state dict,
+encoded by conformance/golden.py, not by ckptfs) and ``SHA256SUMS``. It is built in a staging
+directory, checked (it must load to its expected values and stay under MAX_BYTES), and only then
+moved into place. Commit the new directory; from then on its bytes are frozen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import ckptfs
+from conformance.cases import differences
+from conformance.distrib import run_ranks
+from conformance.golden import (
+    CHECKPOINT,
+    EXPECTED,
+    GOLDEN_ROOT,
+    GOLDEN_WORLD,
+    MANIFEST,
+    GoldenDir,
+    expected_document,
+    golden_reference,
+    manifest_problems,
+    manifest_text,
+    save_golden_ranks,
+)
+from conformance.pairs import Pair, import_error, select_pairs
+
+MAX_BYTES = 256 * 1024
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def make_golden(pairs: list[Pair], root: Path, log=print) -> list[Pair]:
+    """Generate the missing golden directories of ``pairs`` under ``root``; returns the new ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    missing = []
+    for p in pairs:
+        g = GoldenDir(root, p)
+        if g.path.exists():
+            if not g.exists():
+                raise RuntimeError(f"{g.path} exists without {MANIFEST}: inspect it by hand, it is "
+                                   "neither golden nor missing")
+            log(f"{p}: {g.path} exists, left untouched")
+        else:
+            missing.append(p)
+    if not missing:
+        return []
+    with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as tmp:
+        staging = Path(tmp)
+        jobs = [(p.name, p.version, str(staging / p.id / CHECKPOINT)) for p in missing]
+        run_ranks(GOLDEN_WORLD, save_golden_ranks, jobs)
+        expected = golden_reference()
+        for p in missing:
+            d = staging / p.id
+            (d / EXPECTED).write_text(json.dumps(expected_document(p, expected), ensure_ascii=False,
+                                                 indent=1) + "\n", encoding="utf-8")
+            diffs = differences(ckptfs.load_keys(d / CHECKPOINT), GoldenDir(staging, p).expected())
+            if diffs:
+                raise RuntimeError(f"{p}: the new golden checkpoint does not load to its expected "
+                                   f"values; nothing was written: {diffs[:5]}")
+            (d / MANIFEST).write_text(manifest_text(d), encoding="utf-8")
+            assert manifest_problems(d) == []
+            size = _dir_bytes(d)
+            if size > MAX_BYTES:
+                raise RuntimeError(f"{p}: golden directory is {size} bytes (> {MAX_BYTES})")
+        for p in missing:
+            shutil.move(str(staging / p.id), str(root / p.id))
+            log(f"{p}: wrote {root / p.id} ({_dir_bytes(root / p.id)} bytes)")
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m conformance.make_golden", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", action="append", default=[], metavar="NAME:VERSION",
+                    help="only this pair (repeatable); default: every registered pair that imports")
+    ap.add_argument("--golden-dir", type=Path, default=GOLDEN_ROOT)
+    args = ap.parse_args(argv)
+    try:
+        pairs = select_pairs(args.backend)
+    except ValueError as e:
+        ap.error(str(e))
+    usable = []
+    for p in pairs:
+        err = import_error(p)
+        if err is None:
+            usable.append(p)
+        elif args.backend:
+            ap.error(f"backend {p} cannot be imported: {err}")
+        else:
+            print(f"{p}: skipped, cannot be imported: {err}")
+    make_golden(usable, args.golden_dir.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The bytes on disk: the index validates against formats/index.schema.json, the data files open
+in their backend's native reader, and the compatibility policy (formats/README.md §7) holds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptfs
+from conformance import reshard
+from conformance.cases import assert_same, basic_state, flatten, zeros_like_state
+from conformance.golden import GOLDEN_ROOT, GoldenDir
+from conformance.native import NATIVE_CHECKS
+from conformance.pairs import Pair
+from conformance.workspace import Workspace
+
+SCHEMA = GOLDEN_ROOT.parent.parent / "formats" / "index.schema.json"
+INDEX = ckptfs.INDEX_FILE
+REFERENCE = basic_state()
+
+
+def _checkpoint(which: str, pair: Pair, workspace: Workspace, usable_pairs: list[Pair],
+                golden_root: Path) -> tuple[Path, dict[str, Any]]:
+    """(root, expected whole state) of the basic, sharded or golden checkpoint of ``pair``."""
+    if which == "basic":
+        return workspace.basic(pair), REFERENCE
+    if which == "sharded":
+        run = workspace.reshard(usable_pairs)[pair]
+        if run.errors("save", reshard.SAVE_WORLD):
+            pytest.fail(f"the {reshard.SAVE_WORLD}-rank save failed (see test_save_uneven_shards)")
+        return run.url, reshard.reference()
+    g = GoldenDir(golden_root, pair)
+    if not g.exists():
+        pytest.skip(f"no golden checkpoint for {pair} (see the golden tests)")
+    return g.checkpoint, g.expected()
+
+
+CHECKPOINTS = ("basic", "sharded", "golden")
+
+
+@pytest.mark.parametrize("which", CHECKPOINTS)
+def test_index_matches_schema(which: str, pair: Pair, workspace: Workspace, usable_pairs: list[Pair],
+                              golden_root: Path) -> None:
+    if not SCHEMA.is_file():
+        pytest.skip(f"{SCHEMA} does not exist yet")
+    import jsonschema
+
+    schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator_cls.check_schema(schema)
+    root, _ = _checkpoint(which, pair, workspace, usable_pairs, golden_root)
+    doc = json.loads((root / INDEX).read_text(encoding="utf-8"))
+    errors = sorted(validator_cls(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
+
+
+@pytest.mark.parametrize("which", CHECKPOINTS)
+def test_native_reader(which: str, pair: Pair, workspace: Workspace, usable_pairs: list[Pair],
+                       golden_root: Path) -> None:
+    check = NATIVE_CHECKS.get(pair.name)
+    if check is None:
+        pytest.skip(f"no native reader check registered for backend {pair.name!r} (conformance/native.py)")
+    root, expected = _checkpoint(which, pair, workspace, usable_pairs, golden_root)
+    tensors, _, _ = flatten(expected)
+    check(root, ckptfs.load_metadata(root), tensors)
+
+
+# ---------------------------------------------------------------------------- version policy
+@pytest.fixture
+def edited(pair: Pair, workspace: Workspace, golden_root: Path, tmp_path: Path):
+    """A copy of the pair's golden checkpoint (or of its basic one, for pairs without golden
+    data) and a function that rewrites its index; yields (root, expected, edit)."""
+    g = GoldenDir(golden_root, pair)
+    src, expected = (g.checkpoint, g.expected()) if g.exists() else (workspace.basic(pair), REFERENCE)
+    root = tmp_path / "ckpt"
+    shutil.copytree(src, root)
+
+    def edit(fn) -> None:
+        doc = json.loads((root / INDEX).read_text(encoding="utf-8"))
+        fn(doc)
+        (root / INDEX).write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+
+    return root, expected, edit
+
+
+def _all_loads_refuse(root: Path, expected: dict, error: type, *needles: str) -> None:
+    for what, call in (("load_metadata", lambda: ckptfs.load_metadata(root)),
+                       ("load_keys", lambda: ckptfs.load_keys(root)),
+                       ("load", lambda: ckptfs.load(zeros_like_state(expected), root))):
+        with pytest.raises(error) as info:
+            call()
+        for needle in needles:
+            assert needle in str(info.value), f"{what}: {needle!r} not in {info.value}"
+
+
+def test_newer_format_version_is_refused(edited) -> None:
+    root, expected, edit = edited
+    edit(lambda d: d.update(format_version=2))
+    _all_loads_refuse(root, expected, ckptfs.FormatVersionError,
+                      "format_version 2", "supported format versions: [1]", INDEX)
+
+
+def test_unknown_required_feature_is_refused(edited) -> None:
+    root, expected, edit = edited
+    edit(lambda d: d.update(required_features=["chunk-deltas-v9"]))
+    _all_loads_refuse(root, expected, ckptfs.FormatVersionError, "chunk-deltas-v9", "known features")
+
+
+def test_unknown_backend_version_is_refused(edited, pair: Pair) -> None:
+    root, expected, edit = edited
+    edit(lambda d: d["backend"].update(version=999))
+    for call in (lambda: ckptfs.load_keys(root), lambda: ckptfs.load(zeros_like_state(expected), root)):
+        with pytest.raises(ckptfs.UnknownBackendError) as info:
+            call()
+        msg = str(info.value)
+        assert f"{pair.name}-999" in msg and pair.id in msg, msg  # names it, lists the registered
+    assert ckptfs.load_metadata(root).backend_version == 999, "the index alone stays readable"
+
+
+def test_unknown_optional_fields_are_ignored(edited) -> None:
+    root, expected, edit = edited
+
+    def add_fields(d: dict) -> None:
+        d["a_future_field"] = {"nested": [1, 2, {"x": None}]}
+        d["backend"]["a_future_backend_field"] = "ignored"
+        d["writer"]["a_future_writer_field"] = 1
+        for t in d["tensors"].values():
+            t["a_future_tensor_field"] = {"any": "thing"}
+            for c in t["chunks"]:
+                c["a_future_chunk_field"] = [0, "x"]
+
+    edit(add_fields)
+    meta = ckptfs.load_metadata(root)
+    assert "a_future_field" in meta.extra
+    assert_same(ckptfs.load_keys(root), expected, "load_keys with unknown optional fields")
+    target = zeros_like_state(expected)
+    ckptfs.load(target, root)
+    assert_same(target, expected, "load with unknown optional fields")

@@ -1,0 +1,132 @@
+"""Golden checkpoints: their bytes are pinned by SHA256SUMS, they load to their expected values in
+every release, a changed byte is caught, and they convert to every other backend and back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptfs
+from conformance.cases import assert_same, differences, raw_bytes, zeros_like_state
+from conformance.golden import CHECKPOINT, GoldenDir, golden_dirs, manifest_problems
+from conformance.pairs import Pair, select_pairs
+
+FROZEN = ("golden checkpoints are frozen: a format change needs a new backend version and a new "
+          "golden directory (python -m conformance.make_golden); never regenerate an existing one")
+
+
+def test_golden_bytes_are_unchanged(golden: GoldenDir) -> None:
+    problems = manifest_problems(golden.path)
+    assert not problems, f"{golden.path}: " + "; ".join(problems) + f". {FROZEN}"
+
+
+def test_golden_loads_to_expected_values(golden: GoldenDir, pair: Pair) -> None:
+    doc = golden.expected_doc()
+    assert (doc["backend"], doc["version"]) == (pair.name, pair.version)
+    meta = ckptfs.load_metadata(golden.checkpoint)
+    assert (meta.backend, meta.backend_version) == (pair.name, pair.version)
+    expected = golden.expected()
+    assert_same(ckptfs.load_keys(golden.checkpoint), expected, f"load_keys({golden.checkpoint})")
+    target = zeros_like_state(expected)
+    ckptfs.load(target, golden.checkpoint)
+    assert_same(target, expected, f"load({golden.checkpoint})")
+    assert len(meta.tensors["sharded/rows"].chunks) >= 2, "golden data was saved by several ranks"
+
+
+def test_every_golden_directory_has_a_registered_backend(golden_root: Path) -> None:
+    registered = set(select_pairs(None))
+    orphans = [p for p in golden_dirs(golden_root) if p not in registered]
+    assert not orphans, (f"golden checkpoints of {[str(p) for p in orphans]} have no registered backend: "
+                         "old formats must stay readable")
+
+
+# ---------------------------------------------------------------------------- tampering
+def _needle(expected: dict[str, Any]) -> bytes:
+    """16 raw bytes of a random float64 tensor: unique in the data files of a raw layout."""
+    return raw_bytes(expected["dtypes"]["float64"])[:16]
+
+
+def flip_data_byte(root: Path, expected: dict[str, Any]) -> Path:
+    """Flip one byte of tensor data (found by its raw bytes; else the middle of the largest file)."""
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.name != ckptfs.INDEX_FILE]
+    needle = _needle(expected)
+    target, pos = None, -1
+    for f in files:
+        pos = f.read_bytes().find(needle)
+        if pos >= 0:
+            target = f
+            break
+    if target is None:
+        target = max(files, key=lambda p: p.stat().st_size)
+        pos = target.stat().st_size // 2
+    data = bytearray(target.read_bytes())
+    data[pos + 3] ^= 0x40
+    target.write_bytes(bytes(data))
+    return target
+
+
+def _load_fails_or_differs(root: Path, expected: dict[str, Any]) -> str:
+    try:
+        got = ckptfs.load_keys(root)
+    except Exception as e:
+        return f"load failed: {type(e).__name__}: {e}"
+    diffs = differences(got, expected)
+    assert diffs, "the tampered checkpoint loads to the expected values: the change went unnoticed"
+    return f"load differs: {diffs[0]}"
+
+
+def test_flipped_byte_fails_hash_check_and_load(golden: GoldenDir, tmp_path: Path) -> None:
+    copy = GoldenDir(tmp_path, golden.pair)
+    shutil.copytree(golden.path, copy.path)
+    assert manifest_problems(copy.path) == []
+    expected = copy.expected()
+    changed = flip_data_byte(copy.checkpoint, expected)
+    rel = changed.relative_to(copy.path).as_posix()
+    assert manifest_problems(copy.path) == [f"{rel}: sha256 differs from SHA256SUMS"]
+    _load_fails_or_differs(copy.checkpoint, expected)
+
+
+def test_edited_index_fails_hash_check_and_differs(golden: GoldenDir, tmp_path: Path) -> None:
+    copy = GoldenDir(tmp_path, golden.pair)
+    shutil.copytree(golden.path, copy.path)
+    index = copy.checkpoint / ckptfs.INDEX_FILE
+    doc = json.loads(index.read_text(encoding="utf-8"))
+    doc["values"]["values/step"] += 1
+    index.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    assert manifest_problems(copy.path) == [f"{CHECKPOINT}/{ckptfs.INDEX_FILE}: sha256 differs from SHA256SUMS"]
+    got = ckptfs.load_keys(copy.checkpoint)
+    assert got["values"]["step"] == copy.expected()["values"]["step"] + 1
+    (copy.checkpoint / "stray.bin").write_bytes(b"x")
+    assert f"{CHECKPOINT}/stray.bin: not listed in SHA256SUMS" in manifest_problems(copy.path)
+
+
+# ---------------------------------------------------------------------------- cross-backend
+def convert(src: Path, dst: Path, to: Pair) -> None:
+    """Whole-tensor conversion through the public API (ckptfs.convert is a later tool)."""
+    ckptfs.save(ckptfs.load_keys(src), dst, backend=to.name, backend_version=to.version)
+
+
+def test_convert_to_other_backend_and_back(pair: Pair, other: Pair, golden_root: Path, tmp_path: Path) -> None:
+    done = 0
+    for src, via in ((pair, other), (other, pair)):
+        g = GoldenDir(golden_root, src)
+        if not g.exists():
+            continue
+        expected = g.expected()
+        there, back = tmp_path / f"{src}-to-{via}", tmp_path / f"{src}-to-{via}-to-{src}"
+        convert(g.checkpoint, there, via)
+        assert ckptfs.load_metadata(there).backend == via.name
+        assert_same(ckptfs.load_keys(there), expected, f"{src} golden converted to {via}")
+        convert(there, back, src)
+        assert_same(ckptfs.load_keys(back), expected, f"{src} golden converted to {via} and back")
+        a, b = ckptfs.load_metadata(g.checkpoint), ckptfs.load_metadata(back)
+        assert {k: (e.dtype, e.shape) for k, e in a.tensors.items()} == \
+               {k: (e.dtype, e.shape) for k, e in b.tensors.items()}
+        assert dict(a.containers) == dict(b.containers) and set(a.values) == set(b.values)
+        done += 1
+    if not done:
+        pytest.skip(f"neither {pair} nor {other} has a golden checkpoint")

@@ -1,0 +1,49 @@
+"""Uneven shards and N -> M resharding on spawned gloo ranks (3 -> 2, 1 -> 2, 3 -> 1), every pair
+in one save spawn and one load spawn (see conformance/reshard.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ckptfs
+from conformance import reshard
+from conformance.cases import assert_same, flatten
+from conformance.pairs import Pair
+from conformance.workspace import ReshardRun, Workspace
+
+
+@pytest.fixture
+def run(pair: Pair, usable_pairs: list[Pair], workspace: Workspace) -> ReshardRun:
+    return workspace.reshard(usable_pairs)[pair]
+
+
+def _fail_on(errors: dict[str, str]) -> None:
+    if errors:
+        pytest.fail("\n".join(f"{case}:\n{err}" for case, err in errors.items()), pytrace=False)
+
+
+def test_save_uneven_shards(run: ReshardRun) -> None:
+    _fail_on(run.errors("save", reshard.SAVE_WORLD))
+    meta = ckptfs.load_metadata(run.url)
+    tensors, values, _ = flatten(reshard.reference())
+    assert set(meta.tensors) == set(tensors) and set(meta.values) == set(values)
+    grid = meta.tensors["st_grid"]
+    covered = sum(c.shape[0] * c.shape[1] for c in grid.chunks)
+    assert covered == 7 * 9, [(c.offsets, c.shape) for c in grid.chunks]
+    assert {c.offsets for c in meta.tensors["st_empty_rank"].chunks} >= {(0, 0)}
+
+
+def test_reshard_save_world_to_load_world(run: ReshardRun) -> None:
+    _fail_on(run.errors("save", reshard.SAVE_WORLD))
+    errors = run.errors("load", reshard.LOAD_WORLD)
+    _fail_on({k: v for k, v in errors.items() if "basic" not in k})
+
+
+def test_reshard_one_to_load_world(run: ReshardRun) -> None:
+    errors = run.errors("load", reshard.LOAD_WORLD)
+    _fail_on({k: v for k, v in errors.items() if "basic" in k or "never ran" in v})
+
+
+def test_reshard_save_world_to_one(run: ReshardRun) -> None:
+    _fail_on(run.errors("save", reshard.SAVE_WORLD))
+    assert_same(ckptfs.load_keys(run.url), reshard.reference(), f"load_keys({run.url})")
