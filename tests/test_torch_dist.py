@@ -230,10 +230,12 @@ def test_two_d_mesh_both_directions(root4):
     assert idx.backend == "torch_dist"
     # replicated over dp: 2 row chunks stored once each, not 4
     assert [c.shape for c in idx.tensors["model/w32"].chunks] == [(6, 8), (6, 8)]
-    files = os.listdir(f"{root4}/ck4")
-    assert ".metadata" in files and ckptfs.INDEX_FILE in files
-    assert all(re.fullmatch(r"__\d_0\.[0-9a-f]+\.distcp|__values\.[0-9a-f]+\.distcp", f)
-               for f in files if f.endswith(".distcp"))
+    assert sorted(os.listdir(f"{root4}/ck4")) == [".metadata", ckptfs.INDEX_FILE, "data"]
+    (save_id,) = os.listdir(f"{root4}/ck4/data")
+    files = sorted(os.listdir(f"{root4}/ck4/data/{save_id}"))
+    assert files == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
+                     "__values.distcp"], files
+    assert sorted(idx.files) == [f"data/{save_id}/{f}" for f in files[:4]]
 
 
 def test_two_and_four_to_one(root4):

@@ -1,7 +1,7 @@
 """Backend ``torch_dist`` version 1 (formats/torch_dist-1.md): PyTorch DCP's on-disk layout.
 
 Written by ckptfs, read by DCP: each rank writes its chunks as ``torch.save`` blobs, byte for
-byte what DCP's FileSystemWriter writes, into ``__{rank}_{i}.{save_id}.distcp``; the coordinator
+byte what DCP's FileSystemWriter writes, into ``data/<save_id>/__{rank}_{i}.distcp``; the coordinator
 writes the plain values as BYTE_IO blobs and DCP's pickled ``.metadata`` in ``finalize``. The
 ckptfs index (written last by the engine) points each chunk at the raw storage bytes inside its
 blob, so ckptfs loads are plain ranged reads of exactly the bytes needed.
@@ -56,8 +56,20 @@ DCP_VERSION = "1.0.0"  #: Metadata.version written (DCP's CURRENT_DCP_VERSION)
 
 
 def data_file(rank: int, index: int, save_id: str) -> str:
-    """DCP's name for a rank's file, with the save id so saves never clobber each other."""
-    return f"__{rank}_{index}.{save_id}{EXT}"
+    """DCP's name for a rank's file, in the save's own directory (saves never clobber)."""
+    return f"data/{save_id}/__{rank}_{index}{EXT}"
+
+
+def values_file(index: Index) -> str:
+    """The BYTE_IO file of the values: next to the save's data files (or, with no data files,
+    in a directory named by a hash of the values)."""
+    ids = {p.split("/")[1] for p in index.files if p.startswith("data/") and p.count("/") == 2}
+    if len(ids) == 1:
+        save_id = ids.pop()
+    else:
+        blob = json.dumps([sorted(index.files), index.values], sort_keys=True, default=str)
+        save_id = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return f"data/{save_id}/__values{EXT}"
 
 
 class TorchDistBackend(Backend):
@@ -106,9 +118,7 @@ class TorchDistBackend(Backend):
             TensorStorageMetadata,
         )
 
-        token = hashlib.sha256(json.dumps([sorted(index.files), index.values], sort_keys=True,
-                                          default=str).encode()).hexdigest()[:12]
-        values_path = f"__values.{token}{EXT}"
+        values_path = values_file(index)
         parts: list[Buffer] = []
         pos = 0
         items: dict[str, Any] = {}
@@ -135,7 +145,8 @@ class TorchDistBackend(Backend):
                 TensorProperties(dtype=from_name(entry.dtype, entry.key).torch),
                 torch.Size(entry.shape), chunks)
         md = Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage,
-                      storage_meta=StorageMeta(save_id=token), version=DCP_VERSION)
+                      storage_meta=StorageMeta(save_id=values_path.split("/")[1]),
+                      version=DCP_VERSION)
         out = [FileWrite(values_path, tuple(parts))] if parts else []
         return [*out, FileWrite(METADATA, (pickle.dumps(md),))]
 
