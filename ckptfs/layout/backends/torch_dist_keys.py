@@ -141,17 +141,10 @@ def _order(c: Component) -> tuple:
 # -- DCP items -> ckptfs keys and values ----------------------------------------------------------
 
 
-def component_of(c: str | int) -> Component:
-    """A DCP path component as a ckptfs one: dict keys that read as canonical ints become ints
-    (DCP writes ``str(k)``, losing int dict keys such as optimizer state ids)."""
-    if isinstance(c, str) and c and (c.isdigit() or (c[0] == "-" and c[1:].isdigit())) \
-            and str(int(c)) == c:
-        return int(c)
-    return c
-
-
 def key_of_path(path: tuple[str | int, ...]) -> str:
-    return encode_key(tuple(component_of(c) for c in path))
+    """The ckptfs key of a DCP object path. Dict keys stay strings: DCP wrote ``str(k)`` and
+    does not record whether ``k`` was an int (as ``dcp.load`` hands them back)."""
+    return encode_key(tuple(path))
 
 
 def containers_of_paths(paths: Iterable[tuple[str | int, ...]]) -> dict[str, str]:

@@ -211,10 +211,14 @@ def locate_tensor(blob_len: int) -> Steps:
 def run_on_bytes(steps: Generator[Request, bytes, object], data: bytes | memoryview) -> object:
     """Drive a parser over bytes in memory."""
     mv = memoryview(data)
+    return _run_sync(steps, lambda start, end: bytes(mv[start:end]))
+
+
+def _run_sync(steps: Generator[Request, bytes, object], get: Callable[[int, int], bytes]) -> object:
     try:
         start, end = next(steps)
         while True:
-            start, end = steps.send(bytes(mv[start:end]))
+            start, end = steps.send(get(start, end))
     except StopIteration as stop:
         return stop.value
 
@@ -252,7 +256,8 @@ class TensorBlob:
 
 
 class _SparseWriter(io.RawIOBase):
-    """A seekable sink that keeps what torch writes and remembers the holes it seeks over."""
+    """A seekable sink that keeps what torch writes; the hole it seeks over (the skipped tensor
+    data) is never allocated."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -281,10 +286,13 @@ class _SparseWriter(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def bytes(self) -> bytearray:
-        out = bytearray(self.size)
+    def read_range(self, start: int, end: int) -> bytearray:
+        """Bytes [start, end) of what was written (zeros where nothing was)."""
+        out = bytearray(end - start)
         for p, d in self.parts:
-            out[p : p + len(d)] = d
+            lo, hi = max(p, start), min(p + len(d), end)
+            if lo < hi:
+                out[lo - start : hi - start] = d[lo - p : hi - p]
         return out
 
 
@@ -305,7 +313,7 @@ def tensor_blob(t: torch.Tensor) -> TensorBlob:
             return _blob_without_copy(t, data, skip)
         except (ZipFormatError, AssertionError, RuntimeError):
             pass
-    bio = io.BytesIO()
+    bio = io.BytesIO()  # fallback: a full copy of the data
     torch.save(t if _is_compact(t) else t.clone(), bio)
     raw = bio.getbuffer()
     layout = run_on_bytes(locate_tensor(len(raw)), raw)
@@ -314,46 +322,73 @@ def tensor_blob(t: torch.Tensor) -> TensorBlob:
     return TensorBlob(bytes(raw[:start]), data, bytes(raw[start + data.nbytes :]))
 
 
+class _HeadTail:
+    """A blob whose middle (the tensor data) lives elsewhere: patchable head and tail."""
+
+    def __init__(self, head: bytearray, hole: int, tail: bytearray) -> None:
+        self.head, self.hole, self.tail = head, hole, tail
+
+    def _at(self, pos: int) -> tuple[bytearray, int]:
+        if pos < len(self.head):
+            return self.head, pos
+        at = pos - len(self.head) - self.hole
+        assert at >= 0, "patch inside the tensor data"
+        return self.tail, at
+
+    def get(self, pos: int, n: int) -> bytes:
+        buf, at = self._at(pos)
+        return bytes(buf[at : at + n])
+
+    def put(self, pos: int, data: bytes) -> None:
+        buf, at = self._at(pos)
+        assert at + len(data) <= len(buf)
+        buf[at : at + len(data)] = data
+
+
 def _blob_without_copy(t: torch.Tensor, data: memoryview, skip) -> TensorBlob:
     stand_in = t if _is_compact(t) else torch.empty(t.shape, dtype=t.dtype)  # never touched
     sink = _SparseWriter()
     with skip():
         torch.save(stand_in, sink)
-    blob = sink.bytes()
-    layout = run_on_bytes(locate_tensor(len(blob)), blob)
+    layout = _run_sync(locate_tensor(sink.size), sink.read_range)
     assert isinstance(layout, TensorLayout) and layout.record is not None
     start, n = layout.data_offset, data.nbytes
-    assert layout.record.size == n and not any(s < start + n and s + len(d) > start
-                                               for s, d in sink.parts if d)
+    assert layout.record.size == n and not any(p < start + n and p + len(d) > start
+                                               for p, d in sink.parts if d)
+    blob = _HeadTail(sink.read_range(0, start), n, sink.read_range(start + n, sink.size))
+    crc = zlib.crc32(data)
+    _set_crc(blob, layout.record, start + n, crc)
     crcs = {r.name: r.crc for r in layout.records}
-    _set_crc(blob, layout.record, start + n, zlib.crc32(data))
-    crcs[layout.record.name] = zlib.crc32(data)
+    crcs[layout.record.name] = crc
     # torch's serialization id: 20 digits of combined record-name hashes (unchanged), then 20
     # digits of the hash_combine fold of the CRC-32 of every earlier non-empty record
     sid = next((r for r in layout.records if r.name.endswith("/.data/serialization_id")), None)
     if sid is not None:
-        sid_start = _local_data_start(blob, sid)
-        assert sid_start is not None and sid.size == 40 and sid.method == 0
+        h = sid.header_offset
+        assert blob.get(h, 4) == _LOCAL and sid.size == 40 and sid.method == 0
+        nlen, elen = struct.unpack("<HH", blob.get(h + 26, 4))
+        at = h + 30 + nlen + elen
         fold = 0
         for r in layout.records:
             if r is not sid and r.size:
                 fold = _hash_combine(fold, crcs[r.name])
-        new = bytes(blob[sid_start : sid_start + 20]) + f"{fold:020d}".encode()
+        new = blob.get(at, 20) + f"{fold:020d}".encode()
         assert len(new) == 40
-        blob[sid_start : sid_start + 40] = new
-        _set_crc(blob, sid, sid_start + 40, zlib.crc32(new))
-    return TensorBlob(bytes(blob[:start]), data, bytes(blob[start + n :]))
+        blob.put(at, new)
+        _set_crc(blob, sid, at + 40, zlib.crc32(new))
+    return TensorBlob(bytes(blob.head), data, bytes(blob.tail))
 
 
-def _set_crc(blob: bytearray, rec: ZipRecord, payload_end: int, crc: int) -> None:
+def _set_crc(blob: _HeadTail, rec: ZipRecord, payload_end: int, crc: int) -> None:
     """Write ``crc`` for ``rec`` into its central-directory entry and its data descriptor (or
     its local header when it has none)."""
-    struct.pack_into("<I", blob, rec.crc_at, crc)
+    value = struct.pack("<I", crc)
+    blob.put(rec.crc_at, value)
     if rec.flags & 0x8:
-        at = payload_end + (4 if blob[payload_end : payload_end + 4] == _DESCRIPTOR else 0)
-        struct.pack_into("<I", blob, at, crc)
+        at = payload_end + (4 if blob.get(payload_end, 4) == _DESCRIPTOR else 0)
+        blob.put(at, value)
     else:
-        struct.pack_into("<I", blob, rec.header_offset + 14, crc)
+        blob.put(rec.header_offset + 14, value)
 
 
 def _hash_combine(seed: int, value: int) -> int:
