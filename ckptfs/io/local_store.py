@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 from collections.abc import Sequence
 
@@ -85,7 +86,13 @@ class LocalStore(Store):
             os.makedirs(os.path.dirname(full), exist_ok=True)
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                n = _write_all(fd, [memoryview(p).cast("B") for p in parts])
+                bufs = [memoryview(p).cast("B") for p in parts]
+                n = 0
+                for piece in _pieces(bufs, _WRITE_PIECE):
+                    size = _write_all(fd, piece)
+                    if self.config.fsync:  # start write-back now; fsync below only waits
+                        _start_writeback(fd, n, size)
+                    n += size
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
@@ -168,6 +175,46 @@ class LocalStore(Store):
 
 
 _IOV_MAX = 1024
+_WRITE_PIECE = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a just-written range to disk without waiting, so the
+    final fsync overlaps with the copy instead of following it (Linux sync_file_range)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _pieces(bufs: list[memoryview], size: int):
+    """Consecutive buffers regrouped into pieces of about ``size`` bytes."""
+    cur: list[memoryview] = []
+    n = 0
+    for b in bufs:
+        while b.nbytes:
+            take = min(b.nbytes, size - n)
+            cur.append(b[:take])
+            b = b[take:]
+            n += take
+            if n == size:
+                yield cur
+                cur, n = [], 0
+    if cur:
+        yield cur
 
 
 def _write_all(fd: int, bufs: list[memoryview]) -> int:
