@@ -11,6 +11,7 @@ Layers, top to bottom (imports point down only):
 __version__ = "0.1.0"
 
 from ckptfs.errors import (
+    BackendOptionsError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptfsError,
@@ -21,6 +22,7 @@ from ckptfs.errors import (
     MissingKeysError,
     RankError,
     ShardingError,
+    StorageError,
     UnknownBackendError,
     UnsupportedValueError,
 )
@@ -37,6 +39,7 @@ from ckptfs.state.shards import ShardedTensor
 __all__ = [
     "INDEX_FILE",
     "Backend",
+    "BackendOptionsError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChunkEntry",
@@ -53,6 +56,7 @@ __all__ = [
     "SaveResult",
     "ShardedTensor",
     "ShardingError",
+    "StorageError",
     "TensorEntry",
     "UnknownBackendError",
     "UnsupportedValueError",

@@ -23,6 +23,10 @@ class UnknownBackendError(FormatVersionError):
     """No backend is registered for a (name, version) pair."""
 
 
+class BackendOptionsError(CkptfsError, ValueError):
+    """A backend option is unknown or has a bad value."""
+
+
 class MalformedIndexError(CkptfsError):
     """The index file is malformed: a field is missing or has the wrong type."""
 
@@ -54,6 +58,10 @@ class MissingKeysError(CkptfsError, KeyError):
 
 class IntegrityError(CkptfsError):
     """Stored bytes do not match their checksum or their recorded size."""
+
+
+class StorageError(CkptfsError, OSError):
+    """A storage request kept failing with transient errors after all retries."""
 
 
 class RankError(CkptfsError):

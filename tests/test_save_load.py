@@ -266,3 +266,21 @@ def test_scratch_memory_is_bounded(tmp_path, monkeypatch):
     ckptfs.load(target, tmp_path / "c")
     assert all(torch.equal(target[k], src[k]) for k in src)
     assert peaks and max(peaks) <= 3000
+
+
+def test_index_paths_cannot_leave_the_root(tmp_path):
+    url = tmp_path / "c"
+    ckptfs.save({"a": torch.ones(3)}, url)
+    path = url / ckptfs.INDEX_FILE
+    d = json.loads(path.read_text())
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 64)
+    for bad in ("../secret.bin", "/etc/passwd", "data/../../secret.bin", "a//b"):
+        d["tensors"]["a"]["chunks"][0]["file"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(ckptfs.MalformedIndexError, match=r"tensors\['a'\].chunks\[0\].file"):
+            ckptfs.load({"a": torch.zeros(3)}, url)
+
+
+def test_bad_backend_option_is_a_ckptfs_error(tmp_path):
+    with pytest.raises(ckptfs.BackendOptionsError, match=r"unknown option\(s\) \['nope'\]"):
+        ckptfs.save({"a": torch.ones(1)}, tmp_path / "c", backend_options={"nope": 1})

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from ckptfs.errors import BackendOptionsError
 from ckptfs.layout.dtypes import DType
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.planning.boxes import Box
@@ -111,7 +112,7 @@ class Backend(ABC):
         options = dict(options or {})
         unknown = sorted(set(options) - set(self.default_options))
         if unknown:
-            raise ValueError(
+            raise BackendOptionsError(
                 f"backend {self.name}-{self.version}: unknown option(s) {unknown}; "
                 f"known: {sorted(self.default_options)}"
             )

@@ -48,10 +48,16 @@ class ChunkEntry:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Json], where: str) -> ChunkEntry:
+        offsets, shape = _int_tuple(d, "offsets", where), _int_tuple(d, "shape", where)
+        if len(offsets) != len(shape):
+            raise MalformedIndexError(f"{where}: 'offsets' and 'shape' differ in length")
+        file = _opt(d, "file", str, where)
+        if file is not None:
+            check_relative_path(file, f"{where}.file")
         return cls(
-            offsets=_int_tuple(d, "offsets", where),
-            shape=_int_tuple(d, "shape", where),
-            file=_opt(d, "file", str, where),
+            offsets=offsets,
+            shape=shape,
+            file=file,
             byte_offset=_opt(d, "byte_offset", int, where),
             byte_length=_opt(d, "byte_length", int, where),
             checksum=_opt(d, "checksum", str, where),
@@ -162,6 +168,8 @@ class Index:
                 f"known features: {sorted(KNOWN_FEATURES)}"
             )
         be = _req(d, "backend", dict, source)
+        for path in _opt(d, "files", dict, source) or {}:
+            check_relative_path(path, f"{source}: files")
         tensors = _req(d, "tensors", dict, source)
         known = {"format", "format_version", "required_features", "backend", "writer",
                  "containers", "values", "tensors", "files"}
@@ -186,6 +194,14 @@ class Index:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise MalformedIndexError(f"{source}: not valid JSON ({e})") from None
         return cls.from_json(d, source)
+
+
+def check_relative_path(path: str, where: str) -> str:
+    """Paths in an index stay under the checkpoint root: relative, '/'-separated, no '..'."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+        raise MalformedIndexError(f"{where}: {path!r} is not a relative path inside the checkpoint")
+    return path
 
 
 def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
