@@ -294,6 +294,9 @@ _COMMON_OPTIONS: dict[str, Any] = {
     "checksum": False,  #: crc32c per chunk (v2 filter, v3 codec)
     "max_chunk_bytes": None,  #: split each rank's region into chunks (shards) of at most this
     "max_chunks": 100_000,  #: refuse grids with more chunks per tensor than this
+    #: consolidated metadata (.zmetadata / inline in the root zarr.json); off by default since
+    #: zarr-python cannot open a consolidated group at all unless it knows every data type
+    "consolidated": False,
 }
 
 
@@ -303,7 +306,7 @@ class ZarrV2Backend(_ZarrBackend):
     version: ClassVar[int] = 2
     zarr_format: ClassVar[int] = 2
     default_options: ClassVar[dict[str, Any]] = {
-        **_COMMON_OPTIONS, "dimension_separator": ".", "consolidated": True}
+        **_COMMON_OPTIONS, "dimension_separator": "."}
 
     @classmethod
     async def sniff(cls, reader: ByteReader) -> Index | None:
@@ -317,7 +320,7 @@ class ZarrV3Backend(_ZarrBackend):
     version: ClassVar[int] = 3
     zarr_format: ClassVar[int] = 3
     default_options: ClassVar[dict[str, Any]] = {
-        **_COMMON_OPTIONS, "dimension_separator": "/", "consolidated": False,
+        **_COMMON_OPTIONS, "dimension_separator": "/",
         "sharding": False,  #: one shard per rank region, holding inner chunks
         "inner_chunk_bytes": 16 * 2**20,  #: inner chunk size bound when sharding
     }

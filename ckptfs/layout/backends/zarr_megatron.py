@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ckptfs.errors import MalformedIndexError, UnsupportedValueError
+from ckptfs.errors import FormatVersionError, MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.backend import ByteReader
 from ckptfs.layout.backends.zarr_codecs import Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid
@@ -35,6 +35,11 @@ async def sniff_megatron(reader: ByteReader) -> Index | None:
         return None
     if not isinstance(meta, dict) or meta.get("sharded_backend") != "zarr":
         return None
+    if meta.get("sharded_backend_version") != 1:
+        where = reader.full_path(MARKER) if hasattr(reader, "full_path") else MARKER
+        raise FormatVersionError(
+            f"{where}: Megatron zarr sharded_backend_version is "
+            f"{meta.get('sharded_backend_version')!r}; ckptfs reads version 1")
     paths = sorted(f[: -len("/.zarray")] for f in await reader.list("") if f.endswith("/.zarray"))
     docs = await asyncio.gather(*(reader.get(join(p, ".zarray")) for p in paths))
     tensors = {}
