@@ -12,9 +12,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml conformance/example_plugin/pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test]" $(TORCH)
+	$(BIN)/pip install -q --no-deps -e conformance/example_plugin
 	touch $(STAMP)
 
 venv: $(STAMP)

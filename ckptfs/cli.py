@@ -33,11 +33,12 @@ def run_conformance(args: argparse.Namespace, rest: list[str]) -> int:
 
     if str(suite.parent) not in sys.path:
         sys.path.insert(0, str(suite.parent))  # `import conformance`, also in spawned ranks
+    # one token per option: pytest reads its ini file before it knows the suite's options,
+    # and would take a separate value (a golden directory) for a test path
     argv = [str(suite), "-p", "no:cacheprovider", f"--rootdir={suite.parent}"]
-    for pair in args.backend:
-        argv += ["--backend", pair]
+    argv += [f"--backend={pair}" for pair in args.backend]
     if args.golden_dir:
-        argv += ["--golden-dir", str(args.golden_dir)]
+        argv.append(f"--golden-dir={Path(args.golden_dir).resolve()}")
     return int(pytest.main([*argv, *rest]))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -78,6 +79,11 @@ class NpyChunksBackend(Backend):
         if offset is None:  # not recorded: parse the header length
             offset = await _data_offset(reader, chunk.file)
         return RawChunk(chunk.file, offset, nbytes)
+
+    async def chunk_sources(self, items: Sequence[tuple[TensorEntry, ChunkEntry]],
+                            reader: ByteReader) -> list[ChunkSource]:
+        """Offsets are in the index: no I/O, so a plain loop (no task per chunk)."""
+        return [await self.chunk_source(t, c, reader) for t, c in items]
 
 
 def _raw(t: torch.Tensor) -> memoryview:

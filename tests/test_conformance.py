@@ -1,0 +1,161 @@
+"""The conformance suite (conformance/) in the main test run: ``ckptfs conformance`` passes for
+every built-in pair and the example plugin; a changed golden byte makes it fail; make_golden only
+adds missing directories; the example plugin is found by entry point, and a broken entry point
+does not break ckptfs."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.cli import build_parser
+from ckptfs.layout import registry
+from conformance.golden import GOLDEN_ROOT, GoldenDir, manifest_problems
+from conformance.make_golden import make_golden
+from conformance.pairs import GOLDEN_REQUIRED, Pair, parse_pair
+
+REPO = Path(__file__).resolve().parent.parent
+BUILT_IN = [Pair(n, v) for n, v in sorted(GOLDEN_REQUIRED)]
+
+
+def _ckptfs_cli(*args: str, cwd: Path, timeout: int = 280) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckptfs.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def _outcomes(junit: Path) -> dict[str, str]:
+    """test id -> passed | skipped | failed, from a junit XML report."""
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        state = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                state = "failed"
+            elif child.tag == "skipped" and state == "passed":
+                state = "skipped"
+        out[f"{case.get('classname')}::{case.get('name')}"] = state
+    return out
+
+
+def _pair_outcomes(outcomes: dict[str, str], pair: Pair) -> dict[str, str]:
+    return {k: v for k, v in outcomes.items() if f"[{pair.id}" in k or f"->{pair.id}]" in k}
+
+
+def test_example_plugin_is_registered_by_entry_point() -> None:
+    eps = {ep.name: ep.value for ep in entry_points(group="ckptfs.backends")}
+    assert eps.get("npy_chunks_1") == "ckptfs_example_npy:NpyChunksBackend", (
+        "the example plugin is not installed: pip install --no-deps -e conformance/example_plugin "
+        "(make venv does it)")
+    cls = ckptfs.get_backend("npy_chunks", 1)
+    assert cls.__module__ == "ckptfs_example_npy" and ("npy_chunks", 1) in ckptfs.available_backends()
+
+
+def test_conformance_passes_for_every_built_in_pair_and_the_plugin(tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    proc = _ckptfs_cli("conformance", "-q", "--tb=short", f"--junitxml={junit}", cwd=tmp_path)
+    assert proc.returncode == 0, f"ckptfs conformance failed (rc {proc.returncode}):\n{proc.stdout[-6000:]}"
+    outcomes = _outcomes(junit)
+    for pair in BUILT_IN:
+        mine = _pair_outcomes(outcomes, pair)
+        passed = [k for k, v in mine.items() if v == "passed"]
+        assert len(passed) >= 40, f"{pair}: only {len(passed)} conformance cases passed: {mine}"
+        for must in ("test_golden_bytes_are_unchanged", "test_golden_loads_to_expected_values",
+                     "test_reshard_save_world_to_load_world", "test_ten_thousand_small_tensors"):
+            assert any(must in k for k in passed), f"{pair}: {must} did not pass"
+
+
+def test_changed_golden_byte_makes_the_suite_fail(tmp_path: Path) -> None:
+    golden = tmp_path / "golden"
+    shutil.copytree(GOLDEN_ROOT, golden)
+    g = GoldenDir(golden, Pair("safetensors_chunks", 1))
+    data = sorted((g.checkpoint / "data").rglob("*.safetensors"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01  # last byte: tensor data
+    data.write_bytes(bytes(raw))
+    junit = tmp_path / "junit.xml"
+    proc = _ckptfs_cli("conformance", "--backend", "safetensors_chunks:1", "--backend", "npy_chunks:1",
+                       "--golden-dir", str(golden), "-k", "golden_bytes or golden_loads", "-q",
+                       f"--junitxml={junit}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert f"{data.relative_to(g.path).as_posix()}: sha256 differs from SHA256SUMS" in proc.stdout
+    assert "golden checkpoints are frozen" in proc.stdout
+    outcomes = _outcomes(junit)
+    st = _pair_outcomes(outcomes, g.pair)
+    assert st and all(v == "failed" for v in st.values()), st  # hashes, and the load (checksum)
+    npy = _pair_outcomes(outcomes, Pair("npy_chunks", 1))
+    assert npy and all(v == "passed" for v in npy.values()), npy  # the untouched one still passes
+
+
+def test_cli_parses_pairs_and_passes_pytest_args() -> None:
+    args, rest = build_parser().parse_known_args(
+        ["conformance", "--backend", "zarr:3", "-k", "golden and not cross", "-x", "--golden-dir", "g"])
+    assert args.backend == ["zarr:3"] and str(args.golden_dir) == "g"
+    assert rest == ["-k", "golden and not cross", "-x"]
+    with pytest.raises(ValueError, match=r"no_such_backend:7.*registered backends: .*safetensors_chunks:1"):
+        parse_pair("no_such_backend:7")
+    assert parse_pair("safetensors_chunks") == [Pair("safetensors_chunks", 1)]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["no-such-command"])
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_make_golden_adds_missing_directories_only(tmp_path: Path) -> None:
+    st, npy = Pair("safetensors_chunks", 1), Pair("npy_chunks", 1)
+    shutil.copytree(GoldenDir(GOLDEN_ROOT, st).path, GoldenDir(tmp_path, st).path)
+    before = _digests(tmp_path)
+    assert make_golden([st, npy], tmp_path, log=lambda _: None) == [npy]
+    after = _digests(tmp_path)
+    assert {k: v for k, v in after.items() if k.startswith(st.id)} == before, "existing golden rewritten"
+    new = GoldenDir(tmp_path, npy)
+    assert manifest_problems(new.path) == []
+    committed = GoldenDir(GOLDEN_ROOT, npy)
+    assert new.expected_file.read_bytes() == committed.expected_file.read_bytes(), \
+        "golden content is not reproducible from its seed"
+    assert make_golden([st, npy], tmp_path, log=lambda _: None) == []
+    assert _digests(tmp_path) == after
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
+
+
+def _fake_distribution(root: Path, name: str, eps: dict[str, str]) -> None:
+    info = root / f"{name}-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.1\n")
+    lines = "".join(f"{k} = {v}\n" for k, v in eps.items())
+    (info / "entry_points.txt").write_text(f"[ckptfs.backends]\n{lines}")
+
+
+def test_broken_entry_point_does_not_break_ckptfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    site = tmp_path / "site"
+    _fake_distribution(site, "ckptfs_broken_plugin", {
+        "missing_module": "ckptfs_no_such_module:Backend",
+        "raising_module": "ckptfs_raising_plugin:Backend",
+    })
+    (site / "ckptfs_raising_plugin.py").write_text("raise RuntimeError('plugin import exploded')\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    with caplog.at_level(logging.WARNING, logger="ckptfs.layout.registry"):
+        pairs = ckptfs.available_backends()
+    assert ("safetensors_chunks", 1) in pairs and ("npy_chunks", 1) in pairs
+    text = caplog.text
+    assert "missing_module" in text and "ckptfs_no_such_module" in text
+    assert "raising_module" in text and "plugin import exploded" in text
+    sd = {"w": torch.arange(4.0)}
+    ckptfs.save(sd, tmp_path / "ckpt", backend="npy_chunks")
+    assert torch.equal(ckptfs.load_keys(tmp_path / "ckpt")["w"], sd["w"])
