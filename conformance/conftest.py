@@ -44,7 +44,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("pair", pairs, indirect=True, ids=str)
 
 
-def _usable(request: pytest.FixtureRequest, pair: Pair, explicit: bool) -> Pair:
+def _usable(pair: Pair, explicit: bool) -> Pair:
+    """``pair`` if its backend imports; otherwise skip (fail when it was asked for by name)."""
     err = import_error(pair)
     if err is not None:
         msg = f"backend {pair} is registered but cannot be imported here: {err}"
@@ -57,13 +58,13 @@ def _usable(request: pytest.FixtureRequest, pair: Pair, explicit: bool) -> Pair:
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Pair:
     """The (backend, version) under test."""
-    return _usable(request, request.param, request.config.stash[_EXPLICIT])
+    return _usable(request.param, request.config.stash[_EXPLICIT])
 
 
 @pytest.fixture
 def other(request: pytest.FixtureRequest) -> Pair:
     """Another registered pair (cross-backend cases)."""
-    return _usable(request, request.param, False)
+    return _usable(request.param, False)
 
 
 @pytest.fixture(scope="session")
