@@ -41,20 +41,31 @@ class LoadResult:
 def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: dist.ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True,
-         verify: bool = True, io_config: IOConfig | None = None) -> LoadResult:
+         verify: bool = True, io_config: IOConfig | None = None, pre_download: bool = False,
+         work_dir: str | os.PathLike | None = None) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
     plain values are replaced. With ``strict`` a target key missing from the checkpoint raises
     MissingKeysError naming it. ``verify`` checks crc32c of every chunk read whole.
+    ``pre_download=True`` first copies the files each node needs into the node-local
+    ``work_dir`` (one rank per node downloads; reused by later loads), then reads locally.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     comm = Comm(process_group)
     store = run_sync(open_store(url, storage_options, io_config))
     try:
-        index: Index = comm.decide(f"load: reading the index of {url}",
-                                   lambda: run_sync(read_index(store)))
+        if pre_download:
+            from ckptfs.pre_download import pre_download as fetch
+
+            index, cached = fetch(comm, store, url, work_dir, lambda idx: (
+                p.chunk.file for job in _plan(state_dict, idx, comm.rank)[0] for p in job.pieces))
+            remote, store = store, cached
+            run_sync(remote.close())
+        else:
+            index = comm.decide(f"load: reading the index of {url}",
+                                lambda: run_sync(read_index(store)))
 
         def work() -> LoadResult:
             backend = get_backend(index.backend, index.backend_version)(index.backend_options)

@@ -7,17 +7,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptfs.errors import CheckpointNotFoundError
-from ckptfs.io import open_store, run_sync
+from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.index import INDEX_FILE
 
 
 def delete(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
-           missing_ok: bool = False) -> int:
+           missing_ok: bool = False, io_config: IOConfig | None = None) -> int:
     """Remove the checkpoint at ``url``: the index first (un-commit), then every file under the
-    root. Returns the number of files removed."""
+    root (on S3: bulk DeleteObjects). Returns the number of files removed."""
 
     async def go() -> int:
-        store = await open_store(url, storage_options)
+        store = await open_store(url, storage_options, io_config)
         try:
             files = await store.list()
             if not files:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptfs.errors import CheckpointNotFoundError
-from ckptfs.io import open_store, run_sync
+from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.registry import available_backends, get_backend
@@ -39,12 +39,13 @@ async def read_index(store: Store) -> Index:
     )
 
 
-def load_metadata(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Index:
+def load_metadata(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+                  io_config: IOConfig | None = None) -> Index:
     """The index of the checkpoint at ``url``: backend, versions, every tensor's shape, dtype and
     chunks, and the plain values. Reads no tensor data."""
 
     async def go() -> Index:
-        store = await open_store(url, storage_options)
+        store = await open_store(url, storage_options, io_config)
         try:
             return await read_index(store)
         finally:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ckptfs.errors import CheckpointExistsError, CkptfsError, ShardingError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
+from ckptfs.io.throttle import run_throttled
 from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
@@ -48,12 +49,14 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          backend_options: Mapping[str, Any] | None = None,
          process_group: dist.ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
-         io_config: IOConfig | None = None, progress: bool = False) -> SaveResult:
+         io_config: IOConfig | None = None, progress: bool = False,
+         throttle_uploads: int | None = None) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
     create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
-    existing checkpoint is refused and left intact.
+    existing checkpoint is refused and left intact. ``throttle_uploads=K`` lets at most K ranks
+    of a node (hostname, or ``$CKPTFS_NODE_ID``) write their files at once.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
@@ -90,7 +93,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         def write() -> tuple[list[tuple[str, ChunkEntry]], dict[str, int]]:
             return _write_rank(be, store, plans, local["shards"], comm, save_id, progress)
 
-        outcomes = comm.agree("save: writing data", write)
+        outcomes = comm.agree("save: writing data", lambda: run_throttled(
+            throttle_uploads, comm.all_gather, comm.rank, write))
 
         def commit() -> int:
             index = _build_index(be, plans, outcomes, values, containers, comm.size)

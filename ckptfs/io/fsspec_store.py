@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
+from ckptfs.io.retry import retrying
 from ckptfs.io.store import Buffer, IOConfig, Store
+
+T = TypeVar("T")
 
 
 class FsspecStore(Store):
     """A checkpoint root on an fsspec filesystem. Sync filesystems run in worker threads.
 
     Create it inside the running ckptfs I/O loop: async fsspec instances belong to the loop
-    that made them.
+    that made them. Every request is retried on transient errors (``IOConfig.retries``); ranged
+    reads hold the store's byte budget while in flight.
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str,
@@ -33,7 +38,7 @@ class FsspecStore(Store):
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         if end <= start:
             return b""
-        async with self.semaphore:
+        async with self.budget.hold(end - start), self.semaphore:
             data = await self._call(self.fs._cat_file, path, start=start, end=end)
         self.stats.add_read(len(data))
         return data
@@ -48,29 +53,47 @@ class FsspecStore(Store):
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         async with self.semaphore:
             await self._call(self.fs._pipe_file, path, bytes(data) if isinstance(data, memoryview) else data)
+        self._wrote(path, len(data))
+
+    def _wrote(self, path: str, nbytes: int) -> None:
         self.stats.write_requests += 1
-        self.stats.bytes_written += len(data)
+        self.stats.bytes_written += nbytes
         self.stats.files_written.append(path)
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:
-        async with self.semaphore:
-            try:
-                await self.fs._pipe_file(self._p(path), bytes(data), mode="create")
-            except FileExistsError:
+        data = bytes(data)
+
+        async def once() -> None:
+            async with self.semaphore:
+                await self.fs._pipe_file(self._p(path), data, mode="create")
+
+        try:
+            await self._retry(once, path)
+        except FileExistsError:
+            # a retried create whose first attempt landed (answer lost) finds its own bytes
+            if not await self.holds(path, data):
                 raise FileExistsError(f"{self.full_path(path)} already exists") from None
         self.stats.write_requests += 1
         self.stats.bytes_written += len(data)
 
     async def exists(self, path: str) -> bool:
-        return await self.fs._exists(self._p(path))
+        return await self._retry(lambda: self.fs._exists(self._p(path)), path)
 
     async def size(self, path: str) -> int:
         return int(await self._call(self.fs._size, path))
 
+    async def version_tag(self, path: str) -> str:
+        info = await self._call(self.fs._info, path)
+        parts = [f"size={info.get('size')}"]
+        for k in ("ETag", "etag", "LastModified", "mtime", "md5Hash", "generation"):
+            if info.get(k) is not None:
+                parts.append(f"{k}={info[k]}")
+        return ";".join(parts)
+
     async def list(self, prefix: str = "") -> list[str]:
         base = self._p(prefix) if prefix else self.root
         try:
-            found = await self.fs._find(base)
+            found = await self._retry(lambda: self.fs._find(base), prefix or "/")
         except FileNotFoundError:
             return []
         strip = self.root.lstrip("/")
@@ -84,14 +107,31 @@ class FsspecStore(Store):
         async def one(p: str) -> None:
             async with self.semaphore:
                 try:
-                    await self.fs._rm_file(self._p(p))
+                    await self._retry(lambda: self.fs._rm_file(self._p(p)), p)
                 except FileNotFoundError:
                     pass
 
         await asyncio.gather(*(one(p) for p in paths))
 
-    async def _call(self, fn, path: str, *args, **kwargs):
+    async def close(self) -> None:
+        client = getattr(self.fs, "_s3", None)  # s3fs: the aiobotocore client owns the sessions
+        if client is not None:
+            self.fs._s3 = None
+            await client.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _count_retry(self, _: BaseException) -> None:
+        self.stats.retries += 1
+
+    async def _retry(self, op: Callable[[], Awaitable[T]], path: str) -> T:
+        return await retrying(op, self.full_path(path), self.config.retry_policy,
+                              on_retry=self._count_retry)
+
+    async def _call(self, fn: Callable[..., Awaitable[Any]], path: str, *args, **kwargs):
         try:
-            return await fn(self._p(path), *args, **kwargs)
+            return await self._retry(lambda: fn(self._p(path), *args, **kwargs), path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.full_path(path)}: no such file") from None
+        except PermissionError as e:
+            raise PermissionError(f"{self.full_path(path)}: access denied ({e})") from e
+

@@ -23,16 +23,26 @@ async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] 
                      config: IOConfig | None = None) -> Store:
     """Open the checkpoint root at ``url``. Call inside the ckptfs I/O loop.
 
-    Plain paths and ``file://`` use the local fast path; every other protocol goes through
-    fsspec with ``storage_options`` passed to the filesystem.
+    Plain paths and ``file://`` use the local fast path. ``s3://`` goes through s3fs, or
+    obstore with ``IOConfig(engine="obstore")``; every other protocol goes through fsspec
+    (or obstore's ``from_url`` with that engine), ``storage_options`` passed to the client.
     """
     url = os.fspath(url)
     proto, rest = split_protocol(url)
     opts = dict(storage_options or {})
+    config = config or IOConfig()
     if proto in ("file", "local"):
         from ckptfs.io.local_store import LocalStore
 
         return LocalStore(rest, config)
+    if config.engine == "obstore":
+        from ckptfs.io.obstore_store import open_obstore
+
+        return await open_obstore(url, opts, config)
+    if proto in ("s3", "s3a"):
+        from ckptfs.io.s3 import open_s3fs
+
+        return await open_s3fs(url, opts, config)
     from ckptfs.io.fsspec_store import FsspecStore
 
     cls = fsspec.get_filesystem_class(proto)

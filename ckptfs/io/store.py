@@ -7,7 +7,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ckptfs.io.budget import ByteBudget
 from ckptfs.io.ranges import ReadInto, coalesce
+from ckptfs.io.retry import RetryPolicy
 
 Buffer = bytes | bytearray | memoryview
 
@@ -20,6 +22,30 @@ class IOConfig:
     max_gap: int = 64 * 1024  #: reads closer than this are fetched as one request
     max_span: int = 64 * 2**20  #: upper bound on one coalesced request
     fsync: bool = True  #: make local writes durable before the index is committed
+    #: object-store client for s3://: "fsspec" (s3fs) or "obstore"; other protocols use fsspec
+    engine: str = "fsspec"
+    max_bytes_in_flight: int = 512 * 2**20  #: bytes of ranged reads and upload parts in flight
+    part_size: int = 32 * 2**20  #: multipart upload part size (and pre-download piece size)
+    upload_concurrency: int = 4  #: parts of one file uploaded at once
+    retries: int = 5  #: extra attempts for a transient error (5xx, throttling, drops, timeouts)
+    retry_delay: float = 0.2  #: first backoff cap in seconds; doubles per retry, full jitter
+    retry_max_delay: float = 10.0  #: upper bound of one backoff
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ValueError(f"IOConfig.retries must be >= 0, got {self.retries}")
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.retries, self.retry_delay, self.retry_max_delay)
+
+
+ENGINES = ("fsspec", "obstore")
 
 
 @dataclass(slots=True)
@@ -31,6 +57,7 @@ class IOStats:
     write_requests: int = 0
     bytes_written: int = 0
     files_written: list[str] = field(default_factory=list)
+    retries: int = 0  #: transient errors retried
 
     def add_read(self, nbytes: int, requests: int = 1) -> None:
         self.read_requests += requests
@@ -45,6 +72,7 @@ class Store(ABC):
         self.config = config or IOConfig()
         self.stats = IOStats()
         self._sem: asyncio.Semaphore | None = None
+        self._budget: ByteBudget | None = None
 
     @property
     def semaphore(self) -> asyncio.Semaphore:
@@ -52,6 +80,13 @@ class Store(ABC):
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.config.max_concurrency)
         return self._sem
+
+    @property
+    def budget(self) -> ByteBudget:
+        """Bounds bytes of requests in flight (created lazily inside the running loop)."""
+        if self._budget is None:
+            self._budget = ByteBudget(self.config.max_bytes_in_flight)
+        return self._budget
 
     def full_path(self, path: str) -> str:
         """The URL of ``path``, for messages."""
@@ -68,12 +103,12 @@ class Store(ABC):
 
     async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
         """Fill each ``read.dest`` from ``path``; near reads are coalesced, requests run
-        concurrently up to ``max_concurrency``. Short reads raise an error naming the file."""
+        concurrently up to ``max_concurrency`` (``get_range`` holds the request semaphore and,
+        in remote stores, the byte budget). Short reads raise an error naming the file."""
         groups = coalesce(reads, self.config.max_gap, self.config.max_span)
 
         async def one(g) -> None:
-            async with self.semaphore:
-                data = await self.get_range(path, g.span.start, g.span.end)
+            data = await self.get_range(path, g.span.start, g.span.end)
             if len(data) != g.span.length:
                 raise EOFError(
                     f"{self.full_path(path)}: wanted bytes [{g.span.start}, {g.span.end}), "
@@ -95,12 +130,26 @@ class Store(ABC):
     async def put_if_absent(self, path: str, data: Buffer) -> None:
         """Create ``path`` atomically; raise FileExistsError if it exists (the commit)."""
 
+    async def holds(self, path: str, data: bytes) -> bool:
+        """True if ``path`` exists with exactly ``data``: tells a retried create whose first
+        attempt landed (answer lost) from a real conflict (an index names its save's unique
+        files, so equal bytes mean this save wrote it)."""
+        try:
+            return bytes(await self.get(path)) == data
+        except FileNotFoundError:
+            return False
+
     # -- namespace -------------------------------------------------------------------------
     @abstractmethod
     async def exists(self, path: str) -> bool: ...
 
     @abstractmethod
     async def size(self, path: str) -> int: ...
+
+    async def version_tag(self, path: str) -> str:
+        """A string that changes when ``path`` is rewritten (ETag on object stores; size and
+        mtime or just size elsewhere); one metadata request, no data."""
+        return f"size={await self.size(path)}"
 
     @abstractmethod
     async def list(self, prefix: str = "") -> list[str]:

@@ -1,0 +1,175 @@
+"""s3:// through s3fs (the default engine): multipart uploads with bounded memory, bulk deletes.
+
+The s3fs instance is asynchronous and built inside the ckptfs I/O loop. Its own retry loops
+(s3fs ``retries`` and botocore's ``retries`` config) are set to one attempt unless the caller
+passes them, so transient errors are retried once, in ckptfs's retry layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckptfs.io.fsspec_store import FsspecStore
+from ckptfs.io.parts import join, part_size_for, pieces, total_bytes
+from ckptfs.io.store import Buffer, IOConfig
+
+#: botocore's pool is 10 by default; keep a few connections beyond the request semaphore
+POOL_HEADROOM = 4
+
+
+async def open_s3fs(url: str, storage_options: Mapping[str, Any], config: IOConfig) -> S3FsStore:
+    """An S3FsStore for ``url``; ``storage_options`` go to ``s3fs.S3FileSystem``."""
+    import s3fs
+
+    opts = dict(storage_options)
+    retries = opts.pop("retries", 1)  # s3fs's own loop: off, ckptfs retries
+    opts["asynchronous"] = True
+    opts.setdefault("skip_instance_cache", True)
+    opts.setdefault("use_listings_cache", False)
+    ck = dict(opts.get("config_kwargs") or {})
+    ck.setdefault("max_pool_connections", config.max_concurrency + POOL_HEADROOM)
+    ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    opts["config_kwargs"] = ck
+    if "session" not in opts and not opts.get("profile"):
+        opts["session"] = _shared_session()
+    fs = s3fs.S3FileSystem(**opts)
+    fs.retries = int(retries)
+    await fs.set_session()
+    return S3FsStore(fs, fs._strip_protocol(url), url, config)
+
+
+_sessions: dict[int, Any] = {}
+
+
+def _shared_session() -> Any:
+    """One aiobotocore session per process: it caches the parsed S3 service model, so opening a
+    store costs milliseconds instead of ~0.1-0.2 s (clients stay per store and per loop)."""
+    import aiobotocore.session
+
+    pid = os.getpid()
+    if pid not in _sessions:
+        _sessions.clear()
+        _sessions[pid] = aiobotocore.session.AioSession()
+    return _sessions[pid]
+
+
+class S3FsStore(FsspecStore):
+    """A checkpoint root in an S3 bucket, through an asynchronous ``s3fs.S3FileSystem``."""
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(self._p(path))
+        return bucket, key
+
+    async def get(self, path: str) -> Buffer:
+        """One GET (s3fs would HEAD first to split large objects; whole-file reads here are
+        indexes, metadata and encoded chunks)."""
+        async with self.semaphore:
+            data = await self._call(self.fs._cat_file, path, max_concurrency=1)
+        self.stats.add_read(len(data))
+        return data
+
+    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+        """One PUT up to ``part_size`` bytes; above, a multipart upload that copies one part at a
+        time (``upload_concurrency`` per file, all within the store's byte budget)."""
+        total = total_bytes(parts)
+        size = part_size_for(total, self.config.part_size)
+        if total <= size:
+            async with self.budget.hold(total):
+                data = join(next(pieces(parts, size), [memoryview(b"")]))
+                async with self.semaphore:
+                    await self._call(self.fs._pipe_file, path, data, chunksize=max(total, 1))
+        else:
+            await self._multipart(path, parts, size)
+        self._wrote(path, total)
+
+    async def _multipart(self, path: str, parts: Sequence[Buffer], size: int) -> None:
+        bucket, key = self._split(path)
+        mpu = await self._s3("create_multipart_upload", path, Bucket=bucket, Key=key)
+        upload_id = mpu["UploadId"]
+        etags: dict[int, str] = {}
+        slots = asyncio.Semaphore(self.config.upload_concurrency)
+
+        async def upload(number: int, piece: list[memoryview]) -> None:
+            try:
+                nbytes = sum(v.nbytes for v in piece)
+                async with self.budget.hold(nbytes):
+                    body = join(piece)
+                    r = await self._s3("upload_part", path, Bucket=bucket, Key=key,
+                                       UploadId=upload_id, PartNumber=number, Body=body)
+                etags[number] = r["ETag"]
+            finally:
+                slots.release()
+
+        tasks: list[asyncio.Task] = []
+        try:
+            for number, piece in enumerate(pieces(parts, size), start=1):
+                await slots.acquire()  # at most upload_concurrency pieces exist at once
+                if any(t.done() and t.exception() for t in tasks):
+                    break
+                tasks.append(asyncio.create_task(upload(number, piece)))
+            await asyncio.gather(*tasks)
+            done = {"Parts": [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]}
+            await self._complete(path, bucket, key, upload_id, done, total_bytes(parts))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                                       UploadId=upload_id)
+            except Exception:
+                pass  # best effort; a lifecycle rule reaps what is left
+            raise
+
+    async def _complete(self, path: str, bucket: str, key: str, upload_id: str,
+                        done: dict, total: int) -> None:
+        attempts = 0
+
+        async def once():
+            nonlocal attempts
+            attempts += 1
+            async with self.semaphore:
+                return await self.fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key,
+                                              UploadId=upload_id, MultipartUpload=done)
+
+        try:
+            await self._retry(once, path)
+        except FileNotFoundError:
+            # NoSuchUpload after a retry: the first attempt completed but its answer was lost
+            if attempts < 2 or await self.size(path) != total:
+                raise
+
+    async def _s3(self, method: str, path: str, **kwargs) -> Any:
+        async def once():
+            async with self.semaphore:
+                return await self.fs._call_s3(method, **kwargs)
+
+        try:
+            return await self._retry(once, path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.full_path(path)}: no such file or bucket") from None
+        except PermissionError as e:
+            raise PermissionError(f"{self.full_path(path)}: access denied ({e})") from e
+
+    async def delete(self, paths: Sequence[str]) -> None:
+        """Bulk DeleteObjects, 1000 keys per request; missing keys are ignored, other per-key
+        failures raise naming the key."""
+        if not paths:
+            return
+        bucket, _ = self._split(paths[0])
+        keys = [self._split(p)[1] for p in paths]
+
+        async def batch(ks: list[str]) -> None:
+            out = await self._s3("delete_objects", paths[0], Bucket=bucket,
+                                 Delete={"Objects": [{"Key": k} for k in ks], "Quiet": True})
+            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                e = errors[0]
+                raise OSError(f"s3://{bucket}/{e.get('Key')}: delete failed: {e.get('Code')} "
+                              f"{e.get('Message', '')} ({len(errors)} key(s) failed)")
+
+        await asyncio.gather(*(batch(keys[i:i + 1000]) for i in range(0, len(keys), 1000)))
+        self.fs.invalidate_cache()

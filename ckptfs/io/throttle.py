@@ -1,0 +1,52 @@
+"""Throttled uploads: at most K ranks of a node upload at once.
+
+Ranks upload in rounds: the rank with local index i on its node goes in round ``i // K``; a
+barrier ends each round. Every rank takes part in every round, also after a local failure (the
+failure is re-raised after the last round and reported by the caller's ``agree``), so a failed
+rank never leaves the others waiting. Rounds waste some time when ranks' files differ in size;
+they need nothing but the process group (no store, no server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ckptfs.io.nodes import NodeLayout, node_id
+
+T = TypeVar("T")
+
+
+def upload_rounds(layout: NodeLayout, limit: int) -> tuple[int, ...]:
+    """The round of each rank: its index on its node divided by ``limit``."""
+    return tuple(lr // limit for lr in layout.local_rank)
+
+
+def run_throttled(limit: int | None, all_gather: Callable[[Any], list[Any]], rank: int,
+                  fn: Callable[[], T]) -> T:
+    """Run ``fn`` (this rank's uploads) in this rank's round; collective over ``all_gather``.
+
+    Every rank calls this with its own ``limit``; the smallest one given wins, and when no rank
+    gives one (all None) ``fn`` runs at once after the one exchange.
+    """
+    seen = all_gather((node_id(), limit))
+    limits = [k for _, k in seen if k is not None]
+    if not limits:
+        return fn()
+    k = min(limits)
+    if k < 1:
+        raise ValueError(f"throttle_uploads must be at least 1, got {k}")
+    layout = NodeLayout.from_ids([nid for nid, _ in seen])
+    rounds = upload_rounds(layout, k)
+    result: Any = None
+    error: BaseException | None = None
+    for r in range(max(rounds) + 1):
+        if r == rounds[rank]:
+            try:
+                result = fn()
+            except Exception as e:  # re-raised after the rounds: never skip a barrier
+                error = e
+        all_gather(None)  # barrier: round r is over on every rank
+    if error is not None:
+        raise error
+    return result

@@ -1,0 +1,113 @@
+"""``load(..., pre_download=True, work_dir=PATH)``: each node fetches the files its ranks need once,
+then every rank reads them from local disk.
+
+1. Rank 0 asks the store for the index's version tag (one HEAD, no data) and reads the index:
+   from its node's cache when the tag matches, else from the store. Every rank gets it.
+2. Each rank lists the files its reads touch; the lists are gathered and united per node
+   (nodes: hostname, or ``$CKPTFS_NODE_ID``).
+3. The lowest rank of each node fills ``work_dir`` (layout: ckptfs/io/cache.py) with what is
+   missing: the node's data files plus the checkpoint's small metadata files, each checked
+   against its size in the index. The other ranks wait in the same ``agree``; a failure on any
+   node raises on every rank.
+4. Every rank then reads from the local copy (chunk checksums verified as usual). A later load
+   of the same checkpoint version finds the cache complete and sends no GET at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ckptfs.io import run_sync
+from ckptfs.io.cache import cache_dir, fill, locked, read_marker, valid_files
+from ckptfs.io.local_store import LocalStore
+from ckptfs.io.nodes import NodeLayout, node_id
+from ckptfs.io.store import Store
+from ckptfs.layout.index import INDEX_FILE, Index
+from ckptfs.metadata import read_index
+from ckptfs.planning.collectives import Comm
+
+
+async def version_tag(store: Store) -> str:
+    """The checkpoint's version: its index object's tag, or (foreign checkpoints without an
+    index) a digest of the file listing."""
+    try:
+        return "index:" + await store.version_tag(INDEX_FILE)
+    except FileNotFoundError:
+        names = "\n".join(await store.list())
+        return "listing:" + hashlib.sha256(names.encode()).hexdigest()
+
+
+async def _index_via_cache(store: Store, cdir: str, tag: str) -> Index:
+    marker = read_marker(cdir)
+    if marker is not None and marker.tag == tag and marker.url == store.url:
+        have = valid_files(cdir, marker, tag)
+        if INDEX_FILE in have or tag.startswith("listing:"):
+            return await read_index(LocalStore(cdir, store.config))
+    return await read_index(store)
+
+
+def files_needed(paths: Iterable[str | None], index: Index) -> list[str]:
+    """The data files ``paths`` name; every file of the index if a chunk names none."""
+    out = set(paths)
+    if None in out:
+        return sorted(index.files)
+    return sorted(out)  # type: ignore[arg-type]
+
+
+def pre_download(comm: Comm, store: Store, url: str, work_dir: str | os.PathLike | None,
+                 chunk_files: Callable[[Index], Iterable[str | None]]) -> tuple[Index, Store]:
+    """Fill this node's cache for ``url`` and return the index and a LocalStore over the cache.
+    ``chunk_files(index)`` names the files this rank's reads touch. Collective."""
+    if work_dir is None:
+        raise ValueError("pre_download=True needs work_dir= (a node-local directory)")
+    cdir = cache_dir(work_dir, url)
+
+    def head_and_index() -> tuple[str, Index]:
+        async def go() -> tuple[str, Index]:
+            tag = await version_tag(store)
+            return tag, await _index_via_cache(store, cdir, tag)
+
+        return run_sync(go())
+
+    tag, index = comm.decide(f"load: reading the index of {url}", head_and_index)
+    needed = comm.agree("load: planning the pre-download",
+                        lambda: (node_id(), files_needed(chunk_files(index), index)))
+    layout = NodeLayout.from_ids([nid for nid, _ in needed])
+    mine = sorted({f for r in layout.ranks_on(layout.node_of[comm.rank]) for f in needed[r][1]})
+
+    def fill_node_cache() -> int:
+        if layout.leader(comm.rank) != comm.rank:
+            return 0
+        return run_sync(_fill(store, cdir, url, tag, index, mine))
+
+    comm.agree(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
+    return index, LocalStore(cdir, store.config)
+
+
+async def _fill(store: Store, cdir: str, url: str, tag: str, index: Index,
+                data_files: list[str]) -> int:
+    import asyncio
+
+    def lock_and_check() -> Any:
+        ctx = locked(cdir)
+        ctx.__enter__()
+        return ctx
+
+    ctx = await asyncio.to_thread(lock_and_check)  # flock blocks: wait in a thread
+    try:
+        have = valid_files(cdir, read_marker(cdir), tag)
+        files: dict[str, int | None] = {f: index.files.get(f) for f in data_files}
+        if tag.startswith("index:"):
+            files[INDEX_FILE] = None
+        if any(f not in have for f in files) or not have:
+            # metadata files outside the index's data files (backend headers, zarr.json, ...)
+            for f in await store.list():
+                if f not in index.files:
+                    files.setdefault(f, None)
+        got = await fill(store, cdir, url, tag, files)
+        return sum(got.values())
+    finally:
+        ctx.__exit__(None, None, None)

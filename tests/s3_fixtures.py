@@ -1,0 +1,274 @@
+"""A real S3 endpoint for tests: moto's threaded server on 127.0.0.1 (free port, one per session,
+state reset per test), and a loopback fault-injecting HTTP proxy in front of it.
+
+The proxy forwards each request to moto and can answer a share of them with 503 SlowDown, drop
+the connection before or after forwarding, add latency, or deny paths with 403. It logs every
+request (method, path, status, start and end times) for tests that count GETs or measure how
+many uploads overlap. Spawned ranks reach its log and settings through ``/__proxy__/...``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
+
+BUCKET = "ckpt"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+           b"<Message>Access Denied</Message></Error>")
+_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[object, str]:
+    """A ThreadedMotoServer on a free loopback port, and its URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    for k, v in CREDENTIALS.items():
+        os.environ.setdefault(k, v)
+    os.environ.pop("AWS_PROFILE", None)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server, f"http://127.0.0.1:{port}"
+
+
+def reset_bucket(endpoint: str, bucket: str = BUCKET) -> str:
+    """Wipe moto's state and create an empty bucket."""
+    import boto3
+
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"),
+                           timeout=30).read()
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return bucket
+
+
+def s3_options(endpoint: str) -> dict:
+    """storage_options for ckptfs (both engines accept these)."""
+    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"}}
+
+
+@dataclass
+class Faults:
+    """What the proxy does to each request (shares are probabilities per request)."""
+
+    fail_share: float = 0.0  #: answer 503 SlowDown without forwarding
+    drop_share: float = 0.0  #: close the connection without forwarding
+    drop_after_share: float = 0.0  #: forward, then close without answering (lost response)
+    latency: float = 0.0  #: seconds to wait before forwarding
+    deny: list[str] = field(default_factory=list)  #: path substrings answered 403 AccessDenied
+    seed: int = 0
+
+
+@dataclass
+class Record:
+    method: str
+    path: str  #: without the query
+    query: str
+    status: int  #: 0 for a dropped connection
+    t0: float
+    t1: float
+    fault: str  #: "", "503", "drop", "drop_after", "deny"
+    range: str = ""  #: the Range header
+    if_none_match: str = ""  #: the If-None-Match header (create-if-absent)
+    copy_source: str = ""  #: x-amz-copy-source (a server-side copy: a "rename")
+
+
+class FaultProxy:
+    """A threading HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream``."""
+
+    def __init__(self, upstream: str) -> None:
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.faults = Faults()
+        self.records: list[Record] = []
+        self._lock = threading.Lock()
+        self._rng = random.Random(0)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out in separate writes
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _any(self) -> None:
+                proxy._handle(self)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True,
+                                        name="fault-proxy")
+
+    def start(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def configure(self, **kwargs) -> None:
+        with self._lock:
+            self.faults = Faults(**kwargs)
+            self._rng = random.Random(self.faults.seed)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.faults = Faults()
+            self.records = []
+            self._rng = random.Random(0)
+
+    def log(self) -> list[Record]:
+        with self._lock:
+            return list(self.records)
+
+    # -- request handling --------------------------------------------------------------------
+    def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        path, _, query = h.path.partition("?")
+        body = _read_body(h)
+        if path.startswith("/__proxy__/"):
+            return self._control(h, path, body)
+        t0 = time.monotonic()
+        with self._lock:
+            f = self.faults
+            roll = self._rng.random()
+        fault = ""
+        if any(d in path for d in f.deny):
+            fault = "deny"
+        elif roll < f.fail_share:
+            fault = "503"
+        elif roll < f.fail_share + f.drop_share:
+            fault = "drop"
+        elif roll < f.fail_share + f.drop_share + f.drop_after_share:
+            fault = "drop_after"
+        if f.latency:
+            time.sleep(f.latency)
+        if fault == "drop":
+            self._record(h, path, query, 0, t0, fault)
+            h.close_connection = True
+            return
+        if fault in ("503", "deny"):
+            status = 503 if fault == "503" else 403
+            self._record(h, path, query, status, t0, fault)
+            _reply(h, status, [("Content-Type", "application/xml")],
+                   b"" if h.command == "HEAD" else (_SLOWDOWN if status == 503 else _DENIED))
+            return
+        try:
+            status, headers, payload = self._forward(h, body)
+        except OSError:
+            self._record(h, path, query, 0, t0, "upstream")
+            raise
+        if fault == "drop_after":
+            self._record(h, path, query, 0, t0, fault)
+            h.close_connection = True
+            return
+        # logged before answering: a client that got its answer finds its request in the log
+        self._record(h, path, query, status, t0, fault)
+        _reply(h, status, headers, payload, head=h.command == "HEAD")
+
+    def _record(self, h, path: str, query: str, status: int, t0: float, fault: str) -> None:
+        with self._lock:
+            self.records.append(Record(
+                h.command, path, query, status, t0, time.monotonic(), fault,
+                h.headers.get("Range", ""), h.headers.get("If-None-Match", ""),
+                h.headers.get("x-amz-copy-source", "")))
+
+    def _forward(self, h, body: bytes):
+        conn = http.client.HTTPConnection(*self.upstream, timeout=120)
+        try:
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
+            if body or h.command in ("PUT", "POST"):
+                headers["Content-Length"] = str(len(body))
+            conn.request(h.command, h.path, body=body, headers=headers)
+            r = conn.getresponse()
+            payload = r.read()
+            out = [(k, v) for k, v in r.getheaders() if k.lower() not in _HOP]
+            return r.status, out, payload
+        finally:
+            conn.close()
+
+    def _control(self, h, path: str, body: bytes) -> None:
+        if path == "/__proxy__/log":
+            data = json.dumps([asdict(r) for r in self.log()]).encode()
+        elif path == "/__proxy__/upstream":
+            data = json.dumps({"url": f"http://{self.upstream[0]}:{self.upstream[1]}"}).encode()
+        elif path == "/__proxy__/reset":
+            self.reset()
+            data = b"{}"
+        elif path == "/__proxy__/configure":
+            self.configure(**json.loads(body or b"{}"))
+            data = b"{}"
+        else:
+            _reply(h, 404, [], b"")
+            return
+        _reply(h, 200, [("Content-Type", "application/json")], data)
+
+
+def _read_body(h) -> bytes:
+    if h.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        out = bytearray()
+        while True:
+            size = int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while h.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return bytes(out)
+            out += h.rfile.read(size)
+            h.rfile.readline()
+    n = int(h.headers.get("Content-Length") or 0)
+    return h.rfile.read(n) if n else b""
+
+
+def _reply(h, status: int, headers, payload: bytes, head: bool = False) -> None:
+    h.send_response_only(status)
+    have_length = False
+    for k, v in headers:
+        if k.lower() == "content-length":
+            if not head:
+                continue
+            have_length = True
+        h.send_header(k, v)
+    if not head:
+        h.send_header("Content-Length", str(len(payload)))
+    elif not have_length:
+        h.send_header("Content-Length", "0")
+    h.end_headers()
+    if not head and payload:
+        h.wfile.write(payload)
+
+
+# -- helpers for spawned ranks (talk to the proxy over HTTP) ---------------------------------
+def proxy_call(proxy_url: str, what: str, payload: dict | None = None):
+    data = json.dumps(payload or {}).encode()
+    req = urllib.request.Request(f"{proxy_url}/__proxy__/{what}", data=data, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def proxy_log(proxy_url: str) -> list[Record]:
+    return [Record(**r) for r in proxy_call(proxy_url, "log")]

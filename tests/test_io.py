@@ -1,0 +1,334 @@
+"""The object-store I/O pieces on their own: retry classification and backoff, the byte budget,
+multipart pieces (bounded memory on a real moto endpoint), node grouping, throttle rounds that
+never hang, the pre-download cache, IOConfig and obstore option translation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import fsspec
+import pytest
+from botocore.exceptions import ClientError
+
+import ckptfs
+from ckptfs.errors import StorageError
+from ckptfs.io import run_sync
+from ckptfs.io.budget import ByteBudget
+from ckptfs.io.cache import MARKER, cache_dir, fill, read_marker
+from ckptfs.io.fsspec_store import FsspecStore
+from ckptfs.io.local_store import LocalStore
+from ckptfs.io.nodes import NodeLayout
+from ckptfs.io.obstore_store import retry_config, s3_config
+from ckptfs.io.parts import MIN_PART, join, part_size_for, pieces
+from ckptfs.io.ranges import ReadInto
+from ckptfs.io.retry import RetryPolicy, is_transient, retrying
+from ckptfs.io.throttle import run_throttled, upload_rounds
+
+
+def client_error(status: int, code: str) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": "x"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+
+# -- retries ---------------------------------------------------------------------------------
+def test_transient_and_permanent_errors_are_told_apart():
+    import aiohttp
+    from obstore.exceptions import GenericError, NotFoundError
+
+    transient = [client_error(503, "SlowDown"), client_error(500, "InternalError"),
+                 client_error(400, "RequestTimeout"), client_error(429, "TooManyRequests"),
+                 ConnectionResetError("reset"), TimeoutError(), aiohttp.ServerDisconnectedError(),
+                 GenericError("Generic S3 error: request failed, status: 503 Service Unavailable"),
+                 GenericError("Generic S3 error: error sending request: connection closed")]
+    permanent = [client_error(403, "AccessDenied"), client_error(404, "NoSuchKey"),
+                 FileNotFoundError("x"), PermissionError("x"), FileExistsError("x"),
+                 ValueError("x"), NotFoundError("x"),
+                 GenericError("Generic S3 error: request failed, status: 400 Bad Request")]
+    # s3fs translates ClientError into OSError subclasses, keeping the original as __cause__
+    wrapped = OSError(16, "SlowDown")
+    wrapped.__cause__ = client_error(503, "SlowDown")
+    transient.append(wrapped)
+    denied = PermissionError("Access Denied")
+    denied.__cause__ = client_error(403, "AccessDenied")
+    permanent.append(denied)
+    assert [e for e in transient if not is_transient(e)] == []
+    assert [e for e in permanent if is_transient(e)] == []
+
+
+def test_backoff_is_bounded_exponential_with_jitter():
+    p = RetryPolicy(retries=6, base_delay=0.1, max_delay=0.5)
+    delays = [[p.delay(a) for _ in range(200)] for a in range(6)]
+    caps = [0.1, 0.2, 0.4, 0.5, 0.5, 0.5]
+    for d, cap in zip(delays, caps):
+        assert min(d) >= 0 and max(d) <= cap
+        assert len({round(x, 6) for x in d}) > 100  # jittered, not a fixed schedule
+    assert max(delays[2]) > 0.2  # the cap grows
+
+
+def test_retrying_retries_transient_then_gives_up_naming_the_url():
+    calls, slept = [], []
+
+    async def sleep(d):
+        slept.append(d)
+
+    async def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise client_error(503, "SlowDown")
+        return "ok"
+
+    pol = RetryPolicy(retries=4, base_delay=0.01, max_delay=0.05)
+    assert asyncio.run(retrying(flaky, "s3://b/k", pol, sleep=sleep)) == "ok"
+    assert len(calls) == 3 and len(slept) == 2
+
+    calls.clear()
+
+    async def always():
+        calls.append(1)
+        raise ConnectionResetError("reset by peer")
+
+    with pytest.raises(StorageError, match=r"s3://b/k: still failing after 5 attempt"):
+        asyncio.run(retrying(always, "s3://b/k", pol, sleep=sleep))
+    assert len(calls) == 5
+
+    calls.clear()
+
+    async def denied():
+        calls.append(1)
+        raise PermissionError("s3://b/k: access denied")
+
+    with pytest.raises(PermissionError, match="s3://b/k"):
+        asyncio.run(retrying(denied, "s3://b/k", pol, sleep=sleep))
+    assert len(calls) == 1  # permanent: no retry
+
+
+# -- byte budget and ranged reads -------------------------------------------------------------
+def test_byte_budget_bounds_ranged_reads_in_flight(memfs):
+    """40 far-apart reads of 1000 bytes, a 3000-byte budget: never more than 3 requests'
+    bytes in flight inside the filesystem, and every byte lands right."""
+    blob = os.urandom(200_000)
+    memfs.pipe_file("/b/f.bin", blob)
+    cfg = ckptfs.IOConfig(max_gap=0, max_bytes_in_flight=3000, max_concurrency=64)
+    state = {"now": 0, "peak": 0}
+
+    async def go():
+        store = FsspecStore(fsspec.filesystem("memory"), "/b", "memory://b", cfg)
+        inner = store.fs._cat_file
+
+        async def tracked(path, start=None, end=None, **kw):
+            state["now"] += end - start
+            state["peak"] = max(state["peak"], state["now"])
+            await asyncio.sleep(0.002)
+            try:
+                return await inner(path, start=start, end=end, **kw)
+            finally:
+                state["now"] -= end - start
+
+        store.fs._cat_file = tracked
+        dests = [bytearray(1000) for _ in range(40)]
+        await store.read_into("f.bin", [ReadInto(i * 5000, memoryview(d)) for i, d in enumerate(dests)])
+        return store, dests
+
+    store, dests = run_sync(go())
+    assert all(bytes(d) == blob[i * 5000:i * 5000 + 1000] for i, d in enumerate(dests))
+    assert state["peak"] == 3000  # bounded, and the bound was reached (reads ran concurrently)
+    assert store.stats.read_requests == 40
+
+
+def test_byte_budget_lets_an_oversized_request_run_alone():
+    async def go():
+        b = ByteBudget(100)
+        order = []
+
+        async def req(name, n):
+            async with b.hold(n):
+                order.append((name, b.used))
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(req("small", 60), req("huge", 500), req("small2", 30))
+        return order, b.peak
+
+    order, peak = asyncio.run(go())
+    assert ("huge", 100) in order and peak <= 100
+
+
+# -- multipart pieces ------------------------------------------------------------------------
+def test_pieces_cut_across_buffers_without_copying():
+    bufs = [bytearray(b"a" * 7), bytearray(b"b" * 3), memoryview(bytearray(b"c" * 12))]
+    ps = list(pieces(bufs, 5))
+    assert [sum(v.nbytes for v in p) for p in ps] == [5, 5, 5, 5, 2]
+    assert b"".join(join(p) for p in ps) == b"a" * 7 + b"b" * 3 + b"c" * 12
+    ps[0][0][0] = ord("z")  # views share the caller's memory
+    assert bufs[0][0] == ord("z")
+    assert part_size_for(10, 1) == MIN_PART
+    assert part_size_for(10_000 * MIN_PART * 3, MIN_PART) == 3 * MIN_PART
+
+
+def test_s3fs_multipart_upload_bounds_parts_in_memory(s3):
+    """A 23 MiB file given as 3 buffers, 5 MiB parts, 2 parts per file at once: the upload is
+    multipart (ETag "-5"), no request body exceeds a part, at most 2 bodies exist at once."""
+    import boto3
+
+    from ckptfs.io import open_store
+
+    data = [os.urandom(9 * 2**20), os.urandom(2**20 + 5), os.urandom(13 * 2**20)]
+    cfg = ckptfs.IOConfig(part_size=5 * 2**20, upload_concurrency=2)
+    seen = {"now": 0, "peak": 0, "bodies": []}
+
+    async def go():
+        store = await open_store(f"{s3.url}/mp", s3.options, cfg)
+        inner = store.fs._call_s3
+
+        async def tracked(method, *a, **kw):
+            if method != "upload_part":
+                return await inner(method, *a, **kw)
+            seen["now"] += 1
+            seen["peak"] = max(seen["peak"], seen["now"])
+            seen["bodies"].append(len(kw["Body"]))
+            try:
+                return await inner(method, *a, **kw)
+            finally:
+                seen["now"] -= 1
+
+        store.fs._call_s3 = tracked
+        try:
+            await store.put("big.bin", data)
+        finally:
+            await store.close()
+
+    run_sync(go())
+    head = boto3.client("s3", endpoint_url=s3.direct).head_object(Bucket=s3.bucket, Key="mp/big.bin")
+    assert head["ETag"].strip('"').endswith("-5")
+    got = boto3.client("s3", endpoint_url=s3.direct).get_object(Bucket=s3.bucket, Key="mp/big.bin")
+    assert got["Body"].read() == b"".join(data)
+    assert max(seen["bodies"]) == 5 * 2**20 and len(seen["bodies"]) == 5
+    assert seen["peak"] == 2
+
+
+# -- nodes and throttled rounds --------------------------------------------------------------
+def test_node_layout_and_rounds():
+    lay = NodeLayout.from_ids(["a", "a", "b", "a", "b"])
+    assert lay.node_of == (0, 0, 1, 0, 1) and lay.local_rank == (0, 1, 0, 2, 1)
+    assert lay.num_nodes == 2 and lay.ranks_on(1) == [2, 4] and lay.leader(3) == 0
+    assert upload_rounds(lay, 1) == (0, 1, 0, 2, 1)
+    assert upload_rounds(lay, 2) == (0, 0, 0, 1, 0)
+
+
+class ThreadGroup:
+    """all_gather over threads (a stand-in for a process group in a unit test)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n, timeout=20)
+
+    def all_gather(self, rank: int):
+        def gather(obj):
+            self.barrier.wait()
+            self.slots[rank] = obj
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
+    """4 ranks on 2 nodes, K=1: at most one rank of a node inside fn at a time; rank 1 fails in
+    its round, every rank still finishes all rounds (no hang) and only rank 1 raises."""
+    group = ThreadGroup(4)
+    active = {0: set(), 1: set()}
+    peak = {0: 0, 1: 0}
+    lock = threading.Lock()
+    results: dict[int, object] = {}
+    ids = ["n0", "n0", "n1", "n1"]
+    monkeypatch.setattr("ckptfs.io.throttle.node_id", lambda: ids[int(threading.current_thread().name)])
+
+    def rank_main(rank: int) -> None:
+        def fn():
+            node = rank // 2
+            with lock:
+                active[node].add(rank)
+                peak[node] = max(peak[node], len(active[node]))
+            threading.Event().wait(0.05)
+            with lock:
+                active[node].discard(rank)
+            if rank == 1:
+                raise OSError("upload failed on rank 1")
+            return rank * 10
+
+        try:
+            results[rank] = run_throttled(1, group.all_gather(rank), rank, fn)
+        except Exception as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=str(r)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert peak == {0: 1, 1: 1}
+    assert results[0] == 0 and results[2] == 20 and results[3] == 30
+    assert isinstance(results[1], OSError)
+
+
+def test_no_throttle_runs_at_once_single_process():
+    assert run_throttled(None, lambda x: [x], 0, lambda: 7) == 7
+    with pytest.raises(ValueError, match="throttle_uploads"):
+        run_throttled(0, lambda x: [x], 0, lambda: 7)
+
+
+# -- pre-download cache ----------------------------------------------------------------------
+def test_cache_fill_reuses_verifies_and_wipes(tmp_path):
+    src = tmp_path / "ckpt"
+    (src / "data").mkdir(parents=True)
+    blobs = {"data/a.bin": os.urandom(3000), "data/b.bin": os.urandom(10), "meta.json": b"{}"}
+    for p, b in blobs.items():
+        (src / p).write_bytes(b)
+    cdir = cache_dir(tmp_path / "work", "s3://bucket/ckpt")
+    assert cdir.startswith(str(tmp_path / "work")) and len(os.path.basename(cdir)) == 16
+    cfg = ckptfs.IOConfig(part_size=1024)
+
+    def run(files, tag="v1"):
+        store = LocalStore(str(src), cfg)
+        got = run_sync(fill(store, cdir, "s3://bucket/ckpt", tag, files))
+        return got, store.stats.read_requests
+
+    got, nreq = run({"data/a.bin": 3000, "meta.json": None})
+    assert got == {"data/a.bin": 3000, "meta.json": 2} and nreq == 3 + 1  # 3 pieces of 1 KiB
+    assert (tmp_path / "work" / os.path.basename(cdir) / "data" / "a.bin").read_bytes() == blobs["data/a.bin"]
+    assert read_marker(cdir).files == {"data/a.bin": 3000, "meta.json": 2}
+    # same version again: nothing fetched; a new file: only that one
+    assert run({"data/a.bin": 3000, "meta.json": None}) == ({}, 0)
+    assert run({"data/a.bin": 3000, "data/b.bin": 10}) == ({"data/b.bin": 10}, 1)
+    # a damaged cached file (wrong size) is fetched again
+    with open(os.path.join(cdir, "data", "a.bin"), "ab") as f:
+        f.write(b"junk")
+    assert run({"data/a.bin": 3000}) == ({"data/a.bin": 3000}, 3)
+    # a size that disagrees with the index is an error naming the file
+    with pytest.raises(ckptfs.IntegrityError, match="b.bin"):
+        run({"data/b.bin": 11}, tag="v2")
+    # a new checkpoint version wipes the old files
+    run({"meta.json": None}, tag="v3")
+    assert sorted(os.listdir(cdir)) == [MARKER, "meta.json"]
+
+
+# -- config and option translation -----------------------------------------------------------
+def test_io_config_validates_engine_and_sizes():
+    with pytest.raises(ValueError, match="engine"):
+        ckptfs.IOConfig(engine="boto")
+    with pytest.raises(ValueError, match="part_size"):
+        ckptfs.IOConfig(part_size=0)
+    assert ckptfs.IOConfig(engine="obstore").retry_policy.retries == 5
+
+
+def test_obstore_takes_s3fs_style_options():
+    cfg, client = s3_config({"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
+                             "client_kwargs": {"region_name": "eu-west-1"},
+                             "config_kwargs": {"max_pool_connections": 4}, "anon": False})
+    assert cfg == {"endpoint": "http://127.0.0.1:9", "access_key_id": "k", "secret_access_key": "s",
+                   "region": "eu-west-1"}
+    assert client == {"allow_http": True}
+    rc = retry_config(RetryPolicy(3, 0.5, 4.0))
+    assert rc["max_retries"] == 3 and rc["backoff"]["max_backoff"].total_seconds() == 4.0
