@@ -285,13 +285,18 @@ def test_sniffed_index_describes_dcp_checkpoint(root):
     torch.arange(6, dtype=torch.int64).reshape(2, 3),
 ], ids=["f32", "bf16", "0d", "empty", "row-view", "f8", "bool", "i64"])
 def test_blob_is_byte_identical_to_torch_save(t):
-    blob = tensor_blob(t.contiguous())
-    bio = io.BytesIO()
-    torch.save(t.clone(), bio)
-    assert blob.head + bytes(blob.data) + blob.tail == bio.getvalue()
-    layout = run_on_bytes(locate_tensor(blob.nbytes), bio.getvalue())
-    assert layout.data_offset == blob.data_offset and layout.data_offset % 64 == 0
-    assert layout.raw_problem(t.dtype, tuple(t.shape)) is None
+    other = t.clone()
+    if other.numel():  # same dtype and shape, different bytes
+        raw = other.reshape(-1).view(torch.uint8)
+        raw[0] = raw[0] ^ 1
+    for x in (t, other):  # the second reuses the (dtype, shape) container template
+        blob = tensor_blob(x.contiguous())
+        bio = io.BytesIO()
+        torch.save(x.clone(), bio)
+        assert blob.head + bytes(blob.data) + blob.tail == bio.getvalue()
+        layout = run_on_bytes(locate_tensor(blob.nbytes), bio.getvalue())
+        assert layout.data_offset == blob.data_offset and layout.data_offset % 64 == 0
+        assert layout.raw_problem(x.dtype, tuple(x.shape)) is None
 
 
 def test_items_and_metadata_match_what_dcp_writes(tmp_path):
@@ -511,3 +516,16 @@ def test_relative_path_escaping_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(ckptfs.MalformedIndexError, match="inside the checkpoint"):
         ckptfs.load_metadata(d)
 
+
+
+def test_saving_over_a_dcp_checkpoint_needs_overwrite(tmp_path):
+    d = str(tmp_path / "d")
+    dcp.save({"t": torch.ones(3)}, checkpoint_id=d, no_dist=True)
+    before = (tmp_path / "d" / ".metadata").read_bytes()
+    with pytest.raises(ckptfs.CheckpointExistsError, match="overwrite=True"):
+        ckptfs.save({"t": torch.full((3,), 2.0)}, d, backend="torch_dist")
+    assert (tmp_path / "d" / ".metadata").read_bytes() == before  # left intact
+    ckptfs.save({"t": torch.full((3,), 2.0)}, d, backend="torch_dist", overwrite=True)
+    out = {"t": torch.zeros(3)}
+    dcp.load(out, checkpoint_id=d, no_dist=True)
+    assert torch.equal(out["t"], torch.full((3,), 2.0))

@@ -6,14 +6,16 @@ local header). It is written sans-IO, as a generator of ``(start, end)`` request
 parser runs over bytes in memory (at save time) and over ranged reads of a store (at load time).
 
 Writing: ``tensor_blob`` produces the exact bytes ``torch.save(t)`` would, as (head, data, tail)
-where ``data`` is the tensor's own memory: torch serialises the container with
-``torch.serialization.skip_data`` (no copy of the data), then the data record's CRC-32 and the
-serialization id derived from it are patched in.
+where ``data`` is the tensor's own memory: torch serialises the container once per (dtype,
+shape) with ``torch.serialization.skip_data`` (no data), then the data record's CRC-32 and the
+serialization id derived from it are filled in per tensor.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import math
 import struct
 import zlib
 from collections.abc import Awaitable, Callable, Generator
@@ -296,25 +298,22 @@ class _SparseWriter(io.RawIOBase):
         return out
 
 
-def _is_compact(t: torch.Tensor) -> bool:
-    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-
-
 def tensor_blob(t: torch.Tensor) -> TensorBlob:
     """The bytes of ``torch.save(t)`` (as DCP writes an item), without copying ``t``'s data.
 
-    ``t`` must be a CPU, C-contiguous tensor. Like DCP (which clones such tensors), a view into
-    a larger storage is saved as if compact.
+    ``t`` must be a CPU, C-contiguous tensor; like DCP (which clones views into a larger
+    storage), it is saved as a compact tensor. The container around the data depends only on
+    dtype and shape: it is built once per (dtype, shape) and only the CRC-32 of the data and the
+    serialization id derived from it are filled in per tensor.
     """
     data = tensor_bytes(t)
-    skip = getattr(torch.serialization, "skip_data", None)
-    if skip is not None:
+    if getattr(torch.serialization, "skip_data", None) is not None:
         try:
-            return _blob_without_copy(t, data, skip)
+            return _template(t.dtype, tuple(t.shape)).fill(data)
         except (ZipFormatError, AssertionError, RuntimeError):
             pass
     bio = io.BytesIO()  # fallback: a full copy of the data
-    torch.save(t if _is_compact(t) else t.clone(), bio)
+    torch.save(t.clone() if t.untyped_storage().nbytes() != data.nbytes else t, bio)
     raw = bio.getbuffer()
     layout = run_on_bytes(locate_tensor(len(raw)), raw)
     assert isinstance(layout, TensorLayout)
@@ -345,38 +344,57 @@ class _HeadTail:
         buf[at : at + len(data)] = data
 
 
-def _blob_without_copy(t: torch.Tensor, data: memoryview, skip) -> TensorBlob:
-    stand_in = t if _is_compact(t) else torch.empty(t.shape, dtype=t.dtype)  # never touched
+@dataclass(frozen=True)
+class _Template:
+    """torch.save's container for one (dtype, shape), with the data left out."""
+
+    head: bytes
+    tail: bytes
+    nbytes: int
+    record: ZipRecord  #: the storage record
+    crcs: tuple[tuple[ZipRecord, int], ...]  #: every other non-empty record before the id
+    sid: ZipRecord | None  #: <archive>/.data/serialization_id
+    sid_at: int  #: its payload offset
+
+    def fill(self, data: memoryview) -> TensorBlob:
+        assert data.nbytes == self.nbytes
+        blob = _HeadTail(bytearray(self.head), self.nbytes, bytearray(self.tail))
+        crc = zlib.crc32(data)
+        _set_crc(blob, self.record, len(self.head) + self.nbytes, crc)
+        if self.sid is not None:
+            # 20 digits of combined record-name hashes (unchanged), then 20 digits of the
+            # c10::hash_combine fold of the CRC-32 of every earlier non-empty record
+            fold = 0
+            for rec, value in self.crcs:
+                fold = _hash_combine(fold, crc if rec is self.record else value)
+            new = blob.get(self.sid_at, 20) + f"{fold:020d}".encode()
+            assert len(new) == 40
+            blob.put(self.sid_at, new)
+            _set_crc(blob, self.sid, self.sid_at + 40, zlib.crc32(new))
+        return TensorBlob(bytes(blob.head), data, bytes(blob.tail))
+
+
+@functools.lru_cache(maxsize=4096)
+def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
     sink = _SparseWriter()
-    with skip():
-        torch.save(stand_in, sink)
+    with torch.serialization.skip_data():  # the stand-in's memory is never touched
+        torch.save(torch.empty(shape, dtype=dtype), sink)
     layout = _run_sync(locate_tensor(sink.size), sink.read_range)
     assert isinstance(layout, TensorLayout) and layout.record is not None
-    start, n = layout.data_offset, data.nbytes
-    assert layout.record.size == n and not any(p < start + n and p + len(d) > start
-                                               for p, d in sink.parts if d)
+    start = layout.data_offset
+    n = layout.record.size
+    assert n == math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    assert not any(p < start + n and p + len(d) > start for p, d in sink.parts if d)
     blob = _HeadTail(sink.read_range(0, start), n, sink.read_range(start + n, sink.size))
-    crc = zlib.crc32(data)
-    _set_crc(blob, layout.record, start + n, crc)
-    crcs = {r.name: r.crc for r in layout.records}
-    crcs[layout.record.name] = crc
-    # torch's serialization id: 20 digits of combined record-name hashes (unchanged), then 20
-    # digits of the hash_combine fold of the CRC-32 of every earlier non-empty record
     sid = next((r for r in layout.records if r.name.endswith("/.data/serialization_id")), None)
+    sid_at = -1
     if sid is not None:
         h = sid.header_offset
         assert blob.get(h, 4) == _LOCAL and sid.size == 40 and sid.method == 0
         nlen, elen = struct.unpack("<HH", blob.get(h + 26, 4))
-        at = h + 30 + nlen + elen
-        fold = 0
-        for r in layout.records:
-            if r is not sid and r.size:
-                fold = _hash_combine(fold, crcs[r.name])
-        new = blob.get(at, 20) + f"{fold:020d}".encode()
-        assert len(new) == 40
-        blob.put(at, new)
-        _set_crc(blob, sid, at + 40, zlib.crc32(new))
-    return TensorBlob(bytes(blob.head), data, bytes(blob.tail))
+        sid_at = h + 30 + nlen + elen
+    crcs = tuple((r, r.crc) for r in layout.records if r is not sid and r.size)
+    return _Template(bytes(blob.head), bytes(blob.tail), n, layout.record, crcs, sid, sid_at)
 
 
 def _set_crc(blob: _HeadTail, rec: ZipRecord, payload_end: int, crc: int) -> None:
