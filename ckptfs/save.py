@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptfs.errors import CheckpointExistsError, CkptfsError, ShardingError
+from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.io.throttle import run_throttled
@@ -118,7 +118,18 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
 async def _claim_target(store: Store, overwrite: bool) -> list[str]:
     """Refuse an existing checkpoint, or (overwrite) un-commit it; returns its old files."""
     if not await store.exists(INDEX_FILE):
-        return []
+        if overwrite:
+            return []
+        try:  # a foreign checkpoint (DCP, Megatron, ...) a backend would write over
+            await read_index(store)
+        except CheckpointNotFoundError:
+            return []
+        except CkptfsError:
+            pass  # unreadable, but something is there
+        raise CheckpointExistsError(
+            f"{store.url} holds a checkpoint without {INDEX_FILE} (written by another tool); "
+            f"pass overwrite=True to write over it"
+        )
     if not overwrite:
         raise CheckpointExistsError(
             f"{store.full_path(INDEX_FILE)} exists: a checkpoint is already committed at "
