@@ -529,3 +529,18 @@ def test_saving_over_a_dcp_checkpoint_needs_overwrite(tmp_path):
     out = {"t": torch.zeros(3)}
     dcp.load(out, checkpoint_id=d, no_dist=True)
     assert torch.equal(out["t"], torch.full((3,), 2.0))
+
+
+def test_fsspec_store_both_directions(memfs):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    w = torch.randn(64, 32)
+    dcp.save({"w": w, "step": 3}, storage_writer=FsspecWriter("memory://dcp"), no_dist=True)
+    half = ckptfs.ShardedTensor(torch.zeros(32, 32), (64, 32), (32, 0))
+    res = ckptfs.load({"w": half}, "memory://dcp", io_config=FAST)
+    assert torch.equal(half.local_tensor, w[32:])
+    assert res.bytes_needed == 32 * 32 * 4 < res.bytes_read <= res.bytes_needed + HEADER
+    ckptfs.save({"w": w, "step": 3}, "memory://ck", backend="torch_dist")
+    out = {"w": torch.zeros(64, 32), "step": 0}
+    dcp.load(out, storage_reader=FsspecReader("memory://ck"), no_dist=True)
+    assert torch.equal(out["w"], w) and out["step"] == 3
