@@ -20,6 +20,7 @@ import numcodecs
 import numpy as np
 
 from ckptfs.errors import (
+    BackendOptionsError,
     CkptfsError,
     IntegrityError,
     MalformedIndexError,
@@ -81,8 +82,9 @@ class _ZarrBackend(Backend):
         self.codecs = CodecOptions.from_options(self.zarr_format, o)
         self.separator = o["dimension_separator"]
         if self.separator not in (".", "/"):
-            raise ValueError(f"backend zarr-{self.zarr_format}: option 'dimension_separator' must "
-                             f"be '.' or '/', got {self.separator!r}")
+            raise BackendOptionsError(f"backend zarr-{self.zarr_format}: option "
+                                      f"'dimension_separator' must be '.' or '/', "
+                                      f"got {self.separator!r}")
         self.max_chunk_bytes = _positive(self.zarr_format, o, "max_chunk_bytes", none_ok=True)
         self.max_chunks = _positive(self.zarr_format, o, "max_chunks")
         self.sharding = bool(o.get("sharding", False))
@@ -281,7 +283,7 @@ def _positive(fmt: int, options: Mapping[str, Any], name: str, none_ok: bool = F
     if v is None and none_ok:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"backend zarr-{fmt}: option {name!r} must be a positive int"
+        raise BackendOptionsError(f"backend zarr-{fmt}: option {name!r} must be a positive int"
                          f"{' or None' if none_ok else ''}, got {v!r}")
     return v
 

@@ -17,6 +17,8 @@ import numcodecs
 import numpy as np
 from numcodecs.abc import Codec
 
+from ckptfs.errors import BackendOptionsError
+
 Buffer = bytes | bytearray | memoryview
 
 COMPRESSORS = (None, "zstd", "blosc")
@@ -40,19 +42,19 @@ class CodecOptions:
     def from_options(cls, zarr_format: int, options: Mapping[str, Any]) -> CodecOptions:
         comp = options.get("compressor")
         if comp not in COMPRESSORS:
-            raise ValueError(f"backend zarr-{zarr_format}: option 'compressor' must be one of "
+            raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'compressor' must be one of "
                              f"{list(COMPRESSORS)}, got {comp!r}")
         level = options.get("level")
         if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
-            raise ValueError(f"backend zarr-{zarr_format}: option 'level' must be an int or None, "
+            raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'level' must be an int or None, "
                              f"got {level!r}")
         shuffle = options.get("blosc_shuffle", "shuffle")
         if shuffle not in BLOSC_SHUFFLES:
-            raise ValueError(f"backend zarr-{zarr_format}: option 'blosc_shuffle' must be one of "
+            raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'blosc_shuffle' must be one of "
                              f"{list(BLOSC_SHUFFLES)}, got {shuffle!r}")
         cname = options.get("blosc_cname", "zstd")
         if cname not in numcodecs.blosc.list_compressors():
-            raise ValueError(f"backend zarr-{zarr_format}: option 'blosc_cname' must be one of "
+            raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'blosc_cname' must be one of "
                              f"{numcodecs.blosc.list_compressors()}, got {cname!r}")
         return cls(zarr_format, comp, level, cname, shuffle, bool(options.get("checksum", False)))
 

@@ -4,8 +4,9 @@ A canonical key (layout/keys.py) is a "/"-joined list of percent-encoded compone
 component becomes one zarr node name, unchanged unless zarr or the checkpoint reserves it: the
 empty name is written ``%``; a name that starts with ``.`` or ``__``, or is ``zarr.json``,
 ``metadata.json`` or ``ckptfs.index.json``, gets its first character percent-encoded
-(``.zattrs`` -> ``%2Ezattrs``, ``__x`` -> ``%5F_x``). Canonical components never start with
-those escapes, so the mapping is reversible (formats/zarr-2.md §Paths).
+(``.zattrs`` -> ``%2Ezattrs``, ``__x`` -> ``%5F_x``); a backslash anywhere becomes ``%5C``.
+Canonical components never contain those escapes, so the mapping is reversible
+(formats/zarr-2.md §2).
 """
 
 from __future__ import annotations
@@ -15,29 +16,35 @@ from collections.abc import Sequence
 #: node names that would collide with metadata files of zarr, Megatron-Core or ckptfs
 RESERVED_NAMES = frozenset({"zarr.json", "metadata.json", "ckptfs.index.json"})
 EMPTY_NAME = "%"
+BACKSLASH = "%5C"  #: backslashes are escaped everywhere (index paths may not contain them)
+
+
+def _escaped_first(component: str) -> bool:
+    return component.startswith((".", "__")) or component in RESERVED_NAMES
 
 
 def node_name(component: str) -> str:
     """The zarr node name of one canonical key component."""
     if component == "":
         return EMPTY_NAME
-    if component.startswith((".", "__")) or component in RESERVED_NAMES:
-        return f"%{ord(component[0]):02X}{component[1:]}"
-    return component
+    if _escaped_first(component):
+        component = f"%{ord(component[0]):02X}{component[1:]}"
+    return component.replace("\\", BACKSLASH)
 
 
 def component_of(name: str) -> str:
     """The canonical key component of a zarr node name (inverse of ``node_name``)."""
     if name == EMPTY_NAME:
         return ""
-    if name.startswith("%") and len(name) >= 3:
+    c = name.replace(BACKSLASH, "\\")
+    if c.startswith("%") and len(c) >= 3:
         try:
-            candidate = chr(int(name[1:3], 16)) + name[3:]
+            candidate = chr(int(c[1:3], 16)) + c[3:]
         except ValueError:
-            return name
-        if node_name(candidate) == name:
+            return c
+        if _escaped_first(candidate) and f"%{ord(candidate[0]):02X}{candidate[1:]}" == c:
             return candidate
-    return name
+    return c
 
 
 def array_path(key: str) -> str:
