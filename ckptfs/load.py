@@ -85,17 +85,35 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
         run_sync(store.close())
 
 
+def _stringified(path: tuple) -> str:
+    """The key of ``path`` with int components as str: how DCP (which stores ``str(k)``) and
+    other str-keyed writers name an int-keyed entry such as optimizer state."""
+    return encode_key(tuple(str(c) for c in path))
+
+
 def _plan(state_dict: Mapping[str, Any], index: Index, rank: int):
     flat = flatten(state_dict)
     jobs: list[TensorRead] = []
     replace: list[tuple[tuple, Any]] = []
     missing: list[str] = []
+    matched: set[str] = set()  # checkpoint keys used under another (int-keyed) name
+
+    def resolve(key: str) -> str:
+        if key in index.tensors or key in index.values:
+            return key
+        alt = _stringified(flat.paths[key])
+        if alt != key and (alt in index.tensors or alt in index.values):
+            matched.add(alt)
+            return alt
+        return key
+
     for key, obj in flat.tensors.items():
-        entry = index.tensors.get(key)
+        src = resolve(key)
+        entry = index.tensors.get(src)
         if entry is None:
-            if key in index.values:
+            if src in index.values:
                 raise MismatchError(f"key {key!r}: the target holds a tensor, the checkpoint a "
-                                    f"value ({decode_value(index.values[key], key)!r})")
+                                    f"value ({decode_value(index.values[src], key)!r})")
             missing.append(key)
             continue
         shard = local_shard(key, obj, rank)
@@ -109,14 +127,15 @@ def _plan(state_dict: Mapping[str, Any], index: Index, rank: int):
         if shard.box.volume:
             jobs.append(TensorRead(entry, shard.local, tuple(plan_reads(entry, shard.box))))
     for key in flat.values:
-        if key in index.values:
-            replace.append((flat.paths[key], decode_value(index.values[key], key)))
-        elif key in index.tensors:
+        src = resolve(key)
+        if src in index.values:
+            replace.append((flat.paths[key], decode_value(index.values[src], key)))
+        elif src in index.tensors:
             raise MismatchError(f"key {key!r}: the target holds a value, the checkpoint a tensor "
-                                f"{index.tensors[key].dtype} {list(index.tensors[key].shape)}")
+                                f"{index.tensors[src].dtype} {list(index.tensors[src].shape)}")
         else:
             missing.append(key)
-    have = set(flat.tensors) | set(flat.values)
+    have = set(flat.tensors) | set(flat.values) | matched
     unexpected = sorted(k for k in (*index.tensors, *index.values) if k not in have)
     return jobs, replace, sorted(missing), unexpected
 

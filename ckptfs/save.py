@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io.loop import submit
 from ckptfs.io.store import Store
 from ckptfs.io.throttle import run_throttled
 from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
@@ -80,7 +81,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     be: Backend = local["backend"]
     store: Store = run_sync(open_store(url, storage_options, io_config))
     try:
-        old_files = comm.decide("save: checking the target", lambda: run_sync(
+        replacing = comm.decide("save: checking the target", lambda: run_sync(
             _claim_target(store, overwrite)))
         save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
         plans = plan_save([g[0] for g in gathered], lambda d: from_name(d).itemsize,
@@ -98,7 +99,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
 
         def commit() -> int:
             index = _build_index(be, plans, outcomes, values, containers, comm.size)
-            run_sync(_commit(store, be, index, old_files))
+            written = {f.path for f in prep} | {p for _, files in outcomes for p in files}
+            run_sync(_commit(store, be, index, written if replacing else None))
             return index.total_bytes
 
         try:
@@ -115,17 +117,18 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         run_sync(store.close())
 
 
-async def _claim_target(store: Store, overwrite: bool) -> list[str]:
-    """Refuse an existing checkpoint, or (overwrite) un-commit it; returns its old files."""
+async def _claim_target(store: Store, overwrite: bool) -> bool:
+    """Refuse an existing checkpoint, or (overwrite) un-commit it. True if one is replaced: its
+    leftover files are then removed once the new checkpoint is committed."""
     if not await store.exists(INDEX_FILE):
-        if overwrite:
-            return []
         try:  # a foreign checkpoint (DCP, Megatron, ...) a backend would write over
             await read_index(store)
         except CheckpointNotFoundError:
-            return []
+            return False
         except CkptfsError:
             pass  # unreadable, but something is there
+        if overwrite:
+            return True
         raise CheckpointExistsError(
             f"{store.url} holds a checkpoint without {INDEX_FILE} (written by another tool); "
             f"pass overwrite=True to write over it"
@@ -135,12 +138,8 @@ async def _claim_target(store: Store, overwrite: bool) -> list[str]:
             f"{store.full_path(INDEX_FILE)} exists: a checkpoint is already committed at "
             f"{store.url}; pass overwrite=True to replace it"
         )
-    try:
-        old = list((await read_index(store)).files)
-    except CkptfsError:
-        old = []
     await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
-    return old
+    return True
 
 
 def _merge_values(gathered, plans: Mapping[str, TensorPlan]) -> tuple[dict, dict]:
@@ -175,9 +174,12 @@ def _write_rank(be: Backend, store: Store, plans: Mapping[str, TensorPlan],
             chunks.append(ChunkData(key, s.dtype, plan.shape, c.box, data.contiguous()))
     job = RankWriteJob(comm.rank, comm.size, save_id, tuple(chunks))
     rw = be.write_rank(job)
-    sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in chunks}
+    writing = submit(_write_files(store, rw.files, progress and comm.is_coordinator))
+    try:  # checksums are computed here while the I/O threads write
+        sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in chunks}
+    finally:
+        writing.result()
     entries = [(key, _with_checksum(e, sums.get((key, e.offsets)))) for key, e in rw.chunks]
-    run_sync(_write_files(store, rw.files, progress and comm.is_coordinator))
     return entries, {f.path: f.nbytes for f in rw.files}
 
 
@@ -237,9 +239,14 @@ def _build_index(be: Backend, plans: Mapping[str, TensorPlan], outcomes, values,
                  backend_options=be.index_options(), writer=writer)
 
 
-async def _commit(store: Store, be: Backend, index: Index, old_files: list[str]) -> None:
-    await _write_files(store, be.finalize(index), False)
+async def _commit(store: Store, be: Backend, index: Index, written: set[str] | None) -> None:
+    """Backend metadata, then the index (create-if-absent). When a checkpoint was replaced
+    (``written`` = every file this save wrote), everything else under the root goes after."""
+    final = be.finalize(index)
+    await _write_files(store, final, False)
     await store.put_if_absent(INDEX_FILE, index.dumps())
-    stale = sorted(set(old_files) - set(index.files))
-    if stale:
-        await store.delete(stale)
+    if written is not None:
+        keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
+        stale = [p for p in await store.list() if p not in keep]
+        if stale:
+            await store.delete(stale)

@@ -284,3 +284,23 @@ def test_index_paths_cannot_leave_the_root(tmp_path):
 def test_bad_backend_option_is_a_ckptfs_error(tmp_path):
     with pytest.raises(ckptfs.BackendOptionsError, match=r"unknown option\(s\) \['nope'\]"):
         ckptfs.save({"a": torch.ones(1)}, tmp_path / "c", backend_options={"nope": 1})
+
+
+def test_overwrite_with_another_backend_leaves_no_stale_files(tmp_path):
+    url = tmp_path / "c"
+    ckptfs.save({"a": torch.ones(4), "v": 1}, url, backend="torch_dist")
+    ckptfs.save({"a": torch.full((4,), 3.0)}, url, backend="zarr", backend_version=3,
+                overwrite=True)
+    files = sorted(str(p.relative_to(url)) for p in url.rglob("*") if p.is_file())
+    assert not any(f.endswith(".distcp") or f == ".metadata" for f in files), files
+    back = ckptfs.load_keys(url)
+    assert list(back) == ["a"] and torch.equal(back["a"], torch.full((4,), 3.0))
+
+
+def test_str_keyed_checkpoint_fills_int_keyed_target(tmp_path):
+    # DCP and other str-keyed writers store optimizer state under "0", "1", ...
+    ckptfs.save({"state": {"0": {"m": torch.ones(2)}, "1": {"step": 5}}}, tmp_path / "c")
+    target = {"state": {0: {"m": torch.zeros(2)}, 1: {"step": 0}}}
+    res = ckptfs.load(target, tmp_path / "c")
+    assert res.missing_keys == [] and res.unexpected_keys == []
+    assert torch.equal(target["state"][0]["m"], torch.ones(2)) and target["state"][1]["step"] == 5

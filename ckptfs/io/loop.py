@@ -7,6 +7,7 @@ inside Jupyter or another running loop, and lets background work continue after 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine
@@ -39,6 +40,11 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     if running is loop:
         raise RuntimeError("run_sync called from the ckptfs I/O loop itself")
     return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    """Start ``coro`` on the I/O loop and return at once; the caller can work meanwhile."""
+    return asyncio.run_coroutine_threadsafe(coro, get_loop())
 
 
 def _reset_after_fork() -> None:
