@@ -6,8 +6,9 @@ World size 1, local disk, ~``--gb`` GB of state: fp32 and bf16 4096x8192 matrice
 of the bytes) plus 64 small fp32 tensors. For every run and every writer, in turn:
 save (fsync'ed: ckptfs's local store fsyncs, DCP gets ``FileSystemWriter(sync_files=True)``),
 ``sync; echo 3 > /proc/sys/vm/drop_caches``, load into preallocated tensors, check the bytes,
-delete. Writers: ckptfs zarr-2, zarr-3, zarr-3 with sharding, safetensors_chunks, DCP, and
-zarr-python's own array API (v3, same chunking) as the reference for "chunks through zarr".
+delete. The writers' order is shuffled (seeded) per run; each gets one untimed warm-up first.
+Writers: ckptfs zarr-2, zarr-3, zarr-3 with sharding, safetensors_chunks, DCP, and zarr-python's
+own array API (v3, same chunking) as the reference for "chunks through zarr".
 
 The machine may be shared: the table shows medians of ``--runs`` runs; treat differences
 under ~20% as noise.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import time
@@ -155,7 +157,8 @@ def main() -> None:
         load({g: {k: torch.empty_like(v) for k, v in d.items()} for g, d in tiny.items()}, path)
         shutil.rmtree(path)
     for run in range(args.runs):
-        for n in names:
+        order = random.Random(run).sample(names, len(names))  # no writer always follows another
+        for n in order:
             save, load = fns[n]
             path = os.path.join(args.dir, n.replace(" ", "_"))
             os.sync()

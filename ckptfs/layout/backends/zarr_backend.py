@@ -39,7 +39,6 @@ from ckptfs.layout.backend import (
     RankWriteJob,
     RawChunk,
 )
-from ckptfs.layout.backends import zarr_dtypes
 from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
 from ckptfs.layout.backends.zarr_megatron import sniff_megatron
@@ -55,9 +54,6 @@ from ckptfs.planning.boxes import Box
 BLOSC_MAX_CHUNK_BYTES = 1 << 30
 #: the v3 shard index marks an absent inner chunk with this offset and length
 EMPTY = np.uint64(2**64 - 1)
-
-# plain zarr-python readers of ckptfs checkpoints need the ML data types (zarr_dtypes)
-zarr_dtypes.register()
 
 
 @dataclass(frozen=True, slots=True)
