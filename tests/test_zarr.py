@@ -488,3 +488,18 @@ def test_ml_dtypes_in_zarr_python(tmp_path):
             assert b.dtype == np.dtype(npdt) and _np_bits(b[...]) == _np_bits(x)
             doc = json.load(open(f"{p}/{'.zarray' if fmt == 2 else 'zarr.json'}"))
             assert doc["dtype" if fmt == 2 else "data_type"] == name
+
+
+def test_overwrite_rewrites_fixed_paths_and_drops_the_old_arrays(tmp_path):
+    """zarr chunk paths carry no save id: an overwrite rewrites them in place, and what the new
+    checkpoint does not have (arrays, metadata, another version's files) is gone."""
+    root = str(tmp_path / "ow")
+    a, b = torch.arange(12.0).reshape(3, 4), torch.ones(5, dtype=torch.int64)
+    ckptfs.save({"a": a, "b": b}, root, backend="zarr", backend_version=3)
+    with pytest.raises(ckptfs.CheckpointExistsError):
+        ckptfs.save({"a": a}, root, backend="zarr", backend_version=2)
+    ckptfs.save({"a": a * 2}, root, backend="zarr", backend_version=2, overwrite=True)
+    assert sorted(os.listdir(root)) == [".zattrs", ".zgroup", "a", "ckptfs.index.json"]
+    assert sorted(os.listdir(f"{root}/a")) == [".zarray", ".zattrs", "0.0"]
+    assert torch.equal(ckptfs.load_keys(root)["a"], a * 2)
+    assert np.array_equal(zarr.open_group(root, mode="r")["a"][...], (a * 2).numpy())
