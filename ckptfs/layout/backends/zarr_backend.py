@@ -39,6 +39,7 @@ from ckptfs.layout.backend import (
     RankWriteJob,
     RawChunk,
 )
+from ckptfs.layout.backends import zarr_dtypes
 from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
 from ckptfs.layout.backends.zarr_megatron import sniff_megatron
@@ -54,6 +55,9 @@ from ckptfs.planning.boxes import Box
 BLOSC_MAX_CHUNK_BYTES = 1 << 30
 #: the v3 shard index marks an absent inner chunk with this offset and length
 EMPTY = np.uint64(2**64 - 1)
+
+# zarr-python readers in this process (tools, tests) see bfloat16/float8 arrays (zarr_dtypes)
+zarr_dtypes.register()
 
 
 @dataclass(frozen=True, slots=True)
