@@ -31,6 +31,10 @@ class MalformedIndexError(CkptfsError):
     """The index file is malformed: a field is missing or has the wrong type."""
 
 
+class ForbiddenGlobalError(CkptfsError):
+    """A foreign pickle names a global outside the allowlist; nothing from it was executed."""
+
+
 class UnsupportedValueError(CkptfsError, TypeError):
     """A state-dict entry has a type ckptfs cannot store."""
 

@@ -22,11 +22,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckptfs.errors import CkptfsError, MalformedIndexError
+from ckptfs.errors import CkptfsError, ForbiddenGlobalError, MalformedIndexError
 
-
-class ForbiddenGlobalError(CkptfsError):
-    """A pickle names a global that is not on the allowlist; nothing from it was executed."""
+__all__ = ["ForbiddenGlobalError"]
 
 
 # -- .metadata ------------------------------------------------------------------------------------
