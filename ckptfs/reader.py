@@ -16,6 +16,7 @@ import torch
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
 from ckptfs.io.store import Store
+from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
@@ -121,8 +122,8 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
         finally:
             await budget.release(cost)
 
-    await asyncio.gather(*(run_file(p, w) for p, w in per_file.items()),
-                         *(run_encoded(j, p, s) for j, p, s in encoded))
+    await gather_all(*(run_file(p, w) for p, w in per_file.items()),  # a failure cancels the rest
+                     *(run_encoded(j, p, s) for j, p, s in encoded))
     return needed
 
 

@@ -18,6 +18,7 @@ from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, Ckptfs
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.loop import submit
 from ckptfs.io.store import Store
+from ckptfs.io.tasks import gather_all
 from ckptfs.io.throttle import run_throttled
 from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
 from ckptfs.layout.checksum import checksum
@@ -190,8 +191,6 @@ def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:
 
 async def _write_files(store: Store, files: list[FileWrite] | tuple[FileWrite, ...],
                        progress: bool) -> None:
-    import asyncio
-
     bar = None
     if progress and files:
         from tqdm.auto import tqdm
@@ -205,7 +204,7 @@ async def _write_files(store: Store, files: list[FileWrite] | tuple[FileWrite, .
             bar.update(f.nbytes)
 
     try:
-        await asyncio.gather(*(one(f) for f in files))
+        await gather_all(*(one(f) for f in files))  # a failure cancels the other uploads
     finally:
         if bar is not None:
             bar.close()

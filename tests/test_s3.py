@@ -121,6 +121,43 @@ def _range_len(header: str) -> int:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
+    """One process: the first pre-download load fetches, the second sends no GET, and after the
+    checkpoint is overwritten (new index ETag) the stale cache is dropped and refetched."""
+    url, cfg = f"{s3.url}/pd", engine_config(engine)
+    sd = {"a": torch.randn(300, 200), "b": {"c": torch.arange(50)}, "step": 1}
+    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg,
+                backend_options={"max_file_bytes": 100_000})
+    for attempt in range(2):
+        s3.proxy.reset()
+        tgt = {"a": torch.empty(300, 200), "b": {"c": torch.empty(50, dtype=torch.int64)}, "step": 0}
+        ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg, pre_download=True,
+                    work_dir=tmp_path)
+        assert torch.equal(tgt["a"], sd["a"]) and torch.equal(tgt["b"]["c"], sd["b"]["c"])
+        log = s3.proxy.log()
+        gets = [r for r in log if r.method == "GET"]
+        assert (len(gets) > 2) if attempt == 0 else (gets == []), (attempt, log)
+    cdir = cache_dir(tmp_path, url)
+    assert os.path.exists(os.path.join(cdir, MARKER)) and os.path.exists(os.path.join(cdir, "ckptfs.index.json"))
+
+    new = {"a": -sd["a"], "b": {"c": sd["b"]["c"] + 1}, "step": 2}
+    ckptfs.save(new, url, storage_options=s3.options, io_config=cfg, overwrite=True)
+    s3.proxy.reset()
+    tgt = {"a": torch.empty(300, 200), "b": {"c": torch.empty(50, dtype=torch.int64)}, "step": 0}
+    ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg, pre_download=True, work_dir=tmp_path)
+    assert torch.equal(tgt["a"], new["a"]) and tgt["step"] == 2
+    assert data_gets(s3.proxy.log())  # refetched
+    save_ids = {f.split("/")[1] for f in ckptfs.load_metadata(url, storage_options=s3.options).files}
+    assert set(os.listdir(os.path.join(cdir, "data"))) == save_ids  # the old version's files are gone
+
+    s3.proxy.reset()
+    s3.proxy.configure(deny=["/data/"])  # a failing download raises, naming the file
+    with pytest.raises(PermissionError, match=re.escape(f"{url}/data/")):
+        ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg, pre_download=True,
+                    work_dir=tmp_path / "other")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_permanent_errors_fail_at_once_naming_the_url(s3, engine):
     cfg = engine_config(engine, retries=3, retry_delay=0.01)
     url = f"{s3.url}/perm"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ckptfs.errors import IntegrityError
 from ckptfs.io.store import Store
+from ckptfs.io.tasks import gather_all
 
 MARKER = "ckptfs.cache.json"
 LOCK = ".lock"
@@ -114,7 +115,7 @@ async def fill(store: Store, cdir: str, url: str, tag: str,
         marker = Marker(url, tag, {})
     have = valid_files(cdir, marker, tag)
     todo = {p: s for p, s in files.items() if p not in have or (s is not None and have[p] != s)}
-    got = dict(zip(todo, await asyncio.gather(*(download(store, cdir, p, s) for p, s in todo.items())),
+    got = dict(zip(todo, await gather_all(*(download(store, cdir, p, s) for p, s in todo.items())),
                    strict=True))
     write_marker(cdir, Marker(url, tag, {**have, **got}))
     return got
@@ -128,26 +129,28 @@ async def download(store: Store, cdir: str, path: str, size: int | None) -> int:
     final = os.path.join(cdir, *path.split("/"))
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = f"{final}.part-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with open(tmp, "wb") as f:
+        f.truncate(size)
+    step = store.config.part_size
+
+    def write(data, start: int) -> None:  # own fd per piece: a cancelled piece cannot hit a reused fd
+        with open(tmp, "r+b") as f:
+            os.pwrite(f.fileno(), data, start)
+
+    async def piece(start: int) -> None:
+        end = min(size, start + step)
+        data = await store.get_range(path, start, end)
+        if len(data) != end - start:
+            raise IntegrityError(f"{store.full_path(path)}: the index gives {size} bytes, the "
+                                 f"store returned {len(data)} bytes at offset {start}")
+        await asyncio.to_thread(write, data, start)
+
     try:
-        step = store.config.part_size
-
-        async def piece(start: int) -> None:
-            end = min(size, start + step)
-            data = await store.get_range(path, start, end)
-            if len(data) != end - start:
-                raise IntegrityError(f"{store.full_path(path)}: the index gives {size} bytes, the "
-                                     f"store returned {len(data)} bytes at offset {start}")
-            await asyncio.to_thread(os.pwrite, fd, data, start)
-
-        await asyncio.gather(*(piece(s) for s in range(0, size, step)))
-        os.ftruncate(fd, size)
+        await gather_all(*(piece(s) for s in range(0, size, step)))
     except BaseException:
-        os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    os.close(fd)
     os.replace(tmp, final)
     return size
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -12,6 +11,7 @@ from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from ckptfs.io.retry import retrying
 from ckptfs.io.store import Buffer, IOConfig, Store
+from ckptfs.io.tasks import gather_all
 
 T = TypeVar("T")
 
@@ -111,7 +111,7 @@ class FsspecStore(Store):
                 except FileNotFoundError:
                     pass
 
-        await asyncio.gather(*(one(p) for p in paths))
+        await gather_all(*(one(p) for p in paths))
 
     async def close(self) -> None:
         client = getattr(self.fs, "_s3", None)  # s3fs: the aiobotocore client owns the sessions

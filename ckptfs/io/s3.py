@@ -15,6 +15,7 @@ from typing import Any
 from ckptfs.io.fsspec_store import FsspecStore
 from ckptfs.io.parts import join, part_size_for, pieces, total_bytes
 from ckptfs.io.store import Buffer, IOConfig
+from ckptfs.io.tasks import gather_all
 
 #: botocore's pool is 10 by default; keep a few connections beyond the request semaphore
 POOL_HEADROOM = 4
@@ -171,5 +172,5 @@ class S3FsStore(FsspecStore):
                 raise OSError(f"s3://{bucket}/{e.get('Key')}: delete failed: {e.get('Code')} "
                               f"{e.get('Message', '')} ({len(errors)} key(s) failed)")
 
-        await asyncio.gather(*(batch(keys[i:i + 1000]) for i in range(0, len(keys), 1000)))
+        await gather_all(*(batch(keys[i:i + 1000]) for i in range(0, len(keys), 1000)))
         self.fs.invalidate_cache()

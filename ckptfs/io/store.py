@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.retry import RetryPolicy
+from ckptfs.io.tasks import gather_all
 
 Buffer = bytes | bytearray | memoryview
 
@@ -119,7 +120,7 @@ class Store(ABC):
                 o = r.start - g.span.start
                 r.dest[:] = mv[o : o + r.dest.nbytes]
 
-        await asyncio.gather(*(one(g) for g in groups))
+        await gather_all(*(one(g) for g in groups))
 
     # -- writing ---------------------------------------------------------------------------
     @abstractmethod

@@ -1,0 +1,178 @@
+"""ckptfs vs torch.distributed.checkpoint's fsspec writer/reader on one S3 endpoint (moto).
+
+    .venv/bin/python -m bench.s3_quick [--mb 256] [--runs 3]
+
+1. ``moto_server`` runs in its own process on 127.0.0.1 (a free port), so the server and the
+   client do not share a GIL. Every library talks to it through its normal S3 client.
+2. Save the same ~``--mb`` MiB state (fp32 and bf16 matrices plus 64 small fp32 tensors), one
+   process, ``--runs`` times each, alternating: ckptfs with s3fs, ckptfs with obstore
+   (``IOConfig(engine="obstore")``), and ``dcp.save(storage_writer=FsspecWriter("s3://..."))``.
+3. Whole load of each, same alternation (DCP through ``FsspecReader``); the loaded bytes are
+   compared with the saved state.
+4. Partial load: the first half of every matrix's rows (ckptfs ShardedTensor targets): bytes
+   read vs bytes needed. DCP has no partial read of a plain tensor to compare with.
+
+moto is pure Python and slow (~0.1 GB/s multipart PUT, ranged GETs whose cost grows with the
+object's size; ../shared/notes/anchors.md "Physical limits"): the absolute numbers measure moto
+more than either library; the ratios say which client wastes less on the same server. Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+
+import torch
+
+import ckptfs
+
+warnings.filterwarnings("ignore")
+MB = 1 << 20
+ROWS, COLS = 2048, 4096
+BUCKET = "bench"
+
+
+def make_state(mb: float, fill: bool = True) -> dict:
+    """fp32 and bf16 matrices (3/4 and 1/4 of the bytes) plus 64 small fp32 tensors."""
+    n32 = max(1, round(mb * 0.75 / (ROWS * COLS * 4 / MB)))
+    n16 = max(1, round(mb * 0.25 / (ROWS * COLS * 2 / MB)))
+    g = torch.Generator().manual_seed(0)
+
+    def t(shape, dtype):
+        return torch.randn(shape, generator=g).to(dtype) if fill else torch.empty(shape, dtype=dtype)
+
+    return {"fp32": {str(i): t((ROWS, COLS), torch.float32) for i in range(n32)},
+            "bf16": {str(i): t((ROWS, COLS), torch.bfloat16) for i in range(n16)},
+            "small": {str(i): t((4096,), torch.float32) for i in range(64)}, "step": 100}
+
+
+def nbytes(sd: dict) -> int:
+    return sum(x.numel() * x.element_size() for d in ("fp32", "bf16", "small") for x in sd[d].values())
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[d][k], b[d][k]) for d in ("fp32", "bf16", "small") for k in a[d])
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    import boto3
+
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    return proc, url
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    proc, endpoint = start_moto()
+    try:
+        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+                "client_kwargs": {"region_name": "us-east-1"}}
+        s3 = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+        state = make_state(args.mb)
+        size = nbytes(state)
+        print(f"# moto_server {endpoint}; torch {torch.__version__}; state {size / MB:.0f} MiB; "
+              f"load average {os.getloadavg()[0]:.1f}")
+        libs = {
+            "ckptfs-s3fs": ckptfs.IOConfig(engine="fsspec"),
+            "ckptfs-obstore": ckptfs.IOConfig(engine="obstore"),
+            "dcp-fsspec": None,
+        }
+        url = {lib: f"s3://{BUCKET}/{lib}" for lib in libs}
+
+        def save(lib: str) -> float:
+            if lib.startswith("dcp"):
+                if s3.exists(url[lib]):
+                    s3.rm(url[lib], recursive=True)
+                return timed(lambda: dcp.save(state, storage_writer=FsspecWriter(url[lib], **opts),
+                                              no_dist=True))
+            ckptfs.delete(url[lib], storage_options=opts, missing_ok=True)
+            return timed(lambda: ckptfs.save(state, url[lib], storage_options=opts, io_config=libs[lib]))
+
+        def load(lib: str) -> float:
+            sd = make_state(args.mb, fill=False)
+            if lib.startswith("dcp"):
+                t = timed(lambda: dcp.load(sd, storage_reader=FsspecReader(url[lib], **opts), no_dist=True))
+            else:
+                t = timed(lambda: ckptfs.load(sd, url[lib], storage_options=opts, io_config=libs[lib]))
+            assert same(sd, state), lib
+            return t
+
+        saves: dict[str, list[float]] = {lib: [] for lib in libs}
+        loads: dict[str, list[float]] = {lib: [] for lib in libs}
+        for _ in range(args.runs):
+            for lib in libs:
+                saves[lib].append(save(lib))
+        for _ in range(args.runs):
+            for lib in libs:
+                loads[lib].append(load(lib))
+        for what, table in (("save", saves), ("load", loads)):
+            for lib, ts in table.items():
+                print(f"{what}  {lib:15s} median {med(ts):6.2f} s ({size / MB / med(ts):6.0f} MiB/s)  "
+                      f"runs {[round(t, 2) for t in ts]}")
+            base = med(table["dcp-fsspec"])
+            for lib in ("ckptfs-s3fs", "ckptfs-obstore"):
+                print(f"{what}  ratio dcp-fsspec/{lib} {base / med(table[lib]):.2f}x")
+
+        # partial: first half of each matrix's rows
+        like = make_state(args.mb, fill=False)
+        whole = sum(v.numel() * v.element_size() for d in ("fp32", "bf16") for v in like[d].values())
+        for lib in ("ckptfs-s3fs", "ckptfs-obstore"):
+            times, res = [], None
+            for _ in range(args.runs):
+                sd = {d: {k: ckptfs.ShardedTensor(torch.empty(ROWS // 2, COLS, dtype=v.dtype),
+                                                  (ROWS, COLS), (0, 0)) for k, v in like[d].items()}
+                      for d in ("fp32", "bf16")}
+                t0 = time.perf_counter()
+                res = ckptfs.load(sd, url[lib], storage_options=opts, strict=False, io_config=libs[lib])
+                times.append(time.perf_counter() - t0)
+            print(f"partial {lib:15s} median {med(times):6.2f} s; read {res.bytes_read / MB:.0f} MiB "
+                  f"for {res.bytes_needed / MB:.0f} MiB needed (matrices {whole / MB:.0f} MiB) in "
+                  f"{res.read_requests} requests")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()
