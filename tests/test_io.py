@@ -332,3 +332,28 @@ def test_obstore_takes_s3fs_style_options():
     assert client == {"allow_http": True}
     rc = retry_config(RetryPolicy(3, 0.5, 4.0))
     assert rc["max_retries"] == 3 and rc["backoff"]["max_backoff"].total_seconds() == 4.0
+
+
+def test_gather_all_cancels_the_rest_on_failure():
+    """A failed request must not leave its siblings running (they would keep uploading or
+    writing into targets after save/load raised)."""
+    from ckptfs.io.tasks import gather_all
+
+    finished = []
+
+    async def slow(i):
+        await asyncio.sleep(5)
+        finished.append(i)
+
+    async def fail():
+        await asyncio.sleep(0.01)
+        raise PermissionError("s3://b/k: access denied")
+
+    async def go():
+        with pytest.raises(PermissionError, match="s3://b/k"):  # the error itself, not a group
+            await gather_all(slow(1), fail(), slow(2))
+        await asyncio.sleep(0.05)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(go()) == [] and finished == []
+    assert asyncio.run(gather_all(asyncio.sleep(0, result=1), asyncio.sleep(0, result=2))) == [1, 2]
