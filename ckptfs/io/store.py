@@ -23,7 +23,8 @@ class IOConfig:
     max_gap: int = 64 * 1024  #: reads closer than this are fetched as one request
     max_span: int = 64 * 2**20  #: upper bound on one coalesced request
     fsync: bool = True  #: make local writes durable before the index is committed
-    #: object-store client for s3://: "fsspec" (s3fs) or "obstore"; other protocols use fsspec
+    #: remote client: "fsspec" (s3fs for s3://, the fsspec package elsewhere) or "obstore"
+    #: (s3:// with s3fs-style options translated; gs://, az://, ... through obstore.from_url)
     engine: str = "fsspec"
     max_bytes_in_flight: int = 512 * 2**20  #: bytes of ranged reads and upload parts in flight
     part_size: int = 32 * 2**20  #: multipart upload part size (and pre-download piece size)
