@@ -7,6 +7,7 @@ import ctypes
 import os
 from collections.abc import Sequence
 
+from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.store import Buffer, IOConfig, Store
 
@@ -88,7 +89,7 @@ class LocalStore(Store):
             try:
                 bufs = [memoryview(p).cast("B") for p in parts]
                 n = 0
-                for piece in _pieces(bufs, _WRITE_PIECE):
+                for piece in pieces(bufs, _WRITE_PIECE):
                     size = _write_all(fd, piece)
                     if self.config.fsync:  # start write-back now; fsync below only waits
                         _start_writeback(fd, n, size)
@@ -198,23 +199,6 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     final fsync overlaps with the copy instead of following it (Linux sync_file_range)."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def _pieces(bufs: list[memoryview], size: int):
-    """Consecutive buffers regrouped into pieces of about ``size`` bytes."""
-    cur: list[memoryview] = []
-    n = 0
-    for b in bufs:
-        while b.nbytes:
-            take = min(b.nbytes, size - n)
-            cur.append(b[:take])
-            b = b[take:]
-            n += take
-            if n == size:
-                yield cur
-                cur, n = [], 0
-    if cur:
-        yield cur
 
 
 def _write_all(fd: int, bufs: list[memoryview]) -> int:
