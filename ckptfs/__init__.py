@@ -3,8 +3,8 @@
 Layers, top to bottom (imports point down only):
   save / load / metadata    the public API and its orchestration
   state/                    what is saved: state-dict trees, tensors, DTensors, ShardedTensor
-  planning/                 who reads and writes what: boxes, save and load plans, collectives
-  layout/                   how bytes are laid out: index, dtypes, keys, backends, registry
+  planning/                 who reads and writes what: save and load plans, collectives
+  layout/                   how bytes are laid out: index, boxes, dtypes, keys, backends, registry
   io/                       how bytes move: async stores over fsspec, local fast path
 """
 

@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 from ckptfs.errors import MismatchError, MissingKeysError
 from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
 from ckptfs.layout.keys import encode_key
 from ckptfs.layout.registry import get_backend
 from ckptfs.metadata import read_index
-from ckptfs.planning.boxes import full_box
 from ckptfs.planning.collectives import Comm
 from ckptfs.planning.load_plan import plan_reads
 from ckptfs.reader import TensorRead, execute_reads

@@ -48,7 +48,7 @@ from ckptfs.layout.backends.torch_dist_zip import (
     run_on_bytes,
     tensor_blob,
 )
-from ckptfs.planning.boxes import Box
+from ckptfs.layout.boxes import Box
 from ckptfs.state.flatten import flatten
 from ckptfs.state.shards import local_shard
 from tests.dist_utils import run_ranks

@@ -28,9 +28,9 @@ import ckptfs
 from ckptfs.layout.backends import zarr_dtypes
 from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
 from ckptfs.layout.backends.zarr_paths import array_path, key_of_path, node_name
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import BY_NAME, NAMES
 from ckptfs.layout.keys import encode_key
-from ckptfs.planning.boxes import Box
 from tests.dist_utils import run_ranks
 
 ML = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,

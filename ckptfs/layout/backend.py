@@ -16,9 +16,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from ckptfs.errors import BackendOptionsError
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
-from ckptfs.planning.boxes import Box
 
 Buffer = bytes | bytearray | memoryview
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ckptfs.planning.boxes import Box
+from ckptfs.layout.boxes import Box
 
 
 def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptfs.errors import ShardingError
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.index import ChunkEntry, TensorEntry
-from ckptfs.planning.boxes import Box
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ckptfs.errors import ShardingError, UnsupportedValueError
+from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import DType, from_torch
-from ckptfs.planning.boxes import Box, full_box
 
 try:  # torch >= 2.4 has the public DTensor
     from torch.distributed.tensor import DTensor

@@ -45,11 +45,11 @@ from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
 from ckptfs.layout.backends.zarr_megatron import sniff_megatron
 from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
 from ckptfs.layout.backends.zarr_paths import array_path, chunk_key, group_paths, join
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.layout.tensor_bytes import tensor_bytes
-from ckptfs.planning.boxes import Box
 
 #: blosc cannot take buffers of 2 GiB or more: compressed chunks are kept below this
 BLOSC_MAX_CHUNK_BYTES = 1 << 30

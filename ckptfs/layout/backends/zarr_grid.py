@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ckptfs.errors import ShardingError
-from ckptfs.planning.boxes import Box
+from ckptfs.layout.boxes import Box
 
 
 @dataclass(frozen=True, slots=True)
