@@ -32,6 +32,8 @@ import warnings
 import torch
 
 import ckptfs
+from bench.libs import dir_bytes
+from bench.worker import drop_caches
 
 warnings.filterwarnings("ignore", category=UserWarning)
 MB = 1 << 20
@@ -58,19 +60,6 @@ def make_state(gb: float, fill: bool = True) -> dict:
 def nbytes(sd: dict) -> int:
     return sum(x.numel() * x.element_size() for d in ("fp32", "bf16", "small") for x in sd[d].values())
 
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def timed(fn) -> float:

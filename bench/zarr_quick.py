@@ -27,6 +27,7 @@ import warnings
 import torch
 
 import ckptfs
+from bench.worker import drop_caches
 
 warnings.filterwarnings("ignore", category=UserWarning)
 ROWS, COLS = 4096, 8192
@@ -53,15 +54,6 @@ def tensors(sd: dict):
 def nbytes(sd: dict) -> int:
     return sum(v.numel() * v.element_size() for _, _, v in tensors(sd))
 
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 # -- writers: (save(sd, path), load(sd, path)) ----------------------------------------------
