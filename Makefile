@@ -12,10 +12,10 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml conformance/example_plugin/pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test]" $(TORCH)
-	$(BIN)/pip install -q --no-deps -e conformance/example_plugin
+	$(BIN)/pip install -q --no-deps -e examples/npy_plugin
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -24,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/python -m ckptfs.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check ckptfs tests bench conformance
+	$(BIN)/ruff check ckptfs tests bench examples
 	$(BIN)/python -m pytest -q -ra
 
 lint: $(STAMP)
-	$(BIN)/ruff check ckptfs tests bench conformance
+	$(BIN)/ruff check ckptfs tests bench examples
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

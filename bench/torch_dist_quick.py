@@ -20,12 +20,13 @@ The machine is shared: medians of ``--runs``, and treat differences under ~20% a
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import subprocess
+import tempfile
 import time
 import warnings
 
@@ -34,6 +35,7 @@ import torch
 import ckptfs
 from bench.libs import dir_bytes
 from bench.worker import drop_caches
+from ckptfs.testing.ranks import run_ranks
 
 warnings.filterwarnings("ignore", category=UserWarning)
 MB = 1 << 20
@@ -111,7 +113,7 @@ def partial(path: str, gb: float, runs: int) -> tuple[list[float], int, int, int
     return times, res.bytes_read, res.bytes_needed, whole
 
 
-def _reshard_rank(rank: int, world: int, port: int, path: str, gb: float, runs: int, q) -> None:
+def _reshard_rank(rank: int, world: int, path: str, gb: float, runs: int, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -119,8 +121,6 @@ def _reshard_rank(rank: int, world: int, port: int, path: str, gb: float, runs: 
     from torch.distributed.tensor import zeros as dzeros
 
     warnings.filterwarnings("ignore", category=UserWarning)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     like = make_state(gb, fill=False)
 
@@ -144,24 +144,15 @@ def _reshard_rank(rank: int, world: int, port: int, path: str, gb: float, runs: 
             dist.barrier()  # the slower rank decides
             rows.append((lib, time.perf_counter() - t0, got.bytes_read if got else 0,
                          got.bytes_needed if got else 0))
-    q.put((rank, rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
 
 
 def reshard(path: str, gb: float, runs: int) -> dict[int, list]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_reshard_rank, args=(r, 2, port, path, gb, runs, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = dict(q.get() for _ in procs)
-    for p in procs:
-        p.join()
-    return out
+    with tempfile.TemporaryDirectory() as out:
+        run_ranks(2, _reshard_rank, path, gb, runs, out)
+        return {r: [tuple(row) for row in json.load(open(os.path.join(out, f"rank{r}.json")))]
+                for r in range(2)}
 
 
 # -- saves ----------------------------------------------------------------------------------------

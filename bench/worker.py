@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.libs import Checkpointer, checkpointers, dir_bytes
 from bench.synthetic import check_state, make_state, state_specs
+from ckptfs.testing.ranks import run_ranks
 
 RESHARD_SOURCE = 2  #: resharded loads read the checkpoints saved by this world size
 
@@ -133,19 +132,6 @@ def run_world(rank: int, world: int, cfg: dict[str, Any]) -> None:
                              sum_disk_read=disk, sum_bad=len(bad), bad_keys=bad[:5])
 
 
-def _entry(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        run_world(rank, world, cfg)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn_world(world: int, cfg: dict[str, Any]) -> None:
     """Run ``run_world`` on ``world`` spawned gloo ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_entry, args=(world, port, cfg), nprocs=world, join=True)
+    run_ranks(world, run_world, cfg)

@@ -17,41 +17,35 @@ from pathlib import Path
 import ckptfs
 
 
-def _conformance_dir() -> Path | None:
-    """The conformance suite next to this ckptfs checkout (editable installs, source trees)."""
-    here = Path(__file__).resolve().parent.parent / "conformance"
-    return here if (here / "conftest.py").is_file() else None
-
-
 def run_conformance(args: argparse.Namespace, rest: list[str]) -> int:
-    suite = _conformance_dir()
-    if suite is None:
-        print("ckptfs conformance: the suite (conformance/) ships with the ckptfs source tree; "
-              "run this from a source checkout (pip install -e .)", file=sys.stderr)
-        return 2
-    import pytest
+    try:
+        import pytest
 
-    if str(suite.parent) not in sys.path:
-        sys.path.insert(0, str(suite.parent))  # `import conformance`, also in spawned ranks
+        import ckptfs.testing.conformance as suite_pkg
+    except ImportError as e:
+        print(f"ckptfs conformance needs pytest and jsonschema (pip install 'ckptfs[conformance]'): "
+              f"{e}", file=sys.stderr)
+        return 2
+    suite = Path(suite_pkg.__file__).resolve().parent
     # one token per option: pytest reads its ini file before it knows the suite's options,
     # and would take a separate value (a golden directory) for a test path
-    argv = [str(suite), "-p", "no:cacheprovider", f"--rootdir={suite.parent}"]
+    argv = [str(suite), "-p", "no:cacheprovider", f"--rootdir={suite}", "-c", str(suite / "pytest.ini")]
     argv += [f"--backend={pair}" for pair in args.backend]
-    if args.golden_dir:
-        argv.append(f"--golden-dir={Path(args.golden_dir).resolve()}")
+    argv += [f"--golden-dir={Path(d).resolve()}" for d in args.golden_dir]
     return int(pytest.main([*argv, *rest]))
 
 
 def add_conformance(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "conformance", help="run the conformance suite against registered backends",
-        description="Run the ckptfs conformance suite (conformance/) with pytest against every "
+        description="Run the ckptfs conformance suite (ckptfs.testing.conformance) with pytest against every "
                     "registered (backend, version) pair, or the ones named by --backend. Other "
                     "arguments go to pytest (e.g. -x, -k golden, -q).")
     p.add_argument("--backend", action="append", default=[], metavar="NAME:VERSION",
                    help="run only this pair (repeatable; NAME alone selects every version)")
-    p.add_argument("--golden-dir", type=Path, default=None, metavar="DIR",
-                   help="root of the golden checkpoints (default: conformance/golden)")
+    p.add_argument("--golden-dir", action="append", type=Path, default=[], metavar="DIR",
+                   help="a root of golden checkpoints searched before the built-in one "
+                        "(repeatable): a plugin passes the directory holding its own")
     p.set_defaults(run=run_conformance, passthrough=True)
 
 

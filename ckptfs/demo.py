@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -25,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import ckptfs
+from ckptfs.testing.ranks import run_ranks
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 4096, 256, 2, 4, 64, 8
 
@@ -146,24 +145,6 @@ def _blank(state: Any) -> Any:
 
 # -- ranks --------------------------------------------------------------------------------------
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, fn: Callable, *args: Any) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_entry, args=(world, port, fn, args), nprocs=world, join=True)
-
-
 def _save_rank(rank: int, world: int, ref: dict, url: str, out: str) -> None:
     sd, _ = _shard(ref, world, fill=True)
     dist.barrier()
@@ -214,7 +195,7 @@ def main() -> int:
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ckptfs-demo-") as tmp:
         url = os.path.join(tmp, "step-2")
-        _spawn(2, _save_rank, ref, url, os.path.join(tmp, "save.json"))
+        run_ranks(2, _save_rank, ref, url, os.path.join(tmp, "save.json"), threads=1)
         saved = json.loads(Path(tmp, "save.json").read_text())
         meta = ckptfs.load_metadata(url)
         backend = f"{meta.backend}-{meta.backend_version}"
@@ -235,7 +216,7 @@ def main() -> int:
         # 2 -> 3: spawned ranks, DTensor Shard(0) over 3 (uneven: 4096 rows -> 1366/1366/1364)
         out3 = os.path.join(tmp, "load3")
         os.makedirs(out3)
-        _spawn(3, _load_rank, ref, url, out3)
+        run_ranks(3, _load_rank, ref, url, out3, threads=1)
         per_rank = [json.loads(Path(out3, f"rank{r}.json").read_text()) for r in range(3)]
         bad3 = sorted({p for r in per_rank for p in r["bad"]})
         failures += [f"2->3 {p}" for p in bad3]

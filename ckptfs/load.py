@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.errors import MismatchError, MissingKeysError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.boxes import full_box
@@ -18,11 +18,11 @@ from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
 from ckptfs.layout.keys import encode_key
 from ckptfs.layout.registry import get_backend
-from ckptfs.metadata import read_index
-from ckptfs.planning.collectives import Comm
+from ckptfs.layout.values import decode_value
+from ckptfs.engine.index_io import read_index
 from ckptfs.planning.load_plan import plan_reads
-from ckptfs.reader import TensorRead, execute_reads
-from ckptfs.state.flatten import decode_value, flatten, set_path, unflatten
+from ckptfs.engine.read import TensorRead, execute_reads
+from ckptfs.state.flatten import flatten, set_path, unflatten
 from ckptfs.state.shards import local_shard
 
 
@@ -39,7 +39,7 @@ class LoadResult:
 
 
 def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
-         process_group: dist.ProcessGroup | None = None,
+         process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True,
          verify: bool = True, io_config: IOConfig | None = None, pre_download: bool = False,
          work_dir: str | os.PathLike | None = None) -> LoadResult:
@@ -57,7 +57,7 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     store = run_sync(open_store(url, storage_options, io_config))
     try:
         if pre_download:
-            from ckptfs.pre_download import pre_download as fetch
+            from ckptfs.engine.pre_download import pre_download as fetch
 
             index, cached = fetch(comm, store, url, work_dir, lambda idx: (
                 p.chunk.file for job in _plan(state_dict, idx, comm.rank)[0] for p in job.pieces))

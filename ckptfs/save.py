@@ -12,22 +12,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ckptfs.dist import Comm, ProcessGroup, run_throttled
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.loop import submit
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
-from ckptfs.io.throttle import run_throttled
 from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
-from ckptfs.metadata import read_index
-from ckptfs.planning.collectives import Comm
+from ckptfs.engine.index_io import read_index
 from ckptfs.planning.save_plan import ShardInfo, TensorPlan, plan_save
 from ckptfs.state.flatten import flatten
 from ckptfs.state.shards import LocalShard, local_shard
@@ -49,7 +47,7 @@ class SaveResult:
 def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          backend: str = "safetensors_chunks", backend_version: int | None = None,
          backend_options: Mapping[str, Any] | None = None,
-         process_group: dist.ProcessGroup | None = None,
+         process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
          io_config: IOConfig | None = None, progress: bool = False,
          throttle_uploads: int | None = None) -> SaveResult:
@@ -96,7 +94,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
             return _write_rank(be, store, plans, local["shards"], comm, save_id, progress)
 
         outcomes = comm.agree("save: writing data", lambda: run_throttled(
-            throttle_uploads, comm.all_gather, comm.rank, write))
+            throttle_uploads, comm, write))
 
         def commit() -> int:
             index = _build_index(be, plans, outcomes, values, containers, comm.size)

@@ -1,7 +1,8 @@
-"""The conformance suite (conformance/) in the main test run: ``ckptfs conformance`` passes for
-every built-in pair and the example plugin; a changed golden byte makes it fail; make_golden only
-adds missing directories; the example plugin is found by entry point, and a broken entry point
-does not break ckptfs."""
+"""The conformance suite (ckptfs.testing.conformance) in the main test run: ``ckptfs conformance``,
+run from a wheel installed in a fresh virtual environment (no source tree on the path), passes for
+every built-in pair and for the example plugin with its own golden directory; a changed golden
+byte makes it fail; make_golden only adds missing directories; the example plugin is found by
+entry point, and a broken entry point does not break ckptfs."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ import torch
 import ckptfs
 from ckptfs.cli import build_parser
 from ckptfs.layout import registry
-from conformance.golden import GOLDEN_ROOT, GoldenDir, manifest_problems
-from conformance.make_golden import make_golden
-from conformance.pairs import GOLDEN_REQUIRED, Pair, parse_pair
+from ckptfs.testing.conformance.golden import GOLDEN_ROOT, GoldenDir, manifest_problems
+from ckptfs.testing.conformance.make_golden import make_golden
+from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, parse_pair
 
 REPO = Path(__file__).resolve().parent.parent
+PLUGIN = REPO / "examples" / "npy_plugin"
+PLUGIN_GOLDEN = PLUGIN / "golden"
 BUILT_IN = [Pair(n, v) for n, v in sorted(GOLDEN_REQUIRED)]
+NPY = Pair("npy_chunks", 1)
 
 
 def _ckptfs_cli(*args: str, cwd: Path, timeout: int = 280) -> subprocess.CompletedProcess:
@@ -55,18 +59,58 @@ def _pair_outcomes(outcomes: dict[str, str], pair: Pair) -> dict[str, str]:
 def test_example_plugin_is_registered_by_entry_point() -> None:
     eps = {ep.name: ep.value for ep in entry_points(group="ckptfs.backends")}
     assert eps.get("npy_chunks_1") == "ckptfs_example_npy:NpyChunksBackend", (
-        "the example plugin is not installed: pip install --no-deps -e conformance/example_plugin "
+        "the example plugin is not installed: pip install --no-deps -e examples/npy_plugin "
         "(make venv does it)")
     cls = ckptfs.get_backend("npy_chunks", 1)
     assert cls.__module__ == "ckptfs_example_npy" and ("npy_chunks", 1) in ckptfs.available_backends()
 
 
-def test_conformance_passes_for_every_built_in_pair_and_the_plugin(tmp_path: Path) -> None:
+def _site_packages() -> str:
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding the ckptfs wheel and the example plugin (both installed, not
+    editable); the dependencies come from this venv's site-packages through a .pth line, which
+    does not run this venv's editable-install hooks, so ckptfs can only come from the wheel."""
+    root = tmp_path_factory.mktemp("wheel")
+    dist = root / "dist"
+    src = root / "src"  # a copy: building in place would leave build/ (stale modules) in the tree
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "results"))
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    wheel = next(dist.glob("ckptfs-*.whl"))
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "_deps_from_test_venv.pth").write_text(_site_packages() + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    for target in (str(wheel), str(src / "examples" / "npy_plugin")):
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--no-index", target], check=True, capture_output=True, env=env, cwd=root,
+                       timeout=300)
+    return venv
+
+
+def test_conformance_passes_from_an_installed_wheel(wheel_venv: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    where = subprocess.run([str(wheel_venv / "bin" / "python"), "-c", "import ckptfs; print(ckptfs.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert str(wheel_venv) in where and str(REPO) not in where, where
     junit = tmp_path / "junit.xml"
-    proc = _ckptfs_cli("conformance", "-q", "--tb=short", f"--junitxml={junit}", cwd=tmp_path)
+    proc = subprocess.run([str(wheel_venv / "bin" / "ckptfs"), "conformance", "--golden-dir", str(PLUGIN_GOLDEN),
+                           "-q", "--tb=short", f"--junitxml={junit}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"ckptfs conformance failed (rc {proc.returncode}):\n{proc.stdout[-6000:]}"
     outcomes = _outcomes(junit)
-    for pair in BUILT_IN:
+    for pair in [*BUILT_IN, NPY]:
         mine = _pair_outcomes(outcomes, pair)
         passed = [k for k, v in mine.items() if v == "passed"]
         assert len(passed) >= 40, f"{pair}: only {len(passed)} conformance cases passed: {mine}"
@@ -78,6 +122,7 @@ def test_conformance_passes_for_every_built_in_pair_and_the_plugin(tmp_path: Pat
 def test_changed_golden_byte_makes_the_suite_fail(tmp_path: Path) -> None:
     golden = tmp_path / "golden"
     shutil.copytree(GOLDEN_ROOT, golden)
+    shutil.copytree(PLUGIN_GOLDEN / NPY.id, golden / NPY.id)
     g = GoldenDir(golden, Pair("safetensors_chunks", 1))
     data = sorted((g.checkpoint / "data").rglob("*.safetensors"))[0]
     raw = bytearray(data.read_bytes())
@@ -93,14 +138,14 @@ def test_changed_golden_byte_makes_the_suite_fail(tmp_path: Path) -> None:
     outcomes = _outcomes(junit)
     st = _pair_outcomes(outcomes, g.pair)
     assert st and all(v == "failed" for v in st.values()), st  # hashes, and the load (checksum)
-    npy = _pair_outcomes(outcomes, Pair("npy_chunks", 1))
+    npy = _pair_outcomes(outcomes, NPY)
     assert npy and all(v == "passed" for v in npy.values()), npy  # the untouched one still passes
 
 
 def test_cli_parses_pairs_and_passes_pytest_args() -> None:
     args, rest = build_parser().parse_known_args(
         ["conformance", "--backend", "zarr:3", "-k", "golden and not cross", "-x", "--golden-dir", "g"])
-    assert args.backend == ["zarr:3"] and str(args.golden_dir) == "g"
+    assert args.backend == ["zarr:3"] and [str(d) for d in args.golden_dir] == ["g"]
     assert rest == ["-k", "golden and not cross", "-x"]
     with pytest.raises(ValueError, match=r"no_such_backend:7.*registered backends: .*safetensors_chunks:1"):
         parse_pair("no_such_backend:7")
@@ -115,7 +160,7 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def test_make_golden_adds_missing_directories_only(tmp_path: Path) -> None:
-    st, npy = Pair("safetensors_chunks", 1), Pair("npy_chunks", 1)
+    st, npy = Pair("safetensors_chunks", 1), NPY
     shutil.copytree(GoldenDir(GOLDEN_ROOT, st).path, GoldenDir(tmp_path, st).path)
     before = _digests(tmp_path)
     assert make_golden([st, npy], tmp_path, log=lambda _: None) == [npy]
@@ -123,7 +168,7 @@ def test_make_golden_adds_missing_directories_only(tmp_path: Path) -> None:
     assert {k: v for k, v in after.items() if k.startswith(st.id)} == before, "existing golden rewritten"
     new = GoldenDir(tmp_path, npy)
     assert manifest_problems(new.path) == []
-    committed = GoldenDir(GOLDEN_ROOT, npy)
+    committed = GoldenDir(PLUGIN_GOLDEN, npy)
     assert new.expected_file.read_bytes() == committed.expected_file.read_bytes(), \
         "golden content is not reproducible from its seed"
     assert make_golden([st, npy], tmp_path, log=lambda _: None) == []

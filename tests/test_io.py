@@ -7,24 +7,25 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from types import SimpleNamespace
 
 import fsspec
 import pytest
 from botocore.exceptions import ClientError
 
 import ckptfs
+from ckptfs.dist.nodes import NodeLayout
+from ckptfs.dist.throttle import run_throttled, upload_rounds
 from ckptfs.errors import StorageError
 from ckptfs.io import run_sync
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.cache import MARKER, cache_dir, fill, read_marker
 from ckptfs.io.fsspec_store import FsspecStore
 from ckptfs.io.local_store import LocalStore
-from ckptfs.io.nodes import NodeLayout
 from ckptfs.io.obstore_store import retry_config, s3_config
 from ckptfs.io.parts import MIN_PART, join, part_size_for, pieces
 from ckptfs.io.ranges import ReadInto
 from ckptfs.io.retry import RetryPolicy, is_transient, retrying
-from ckptfs.io.throttle import run_throttled, upload_rounds
 
 
 def client_error(status: int, code: str) -> ClientError:
@@ -242,7 +243,7 @@ def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
     lock = threading.Lock()
     results: dict[int, object] = {}
     ids = ["n0", "n0", "n1", "n1"]
-    monkeypatch.setattr("ckptfs.io.throttle.node_id", lambda: ids[int(threading.current_thread().name)])
+    monkeypatch.setattr("ckptfs.dist.throttle.node_id", lambda: ids[int(threading.current_thread().name)])
 
     def rank_main(rank: int) -> None:
         def fn():
@@ -258,7 +259,8 @@ def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
             return rank * 10
 
         try:
-            results[rank] = run_throttled(1, group.all_gather(rank), rank, fn)
+            comm = SimpleNamespace(rank=rank, all_gather=group.all_gather(rank))
+            results[rank] = run_throttled(1, comm, fn)
         except Exception as e:
             results[rank] = e
 
@@ -274,9 +276,10 @@ def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
 
 
 def test_no_throttle_runs_at_once_single_process():
-    assert run_throttled(None, lambda x: [x], 0, lambda: 7) == 7
+    solo = SimpleNamespace(rank=0, all_gather=lambda x: [x])
+    assert run_throttled(None, solo, lambda: 7) == 7
     with pytest.raises(ValueError, match="throttle_uploads"):
-        run_throttled(0, lambda x: [x], 0, lambda: 7)
+        run_throttled(0, solo, lambda: 7)
 
 
 # -- pre-download cache ----------------------------------------------------------------------

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from ckptfs.errors import MalformedIndexError
 from ckptfs.layout.keys import decode_key, encode_key
-from ckptfs.state.flatten import decode_value, encode_value, flatten, unflatten
+from ckptfs.layout.values import decode_value, encode_value
+from ckptfs.state.flatten import flatten, unflatten
 
 components = st.one_of(st.integers(-(10**6), 10**6), st.text(max_size=8))
 paths = st.lists(components, min_size=1, max_size=5).map(tuple)

@@ -1,4 +1,10 @@
-"""The package's layers import downwards only: api -> state -> planning -> layout -> io."""
+"""The package's layers import downwards only (README "Package layout").
+
+    io -> layout -> dist -> planning -> state -> engine -> API -> testing -> tools and CLI
+
+A module may import modules of its own layer or of lower ones; ``ckptfs.errors`` is shared by
+every layer, and only the API and above may import the package root.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,20 @@ import re
 
 import ckptfs
 
-RANK = {"io": 0, "layout": 1, "planning": 2, "state": 3}  # anything else is the API (4)
+RANK = {"io": 0, "layout": 1, "dist": 2, "planning": 3, "state": 4, "engine": 5,
+        "testing": 7, "tools": 8, "cli": 8, "demo": 8, "__main__": 8}
+API = 6  # save, load, metadata, manage, the package root
 ROOT = pathlib.Path(ckptfs.__file__).parent
 
 
 def layer(module: str) -> int:
     parts = module.split(".")
-    return RANK.get(parts[1], 4) if len(parts) > 1 else 4
+    return RANK.get(parts[1], API) if len(parts) > 1 else API
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages <= set(RANK), f"add {sorted(packages - set(RANK))} to RANK and the README"
 
 
 def test_imports_point_down_only():
@@ -23,6 +36,19 @@ def test_imports_point_down_only():
         for target in re.findall(r"^\s*(?:from|import)\s+(ckptfs[\w.]*)", path.read_text(), re.M):
             if target == "ckptfs.errors":  # the error hierarchy is shared by every layer
                 continue
-            if (target == "ckptfs" and layer(module) < 4) or layer(target) > layer(module):
+            if (target == "ckptfs" and layer(module) < API) or layer(target) > layer(module):
                 upward.append(f"{module} -> {target}")
     assert not upward, upward
+
+
+def test_only_dist_and_dtensor_placement_call_torch_distributed():
+    """``torch.distributed`` collectives live in dist/ (state/shards.py reads DTensor placements)."""
+    allowed = {"dist", "testing"}
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in allowed or rel.as_posix() == "demo.py":
+            continue
+        for call in re.findall(r"\bdist\.(\w+)\(", path.read_text()):
+            offenders.append(f"{rel}: dist.{call}()")
+    assert not offenders, offenders

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ckptfs
-from tests.dist_utils import run_ranks
+from ckptfs.testing.ranks import run_ranks
 
 
 def expect_error(fn, *types) -> str:

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptfs
-from tests.dist_utils import run_ranks
+from ckptfs.testing.ranks import run_ranks
 
 SHAPE = (10, 6)  # 10 rows over 3 ranks is uneven (4, 4, 2); over 4 ranks (3, 3, 3, 1)
 LAYOUTS_1D = {"row": [Shard(0)], "col": [Shard(1)], "rep": [Replicate()]}

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckptfs
 from ckptfs.io.cache import MARKER, cache_dir
-from tests.dist_utils import run_ranks
+from ckptfs.testing.ranks import run_ranks
 from tests.s3_fixtures import BUCKET, Record, proxy_call, proxy_log, reset_bucket, s3_options
 
 ENGINES = ("fsspec", "obstore")

@@ -248,7 +248,7 @@ def test_unknown_backend_lists_registered(tmp_path):
 
 def test_scratch_memory_is_bounded(tmp_path, monkeypatch):
     """Targets that cannot be filled in place get scratch buffers, at most the budget at once."""
-    from ckptfs import reader
+    from ckptfs.engine import read as reader
 
     peaks = []
     real = reader._ByteBudget

@@ -23,7 +23,7 @@ import ckptfs
 from ckptfs.errors import FormatVersionError, MalformedIndexError
 from ckptfs.layout.dtypes import BY_NAME
 from ckptfs.layout.index import INDEX_FILE, Index
-from tests.dist_utils import run_ranks
+from ckptfs.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "formats" / "index.schema.json").read_text())
@@ -188,7 +188,7 @@ def test_spec_example_validates_and_parses():
     assert blocks, "formats/README.md has no example index"
     example = json.loads(blocks[-1])
     validate_index(example)
-    index = Index.from_json(example)
+    index = Index.from_dict(example)
     assert index.tensors["model/embed.weight"].shape == (4, 3)
 
 
@@ -225,7 +225,7 @@ _DELETE = object()
 W = ("tensors", "model/w")
 C0 = (*W, "chunks", 0)
 
-# rejected by the schema AND by Index.from_json (MalformedIndexError or FormatVersionError)
+# rejected by the schema AND by Index.from_dict (MalformedIndexError or FormatVersionError)
 BOTH = {
     "missing format_version": ("format_version", _DELETE),
     "missing tensors": ("tensors", _DELETE),
@@ -259,7 +259,7 @@ SCHEMA_ONLY = {
 
 def test_example_is_valid():
     validate_index(_example())
-    Index.from_json(_example())
+    Index.from_dict(_example())
 
 
 @pytest.mark.parametrize("case", list(BOTH))
@@ -267,7 +267,7 @@ def test_malformed_rejected_by_schema_and_reader(case):
     d = _mutate(*BOTH[case])
     assert not VALIDATOR.is_valid(d), case
     with pytest.raises((MalformedIndexError, FormatVersionError)):
-        Index.from_json(d)
+        Index.from_dict(d)
 
 
 @pytest.mark.parametrize("case", list(SCHEMA_ONLY))
@@ -283,6 +283,6 @@ def test_unknown_optional_fields_are_legal_everywhere():
     d["tensors"]["model/w"]["future"] = 1
     d["tensors"]["model/w"]["chunks"][0]["future"] = {"a": 1}
     validate_index(d)
-    index = Index.from_json(d)
+    index = Index.from_dict(d)
     assert index.extra == {"future_field": {"anything": [1, 2]}}
     assert index.tensors["model/w"].chunks[0].byte_offset == 128

@@ -51,7 +51,7 @@ from ckptfs.layout.backends.torch_dist_zip import (
 from ckptfs.layout.boxes import Box
 from ckptfs.state.flatten import flatten
 from ckptfs.state.shards import local_shard
-from tests.dist_utils import run_ranks
+from ckptfs.testing.ranks import run_ranks
 
 SHAPE = (12, 8)
 BIG = (64, 256)  # 64 KiB of fp32: blob headers (~1.7 KB) are small next to its chunks

@@ -31,7 +31,7 @@ from ckptfs.layout.backends.zarr_paths import array_path, key_of_path, node_name
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import BY_NAME, NAMES
 from ckptfs.layout.keys import encode_key
-from tests.dist_utils import run_ranks
+from ckptfs.testing.ranks import run_ranks
 
 ML = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
       "float8_e5m2": ml_dtypes.float8_e5m2}

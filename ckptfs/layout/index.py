@@ -36,7 +36,7 @@ class ChunkEntry:
     checksum: str | None = None  #: "crc32c:<8 hex>" of the chunk's raw C-order bytes
     extra: Mapping[str, Json] = field(default_factory=dict)  #: backend-specific fields
 
-    def to_json(self) -> dict[str, Json]:
+    def to_dict(self) -> dict[str, Json]:
         d: dict[str, Json] = {"offsets": list(self.offsets), "shape": list(self.shape)}
         for name in ("file", "byte_offset", "byte_length", "checksum"):
             v = getattr(self, name)
@@ -47,7 +47,7 @@ class ChunkEntry:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Json], where: str) -> ChunkEntry:
+    def from_dict(cls, d: Mapping[str, Json], where: str) -> ChunkEntry:
         offsets, shape = _int_tuple(d, "offsets", where), _int_tuple(d, "shape", where)
         if len(offsets) != len(shape):
             raise MalformedIndexError(f"{where}: 'offsets' and 'shape' differ in length")
@@ -79,18 +79,18 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def to_json(self) -> dict[str, Json]:
+    def to_dict(self) -> dict[str, Json]:
         d: dict[str, Json] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
-            "chunks": [c.to_json() for c in self.chunks],
+            "chunks": [c.to_dict() for c in self.chunks],
         }
         if self.extra:
             d["extra"] = dict(self.extra)
         return d
 
     @classmethod
-    def from_json(cls, key: str, d: Mapping[str, Json]) -> TensorEntry:
+    def from_dict(cls, key: str, d: Mapping[str, Json]) -> TensorEntry:
         where = f"tensors[{key!r}]"
         chunks = _req(d, "chunks", list, where)
         return cls(
@@ -98,7 +98,7 @@ class TensorEntry:
             dtype=_req(d, "dtype", str, where),
             shape=_int_tuple(d, "shape", where),
             chunks=tuple(
-                ChunkEntry.from_json(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)
+                ChunkEntry.from_dict(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)
             ),
             extra=_opt(d, "extra", dict, where) or {},
         )
@@ -125,7 +125,7 @@ class Index:
         """Sum of the stored data file sizes."""
         return sum(self.files.values())
 
-    def to_json(self) -> dict[str, Json]:
+    def to_dict(self) -> dict[str, Json]:
         return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -138,16 +138,16 @@ class Index:
             "writer": dict(self.writer),
             "containers": dict(self.containers),
             "values": dict(self.values),
-            "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+            "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
             "files": dict(self.files),
         }
 
     def dumps(self) -> bytes:
         """The index as UTF-8 JSON bytes (no NaN literals: values are pre-encoded)."""
-        return json.dumps(self.to_json(), ensure_ascii=False, allow_nan=False).encode()
+        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
+    def from_dict(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
         """Parse and check the compatibility policy; errors name ``source`` and the field."""
         if not isinstance(d, Mapping):
             raise MalformedIndexError(f"{source}: the index must be a JSON object")
@@ -177,7 +177,7 @@ class Index:
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
             backend_options=_opt(be, "options", dict, f"{source}: backend") or {},
-            tensors={k: TensorEntry.from_json(k, t) for k, t in tensors.items()},
+            tensors={k: TensorEntry.from_dict(k, t) for k, t in tensors.items()},
             values=_opt(d, "values", dict, source) or {},
             containers=_opt(d, "containers", dict, source) or {},
             files=_opt(d, "files", dict, source) or {},
@@ -193,7 +193,7 @@ class Index:
             d = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise MalformedIndexError(f"{source}: not valid JSON ({e})") from None
-        return cls.from_json(d, source)
+        return cls.from_dict(d, source)
 
 
 def check_relative_path(path: str, where: str) -> str:

@@ -7,17 +7,16 @@ empty containers and int-vs-str keys round-trip exactly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.keys import Path, decode_key, encode_key
+from ckptfs.layout.values import encode_value, path_order
 from ckptfs.state.shards import is_tensor_like
 
 Json = Any
-_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 @dataclass
@@ -28,31 +27,6 @@ class FlatState:
     values: dict[str, Json] = field(default_factory=dict)  #: key -> encoded value
     containers: dict[str, str] = field(default_factory=dict)  #: key -> dict|list|tuple
     paths: dict[str, Path] = field(default_factory=dict)  #: key -> path, for every leaf
-
-
-def encode_value(v: Any, key: str) -> Json:
-    """JSON form of a plain value; non-finite floats become {"$float": "nan"|"inf"|"-inf"}."""
-    if v is None or isinstance(v, bool | int | str):
-        return v
-    if isinstance(v, float):
-        if math.isfinite(v):
-            return v
-        return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-    raise UnsupportedValueError(
-        f"key {key!r}: {type(v).__module__}.{type(v).__qualname__} cannot be stored; "
-        "values must be tensors, None, bool, int, float, str, or dicts/lists/tuples of them"
-    )
-
-
-def decode_value(v: Json, key: str) -> Any:
-    if isinstance(v, dict):
-        tag = v.get("$float")
-        if tag in _SPECIAL and len(v) == 1:
-            return _SPECIAL[tag]
-        raise MalformedIndexError(f"values[{key!r}]: unknown encoded value {v!r}")
-    if isinstance(v, list):
-        raise MalformedIndexError(f"values[{key!r}]: a value must not be a JSON array")
-    return v
 
 
 def flatten(state_dict: Mapping[str, Any]) -> FlatState:
@@ -105,7 +79,7 @@ def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any]) -> dict[
             raise MalformedIndexError(f"containers[{key!r}]: unknown kind {kind!r}")
         nodes[key] = {} if kind == "dict" else []  # tuples are frozen at the end
     entries = [(k, nodes[k]) for k in containers] + list(leaves.items())
-    for key, value in sorted(entries, key=lambda kv: _sort_key(decode_key(kv[0]))):
+    for key, value in sorted(entries, key=lambda kv: path_order(decode_key(kv[0]))):
         path = decode_key(key)
         parent_key = encode_key(path[:-1]) if len(path) > 1 else _ROOT
         parent = nodes.get(parent_key)
@@ -123,17 +97,6 @@ def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any]) -> dict[
             parent = nodes[encode_key(path[:-1]) if len(path) > 1 else _ROOT]
             parent[path[-1]] = tuple(nodes[key])
             nodes[key] = parent[path[-1]]
-    return root
-
-
-def _sort_key(path: Path) -> tuple:
-    # ints before strs at each level, ints numerically: list items arrive in order
-    return tuple((0, c, "") if isinstance(c, int) else (1, 0, c) for c in path)
-
-
-def get_path(root: Any, path: Path) -> Any:
-    for c in path:
-        root = root[c]
     return root
 
 

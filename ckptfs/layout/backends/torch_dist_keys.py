@@ -10,17 +10,16 @@ below it turn DCP object paths and loaded BYTE_IO values back into ckptfs keys a
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfs.errors import MalformedIndexError, UnsupportedValueError
-from ckptfs.layout.keys import Component, decode_key, encode_key, parent_key
+from ckptfs.errors import UnsupportedValueError
+from ckptfs.layout.keys import decode_key, encode_key, parent_key
+from ckptfs.layout.values import component_order, decode_value, encode_value, is_plain
 
 Json = Any
-_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,26 +31,6 @@ class DcpLeaf:
     key: str  #: the ckptfs key of the node it comes from
     tensor: bool
     value: Any = None  #: the object of a BYTE_IO item
-
-
-def decode_plain(v: Json, key: str) -> Any:
-    """An index value as a Python object (formats/README.md §Values)."""
-    if isinstance(v, dict):
-        if len(v) == 1 and v.get("$float") in _SPECIAL:
-            return _SPECIAL[v["$float"]]
-        raise MalformedIndexError(f"values[{key!r}]: unknown encoded value {v!r}")
-    return v
-
-
-def encode_plain(v: Any) -> tuple[bool, Json]:
-    """(True, JSON form) for None/bool/int/float/str, else (False, None)."""
-    if v is None or isinstance(v, bool | int | str):
-        return True, v
-    if isinstance(v, float):
-        if math.isfinite(v):
-            return True, v
-        return True, {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-    return False, None
 
 
 # -- ckptfs index -> DCP items --------------------------------------------------------------------
@@ -88,7 +67,7 @@ class _Tree:
 
     def ordered(self, key: str) -> list[str]:
         kids = self.children.get(key, [])
-        return sorted(kids, key=lambda k: _order(decode_key(k)[-1]))
+        return sorted(kids, key=lambda k: component_order(decode_key(k)[-1]))
 
     def walk(self, key: str, path: tuple[str | int, ...], out: list[DcpLeaf]) -> None:
         fqn = ".".join(map(str, path))
@@ -96,7 +75,7 @@ class _Tree:
             out.append(DcpLeaf(fqn, path, key, True))
             return
         if key in self.values:
-            out.append(DcpLeaf(fqn, path, key, False, decode_plain(self.values[key], key)))
+            out.append(DcpLeaf(fqn, path, key, False, decode_value(self.values[key], key)))
             return
         kind = self.containers[key]
         if kind == "tuple" or (kind == "list" and self.terminal_list(key)):
@@ -125,17 +104,13 @@ class _Tree:
                 f"it from shards: use a list or a dict for containers of tensors"
             )
         if key in self.values:
-            return decode_plain(self.values[key], key)
+            return decode_value(self.values[key], key)
         kind = self.containers[key]
         kids = self.ordered(key)
         if kind == "dict":
             return {decode_key(k)[-1]: self.build(k, leaf) for k in kids}
         items = [self.build(k, leaf) for k in kids]
         return tuple(items) if kind == "tuple" else items
-
-
-def _order(c: Component) -> tuple:
-    return (0, c, "") if isinstance(c, int) else (1, 0, c)
 
 
 # -- DCP items -> ckptfs keys and values ----------------------------------------------------------
@@ -178,8 +153,7 @@ def expand_value(key: str, obj: Any, values: dict[str, Json], containers: dict[s
                 continue
             expand_value(encode_key((*decode_key(key), k)), v, values, containers, skipped)
         return
-    ok, enc = encode_plain(obj)
-    if ok:
-        values[key] = enc
+    if is_plain(obj):
+        values[key] = encode_value(obj, key)
     else:
         skipped.append(f"{key} ({type(obj).__module__}.{type(obj).__qualname__})")

@@ -218,7 +218,7 @@ class _ZarrBackend(Backend):
         pipe = self._pipelines.get(tensor.key)
         if pipe is None:
             configs = tensor.extra.get("codecs")
-            pipe = Pipeline.from_json(configs) if configs else self._options_pipeline()
+            pipe = Pipeline.from_configs(configs) if configs else self._options_pipeline()
             self._pipelines[tensor.key] = pipe
         return pipe
 

@@ -113,11 +113,12 @@ class Pipeline:
         comp = doc.get("compressor")
         return cls(tuple(filters + ([numcodecs.get_codec(dict(comp))] if comp else [])))
 
-    def to_json(self) -> list[dict[str, Any]]:
+    def configs(self) -> list[dict[str, Any]]:
+        """The numcodecs configs of the codecs, in order (JSON; ``from_configs`` reverses it)."""
         return [c.get_config() for c in self.codecs]
 
     @classmethod
-    def from_json(cls, configs: Sequence[Mapping[str, Any]]) -> Pipeline:
+    def from_configs(cls, configs: Sequence[Mapping[str, Any]]) -> Pipeline:
         return cls(tuple(numcodecs.get_codec(dict(c)) for c in configs))
 
     def encode(self, arr: np.ndarray) -> tuple[Buffer, ...]:

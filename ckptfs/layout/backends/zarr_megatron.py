@@ -80,7 +80,7 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEnt
         entries.append(ChunkEntry(cell.offsets, cell.shape,
                                   file=join(path, chunk_key(2, grid.index_of(cell.offsets), sep)),
                                   byte_offset=0, extra=extra))
-    codecs = Pipeline.from_zarray(doc).to_json()
+    codecs = Pipeline.from_zarray(doc).configs()
     extra: dict[str, Any] = {"zarr_path": path}
     if codecs:
         extra["codecs"] = codecs

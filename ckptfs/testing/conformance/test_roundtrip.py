@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptfs
-from conformance.cases import (
+from ckptfs.testing.conformance.cases import (
     DTYPES,
     LIMIT_CASES,
     MANY,
@@ -28,8 +28,8 @@ from conformance.cases import (
     python_values,
     zeros_like_state,
 )
-from conformance.pairs import Pair
-from conformance.workspace import LIMITS, TIMINGS, Workspace
+from ckptfs.testing.conformance.pairs import Pair
+from ckptfs.testing.conformance.workspace import LIMITS, TIMINGS, Workspace
 
 REFERENCE = basic_state()
 

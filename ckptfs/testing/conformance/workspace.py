@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ckptfs
-from conformance import reshard
-from conformance.cases import basic_state, many_state
-from conformance.distrib import run_ranks
-from conformance.pairs import Pair
+from ckptfs.testing.conformance import reshard
+from ckptfs.testing.conformance.cases import basic_state, many_state
+from ckptfs.testing.conformance.pairs import Pair
+from ckptfs.testing.ranks import run_ranks
 
 #: (pair id, what) -> seconds, printed in the terminal summary
 TIMINGS: dict[tuple[str, str], float] = {}

@@ -1,7 +1,9 @@
-"""The few collectives ckptfs needs, over any torch.distributed group or a world of one.
+"""The collectives ckptfs needs, over any torch.distributed group or a world of one.
 
-Every phase that can fail on one rank ends in ``agree``: all ranks exchange their outcome, so
-a failure anywhere raises everywhere instead of leaving the others waiting in a collective.
+Every phase that can fail on one rank ends in ``agree`` (or ``decide``): all ranks exchange their
+outcome, so a failure anywhere raises everywhere instead of leaving the others waiting in a
+collective. This module and the DTensor code in state/ are the only places that call
+``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ckptfs.errors import RankError
 
 T = TypeVar("T")
+ProcessGroup = dist.ProcessGroup
 
 
 class Comm:
@@ -34,11 +38,23 @@ class Comm:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
     def all_gather(self, obj: T) -> list[T]:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` on the coordinator (None elsewhere): what only rank 0 needs."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.is_coordinator else None
+        dist.gather_object(obj, out, group=self.group, group_dst=0)
         return out
 
     def broadcast(self, obj: T | None) -> T:
@@ -48,6 +64,11 @@ class Comm:
         box = [obj]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]  # type: ignore[return-value]
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Fill ``tensor`` on every rank with ``src``'s (group rank) ``tensor``, in place."""
+        if self.size > 1:
+            dist.broadcast(tensor, group=self.group, group_src=src)
 
     def agree(self, what: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, exchange outcomes, and return every rank's result.

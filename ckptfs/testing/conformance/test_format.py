@@ -11,20 +11,20 @@ from typing import Any
 import pytest
 
 import ckptfs
-from conformance import reshard
-from conformance.cases import assert_same, basic_state, flatten, zeros_like_state
-from conformance.golden import GOLDEN_ROOT, GoldenDir
-from conformance.native import NATIVE_CHECKS
-from conformance.pairs import Pair
-from conformance.workspace import Workspace
+from ckptfs.testing.conformance import reshard
+from ckptfs.testing.conformance.cases import assert_same, basic_state, flatten, zeros_like_state
+from ckptfs.testing.conformance.golden import SCHEMA_FILE, locate
+from ckptfs.testing.conformance.native import NATIVE_CHECKS
+from ckptfs.testing.conformance.pairs import Pair
+from ckptfs.testing.conformance.workspace import Workspace
 
-SCHEMA = GOLDEN_ROOT.parent.parent / "formats" / "index.schema.json"
+SCHEMA = SCHEMA_FILE
 INDEX = ckptfs.INDEX_FILE
 REFERENCE = basic_state()
 
 
 def _checkpoint(which: str, pair: Pair, workspace: Workspace, usable_pairs: list[Pair],
-                golden_root: Path) -> tuple[Path, dict[str, Any]]:
+                golden_search: list[Path]) -> tuple[Path, dict[str, Any]]:
     """(root, expected whole state) of the basic, sharded or golden checkpoint of ``pair``."""
     if which == "basic":
         return workspace.basic(pair), REFERENCE
@@ -33,8 +33,8 @@ def _checkpoint(which: str, pair: Pair, workspace: Workspace, usable_pairs: list
         if run.errors("save", reshard.SAVE_WORLD):
             pytest.fail(f"the {reshard.SAVE_WORLD}-rank save failed (see test_save_uneven_shards)")
         return run.url, reshard.reference()
-    g = GoldenDir(golden_root, pair)
-    if not g.exists():
+    g = locate(golden_search, pair)
+    if g is None:
         pytest.skip(f"no golden checkpoint for {pair} (see the golden tests)")
     return g.checkpoint, g.expected()
 
@@ -44,7 +44,7 @@ CHECKPOINTS = ("basic", "sharded", "golden")
 
 @pytest.mark.parametrize("which", CHECKPOINTS)
 def test_index_matches_schema(which: str, pair: Pair, workspace: Workspace, usable_pairs: list[Pair],
-                              golden_root: Path) -> None:
+                              golden_search: list[Path]) -> None:
     if not SCHEMA.is_file():
         pytest.skip(f"{SCHEMA} does not exist yet")
     import jsonschema
@@ -52,7 +52,7 @@ def test_index_matches_schema(which: str, pair: Pair, workspace: Workspace, usab
     schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
     validator_cls = jsonschema.validators.validator_for(schema)
     validator_cls.check_schema(schema)
-    root, _ = _checkpoint(which, pair, workspace, usable_pairs, golden_root)
+    root, _ = _checkpoint(which, pair, workspace, usable_pairs, golden_search)
     doc = json.loads((root / INDEX).read_text(encoding="utf-8"))
     errors = sorted(validator_cls(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
@@ -60,22 +60,22 @@ def test_index_matches_schema(which: str, pair: Pair, workspace: Workspace, usab
 
 @pytest.mark.parametrize("which", CHECKPOINTS)
 def test_native_reader(which: str, pair: Pair, workspace: Workspace, usable_pairs: list[Pair],
-                       golden_root: Path) -> None:
+                       golden_search: list[Path]) -> None:
     check = NATIVE_CHECKS.get(pair.name)
     if check is None:
         pytest.skip(f"no native reader check registered for backend {pair.name!r} (conformance/native.py)")
-    root, expected = _checkpoint(which, pair, workspace, usable_pairs, golden_root)
+    root, expected = _checkpoint(which, pair, workspace, usable_pairs, golden_search)
     tensors, _, _ = flatten(expected)
     check(root, ckptfs.load_metadata(root), tensors)
 
 
 # ---------------------------------------------------------------------------- version policy
 @pytest.fixture
-def edited(pair: Pair, workspace: Workspace, golden_root: Path, tmp_path: Path):
+def edited(pair: Pair, workspace: Workspace, golden_search: list[Path], tmp_path: Path):
     """A copy of the pair's golden checkpoint (or of its basic one, for pairs without golden
     data) and a function that rewrites its index; yields (root, expected, edit)."""
-    g = GoldenDir(golden_root, pair)
-    src, expected = (g.checkpoint, g.expected()) if g.exists() else (workspace.basic(pair), REFERENCE)
+    g = locate(golden_search, pair)
+    src, expected = (g.checkpoint, g.expected()) if g else (workspace.basic(pair), REFERENCE)
     root = tmp_path / "ckpt"
     shutil.copytree(src, root)
 

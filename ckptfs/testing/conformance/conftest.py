@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance.golden import GOLDEN_ROOT, GoldenDir
-from conformance.pairs import GOLDEN_REQUIRED, Pair, import_error, select_pairs
-from conformance.workspace import LIMITS, TIMINGS, Workspace
+from ckptfs.testing.conformance.golden import GOLDEN_ROOT, GoldenDir, golden_roots, locate
+from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, import_error, select_pairs
+from ckptfs.testing.conformance.workspace import LIMITS, TIMINGS, Workspace
 
 _PAIRS = pytest.StashKey[list[Pair]]()
 _EXPLICIT = pytest.StashKey[bool]()
@@ -20,8 +20,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--backend", action="append", default=[], metavar="NAME:VERSION",
                     help="run only this registered backend pair (repeatable; NAME alone = every "
                          "version); default: every registered pair")
-    group.addoption("--golden-dir", default=str(GOLDEN_ROOT), metavar="DIR",
-                    help=f"root of the golden checkpoints (default {GOLDEN_ROOT})")
+    group.addoption("--golden-dir", action="append", default=[], metavar="DIR",
+                    help="a root of golden checkpoints searched before the built-in one "
+                         f"({GOLDEN_ROOT}); repeatable. A plugin passes its own")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,16 +80,18 @@ def usable_pairs(request: pytest.FixtureRequest) -> list[Pair]:
 
 
 @pytest.fixture(scope="session")
-def golden_root(request: pytest.FixtureRequest) -> Path:
-    return Path(request.config.getoption("--golden-dir")).resolve()
+def golden_search(request: pytest.FixtureRequest) -> list[Path]:
+    """``--golden-dir`` roots first, then the built-in golden root."""
+    return golden_roots(request.config.getoption("--golden-dir"))
 
 
-def golden_of(pair: Pair, root: Path, *, required: bool) -> GoldenDir:
-    """The pair's golden directory; fails (required) or skips when it does not exist."""
-    g = GoldenDir(root, pair)
-    if not g.exists():
-        msg = (f"no golden checkpoint for {pair} in {root}; generate it once with "
-               f"`python -m conformance.make_golden --backend {pair.name}:{pair.version}` and commit it")
+def golden_of(pair: Pair, roots: list[Path], *, required: bool) -> GoldenDir:
+    """The pair's golden directory; fails (required) or skips when no root has one."""
+    g = locate(roots, pair)
+    if g is None:
+        msg = (f"no golden checkpoint for {pair} in {[str(r) for r in roots]}; generate it once "
+               f"with `python -m ckptfs.testing.conformance.make_golden --backend "
+               f"{pair.name}:{pair.version} --golden-dir DIR` and commit it")
         if required:
             pytest.fail(msg)
         pytest.skip(msg)
@@ -96,8 +99,13 @@ def golden_of(pair: Pair, root: Path, *, required: bool) -> GoldenDir:
 
 
 @pytest.fixture
-def golden(pair: Pair, golden_root: Path) -> GoldenDir:
-    return golden_of(pair, golden_root, required=(pair.name, pair.version) in GOLDEN_REQUIRED)
+def golden(request: pytest.FixtureRequest, pair: Pair, golden_search: list[Path]) -> GoldenDir:
+    """Required for the built-in pairs, and for a pair named by --backend when --golden-dir is
+    given (a plugin checking its own golden data)."""
+    config = request.config
+    required = (pair.name, pair.version) in GOLDEN_REQUIRED or (
+        config.stash[_EXPLICIT] and bool(config.getoption("--golden-dir")))
+    return golden_of(pair, golden_search, required=required)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -1,6 +1,6 @@
 """Write the golden checkpoint of every registered pair that has none yet; never touch existing ones.
 
-    python -m conformance.make_golden [--backend NAME:VERSION ...] [--golden-dir DIR]
+    python -m ckptfs.testing.conformance.make_golden [--backend NAME:VERSION ...] [--golden-dir DIR]
 
 Each new directory ``<golden-dir>/<backend>-<version>/`` gets ``checkpoint/`` (saved by
 GOLDEN_WORLD spawned gloo ranks from a fixed seed), ``expected.json`` (the whole state dict,
@@ -19,9 +19,8 @@ import tempfile
 from pathlib import Path
 
 import ckptfs
-from conformance.cases import differences
-from conformance.distrib import run_ranks
-from conformance.golden import (
+from ckptfs.testing.conformance.cases import differences
+from ckptfs.testing.conformance.golden import (
     CHECKPOINT,
     EXPECTED,
     GOLDEN_ROOT,
@@ -34,7 +33,8 @@ from conformance.golden import (
     manifest_text,
     save_golden_ranks,
 )
-from conformance.pairs import Pair, import_error, select_pairs
+from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, import_error, select_pairs
+from ckptfs.testing.ranks import run_ranks
 
 MAX_BYTES = 256 * 1024
 
@@ -83,16 +83,25 @@ def make_golden(pairs: list[Pair], root: Path, log=print) -> list[Pair]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m conformance.make_golden", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ckptfs.testing.conformance.make_golden", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", action="append", default=[], metavar="NAME:VERSION",
                     help="only this pair (repeatable); default: every registered pair that imports")
-    ap.add_argument("--golden-dir", type=Path, default=GOLDEN_ROOT)
+    ap.add_argument("--golden-dir", type=Path, default=None,
+                    help="where golden directories go (default: the built-in root, for the pairs "
+                         "ckptfs ships; a plugin keeps its own beside its package)")
     args = ap.parse_args(argv)
     try:
         pairs = select_pairs(args.backend)
     except ValueError as e:
         ap.error(str(e))
+    if args.golden_dir is None:
+        foreign = [str(p) for p in pairs if (p.name, p.version) not in GOLDEN_REQUIRED]
+        if args.backend and foreign:
+            ap.error(f"{foreign} are not built-in pairs: pass --golden-dir (a plugin keeps its "
+                     f"golden checkpoints beside its own package)")
+        pairs = [p for p in pairs if (p.name, p.version) in GOLDEN_REQUIRED]
+        args.golden_dir = GOLDEN_ROOT
     usable = []
     for p in pairs:
         err = import_error(p)

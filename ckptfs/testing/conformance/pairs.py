@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import ckptfs
 
-#: Pairs ckptfs ships (plus the example plugin): their golden checkpoints must exist.
+#: Pairs ckptfs ships: their golden checkpoints must exist in the built-in golden root.
 GOLDEN_REQUIRED: frozenset[tuple[str, int]] = frozenset({
-    ("safetensors_chunks", 1), ("zarr", 2), ("zarr", 3), ("torch_dist", 1), ("npy_chunks", 1),
+    ("safetensors_chunks", 1), ("zarr", 2), ("zarr", 3), ("torch_dist", 1),
 })
 
 

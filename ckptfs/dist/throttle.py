@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ckptfs.io.nodes import NodeLayout, node_id
+from ckptfs.dist.comm import Comm
+from ckptfs.dist.nodes import NodeLayout, node_id
 
 T = TypeVar("T")
 
@@ -22,14 +23,13 @@ def upload_rounds(layout: NodeLayout, limit: int) -> tuple[int, ...]:
     return tuple(lr // limit for lr in layout.local_rank)
 
 
-def run_throttled(limit: int | None, all_gather: Callable[[Any], list[Any]], rank: int,
-                  fn: Callable[[], T]) -> T:
-    """Run ``fn`` (this rank's uploads) in this rank's round; collective over ``all_gather``.
+def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
+    """Run ``fn`` (this rank's uploads) in this rank's round; collective over ``comm``.
 
     Every rank calls this with its own ``limit``; the smallest one given wins, and when no rank
     gives one (all None) ``fn`` runs at once after the one exchange.
     """
-    seen = all_gather((node_id(), limit))
+    seen = comm.all_gather((node_id(), limit))
     limits = [k for _, k in seen if k is not None]
     if not limits:
         return fn()
@@ -41,12 +41,12 @@ def run_throttled(limit: int | None, all_gather: Callable[[Any], list[Any]], ran
     result: Any = None
     error: BaseException | None = None
     for r in range(max(rounds) + 1):
-        if r == rounds[rank]:
+        if r == rounds[comm.rank]:
             try:
                 result = fn()
             except Exception as e:  # re-raised after the rounds: never skip a barrier
                 error = e
-        all_gather(None)  # barrier: round r is over on every rank
+        comm.all_gather(None)  # barrier: round r is over on every rank
     if error is not None:
         raise error
     return result

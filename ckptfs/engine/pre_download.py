@@ -20,14 +20,14 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ckptfs.dist import Comm, NodeLayout, node_id
+
 from ckptfs.io import run_sync
 from ckptfs.io.cache import cache_dir, fill, locked, read_marker, valid_files
 from ckptfs.io.local_store import LocalStore
-from ckptfs.io.nodes import NodeLayout, node_id
 from ckptfs.io.store import Store
 from ckptfs.layout.index import INDEX_FILE, Index
-from ckptfs.metadata import read_index
-from ckptfs.planning.collectives import Comm
+from ckptfs.engine.index_io import read_index
 
 
 async def version_tag(store: Store) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import ckptfs
-from conformance.cases import key_path, raw_bytes
+from ckptfs.testing.conformance.cases import key_path, raw_bytes
 
 NativeCheck = Callable[[Path, ckptfs.Index, Mapping[str, torch.Tensor]], None]
 NATIVE_CHECKS: dict[str, NativeCheck] = {}

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 import ckptfs
-from conformance.cases import assert_same, differences, raw_bytes, zeros_like_state
-from conformance.golden import CHECKPOINT, GoldenDir, golden_dirs, manifest_problems
-from conformance.pairs import Pair, select_pairs
+from ckptfs.testing.conformance.cases import assert_same, differences, raw_bytes, zeros_like_state
+from ckptfs.testing.conformance.golden import CHECKPOINT, GoldenDir, all_golden, locate, manifest_problems
+from ckptfs.testing.conformance.pairs import Pair, select_pairs
 
 FROZEN = ("golden checkpoints are frozen: a format change needs a new backend version and a new "
-          "golden directory (python -m conformance.make_golden); never regenerate an existing one")
+          "golden directory (python -m ckptfs.testing.conformance.make_golden); never regenerate an existing one")
 
 
 def test_golden_bytes_are_unchanged(golden: GoldenDir) -> None:
@@ -37,9 +37,9 @@ def test_golden_loads_to_expected_values(golden: GoldenDir, pair: Pair) -> None:
     assert len(meta.tensors["sharded/rows"].chunks) >= 2, "golden data was saved by several ranks"
 
 
-def test_every_golden_directory_has_a_registered_backend(golden_root: Path) -> None:
+def test_every_golden_directory_has_a_registered_backend(golden_search: list[Path]) -> None:
     registered = set(select_pairs(None))
-    orphans = [p for p in golden_dirs(golden_root) if p not in registered]
+    orphans = [p for p in all_golden(golden_search) if p not in registered]
     assert not orphans, (f"golden checkpoints of {[str(p) for p in orphans]} have no registered backend: "
                          "old formats must stay readable")
 
@@ -110,11 +110,12 @@ def convert(src: Path, dst: Path, to: Pair) -> None:
     ckptfs.save(ckptfs.load_keys(src), dst, backend=to.name, backend_version=to.version)
 
 
-def test_convert_to_other_backend_and_back(pair: Pair, other: Pair, golden_root: Path, tmp_path: Path) -> None:
+def test_convert_to_other_backend_and_back(pair: Pair, other: Pair, golden_search: list[Path],
+                                          tmp_path: Path) -> None:
     done = 0
     for src, via in ((pair, other), (other, pair)):
-        g = GoldenDir(golden_root, src)
-        if not g.exists():
+        g = locate(golden_search, src)
+        if g is None:
             continue
         expected = g.expected()
         there, back = tmp_path / f"{src}-to-{via}", tmp_path / f"{src}-to-{via}-to-{src}"

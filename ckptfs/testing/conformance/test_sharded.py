@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 import ckptfs
-from conformance import reshard
-from conformance.cases import assert_same, flatten
-from conformance.pairs import Pair
-from conformance.workspace import ReshardRun, Workspace
+from ckptfs.testing.conformance import reshard
+from ckptfs.testing.conformance.cases import assert_same, flatten
+from ckptfs.testing.conformance.pairs import Pair
+from ckptfs.testing.conformance.workspace import ReshardRun, Workspace
 
 
 @pytest.fixture

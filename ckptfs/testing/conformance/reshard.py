@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import ckptfs
-from conformance.cases import DTYPES, basic_state, random_tensor, raw_bytes
+from ckptfs.testing.conformance.cases import DTYPES, basic_state, random_tensor, raw_bytes
 
 SAVE_WORLD = 3
 LOAD_WORLD = 2

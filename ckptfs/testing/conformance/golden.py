@@ -17,7 +17,7 @@ import base64
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,13 @@ from typing import Any
 import torch
 
 import ckptfs
-from conformance.cases import DTYPE_NAMES, DTYPES, TORCH_DTYPES, random_tensor, raw_bytes
-from conformance.pairs import Pair
+import ckptfs.layout
+from ckptfs.testing.conformance.cases import DTYPE_NAMES, DTYPES, TORCH_DTYPES, random_tensor, raw_bytes
+from ckptfs.testing.conformance.pairs import Pair
 
 GOLDEN_ROOT = Path(__file__).resolve().parent / "golden"
+#: the index JSON Schema (formats/index.schema.json), shipped in the package
+SCHEMA_FILE = Path(ckptfs.layout.__file__).resolve().parent / "index.schema.json"
 MANIFEST = "SHA256SUMS"
 EXPECTED = "expected.json"
 CHECKPOINT = "checkpoint"
@@ -203,4 +206,29 @@ def golden_dirs(root: Path) -> list[Pair]:
         name, _, version = d.name.rpartition("-")
         if d.is_dir() and name and version.isdigit():
             out.append(Pair(name, int(version)))
+    return out
+
+
+def golden_roots(extra: Sequence[Path | str] = ()) -> list[Path]:
+    """The roots searched for golden directories: ``extra`` (``--golden-dir``, a plugin's own)
+    first, then the built-in root shipped in the package."""
+    roots = [Path(r).resolve() for r in extra]
+    return [*roots, GOLDEN_ROOT] if GOLDEN_ROOT not in roots else roots
+
+
+def locate(roots: Sequence[Path], pair: Pair) -> GoldenDir | None:
+    """The pair's golden directory in the first root that has one."""
+    for root in roots:
+        g = GoldenDir(root, pair)
+        if g.exists():
+            return g
+    return None
+
+
+def all_golden(roots: Sequence[Path]) -> dict[Pair, GoldenDir]:
+    """Every pair with a golden directory in any root (the first root wins)."""
+    out: dict[Pair, GoldenDir] = {}
+    for root in roots:
+        for pair in golden_dirs(root):
+            out.setdefault(pair, GoldenDir(root, pair))
     return out

@@ -1,0 +1,35 @@
+"""Reading a checkpoint's index from a store; foreign checkpoints are sniffed by the backends."""
+
+from __future__ import annotations
+
+import logging
+
+from ckptfs.errors import CheckpointNotFoundError
+from ckptfs.io.store import Store
+from ckptfs.layout.index import INDEX_FILE, Index
+from ckptfs.layout.registry import available_backends, get_backend
+
+log = logging.getLogger(__name__)
+
+
+async def read_index(store: Store) -> Index:
+    """The checkpoint's index; foreign checkpoints are sniffed by the registered backends."""
+    try:
+        data = await store.get(INDEX_FILE)
+    except FileNotFoundError:
+        data = None
+    if data is not None:
+        return Index.loads(bytes(data), store.full_path(INDEX_FILE))
+    for name, version in available_backends():
+        try:
+            cls = get_backend(name, version)
+        except ImportError as e:  # a broken plugin must not hide the others
+            log.warning("ckptfs: backend %s-%s cannot be imported: %s", name, version, e)
+            continue
+        found = await cls.sniff(store)
+        if found is not None:
+            return found
+    raise CheckpointNotFoundError(
+        f"{store.full_path(INDEX_FILE)}: no committed ckptfs checkpoint here (no index), and no "
+        f"registered backend recognises the files as a foreign checkpoint"
+    )
