@@ -8,8 +8,7 @@ Layers, top to bottom (imports point down only):
   io/                       how bytes move: async stores over fsspec, local fast path
 """
 
-__version__ = "0.1.0"
-
+from ckptfs._version import __version__
 from ckptfs.errors import (
     BackendOptionsError,
     CheckpointExistsError,

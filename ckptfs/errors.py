@@ -23,7 +23,11 @@ class UnknownBackendError(FormatVersionError):
     """No backend is registered for a (name, version) pair."""
 
 
-class BackendOptionsError(CkptfsError, ValueError):
+class ConfigError(CkptfsError, ValueError):
+    """An argument or setting has a bad value (IOConfig fields, throttle_uploads, work_dir...)."""
+
+
+class BackendOptionsError(ConfigError):
     """A backend option is unknown or has a bad value."""
 
 
@@ -65,7 +69,11 @@ class IntegrityError(CkptfsError):
 
 
 class StorageError(CkptfsError, OSError):
-    """A storage request kept failing with transient errors after all retries."""
+    """A storage request failed: still failing after all retries, or refused for good."""
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """The storage refused access (HTTP 403, a local permission error): not retried."""
 
 
 class RankError(CkptfsError):

@@ -11,19 +11,19 @@ from typing import Any
 import torch
 
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.errors import MismatchError, MissingKeysError
+from ckptfs.engine.errors import public_errors
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.read import TensorRead, read_tensors
+from ckptfs.engine.targets import files_of, plan_targets
+from ckptfs.errors import MissingKeysError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
 from ckptfs.layout.keys import encode_key
-from ckptfs.layout.registry import get_backend
 from ckptfs.layout.values import decode_value
-from ckptfs.engine.index_io import read_index
 from ckptfs.planning.load_plan import plan_reads
-from ckptfs.engine.read import TensorRead, execute_reads
-from ckptfs.state.flatten import flatten, set_path, unflatten
-from ckptfs.state.shards import local_shard
+from ckptfs.state.flatten import set_path, unflatten
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class LoadResult:
     bytes_needed: int = 0  #: bytes of the tensor regions this rank had to fill
     read_requests: int = 0
     seconds: float = 0.0
+    scratch_peak: int = 0  #: most scratch memory (bytes) held at once for non-contiguous targets
 
 
 def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
@@ -53,91 +54,37 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
-    comm = Comm(process_group)
-    store = run_sync(open_store(url, storage_options, io_config))
-    try:
-        if pre_download:
-            from ckptfs.engine.pre_download import pre_download as fetch
+    with public_errors(url):
+        comm = Comm(process_group)
+        store = run_sync(open_store(url, storage_options, io_config))
+        try:
+            if pre_download:
+                from ckptfs.engine.pre_download import pre_download as fetch
 
-            index, cached = fetch(comm, store, url, work_dir, lambda idx: (
-                p.chunk.file for job in _plan(state_dict, idx, comm.rank)[0] for p in job.pieces))
-            remote, store = store, cached
-            run_sync(remote.close())
-        else:
-            index = comm.decide(f"load: reading the index of {url}",
-                                lambda: run_sync(read_index(store)))
+                index, cached = fetch(comm, store, url, work_dir, lambda idx: files_of(
+                    plan_targets(state_dict, idx, comm.rank)))
+                remote, store = store, cached
+                run_sync(remote.close())
+            else:
+                index = comm.decide(f"load: reading the index of {url}",
+                                    lambda: run_sync(read_index(store)))
 
-        def work() -> LoadResult:
-            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
-            jobs, replace, missing, unexpected = _plan(state_dict, index, comm.rank)
-            if strict and missing:
-                raise MissingKeysError(url, missing)
-            before = (store.stats.bytes_read, store.stats.read_requests)
-            needed = run_sync(execute_reads(store, backend, jobs, verify=verify))
-            for path, value in replace:
-                set_path(state_dict, path, value)
-            st = store.stats
-            return LoadResult(missing, unexpected, st.bytes_read - before[0], needed,
-                              st.read_requests - before[1], time.perf_counter() - t0)
+            def work() -> LoadResult:
+                plan = plan_targets(state_dict, index, comm.rank)
+                if strict and plan.missing:
+                    raise MissingKeysError(url, list(plan.missing))
+                before = (store.stats.bytes_read, store.stats.read_requests)
+                needed, peak = run_sync(read_tensors(store, index, plan.reads, verify=verify))
+                for path, value in plan.replace:
+                    set_path(state_dict, path, value)
+                st = store.stats
+                return LoadResult(list(plan.missing), list(plan.unexpected),
+                                  st.bytes_read - before[0], needed, st.read_requests - before[1],
+                                  time.perf_counter() - t0, peak)
 
-        return comm.agree(f"load from {url}", work)[comm.rank]
-    finally:
-        run_sync(store.close())
-
-
-def _stringified(path: tuple) -> str:
-    """The key of ``path`` with int components as str: how DCP (which stores ``str(k)``) and
-    other str-keyed writers name an int-keyed entry such as optimizer state."""
-    return encode_key(tuple(str(c) for c in path))
-
-
-def _plan(state_dict: Mapping[str, Any], index: Index, rank: int):
-    flat = flatten(state_dict)
-    jobs: list[TensorRead] = []
-    replace: list[tuple[tuple, Any]] = []
-    missing: list[str] = []
-    matched: set[str] = set()  # checkpoint keys used under another (int-keyed) name
-
-    def resolve(key: str) -> str:
-        if key in index.tensors or key in index.values:
-            return key
-        alt = _stringified(flat.paths[key])
-        if alt != key and (alt in index.tensors or alt in index.values):
-            matched.add(alt)
-            return alt
-        return key
-
-    for key, obj in flat.tensors.items():
-        src = resolve(key)
-        entry = index.tensors.get(src)
-        if entry is None:
-            if src in index.values:
-                raise MismatchError(f"key {key!r}: the target holds a tensor, the checkpoint a "
-                                    f"value ({decode_value(index.values[src], key)!r})")
-            missing.append(key)
-            continue
-        shard = local_shard(key, obj, rank)
-        if shard is None:
-            continue
-        if shard.dtype.name != entry.dtype or shard.global_shape != entry.shape:
-            raise MismatchError(
-                f"key {key!r}: the checkpoint has {entry.dtype} {list(entry.shape)}, the target "
-                f"has {shard.dtype.name} {list(shard.global_shape)}"
-            )
-        if shard.box.volume:
-            jobs.append(TensorRead(entry, shard.local, tuple(plan_reads(entry, shard.box))))
-    for key in flat.values:
-        src = resolve(key)
-        if src in index.values:
-            replace.append((flat.paths[key], decode_value(index.values[src], key)))
-        elif src in index.tensors:
-            raise MismatchError(f"key {key!r}: the target holds a value, the checkpoint a tensor "
-                                f"{index.tensors[src].dtype} {list(index.tensors[src].shape)}")
-        else:
-            missing.append(key)
-    have = set(flat.tensors) | set(flat.values) | matched
-    unexpected = sorted(k for k in (*index.tensors, *index.values) if k not in have)
-    return jobs, replace, sorted(missing), unexpected
+            return comm.agree(f"load from {url}", work)[comm.rank]
+        finally:
+            run_sync(store.close())
 
 
 def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None, *,
@@ -152,7 +99,6 @@ def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None,
         store = await open_store(url, storage_options, io_config)
         try:
             index = await read_index(store)
-            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
             chosen, prefixes = _select(index, keys, os.fspath(url))
             leaves: dict[str, Any] = {}
             jobs = []
@@ -165,14 +111,15 @@ def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None,
                         jobs.append(TensorRead(e, t, tuple(plan_reads(e, full_box(e.shape)))))
                 else:
                     leaves[k] = decode_value(index.values[k], k)
-            await execute_reads(store, backend, jobs, verify=verify)
+            await read_tensors(store, index, jobs, verify=verify)
             conts = {k: v for k, v in index.containers.items()
                      if prefixes is None or any(_related(k, p) for p in prefixes)}
             return unflatten(conts, leaves)
         finally:
             await store.close()
 
-    return run_sync(go())
+    with public_errors(os.fspath(url)):
+        return run_sync(go())
 
 
 def _related(a: str, b: str) -> bool:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ckptfs.engine.errors import public_errors
 from ckptfs.errors import CheckpointNotFoundError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.index import INDEX_FILE
@@ -31,4 +32,5 @@ def delete(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None 
         finally:
             await store.close()
 
-    return run_sync(go())
+    with public_errors(os.fspath(url)):
+        return run_sync(go())

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.index import Index
@@ -23,4 +24,5 @@ def load_metadata(url: str | os.PathLike, *, storage_options: Mapping[str, Any] 
         finally:
             await store.close()
 
-    return run_sync(go())
+    with public_errors(os.fspath(url)):
+        return run_sync(go())

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptfs.errors import RankError
+from ckptfs.errors import ConfigError, RankError
 
 T = TypeVar("T")
 ProcessGroup = dist.ProcessGroup
@@ -31,7 +31,7 @@ class Comm:
             self.size = dist.get_world_size(group)
         else:
             if group is not None:
-                raise ValueError("process_group given but torch.distributed is not initialised")
+                raise ConfigError("process_group given but torch.distributed is not initialised")
             self.rank, self.size = 0, 1
 
     @property

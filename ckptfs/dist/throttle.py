@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckptfs.dist.comm import Comm
+from ckptfs.errors import ConfigError
 from ckptfs.dist.nodes import NodeLayout, node_id
 
 T = TypeVar("T")
@@ -35,7 +36,7 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
         return fn()
     k = min(limits)
     if k < 1:
-        raise ValueError(f"throttle_uploads must be at least 1, got {k}")
+        raise ConfigError(f"throttle_uploads must be at least 1, got {k}")
     layout = NodeLayout.from_ids([nid for nid, _ in seen])
     rounds = upload_rounds(layout, k)
     result: Any = None

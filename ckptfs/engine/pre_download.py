@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckptfs.dist import Comm, NodeLayout, node_id
-
+from ckptfs.engine.index_io import read_index
+from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
 from ckptfs.io.cache import cache_dir, fill, locked, read_marker, valid_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.store import Store
 from ckptfs.layout.index import INDEX_FILE, Index
-from ckptfs.engine.index_io import read_index
 
 
 async def version_tag(store: Store) -> str:
@@ -62,7 +62,7 @@ def pre_download(comm: Comm, store: Store, url: str, work_dir: str | os.PathLike
     """Fill this node's cache for ``url`` and return the index and a LocalStore over the cache.
     ``chunk_files(index)`` names the files this rank's reads touch. Collective."""
     if work_dir is None:
-        raise ValueError("pre_download=True needs work_dir= (a node-local directory)")
+        raise ConfigError("pre_download=True needs work_dir= (a node-local directory)")
     cdir = cache_dir(work_dir, url)
 
     def head_and_index() -> tuple[str, Index]:

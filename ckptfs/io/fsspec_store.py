@@ -58,7 +58,6 @@ class FsspecStore(Store):
     def _wrote(self, path: str, nbytes: int) -> None:
         self.stats.write_requests += 1
         self.stats.bytes_written += nbytes
-        self.stats.files_written.append(path)
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:
         data = bytes(data)

@@ -104,7 +104,6 @@ class LocalStore(Store):
             n = await asyncio.to_thread(work)
         self.stats.write_requests += 1
         self.stats.bytes_written += n
-        self.stats.files_written.append(path)
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:
         """Write a temp file, then hard-link it into place: atomic and create-only."""

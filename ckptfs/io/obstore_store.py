@@ -143,7 +143,6 @@ class ObstoreStore(Store):
                     raise
         self.stats.write_requests += 1
         self.stats.bytes_written += total
-        self.stats.files_written.append(path)
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:
         data = bytes(data)

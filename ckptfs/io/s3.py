@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckptfs.errors import StorageError
 from ckptfs.io.fsspec_store import FsspecStore
 from ckptfs.io.parts import join, part_size_for, pieces, total_bytes
 from ckptfs.io.store import Buffer, IOConfig
@@ -169,7 +170,7 @@ class S3FsStore(FsspecStore):
             errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
                 e = errors[0]
-                raise OSError(f"s3://{bucket}/{e.get('Key')}: delete failed: {e.get('Code')} "
+                raise StorageError(f"s3://{bucket}/{e.get('Key')}: delete failed: {e.get('Code')} "
                               f"{e.get('Message', '')} ({len(errors)} key(s) failed)")
 
         await gather_all(*(batch(keys[i:i + 1000]) for i in range(0, len(keys), 1000)))

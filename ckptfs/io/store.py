@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ckptfs.errors import ConfigError
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.retry import RetryPolicy
@@ -27,6 +28,9 @@ class IOConfig:
     #: (s3:// with s3fs-style options translated; gs://, az://, ... through obstore.from_url)
     engine: str = "fsspec"
     max_bytes_in_flight: int = 512 * 2**20  #: bytes of ranged reads and upload parts in flight
+    #: host memory a load may hold at once for regions it cannot read in place (non-contiguous
+    #: or non-CPU targets, encoded chunks); reads are batched to stay within it
+    scratch_bytes: int = 512 * 2**20
     part_size: int = 32 * 2**20  #: multipart upload part size (and pre-download piece size)
     upload_concurrency: int = 4  #: parts of one file uploaded at once
     retries: int = 5  #: extra attempts for a transient error (5xx, throttling, drops, timeouts)
@@ -35,12 +39,13 @@ class IOConfig:
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
-            raise ValueError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
-        for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency"):
+            raise ConfigError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency",
+                     "scratch_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:
-            raise ValueError(f"IOConfig.retries must be >= 0, got {self.retries}")
+            raise ConfigError(f"IOConfig.retries must be >= 0, got {self.retries}")
 
     @property
     def retry_policy(self) -> RetryPolicy:
@@ -58,7 +63,6 @@ class IOStats:
     bytes_read: int = 0
     write_requests: int = 0
     bytes_written: int = 0
-    files_written: list[str] = field(default_factory=list)
     retries: int = 0  #: transient errors retried
 
     def add_read(self, nbytes: int, requests: int = 1) -> None:

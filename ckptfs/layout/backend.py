@@ -2,7 +2,8 @@
 
 A backend describes bytes; it never opens files. On save it turns the chunks a rank writes into
 ``FileWrite`` values (path + buffers) and index entries; on load it tells where a chunk's bytes
-are (``RawChunk``) or how to decode them (``EncodedChunk``). The engine moves the bytes.
+are (``RawChunk``) or how to decode them (``EncodedChunk``). The engine moves the bytes, computes
+the checksums, and decides who writes what. The call order is in ``Backend``'s docstring.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ckptfs.errors import BackendOptionsError
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.plan import TensorPlan
 
 Buffer = bytes | bytearray | memoryview
 
@@ -45,10 +47,13 @@ class ChunkData:
 
 @dataclass(frozen=True, slots=True)
 class RankWriteJob:
+    """The chunks one rank writes, with the plans of their tensors."""
+
     rank: int
     world_size: int
     save_id: str  #: unique per save; put it in data file names so saves never clobber
     chunks: tuple[ChunkData, ...]
+    plans: Mapping[str, TensorPlan] = field(default_factory=dict)  #: plan of every key in chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +106,36 @@ ChunkSource = RawChunk | EncodedChunk
 
 
 class Backend(ABC):
-    """One on-disk layout, identified by ``(name, version)``; see formats/<name>-<version>.md."""
+    """One on-disk layout, identified by ``(name, version)``; see formats/<name>-<version>.md.
+
+    Every rank builds its own instance from the same options. The engine calls the hooks in
+    this order (the coordinator is rank 0 of the process group):
+
+    Save
+      0. ``__init__(options)``                      every rank
+      1. ``split_chunks(key, dtype, shape, boxes)``  every rank, once per tensor, while planning;
+                                                     must be deterministic (ranks compare plans)
+      2. ``prepare(plans)``                          coordinator, before any rank writes data
+      3. ``write_rank(job)``                         every rank that writes chunks (job.plans
+                                                     holds the plans of the keys it writes)
+      4. ``index_options()``                         coordinator, building the index
+      5. ``finalize(index, plans)``                  coordinator, after every rank's data is
+                                                     durable and before the index is committed
+    Load
+      1. ``sniff(reader)`` (classmethod)             when a root has no index, for each backend
+      2. ``chunk_sources(items, reader)``            every loading rank, once per load
+
+    No state passes between hooks: each gets what it needs as arguments (plans, the index).
+    A backend may memoise what it derives from its arguments (a pure cache); the built-in
+    ones keep only load-side caches of parsed foreign headers (torch_dist).
+    """
 
     name: ClassVar[str]
     version: ClassVar[int]
     #: options a caller may pass (``backend_options``), with their defaults
     default_options: ClassVar[Mapping[str, Any]] = {}
+    #: False for read-only layouts (foreign formats a backend only sniffs and reads)
+    writable: ClassVar[bool] = True
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = dict(options or {})
@@ -128,7 +157,7 @@ class Backend(ABC):
         lie inside one of ``boxes``; together they must tile the tensor. Default: as held."""
         return boxes
 
-    def prepare(self, plans: Mapping[str, Any]) -> list[FileWrite]:
+    def prepare(self, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
         """Files the coordinator writes before any rank writes data (e.g. array metadata)."""
         return []
 
@@ -136,8 +165,9 @@ class Backend(ABC):
     def write_rank(self, job: RankWriteJob) -> RankWrite:
         """Lay out this rank's chunks as files."""
 
-    def finalize(self, index: Index) -> list[FileWrite]:
-        """Files the coordinator writes after all data and before the index."""
+    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
+        """Files the coordinator writes after all data and before the index (``index`` is the
+        one about to be committed)."""
         return []
 
     @abstractmethod
@@ -157,19 +187,6 @@ class Backend(ABC):
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class BackendSpec:
-    """A registered (name, version) and the class (or "module:Class" string) behind it."""
-
-    name: str
-    version: int
-    target: type[Backend] | str = field(compare=False)
-
-
 def data_file_name(rank: int, index: int, save_id: str, ext: str) -> str:
     """The conventional data file name: unique per save, rank and file."""
     return f"data/{save_id}/r{rank:05d}-{index:03d}{ext}"
-
-
-def file_writes_nbytes(files: Sequence[FileWrite]) -> int:
-    return sum(f.nbytes for f in files)

@@ -34,7 +34,6 @@ _ALL = (
 )
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _ALL}
-BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _ALL}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 
 

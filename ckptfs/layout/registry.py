@@ -11,7 +11,7 @@ import logging
 from importlib.metadata import entry_points
 from typing import Any
 
-from ckptfs.errors import UnknownBackendError
+from ckptfs.errors import ConfigError, UnknownBackendError
 from ckptfs.layout.backend import Backend
 
 ENTRY_POINT_GROUP = "ckptfs.backends"
@@ -26,7 +26,7 @@ def register_backend(name: str, version: int, cls: type[Backend] | str, *,
     """Register ``cls`` (or a lazy "module:Class" string) for ``(name, version)``."""
     key = (name, int(version))
     if key in _registry and not replace and _registry[key] != cls:
-        raise ValueError(f"backend {name}-{version} is already registered")
+        raise ConfigError(f"backend {name}-{version} is already registered")
     _registry[key] = cls
 
 

@@ -12,8 +12,3 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def writable_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a CPU, C-contiguous tensor (shares memory)."""
-    return tensor_bytes(t)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ckptfs.errors import ShardingError
 from ckptfs.layout.boxes import Box
+from ckptfs.layout.plan import PlannedChunk, TensorPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,22 +21,6 @@ class ShardInfo:
     global_shape: tuple[int, ...]
     box: Box
     replica_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedChunk:
-    box: Box  #: the stored chunk, in global coordinates
-    writer: int  #: rank that writes it
-    holders: tuple[int, ...]  #: ranks that hold its data
-
-
-@dataclass(frozen=True, slots=True)
-class TensorPlan:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    itemsize: int
-    chunks: tuple[PlannedChunk, ...]
 
 
 #: (key, dtype, shape, distinct holder boxes) -> stored boxes, each inside one holder box

@@ -10,6 +10,7 @@ import json
 import struct
 from typing import Any, ClassVar
 
+from ckptfs.errors import MalformedIndexError
 from ckptfs.layout.backend import (
     Backend,
     ByteReader,
@@ -93,12 +94,13 @@ class SafetensorsChunksBackend(Backend):
 
     def _source(self, tensor: TensorEntry, chunk: ChunkEntry) -> ChunkSource:
         if chunk.file is None or chunk.byte_offset is None:
-            raise ValueError(f"key {tensor.key!r}: chunk at {list(chunk.offsets)} has no file/byte_offset")
+            raise MalformedIndexError(f"key {tensor.key!r}: chunk at {list(chunk.offsets)} has no "
+                                      f"file/byte_offset")
         nbytes = from_name(tensor.dtype, tensor.key).itemsize
         for s in chunk.shape:
             nbytes *= s
         if chunk.byte_length is not None and chunk.byte_length != nbytes:
-            raise ValueError(
+            raise MalformedIndexError(
                 f"key {tensor.key!r}: chunk at {list(chunk.offsets)} records byte_length "
                 f"{chunk.byte_length}, its shape and dtype need {nbytes}"
             )

@@ -48,6 +48,7 @@ from ckptfs.layout.backends.torch_dist_zip import (
 )
 from ckptfs.layout.dtypes import DType, from_name
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 EXT = ".distcp"
@@ -80,7 +81,9 @@ class TorchDistBackend(Backend):
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(options)
-        self._layouts: dict[tuple[str, int], asyncio.Future[TensorLayout]] = {}
+        #: load-side cache: the parsed layout of each foreign blob (file, offset), parsed once
+        #: however many pieces read from it
+        self._blobs: dict[tuple[str, int], asyncio.Future[TensorLayout]] = {}
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -105,7 +108,7 @@ class TorchDistBackend(Backend):
             files.append(FileWrite(path, tuple(parts)))
         return RankWrite(tuple(files), tuple(entries))
 
-    def finalize(self, index: Index) -> list[FileWrite]:
+    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
         """DCP's ``.metadata`` and the BYTE_IO file of the plain values (coordinator)."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (
@@ -188,7 +191,7 @@ class TorchDistBackend(Backend):
 
     async def _locate(self, reader: ByteReader, file: str, start: int, length: int) -> TensorLayout:
         """The blob's layout, parsed once per blob however many pieces read from it."""
-        fut = self._layouts.get((file, start))
+        fut = self._blobs.get((file, start))
         if fut is None:
             async def parse() -> TensorLayout:
                 async def get(s: int, e: int) -> Buffer:
@@ -204,7 +207,7 @@ class TorchDistBackend(Backend):
                 return out
 
             fut = asyncio.ensure_future(parse())
-            self._layouts[(file, start)] = fut
+            self._blobs[(file, start)] = fut
         return await fut
 
     @classmethod

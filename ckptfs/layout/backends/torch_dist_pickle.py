@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckptfs.errors import CkptfsError, ForbiddenGlobalError, MalformedIndexError
+from ckptfs.errors import CkptfsError, ForbiddenGlobalError, IntegrityError, MalformedIndexError
 
 __all__ = ["ForbiddenGlobalError"]
 
@@ -347,10 +347,10 @@ class StoredTensor:
 def _rebuild(storage: Any, storage_offset: Any, size: Any, stride: Any,
              dtype: torch.dtype | None) -> StoredTensor:
     if not isinstance(storage, _StorageRef):
-        raise ValueError("tensor storage is not a persistent storage reference")
+        raise IntegrityError("data.pkl: tensor storage is not a persistent storage reference")
     dt = dtype if storage.kind.dtype is None else storage.kind.dtype
     if not isinstance(dt, torch.dtype) or not _is_int(storage_offset):
-        raise ValueError("malformed tensor record in data.pkl")
+        raise IntegrityError("data.pkl: malformed tensor record")
     return StoredTensor(dt, storage.key, storage_offset, _ints(size, "data.pkl", "size"),
                         tuple(int(s) for s in stride))
 
@@ -385,12 +385,12 @@ class _TensorUnpickler(pickle.Unpickler):
         if (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)):
             return _StorageRef(pid[1], pid[2], int(pid[4]))
-        raise ValueError(f"data.pkl: unexpected persistent id {pid!r}")
+        raise IntegrityError(f"data.pkl: unexpected persistent id {pid!r}"[:300])
 
 
 def read_tensor_pickle(data: bytes) -> StoredTensor:
     """The tensor record of a torch.save blob's data.pkl; raises if it is anything else."""
     out = _TensorUnpickler(io.BytesIO(data)).load()
     if not isinstance(out, StoredTensor):
-        raise ValueError(f"data.pkl holds a {type(out).__name__}, not a tensor")
+        raise IntegrityError(f"data.pkl holds a {type(out).__name__}, not a tensor")
     return out

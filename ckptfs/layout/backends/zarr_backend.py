@@ -49,6 +49,7 @@ from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 #: blosc cannot take buffers of 2 GiB or more: compressed chunks are kept below this
@@ -89,9 +90,7 @@ class _ZarrBackend(Backend):
         self.max_chunks = _positive(self.zarr_format, o, "max_chunks")
         self.sharding = bool(o.get("sharding", False))
         self.inner_chunk_bytes = _positive(self.zarr_format, o, "inner_chunk_bytes", none_ok=True)
-        self._layouts: dict[str, _Layout] = {}
-        self._meta: MetadataBuilder | None = None
-        self._pipelines: dict[str, Pipeline] = {}
+        self._pipelines: dict[str, Pipeline] = {}  #: load-side cache: codec chain per key
 
     # -- planning ---------------------------------------------------------------------------
     def _layout(self, key: str, dtype: str, shape: tuple[int, ...], boxes: list[Box]) -> _Layout:
@@ -110,17 +109,22 @@ class _ZarrBackend(Backend):
     def split_chunks(self, key: str, dtype: str, shape: tuple[int, ...],
                      boxes: list[Box]) -> list[Box]:
         """The regular grid's cells (zarr_grid): each inside one rank's box."""
-        layout = self._layouts[key] = self._layout(key, dtype, shape, boxes)
-        return list(layout.grid.cells())
+        return list(self._layout(key, dtype, shape, boxes).grid.cells())
 
-    def prepare(self, plans: Mapping[str, Any]) -> list[FileWrite]:
+    def _planned(self, plan: TensorPlan) -> _Layout:
+        """The layout ``split_chunks`` chose, recomputed from the plan's chunks (the grid's
+        cells give back the same grid: their boundaries are multiples of the cell shape)."""
+        return self._layout(plan.key, plan.dtype, plan.shape, [c.box for c in plan.chunks])
+
+    def prepare(self, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
         """Group and array metadata of every tensor, written before any chunk."""
+        return [FileWrite(k, (v,)) for k, v in self._metadata(plans).files().items()]
+
+    def _metadata(self, plans: Mapping[str, TensorPlan]) -> MetadataBuilder:
         meta = MetadataBuilder(self.zarr_format, self.codecs, self.separator)
         paths = {}
         for key, plan in plans.items():
-            lay = self._layouts.get(key) or self._layout(
-                key, plan.dtype, plan.shape, [c.box for c in plan.chunks])
-            self._layouts[key] = lay
+            lay = self._planned(plan)
             paths[lay.path] = key
             meta.add_array(lay.path, ArrayLayout(plan.dtype, plan.shape, lay.grid.chunk, lay.inner),
                            {"ckptfs": {"key": key, "dtype": plan.dtype}})
@@ -132,24 +136,26 @@ class _ZarrBackend(Backend):
         for g in groups:
             meta.add_group(g, {"ckptfs": {"backend": self.name, "backend_version": self.version}}
                            if g == "" else None)
-        self._meta = meta
-        return [FileWrite(k, (v,)) for k, v in meta.files().items()]
+        return meta
 
-    def finalize(self, index: Index) -> list[FileWrite]:
+    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
         """Consolidated metadata (option ``consolidated``), after all chunks."""
-        if not self.options["consolidated"] or self._meta is None:
+        if not self.options["consolidated"]:
             return []
-        return [FileWrite(k, (v,)) for k, v in self._meta.consolidated().items()]
+        return [FileWrite(k, (v,)) for k, v in self._metadata(plans).consolidated().items()]
 
     # -- writing ----------------------------------------------------------------------------
     def write_rank(self, job: RankWriteJob) -> RankWrite:
         files: list[FileWrite] = []
         entries: list[tuple[str, ChunkEntry]] = []
+        layouts: dict[str, _Layout] = {}
         for c in job.chunks:
-            lay = self._layouts.get(c.key)
+            lay = layouts.get(c.key)
             if lay is None:
-                raise CkptfsError(f"zarr backend: key {c.key!r} has no chunk grid; "
-                                  f"split_chunks must run (in plan_save) before write_rank")
+                plan = job.plans.get(c.key)
+                if plan is None:
+                    raise CkptfsError(f"zarr backend: key {c.key!r} has no plan in the write job")
+                lay = layouts[c.key] = self._planned(plan)
             index = lay.grid.index_of(c.box.offsets)
             if lay.grid.cell(index) != c.box:
                 raise ShardingError(f"key {c.key!r}: chunk {c.box} is not a cell of the zarr "

@@ -1,0 +1,119 @@
+"""Save, phase 3 of 3: commit. The coordinator builds the index, writes the backend's final
+files, and creates the index create-if-absent: from then on the checkpoint exists.
+
+Before the write phase, ``claim_target`` refuses a committed (or foreign) checkpoint at the URL
+unless ``overwrite``; when overwriting it un-commits the old index first, and ``commit`` removes
+every leftover of the replaced checkpoint once the new one is committed. A failed commit removes
+the data files this save wrote; nothing of a previous checkpoint is lost.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+
+from ckptfs._version import __version__
+from ckptfs.dist import Comm
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.write import Written, write_files
+from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError
+from ckptfs.io import run_sync
+from ckptfs.io.store import Store
+from ckptfs.layout.backend import Backend
+from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
+from ckptfs.layout.plan import TensorPlan
+
+
+def claim_target(store: Store, comm: Comm, overwrite: bool) -> bool:
+    """Collective: True if a checkpoint is being replaced (overwrite)."""
+    return comm.decide("save: checking the target", lambda: run_sync(_claim(store, overwrite)))
+
+
+async def _claim(store: Store, overwrite: bool) -> bool:
+    if not await store.exists(INDEX_FILE):
+        try:  # a foreign checkpoint (DCP, Megatron, ...) a backend would write over
+            await read_index(store)
+        except CheckpointNotFoundError:
+            return False
+        except CkptfsError:
+            pass  # unreadable, but something is there
+        if overwrite:
+            return True
+        raise CheckpointExistsError(
+            f"{store.url} holds a checkpoint without {INDEX_FILE} (written by another tool); "
+            f"pass overwrite=True to write over it"
+        )
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{store.full_path(INDEX_FILE)} exists: a checkpoint is already committed at "
+            f"{store.url}; pass overwrite=True to replace it"
+        )
+    await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
+    return True
+
+
+def commit(staged: StagedSave, written: Written, backend: Backend, store: Store, comm: Comm, *,
+           replacing: bool) -> int:
+    """Collective: the coordinator commits the index; returns the checkpoint's data bytes."""
+
+    def build_and_commit() -> int:
+        index = build_index(backend, staged, written)
+        run_sync(_commit(store, backend, index, staged.plans,
+                         written.paths() if replacing else None))
+        return index.total_bytes
+
+    try:
+        return comm.decide("save: committing the index", build_and_commit)
+    except BaseException:
+        if comm.is_coordinator:  # nothing was committed: the data files are garbage
+            run_sync(store.delete(sorted(written.paths())))
+        raise
+
+
+def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index:
+    """The index of the checkpoint: every rank's entries under the agreed plan."""
+    plans: Mapping[str, TensorPlan] = staged.plans
+    by_key: dict[str, list[ChunkEntry]] = defaultdict(list)
+    files: dict[str, int] = {}
+    for rank in written.ranks:
+        for key, e in rank.entries:
+            by_key[key].append(e)
+        files.update(rank.files)
+    tensors = {}
+    for key, plan in plans.items():
+        chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
+        # a backend may store one planned chunk as several entries (zarr v3 inner chunks)
+        planned = sum(c.box.volume for c in plan.chunks)
+        stored = sum(math.prod(e.shape) for e in chunks)
+        if stored != planned:
+            raise CkptfsError(f"key {key!r}: {len(plan.chunks)} chunks of {planned} elements planned, "
+                              f"{len(chunks)} of {stored} elements written")
+        tensors[key] = TensorEntry(key, plan.dtype, plan.shape, chunks)
+    writer = {"library": "ckptfs", "library_version": __version__,
+              "torch_version": torch.__version__, "python_version": platform.python_version(),
+              "world_size": staged.world_size,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return Index(backend=backend.name, backend_version=backend.version, tensors=tensors,
+                 values=staged.values, containers=staged.containers,
+                 files=dict(sorted(files.items())), backend_options=backend.index_options(),
+                 writer=writer)
+
+
+async def _commit(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],
+                  written: set[str] | None) -> None:
+    """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
+    (``written`` = every file this save wrote), everything else under the root goes after."""
+    final = backend.finalize(index, plans)
+    await write_files(store, final, False)
+    await store.put_if_absent(INDEX_FILE, index.dumps())
+    if written is not None:
+        keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
+        stale = [p for p in await store.list() if p not in keep]
+        if stale:
+            await store.delete(stale)

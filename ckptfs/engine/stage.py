@@ -1,0 +1,164 @@
+"""Save, phase 1 of 3: stage. After ``stage`` returns, the checkpoint's content is fixed.
+
+Every rank flattens its state dict, describes its shards (no data), and the ranks exchange the
+descriptions (one ``agree``) so that every rank computes the same plan: which stored chunks
+there are and which one rank writes each. Then each rank takes the bytes of the chunks it
+writes: with ``copy=True`` into buffers leased from the pool (the caller may change its tensors
+as soon as ``stage`` returns: what an asynchronous save needs), with ``copy=False`` as zero-copy
+views where the data is CPU and contiguous (a synchronous save, whose caller waits), copying
+only what must be (non-contiguous or non-CPU data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptfs.dist import Comm
+from ckptfs.engine.buffers import BufferPool, Lease
+from ckptfs.errors import ShardingError
+from ckptfs.io import run_sync
+from ckptfs.layout.backend import Backend, ChunkData
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.plan import TensorPlan
+from ckptfs.planning.save_plan import ShardInfo, plan_save
+from ckptfs.state.flatten import flatten
+from ckptfs.state.shards import LocalShard, local_shard
+
+Json = Any
+
+
+@dataclass(frozen=True, slots=True)
+class Description:
+    """What one rank holds, without data: what the ranks exchange before planning."""
+
+    shards: tuple[ShardInfo, ...]
+    values: Mapping[str, Json]  #: key -> encoded plain value
+    containers: Mapping[str, str]  #: key -> dict | list | tuple
+
+
+@dataclass(frozen=True, slots=True)
+class StagedSave:
+    """One rank's staged save: the plan every rank agreed on and the bytes this rank writes."""
+
+    rank: int
+    world_size: int
+    plans: Mapping[str, TensorPlan]  #: every tensor of the checkpoint
+    chunks: tuple[ChunkData, ...]  #: the chunks this rank writes, CPU and C-contiguous
+    values: Mapping[str, Json]  #: plain values of all ranks (lowest rank wins)
+    containers: Mapping[str, str]
+    leases: tuple[Lease, ...]  #: buffers holding copied chunks; release after the write
+    copied: bool  #: every chunk is a copy: the caller's tensors are no longer read
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the chunks this rank writes."""
+        return sum(c.data.numel() * c.dtype.itemsize for c in self.chunks)
+
+
+def describe(state_dict: Mapping[str, Any], rank: int) -> tuple[Description, dict[str, LocalShard]]:
+    """This rank's description and its local shards (views of the caller's tensors)."""
+    flat = flatten(state_dict)
+    shards: dict[str, LocalShard] = {}
+    for key, obj in flat.tensors.items():
+        s = local_shard(key, obj, rank)
+        if s is not None:
+            shards[key] = s
+    infos = tuple(ShardInfo(k, s.dtype.name, s.global_shape, s.box, s.replica_id)
+                  for k, s in shards.items())
+    return Description(infos, flat.values, flat.containers), shards
+
+
+def merge_values(descriptions: Sequence[Description],
+                 plans: Mapping[str, TensorPlan]) -> tuple[dict[str, Json], dict[str, str]]:
+    """Values and containers of all ranks (lowest rank wins for a value held by several)."""
+    values: dict[str, Json] = {}
+    containers: dict[str, str] = {}
+    for d in descriptions:
+        for k, v in d.values.items():
+            values.setdefault(k, v)
+        for k, kind in d.containers.items():
+            if containers.setdefault(k, kind) != kind:
+                raise ShardingError(f"key {k!r}: ranks disagree whether it is a {kind} or a "
+                                    f"{containers[k]}")
+    clash = sorted((set(values) & set(plans)) | (set(containers) & (set(values) | set(plans))))
+    if clash:
+        raise ShardingError(f"key {clash[0]!r} is a tensor, a value or a container on different ranks")
+    return values, containers
+
+
+def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
+          copy: bool) -> StagedSave:
+    """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``)."""
+    local: dict[str, LocalShard] = {}
+
+    def describe_here() -> Description:
+        desc, shards = describe(state_dict, comm.rank)
+        local.update(shards)
+        return desc
+
+    described = comm.agree("save: describing the state dict", describe_here)
+    plans = plan_save([d.shards for d in described], lambda d: from_name(d).itemsize,
+                      split=backend.split_chunks)
+    values, containers = merge_values(described, plans)
+    views: list[tuple[str, TensorPlan, Any, torch.Tensor]] = []
+    for key, plan in plans.items():
+        for c in plan.chunks:
+            if c.writer == comm.rank:
+                s = local[key]
+                views.append((key, plan, c.box, s.local.detach()[c.box.relative_to(s.box).slices()]))
+    chunks, leases = _take(views, {k: local[k] for k, *_ in views}, pool, copy)
+    return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy)
+
+
+def _needs_copy(data: torch.Tensor) -> bool:
+    return data.device.type != "cpu" or not data.is_contiguous()
+
+
+def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
+          copy: bool) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
+    """ChunkData for every view: copied into leased buffers (all of them with ``copy``,
+    otherwise only those that are not CPU and contiguous)."""
+    sizes = [data.numel() * data.element_size() if copy or _needs_copy(data) else -1
+             for *_, data in views]
+    wanted = [n for n in sizes if n > 0]
+    got = iter(run_sync(_lease_all(pool, wanted)) if wanted else ())
+    chunks: list[ChunkData] = []
+    leases: list[Lease] = []
+    for (key, plan, box, data), n in zip(views, sizes, strict=True):
+        if n > 0:
+            lease = next(got)
+            leases.append(lease)
+            buf = lease.tensor.view(data.dtype).view(data.shape)
+            buf.copy_(data)
+            data = buf
+        elif n == 0:
+            data = torch.empty(data.shape, dtype=data.dtype)
+        chunks.append(ChunkData(key, shards[key].dtype, plan.shape, box, data))
+    return tuple(chunks), tuple(leases)
+
+
+async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:
+    out: list[Lease] = []
+    try:
+        for n in sizes:
+            out.append(await pool.lease(n))
+    except BaseException:
+        for lease in out:
+            await pool.release(lease)
+        raise
+    return out
+
+
+def release(staged: StagedSave, pool: BufferPool) -> None:
+    """Give the staging buffers back to the pool."""
+
+    async def go() -> None:
+        for lease in staged.leases:
+            await pool.release(lease)
+
+    if staged.leases:
+        run_sync(go())

@@ -1,0 +1,89 @@
+"""What a load does to a target state dict: the reads that fill its tensors, the values it
+replaces, and the keys it lacks or does not ask for."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfs.engine.read import TensorRead
+from ckptfs.errors import MismatchError
+from ckptfs.layout.index import Index
+from ckptfs.layout.keys import Path, encode_key
+from ckptfs.layout.values import decode_value
+from ckptfs.planning.load_plan import plan_reads
+from ckptfs.state.flatten import flatten
+from ckptfs.state.shards import local_shard
+
+
+@dataclass(frozen=True, slots=True)
+class TargetPlan:
+    """One rank's part of a load."""
+
+    reads: tuple[TensorRead, ...]  #: tensors (local shards) to fill, piece by piece
+    replace: tuple[tuple[Path, Any], ...]  #: plain values to set at their paths
+    missing: tuple[str, ...]  #: target keys the checkpoint lacks
+    unexpected: tuple[str, ...]  #: checkpoint keys the target does not ask for
+
+
+def _stringified(path: tuple) -> str:
+    """The key of ``path`` with int components as str: how DCP (which stores ``str(k)``) and
+    other str-keyed writers name an int-keyed entry such as optimizer state."""
+    return encode_key(tuple(str(c) for c in path))
+
+
+def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
+    """Match ``state_dict`` (this rank's view) against ``index``; raises MismatchError naming
+    a key whose shape, dtype or kind (tensor or value) differs."""
+    flat = flatten(state_dict)
+    reads: list[TensorRead] = []
+    replace: list[tuple[Path, Any]] = []
+    missing: list[str] = []
+    matched: set[str] = set()  # checkpoint keys used under another (int-keyed) name
+
+    def resolve(key: str) -> str:
+        if key in index.tensors or key in index.values:
+            return key
+        alt = _stringified(flat.paths[key])
+        if alt != key and (alt in index.tensors or alt in index.values):
+            matched.add(alt)
+            return alt
+        return key
+
+    for key, obj in flat.tensors.items():
+        src = resolve(key)
+        entry = index.tensors.get(src)
+        if entry is None:
+            if src in index.values:
+                raise MismatchError(f"key {key!r}: the target holds a tensor, the checkpoint a "
+                                    f"value ({decode_value(index.values[src], key)!r})")
+            missing.append(key)
+            continue
+        shard = local_shard(key, obj, rank)
+        if shard is None:
+            continue
+        if shard.dtype.name != entry.dtype or shard.global_shape != entry.shape:
+            raise MismatchError(
+                f"key {key!r}: the checkpoint has {entry.dtype} {list(entry.shape)}, the target "
+                f"has {shard.dtype.name} {list(shard.global_shape)}"
+            )
+        if shard.box.volume:
+            reads.append(TensorRead(entry, shard.local, tuple(plan_reads(entry, shard.box))))
+    for key in flat.values:
+        src = resolve(key)
+        if src in index.values:
+            replace.append((flat.paths[key], decode_value(index.values[src], key)))
+        elif src in index.tensors:
+            raise MismatchError(f"key {key!r}: the target holds a value, the checkpoint a tensor "
+                                f"{index.tensors[src].dtype} {list(index.tensors[src].shape)}")
+        else:
+            missing.append(key)
+    have = set(flat.tensors) | set(flat.values) | matched
+    unexpected = sorted(k for k in (*index.tensors, *index.values) if k not in have)
+    return TargetPlan(tuple(reads), tuple(replace), tuple(sorted(missing)), tuple(unexpected))
+
+
+def files_of(plan: TargetPlan) -> list[str | None]:
+    """The data files the plan's reads touch (None for a chunk that names none)."""
+    return [p.chunk.file for r in plan.reads for p in r.pieces]

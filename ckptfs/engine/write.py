@@ -1,0 +1,97 @@
+"""Save, phase 2 of 3: write. The data files reach storage; nothing is committed yet.
+
+The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
+lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
+computing each chunk's crc32c while the I/O threads write. With ``throttle_uploads=K`` at most
+K ranks of a node write at once. The outcomes (index entries, file sizes) come back from every
+rank; a failure anywhere raises on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ckptfs.dist import Comm, run_throttled
+from ckptfs.engine.stage import StagedSave
+from ckptfs.io import run_sync
+from ckptfs.io.loop import submit
+from ckptfs.io.store import Store
+from ckptfs.io.tasks import gather_all
+from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
+from ckptfs.layout.checksum import checksum
+from ckptfs.layout.index import ChunkEntry
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenRank:
+    """What one rank wrote: its index entries (with checksums) and its data files."""
+
+    entries: tuple[tuple[str, ChunkEntry], ...]  #: (key, entry)
+    files: Mapping[str, int]  #: path -> bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The write phase's outcome: the coordinator's layout files and every rank's files."""
+
+    prepared: tuple[str, ...]  #: files ``Backend.prepare`` wrote (known to the coordinator)
+    ranks: tuple[WrittenRank, ...]  #: indexed by rank
+
+    def paths(self) -> set[str]:
+        return set(self.prepared) | {p for r in self.ranks for p in r.files}
+
+
+def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_id: str, *,
+          progress: bool = False, throttle_uploads: int | None = None) -> Written:
+    """Write the layout files (coordinator), then every rank's data files (collective)."""
+    prep = backend.prepare(staged.plans) if comm.is_coordinator else []
+    comm.decide("save: preparing the layout", lambda: run_sync(write_files(store, prep, False)))
+    ranks = comm.agree("save: writing data", lambda: run_throttled(
+        throttle_uploads, comm,
+        lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)))
+    return Written(tuple(f.path for f in prep), tuple(ranks))
+
+
+def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
+               progress: bool) -> WrittenRank:
+    """This rank's files; checksums are computed here while the I/O threads write."""
+    keys = {c.key for c in staged.chunks}
+    job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
+                       {k: staged.plans[k] for k in keys})
+    rw = backend.write_rank(job)
+    writing = submit(write_files(store, rw.files, progress))
+    try:
+        sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in staged.chunks}
+    finally:
+        writing.result()
+    entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets)))) for key, e in rw.chunks)
+    return WrittenRank(entries, {f.path: f.nbytes for f in rw.files})
+
+
+def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:
+    """``e`` with the engine's checksum, unless the backend set one (sub-chunk entries)."""
+    return ChunkEntry(e.offsets, e.shape, e.file, e.byte_offset, e.byte_length,
+                      value if e.checksum is None else e.checksum, e.extra)
+
+
+async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) -> None:
+    """Write ``files`` concurrently; a failure cancels the other uploads."""
+    bar = None
+    if progress and files:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(f.nbytes for f in files), unit="B", unit_scale=True,
+                   desc=f"ckptfs save {store.url}", leave=False)
+
+    async def one(f: FileWrite) -> None:
+        await store.put(f.path, f.parts)
+        if bar is not None:
+            bar.update(f.nbytes)
+
+    try:
+        await gather_all(*(one(f) for f in files))
+    finally:
+        if bar is not None:
+            bar.close()
