@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ckptfs.errors import ConfigError, RankError
 
 T = TypeVar("T")
+S = TypeVar("S")
 ProcessGroup = dist.ProcessGroup
 
 
@@ -76,9 +77,17 @@ class Comm:
         If this rank failed, its own exception is re-raised (after the exchange); if only
         other ranks failed, a RankError lists their messages.
         """
+        return self.exchange(what, fn, lambda r: r)[1]
+
+    def exchange(self, what: str, fn: Callable[[], T], share: Callable[[T], S]) -> tuple[T, list[S]]:
+        """Run ``fn`` here and exchange ``share(result)``: (this rank's whole result, every
+        rank's shared part). What is not shared (tensors, views) never leaves the rank. A failure
+        anywhere raises on every rank, as in ``agree``."""
         err: BaseException | None = None
+        result: Any = None
         try:
-            outcome: tuple[bool, Any] = (True, fn())
+            result = fn()
+            outcome: tuple[bool, Any] = (True, share(result))
         except Exception as e:
             err = e
             outcome = (False, f"{type(e).__name__}: {e}")
@@ -88,7 +97,7 @@ class Comm:
         failed = {r: msg for r, (ok, msg) in enumerate(outcomes) if not ok}
         if failed:
             raise RankError(what, failed)
-        return [payload for _, payload in outcomes]
+        return result, [payload for _, payload in outcomes]
 
     def decide(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on rank 0 only and give its result (or its failure) to every rank."""

@@ -93,14 +93,8 @@ def merge_values(descriptions: Sequence[Description],
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
           copy: bool) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``)."""
-    local: dict[str, LocalShard] = {}
-
-    def describe_here() -> Description:
-        desc, shards = describe(state_dict, comm.rank)
-        local.update(shards)
-        return desc
-
-    described = comm.agree("save: describing the state dict", describe_here)
+    (_, local), described = comm.exchange("save: describing the state dict",
+                                          lambda: describe(state_dict, comm.rank), lambda r: r[0])
     plans = plan_save([d.shards for d in described], lambda d: from_name(d).itemsize,
                       split=backend.split_chunks)
     values, containers = merge_values(described, plans)

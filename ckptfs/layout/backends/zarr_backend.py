@@ -249,6 +249,9 @@ class _ZarrBackend(Backend):
         pipe = self._pipeline(tensor)
         offset = chunk.byte_offset or 0
         if not pipe.codecs:
+            if chunk.byte_length not in (None, nbytes):
+                raise MalformedIndexError(f"{where} records byte_length {chunk.byte_length}; "
+                                          f"its stored shape and dtype need {nbytes}")
             return RawChunk(chunk.file, offset, nbytes, stored if stored != chunk.shape else None)
         file, shape = chunk.file, chunk.shape
 

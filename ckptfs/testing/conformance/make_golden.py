@@ -4,7 +4,7 @@
 
 Each new directory ``<golden-dir>/<backend>-<version>/`` gets ``checkpoint/`` (saved by
 GOLDEN_WORLD spawned gloo ranks from a fixed seed), ``expected.json`` (the whole state dict,
-encoded by conformance/golden.py, not by ckptfs) and ``SHA256SUMS``. It is built in a staging
+encoded by golden.py, not by ckptfs) and ``SHA256SUMS``. It is built in a staging
 directory, checked (it must load to its expected values and stay under MAX_BYTES), and only then
 moved into place. Commit the new directory; from then on its bytes are frozen.
 """

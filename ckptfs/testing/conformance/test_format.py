@@ -63,7 +63,7 @@ def test_native_reader(which: str, pair: Pair, workspace: Workspace, usable_pair
                        golden_search: list[Path]) -> None:
     check = NATIVE_CHECKS.get(pair.name)
     if check is None:
-        pytest.skip(f"no native reader check registered for backend {pair.name!r} (conformance/native.py)")
+        pytest.skip(f"no native reader check registered for backend {pair.name!r} (ckptfs/testing/conformance/native.py)")
     root, expected = _checkpoint(which, pair, workspace, usable_pairs, golden_search)
     tensors, _, _ = flatten(expected)
     check(root, ckptfs.load_metadata(root), tensors)

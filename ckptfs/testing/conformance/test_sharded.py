@@ -1,5 +1,5 @@
 """Uneven shards and N -> M resharding on spawned gloo ranks (3 -> 2, 1 -> 2, 3 -> 1), every pair
-in one save spawn and one load spawn (see conformance/reshard.py)."""
+in one save spawn and one load spawn (see reshard.py)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from numpy.lib import format as npy_format
 
+from ckptfs.errors import IntegrityError, MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.backend import (
     Backend,
     ByteReader,
@@ -61,7 +62,8 @@ class NpyChunksBackend(Backend):
         entries: list[tuple[str, ChunkEntry]] = []
         for c in job.chunks:
             if c.dtype.name not in NPY_DESCR:
-                raise ValueError(f"npy_chunks-1: key {c.key!r}: dtype {c.dtype.name} has no .npy form")
+                raise UnsupportedValueError(f"npy_chunks-1: key {c.key!r}: dtype {c.dtype.name} has "
+                                            f"no .npy form")
             path = data_file_name(job.rank, len(files), job.save_id, ".npy")
             header = npy_header(c.dtype.name, c.box.shape)
             data = _raw(c.data)
@@ -72,9 +74,13 @@ class NpyChunksBackend(Backend):
 
     async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,
                            reader: ByteReader) -> ChunkSource:
+        where = f"npy_chunks-1: key {tensor.key!r}: chunk at {list(chunk.offsets)}"
         if chunk.file is None:
-            raise ValueError(f"npy_chunks-1: key {tensor.key!r}: chunk at {list(chunk.offsets)} has no file")
+            raise MalformedIndexError(f"{where} has no file")
         nbytes = int(np.prod(chunk.shape, dtype=np.int64)) * np.dtype(NPY_DESCR[tensor.dtype]).itemsize
+        if chunk.byte_length not in (None, nbytes):
+            raise MalformedIndexError(f"{where} records byte_length {chunk.byte_length}; its shape "
+                                      f"and dtype need {nbytes}")
         offset = chunk.byte_offset
         if offset is None:  # not recorded: parse the header length
             offset = await _data_offset(reader, chunk.file)
@@ -96,7 +102,7 @@ def _raw(t: torch.Tensor) -> memoryview:
 async def _data_offset(reader: ByteReader, path: str) -> int:
     head = bytes(await reader.get_range(path, 0, 12))
     if head[:6] != MAGIC:
-        raise ValueError(f"npy_chunks-1: {path} is not a .npy file")
+        raise IntegrityError(f"npy_chunks-1: {path} is not a .npy file")
     if head[6] == 1:
         return 10 + struct.unpack("<H", head[8:10])[0]
     return 12 + struct.unpack("<I", head[8:12])[0]
