@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 
 class RanksFailed(AssertionError):
@@ -74,7 +75,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, env: Mapping[str, 
                         if p.is_alive():
                             p.kill()
                     raise RanksFailed(f"rank(s) {alive} still running after {timeout:g} s; killed")
-        except mp.ProcessException as e:
+        except ProcessException as e:
             error = e
         except BaseException:
             for p in ctx.processes:
