@@ -71,6 +71,22 @@ def _site_packages() -> str:
     return sysconfig.get_paths()["purelib"]
 
 
+def _copy_tracked(repo: Path, dst: Path) -> None:
+    """The files git tracks (what a clean clone has: an ignored or untracked file the package
+    needs is missing here too); the whole tree when this is not a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(repo, dst, ignore=shutil.ignore_patterns(".git", ".venv", "build", "__pycache__"))
+        return
+    for rel in filter(None, out.decode().split("\0")):
+        src = repo / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel, follow_symlinks=False)
+
+
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv holding the ckptfs wheel and the example plugin (both installed, not
@@ -79,8 +95,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("wheel")
     dist = root / "dist"
     src = root / "src"  # a copy: building in place would leave build/ (stale modules) in the tree
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", "results"))
+    _copy_tracked(REPO, src)
     pip = [sys.executable, "-m", "pip"]
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)],
                    check=True, capture_output=True, timeout=300)
