@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ckptfs
+from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.testing.ranks import run_ranks
 
 
@@ -16,6 +19,16 @@ def expect_error(fn, *types) -> str:
     except types as e:
         return str(e)
     raise AssertionError(f"no error raised, wanted {types}")
+
+
+class PrepareFails(SafetensorsChunksBackend):
+    """A backend whose coordinator-only hook fails (as a plugin's may)."""
+
+    name = "prepare_fails"
+    version = 1
+
+    def prepare(self, plans):
+        raise ckptfs.UnsupportedValueError("prepare_fails refuses the layout")
 
 
 def scenarios(rank: int, world: int, root: str) -> None:
@@ -61,7 +74,16 @@ def scenarios(rank: int, world: int, root: str) -> None:
     target = {"shared": torch.zeros(2, 2)} | ({"nope": torch.zeros(1)} if rank else {})
     expect_error(lambda: ckptfs.load(target, f"{root}/5"), ckptfs.MissingKeysError, other)
 
-    # 9. after all that, collectives are still in step
+    # 9. the coordinator's backend fails while preparing the layout: every rank raises, none
+    # waits for it (prepare runs inside the collective that decides the phase)
+    ckptfs.register_backend("prepare_fails", 1, PrepareFails, replace=True)
+    sd = {"w": ckptfs.ShardedTensor(torch.ones(1, 2), (2, 2), (rank, 0))}
+    msg = expect_error(lambda: ckptfs.save(sd, f"{root}/9", backend="prepare_fails"),
+                       ckptfs.UnsupportedValueError, other)
+    assert "refuses the layout" in msg
+    assert not os.path.exists(f"{root}/9/{ckptfs.INDEX_FILE}")
+
+    # 10. after all that, collectives are still in step
     t = torch.tensor([rank])
     dist.all_reduce(t)
     assert t.item() == 1

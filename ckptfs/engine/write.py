@@ -46,8 +46,13 @@ class Written:
 def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_id: str, *,
           progress: bool = False, throttle_uploads: int | None = None) -> Written:
     """Write the layout files (coordinator), then every rank's data files (collective)."""
-    prep = backend.prepare(staged.plans) if comm.is_coordinator else []
-    comm.decide("save: preparing the layout", lambda: run_sync(write_files(store, prep, False)))
+    prep: list[FileWrite] = []
+
+    def prepare() -> None:  # inside decide: a failure here raises on every rank, never hangs
+        prep.extend(backend.prepare(staged.plans))
+        run_sync(write_files(store, prep, False))
+
+    comm.decide("save: preparing the layout", prepare)
     ranks = comm.agree("save: writing data", lambda: run_throttled(
         throttle_uploads, comm,
         lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)))
