@@ -114,7 +114,7 @@ def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None,
             await read_tensors(store, index, jobs, verify=verify)
             conts = {k: v for k, v in index.containers.items()
                      if prefixes is None or any(_related(k, p) for p in prefixes)}
-            return unflatten(conts, leaves)
+            return unflatten(conts, leaves, index.order)
         finally:
             await store.close()
 

@@ -102,7 +102,7 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     return Index(backend=backend.name, backend_version=backend.version, tensors=tensors,
                  values=staged.values, containers=staged.containers,
                  files=dict(sorted(files.items())), backend_options=backend.index_options(),
-                 writer=writer)
+                 writer=writer, order=staged.order or None)
 
 
 async def _commit(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],

@@ -25,7 +25,7 @@ from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.plan import TensorPlan
 from ckptfs.planning.save_plan import ShardInfo, plan_save
-from ckptfs.state.flatten import flatten
+from ckptfs.state.flatten import flatten, merge_order
 from ckptfs.state.shards import LocalShard, local_shard
 
 Json = Any
@@ -38,6 +38,7 @@ class Description:
     shards: tuple[ShardInfo, ...]
     values: Mapping[str, Json]  #: key -> encoded plain value
     containers: Mapping[str, str]  #: key -> dict | list | tuple
+    order: tuple[str, ...] = ()  #: every key, depth first, dicts in insertion order
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class StagedSave:
     containers: Mapping[str, str]
     leases: tuple[Lease, ...]  #: buffers holding copied chunks; release after the write
     copied: bool  #: every chunk is a copy: the caller's tensors are no longer read
+    order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +71,7 @@ def describe(state_dict: Mapping[str, Any], rank: int) -> tuple[Description, dic
             shards[key] = s
     infos = tuple(ShardInfo(k, s.dtype.name, s.global_shape, s.box, s.replica_id)
                   for k, s in shards.items())
-    return Description(infos, flat.values, flat.containers), shards
+    return Description(infos, flat.values, flat.containers, tuple(flat.order)), shards
 
 
 def merge_values(descriptions: Sequence[Description],
@@ -105,7 +107,9 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
                 s = local[key]
                 views.append((key, plan, c.box, s.local.detach()[c.box.relative_to(s.box).slices()]))
     chunks, leases = _take(views, {k: local[k] for k, *_ in views}, pool, copy)
-    return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy)
+    order = merge_order((d.order for d in described), [*containers, *values, *plans])
+    return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy,
+                      tuple(order))
 
 
 def _needs_copy(data: torch.Tensor) -> bool:

@@ -1,18 +1,22 @@
 """The checkpoint index, format version 1 (formats/README.md): frozen dataclasses and their JSON.
 
 The index is the only metadata file ckptfs needs. It is JSON (never pickle), written last, and its
-presence at ``<root>/ckptfs.index.json`` means the checkpoint is complete.
+presence at ``<root>/ckptfs.index.json`` means the checkpoint is complete. ``Index.loads`` applies
+the JSON rules of formats/README.md §2.2 (UTF-8, no duplicate members, no NaN literals, no numbers
+that overflow a double, no lone surrogates) and then the checks of §7, in the order §7 gives.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import FormatVersionError, MalformedIndexError
+from ckptfs.layout.keys import check_key
 
 INDEX_FILE = "ckptfs.index.json"
 FORMAT_NAME = "ckptfs"
@@ -119,6 +123,9 @@ class Index:
     required_features: tuple[str, ...] = ()
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, Json] = field(default_factory=dict)  #: fields this reader ignored
+    #: every key of containers, values and tensors in the saved dicts' insertion order
+    #: (formats/README.md §3.2); None for indexes written without it (order unspecified)
+    order: tuple[str, ...] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -126,7 +133,9 @@ class Index:
         return sum(self.files.values())
 
     def to_dict(self) -> dict[str, Json]:
-        return {
+        """The JSON object, members in the order ckptfs writes them (formats/README.md §2.2);
+        with ``order``, containers, values and tensors are listed in that order too."""
+        d: dict[str, Json] = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "required_features": list(self.required_features),
@@ -136,19 +145,23 @@ class Index:
                 "options": dict(self.backend_options),
             },
             "writer": dict(self.writer),
-            "containers": dict(self.containers),
-            "values": dict(self.values),
-            "tensors": {k: t.to_dict() for k, t in self.tensors.items()},
-            "files": dict(self.files),
         }
+        if self.order is not None:
+            d["order"] = list(self.order)
+        d["containers"] = _in_order(self.containers, self.order)
+        d["values"] = _in_order(self.values, self.order)
+        d["tensors"] = {k: t.to_dict() for k, t in _in_order(self.tensors, self.order).items()}
+        d["files"] = dict(self.files)
+        return d
 
     def dumps(self) -> bytes:
-        """The index as UTF-8 JSON bytes (no NaN literals: values are pre-encoded)."""
+        """The index as UTF-8 JSON bytes, one line (no NaN literals: values are pre-encoded)."""
         return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
-        """Parse and check the compatibility policy; errors name ``source`` and the field."""
+        """Parse and check in the order of formats/README.md §7: ``format``, ``format_version``,
+        ``required_features``, then every other field. Errors name ``source`` and the field."""
         if not isinstance(d, Mapping):
             raise MalformedIndexError(f"{source}: the index must be a JSON object")
         fmt = d.get("format")
@@ -161,6 +174,9 @@ class Index:
                 f"supported format versions: {list(SUPPORTED_FORMAT_VERSIONS)}"
             )
         features = tuple(_opt(d, "required_features", list, source) or ())
+        if not all(isinstance(f, str) for f in features):
+            raise MalformedIndexError(f"{source}: field 'required_features' must be a list of "
+                                      f"strings: {list(features)!r}")
         unknown = sorted(set(features) - KNOWN_FEATURES)
         if unknown:
             raise FormatVersionError(
@@ -168,32 +184,159 @@ class Index:
                 f"known features: {sorted(KNOWN_FEATURES)}"
             )
         be = _req(d, "backend", dict, source)
-        for path in _opt(d, "files", dict, source) or {}:
+        files = _opt(d, "files", dict, source) or {}
+        for path, size in files.items():
             check_relative_path(path, f"{source}: files")
+            if _check(size, path, int, f"{source}: files") < 0:
+                raise MalformedIndexError(f"{source}: files[{path!r}] is negative: {size}")
         tensors = _req(d, "tensors", dict, source)
-        known = {"format", "format_version", "required_features", "backend", "writer",
+        values = _opt(d, "values", dict, source) or {}
+        containers = _opt(d, "containers", dict, source) or {}
+        _check_keys(source, tensors, values, containers)
+        order = _opt(d, "order", list, source)
+        known = {"format", "format_version", "required_features", "backend", "writer", "order",
                  "containers", "values", "tensors", "files"}
         return cls(
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
             backend_options=_opt(be, "options", dict, f"{source}: backend") or {},
             tensors={k: TensorEntry.from_dict(k, t) for k, t in tensors.items()},
-            values=_opt(d, "values", dict, source) or {},
-            containers=_opt(d, "containers", dict, source) or {},
-            files=_opt(d, "files", dict, source) or {},
+            values=values,
+            containers=containers,
+            files=files,
             writer=_opt(d, "writer", dict, source) or {},
             required_features=features,
             format_version=ver,
             extra={k: v for k, v in d.items() if k not in known},
+            order=None if order is None else _check_order(source, order, tensors, values, containers),
         )
 
     @classmethod
     def loads(cls, data: bytes, source: str = INDEX_FILE) -> Index:
+        """Parse the index file's bytes (formats/README.md §2.2, then §7)."""
+        return cls.from_dict(parse_json(data, source), source)
+
+
+# -- JSON (formats/README.md §2.2) -----------------------------------------------------------------
+
+#: a \u escape of a surrogate code point (a pair is fine, a lone one is not Unicode)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json(data: bytes, source: str = INDEX_FILE) -> Any:
+    """Strict JSON: UTF-8 without BOM, no duplicate member names, no NaN/Infinity literals,
+    no number beyond the range of a double (``1e400``), no lone surrogates. Raises
+    MalformedIndexError naming ``source`` and what is wrong."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedIndexError(f"{source}: not UTF-8 ({e})") from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                         parse_float=_finite_float)
+    except _JsonRuleError as e:
+        raise MalformedIndexError(f"{source}: {e}") from None
+    except ValueError as e:  # JSONDecodeError, and ints beyond Python's int <-> str limit
+        raise MalformedIndexError(f"{source}: not valid JSON ({e})") from None
+    if _SURROGATE_ESCAPE.search(text):
+        where = _lone_surrogate(doc, "")
+        if where is not None:
+            raise MalformedIndexError(f"{source}: the string at {where or '/'} holds a lone "
+                                      f"surrogate escape: not valid Unicode")
+    return doc
+
+
+class _JsonRuleError(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _JsonRuleError(f"member {k!r} appears twice in one object")
+            seen.add(k)
+    return d
+
+
+def _no_constant(name: str) -> Any:
+    raise _JsonRuleError(f"{name} is not JSON (non-finite values are written as {{\"$float\": ...}})")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise _JsonRuleError(f"the number {text} is beyond the range of a double")
+    return v
+
+
+def _lone_surrogate(node: Any, where: str) -> str | None:
+    """JSON-pointer-like location of the first string (or member name) holding a lone surrogate."""
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(node, str):
         try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MalformedIndexError(f"{source}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source)
+            node.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(node, dict):
+        for k, v in node.items():
+            found = _lone_surrogate(k, f"{where}/{k!r} (name)") or _lone_surrogate(v, f"{where}/{k}")
+            if found is not None:
+                return found
+        return None
+    items = enumerate(node) if isinstance(node, list) else ()
+    for i, v in items:
+        found = _lone_surrogate(v, f"{where}/{i}")
+        if found is not None:
+            return found
+    return None
+
+
+# -- keys and order (formats/README.md §3) ---------------------------------------------------------
+
+def _check_keys(source: str, tensors: Mapping[str, Json], values: Mapping[str, Json],
+                containers: Mapping[str, Json]) -> None:
+    """Canonical keys, each in at most one of the three maps, container kinds known."""
+    for what, keys in (("tensors", tensors), ("values", values), ("containers", containers)):
+        for k in keys:
+            check_key(k, f"{source}: {what}")
+    for k, kind in containers.items():
+        if kind not in ("dict", "list", "tuple"):
+            raise MalformedIndexError(f"{source}: containers[{k!r}] is {kind!r}; expected "
+                                      f"'dict', 'list' or 'tuple'")
+    both = (tensors.keys() & values.keys()) | (containers.keys() & (tensors.keys() | values.keys()))
+    if both:
+        raise MalformedIndexError(f"{source}: key {min(both)!r} is in more than one of "
+                                  f"'tensors', 'values' and 'containers'")
+
+
+def _check_order(source: str, order: Sequence[Json], *maps: Mapping[str, Json]) -> tuple[str, ...]:
+    """``order`` must list every key of the three maps exactly once, and nothing else."""
+    out = tuple(order)
+    seen: set[str] = set()
+    for k in out:
+        if not isinstance(k, str) or k in seen or not any(k in m for m in maps):
+            why = ("is not a string" if not isinstance(k, str) else "appears twice" if k in seen
+                   else "is not a key of 'containers', 'values' or 'tensors'")
+            raise MalformedIndexError(f"{source}: field 'order': {k!r} {why}")
+        seen.add(k)
+    if len(seen) != sum(len(m) for m in maps):
+        missing = next(k for m in maps for k in m if k not in seen)
+        raise MalformedIndexError(f"{source}: field 'order' lacks key {missing!r}")
+    return out
+
+
+def _in_order(d: Mapping[str, Any], order: Sequence[str] | None) -> dict[str, Any]:
+    """``d`` as a dict listed in ``order`` (keys ``order`` lacks go last, as they were)."""
+    if order is None:
+        return dict(d)
+    out = {k: d[k] for k in order if k in d}
+    if len(out) != len(d):
+        out.update((k, v) for k, v in d.items() if k not in out)
+    return out
 
 
 def check_relative_path(path: str, where: str) -> str:
@@ -211,8 +354,10 @@ def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
 
 
 def _opt(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
-    v = d.get(name)
-    return None if v is None else _check(v, name, typ, where)
+    """An optional field: absent (None), or of type ``typ``; an explicit JSON null is refused."""
+    if name not in d:
+        return None
+    return _check(d[name], name, typ, where)
 
 
 def _check(v: Any, name: str, typ: type, where: str) -> Any:

@@ -1,10 +1,13 @@
-"""Plain values and container order in the index (formats/README.md §3.3, §3.4): one copy of each
+"""Plain values and container order in the index (formats/README.md §3.2, §3.3): one copy of each
 rule, used by the state-dict flattening, the index readers and the torch_dist backend.
 
 A plain value is None, bool, int, float or str. It is stored as itself in JSON, except the
-non-finite floats, which become ``{"$float": "nan" | "inf" | "-inf"}``. Within a container, the
-children are ordered ints first (numerically), then strs (by code point): the order list items
-must be rebuilt in, and the order DCP gives a dict's items.
+non-finite floats, which become ``{"$float": "nan" | "inf" | "-inf"}``. Strings must be valid
+Unicode (no lone surrogates) and ints at most ``MAX_INT_DIGITS`` decimal digits long.
+
+``component_order`` is the canonical order of a container's children: ints first (numerically),
+then strs (by code point). It is the order DCP gives a dict's items (torch_dist), and the order
+a reader falls back to for an index without ``order`` (written before order was recorded).
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ import math
 from typing import Any
 
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
-from ckptfs.layout.keys import Component, Path
+from ckptfs.layout.keys import Component, Path, check_unicode
 
 Json = Any
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: the longest int a value may be, in decimal digits: Python's default int <-> str limit
+#: (``sys.get_int_max_str_digits``), which its json module enforces when writing and reading
+MAX_INT_DIGITS = 4300
+_INT_LIMIT = 10**MAX_INT_DIGITS
 
 
 def is_plain(v: Any) -> bool:
@@ -26,8 +33,15 @@ def is_plain(v: Any) -> bool:
 
 def encode_value(v: Any, key: str) -> Json:
     """JSON form of a plain value; raises UnsupportedValueError naming ``key`` otherwise."""
-    if v is None or isinstance(v, bool | int | str):
+    if v is None or isinstance(v, bool):
         return v
+    if isinstance(v, str):
+        return v if v.isascii() else check_unicode(v, f"key {key!r}: the str value")
+    if isinstance(v, int):
+        if -_INT_LIMIT < v < _INT_LIMIT:
+            return v
+        raise UnsupportedValueError(f"key {key!r}: the int value has more than {MAX_INT_DIGITS} "
+                                    f"decimal digits, more than an index value may hold")
     if isinstance(v, float):
         if math.isfinite(v):
             return v

@@ -1,19 +1,21 @@
-"""Nested state dicts <-> flat maps keyed by canonical keys (formats/README.md §Keys, §Values).
+"""Nested state dicts <-> flat maps keyed by canonical keys (formats/README.md §3).
 
 Containers are dicts (str or int keys), lists and tuples; leaves are tensors or plain Python
 values (None, bool, int, float, str). Every container is recorded with its kind, so nesting,
-empty containers and int-vs-str keys round-trip exactly.
+empty containers and int-vs-str keys round-trip exactly; every key is also listed in ``order``
+(depth-first, parents before children, dict items in insertion order), so dict order does too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.keys import Path, decode_key, encode_key
-from ckptfs.layout.values import encode_value, path_order
+from ckptfs.layout.values import component_order, encode_value
 from ckptfs.state.shards import is_tensor_like
 
 Json = Any
@@ -27,6 +29,7 @@ class FlatState:
     values: dict[str, Json] = field(default_factory=dict)  #: key -> encoded value
     containers: dict[str, str] = field(default_factory=dict)  #: key -> dict|list|tuple
     paths: dict[str, Path] = field(default_factory=dict)  #: key -> path, for every leaf
+    order: list[str] = field(default_factory=list)  #: every key, depth-first in insertion order
 
 
 def flatten(state_dict: Mapping[str, Any]) -> FlatState:
@@ -45,12 +48,15 @@ def _walk(obj: Any, path: Path, flat: FlatState) -> None:
         key = encode_key(path)
         flat.tensors[key] = obj
         flat.paths[key] = path
+        flat.order.append(key)
         return
     if isinstance(obj, Mapping | list | tuple):
         if path:
-            flat.containers[encode_key(path)] = (
+            key = encode_key(path)
+            flat.containers[key] = (
                 "dict" if isinstance(obj, Mapping) else "list" if isinstance(obj, list) else "tuple"
             )
+            flat.order.append(key)
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
         for k, v in items:
             if isinstance(k, bool) or not isinstance(k, str | int):
@@ -65,38 +71,67 @@ def _walk(obj: Any, path: Path, flat: FlatState) -> None:
     key = encode_key(path)
     flat.values[key] = encode_value(obj, key)
     flat.paths[key] = path
+    flat.order.append(key)
+
+
+def merge_order(orders: Iterable[Sequence[str]], keys: Iterable[str]) -> list[str]:
+    """The index's ``order`` from every rank's ``FlatState.order``: the lowest rank's order,
+    then keys only later ranks hold, as they list them; restricted to ``keys`` (all keys of the
+    index), any key no rank listed last. Parents stay before their children."""
+    wanted = set(keys)
+    out: dict[str, None] = {}
+    for order in orders:
+        for k in order:
+            if k in wanted:
+                out.setdefault(k, None)
+    out.update((k, None) for k in sorted(wanted - out.keys()))
+    return list(out)
 
 
 _ROOT = object()  # the root has no key; "" is the key of the path ("",)
 
 
-def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any]) -> dict[str, Any]:
-    """Rebuild a nested state dict from container kinds and already-decoded leaves."""
+def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any],
+              order: Sequence[str] | None = None) -> dict[str, Any]:
+    """Rebuild a nested state dict from container kinds and already-decoded leaves.
+
+    Dict items are inserted in the order of ``order`` (the index's, formats/README.md §3.2);
+    without it (indexes written before order was recorded) in the canonical component order,
+    ints first, then strs. List and tuple items are placed by index and must be 0..n-1."""
     root: dict[Any, Any] = {}
     nodes: dict[Any, Any] = {_ROOT: root}
     for key, kind in containers.items():
         if kind not in ("dict", "list", "tuple"):
             raise MalformedIndexError(f"containers[{key!r}]: unknown kind {kind!r}")
         nodes[key] = {} if kind == "dict" else []  # tuples are frozen at the end
-    entries = [(k, nodes[k]) for k in containers] + list(leaves.items())
-    for key, value in sorted(entries, key=lambda kv: path_order(decode_key(kv[0]))):
+    children: dict[Any, list[tuple[Any, str, Any]]] = defaultdict(list)  # parent -> (name, key, node)
+    for key, value in [*((k, nodes[k]) for k in containers), *leaves.items()]:
         path = decode_key(key)
-        parent_key = encode_key(path[:-1]) if len(path) > 1 else _ROOT
-        parent = nodes.get(parent_key)
-        if parent is None:
-            raise MalformedIndexError(f"key {key!r}: its container {parent_key!r} is not recorded")
-        if isinstance(parent, list):
-            if path[-1] != len(parent):
-                raise MalformedIndexError(f"key {key!r}: list items must be numbered 0..n-1")
-            parent.append(value)
+        parent = encode_key(path[:-1]) if len(path) > 1 else _ROOT
+        if parent not in nodes:
+            raise MalformedIndexError(f"key {key!r}: its container {parent!r} is not recorded")
+        children[parent].append((path[-1], key, value))
+    pos = {k: i for i, k in enumerate(order)} if order is not None else None
+    for parent, items in children.items():
+        node = nodes[parent]
+        if isinstance(node, list):
+            items.sort(key=lambda it: component_order(it[0]))
+            if [it[0] for it in items] != list(range(len(items))):
+                bad = next(it[1] for i, it in enumerate(items) if it[0] != i)
+                raise MalformedIndexError(f"key {bad!r}: list items must be numbered 0..n-1")
+            node.extend(it[2] for it in items)
+            continue
+        if pos is not None:
+            items.sort(key=lambda it: pos.get(it[1], len(pos)))
         else:
-            parent[path[-1]] = value
+            items.sort(key=lambda it: component_order(it[0]))
+        for name, _, value in items:
+            node[name] = value
     for key in sorted(containers, key=lambda k: -len(decode_key(k))):
         if containers[key] == "tuple":
             path = decode_key(key)
-            parent = nodes[encode_key(path[:-1]) if len(path) > 1 else _ROOT]
-            parent[path[-1]] = tuple(nodes[key])
-            nodes[key] = parent[path[-1]]
+            parent_node = nodes[encode_key(path[:-1]) if len(path) > 1 else _ROOT]
+            parent_node[path[-1]] = nodes[key] = tuple(nodes[key])
     return root
 
 

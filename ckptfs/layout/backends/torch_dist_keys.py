@@ -40,12 +40,12 @@ def dcp_leaves(tensors: Iterable[str], values: Mapping[str, Json],
                containers: Mapping[str, str]) -> list[DcpLeaf]:
     """The items DCP's flatten_state_dict makes of the state dict an index describes."""
     tensors = set(tensors)
-    children: dict[str, list[str]] = defaultdict(list)
+    children: dict[str | None, list[str]] = defaultdict(list)  # None: the root
     for key in (*tensors, *values, *containers):
         children[parent_key(key)].append(key)
     tree = _Tree(tensors, values, containers, children)
     out: list[DcpLeaf] = []
-    for key in tree.ordered(""):
+    for key in tree.ordered(None):
         tree.walk(key, (str(decode_key(key)[-1]),), out)
     seen: dict[str, str] = {}
     for leaf in out:
@@ -63,9 +63,9 @@ class _Tree:
     tensors: set[str]
     values: Mapping[str, Json]
     containers: Mapping[str, str]
-    children: Mapping[str, list[str]]
+    children: Mapping[str | None, list[str]]
 
-    def ordered(self, key: str) -> list[str]:
+    def ordered(self, key: str | None) -> list[str]:
         kids = self.children.get(key, [])
         return sorted(kids, key=lambda k: component_order(decode_key(k)[-1]))
 
