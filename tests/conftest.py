@@ -1,9 +1,43 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the session-wide spec audit (tests/spec_audit.py)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import fsspec
 import pytest
+
+from tests import spec_audit
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test (and so before any rank is spawned): where audit records go."""
+    if not os.environ.get(spec_audit.ENV):
+        config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
+        os.environ[spec_audit.ENV] = config._spec_audit_dir.name
+
+
+@pytest.fixture(scope="session", autouse=True)
+def spec_audit_of_every_index():
+    """At the end of the session, every index the suite wrote has been through the independent
+    reader: fail if any broke a rule of formats/."""
+    yield
+    lines, bad = spec_audit.collect(os.environ[spec_audit.ENV])
+    if bad:
+        report = "\n\n".join(f"{b['test']} ({b['what']} {b['url'] or ''}):\n{b['problem']}"
+                              for b in bad[:10])
+        pytest.fail(f"the independent spec reader (tests/spec_reader.py) refused {len(bad)} of "
+                    f"{len(lines)} checks of indexes this session wrote:\n\n{report}", pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    lines, bad = spec_audit.collect(os.environ[spec_audit.ENV])
+    if lines:
+        kinds = {w: sum(x["what"] == w for x in lines) for w in ("index", "data")}
+        terminalreporter.write_line(
+            f"spec audit: {kinds['index']} indexes and {kinds['data']} saved checkpoints read by "
+            f"tests/spec_reader.py, {len(bad)} problem(s)")
 
 
 @pytest.fixture

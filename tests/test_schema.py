@@ -237,7 +237,6 @@ BOTH = {
     "chunk without shape": ((*C0, "shape"), _DELETE),
     "backend version is a string": (("backend", "version"), "1"),
     "byte_offset is a string": ((*C0, "byte_offset"), "128"),
-    "format_version is newer": ("format_version", 2),
     "format is foreign": ("format", "dcp"),
     "required_features not a list": ("required_features", "zstd"),
     "values not an object": ("values", [1, 2]),

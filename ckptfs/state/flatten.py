@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
-from ckptfs.layout.keys import Path, decode_key, encode_key
+from ckptfs.layout.keys import Path, check_unicode, decode_key, encode_key
 from ckptfs.layout.values import component_order, encode_value
 from ckptfs.state.shards import is_tensor_like
 
@@ -64,6 +64,8 @@ def _walk(obj: Any, path: Path, flat: FlatState) -> None:
                 raise UnsupportedValueError(
                     f"key {k!r} under {where!r} is a {type(k).__name__}; dict keys must be str or int"
                 )
+            if isinstance(k, str) and not k.isascii():
+                check_unicode(k, f"key {k!r} under {encode_key(path) if path else '<root>'!r}")
             _walk(v, (*path, k), flat)
         return
     if not path:

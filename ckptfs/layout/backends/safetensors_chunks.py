@@ -29,6 +29,11 @@ from ckptfs.layout.tensor_bytes import tensor_bytes
 EXT = ".safetensors"
 
 
+def chunk_order(c: ChunkData) -> tuple[str, tuple[int, ...]]:
+    """A rank's chunks are laid out by key (code point order), then offsets."""
+    return c.key, c.box.offsets
+
+
 def tensor_name(key: str, offsets: tuple[int, ...]) -> str:
     """Name of a chunk inside its safetensors file: ``<key>@<offsets,...>``."""
     return f"{key}@{','.join(map(str, offsets))}"
@@ -40,12 +45,14 @@ class SafetensorsChunksBackend(Backend):
     default_options: ClassVar[dict[str, Any]] = {"max_file_bytes": 1 << 30}
 
     def write_rank(self, job: RankWriteJob) -> RankWrite:
+        """Files are filled with the rank's chunks in (key, offsets) order, a new file starting
+        when the next chunk would take the data past ``max_file_bytes`` (spec: Data files)."""
         files: list[FileWrite] = []
         entries: list[tuple[str, ChunkEntry]] = []
         limit = int(self.options["max_file_bytes"])
         batch: list[ChunkData] = []
         size = 0
-        for c in job.chunks:
+        for c in sorted(job.chunks, key=chunk_order):
             n = c.data.numel() * c.dtype.itemsize
             if batch and size + n > limit:
                 self._emit(job, batch, files, entries)

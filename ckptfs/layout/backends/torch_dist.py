@@ -233,11 +233,13 @@ def _pad(parts: list[Buffer], pos: int) -> int:
 
 
 def _balance(chunks: tuple[ChunkData, ...], n: int) -> list[list[ChunkData]]:
-    """DCP's bucketing: largest chunk first into the lightest of ``n`` files."""
+    """DCP's bucketing: largest chunk first into the lightest of ``n`` files (ties: the first;
+    chunks of equal size in (key, offsets) order)."""
     n = max(1, n)
     buckets: list[list[ChunkData]] = [[] for _ in range(n)]
     sizes = [0] * n
-    for c in sorted(chunks, key=lambda c: -c.data.numel() * c.dtype.itemsize) if n > 1 else chunks:
+    ordered = sorted(chunks, key=lambda c: (c.key, c.box.offsets))
+    for c in sorted(ordered, key=lambda c: -c.data.numel() * c.dtype.itemsize) if n > 1 else ordered:
         i = min(range(n), key=lambda j: sizes[j])
         buckets[i].append(c)
         sizes[i] += c.data.numel() * c.dtype.itemsize
