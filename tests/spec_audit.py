@@ -13,6 +13,7 @@ function lives in tests/) wraps two things while ``$CKPTFS_TEST_SPEC_AUDIT`` nam
 
 Each process appends one JSON line per check to ``<dir>/audit-<pid>.jsonl``; the session fixture
 in conftest.py reads them at the end and fails the session if any check found a problem.
+``CKPTFS_TEST_SPEC_AUDIT=off`` turns the audit off (to time the suite without it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import json
 import math
 import os
+import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +33,10 @@ ENV = "CKPTFS_TEST_SPEC_AUDIT"
 MAX_DATA_BYTES = 64 << 20
 
 _installed = False
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "off") != "off"
 
 
 def install() -> None:
@@ -45,7 +51,7 @@ def install() -> None:
     @functools.wraps(real_dumps)
     def dumps(self: Any) -> bytes:
         data = real_dumps(self)
-        if os.environ.get(ENV):
+        if enabled():
             _check("index", None, lambda: _audit_index(data))
         return data
 
@@ -54,7 +60,7 @@ def install() -> None:
     @functools.wraps(real_save)
     def save(state_dict: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
         result = real_save(state_dict, url, *args, **kwargs)
-        if os.environ.get(ENV):
+        if enabled():
             root = _local_root(url)
             world = _world(kwargs.get("process_group"))
             if root is not None and world[0] == 0:
@@ -84,6 +90,7 @@ def _local_root(url: Any) -> str | None:
 
 
 def _check(what: str, url: str | None, fn: Any) -> None:
+    t0 = time.perf_counter()
     try:
         problem, detail = None, fn()
     except AssertionError as e:
@@ -91,7 +98,7 @@ def _check(what: str, url: str | None, fn: Any) -> None:
     except Exception:  # the reader itself failed: as much a finding as a spec violation
         problem, detail = "the independent reader crashed:\n" + traceback.format_exc(), None
     line = {"what": what, "url": url, "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
-            "problem": problem, "detail": detail}
+            "problem": problem, "detail": detail, "seconds": round(time.perf_counter() - t0, 4)}
     path = Path(os.environ[ENV]) / f"audit-{os.getpid()}.jsonl"
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line, ensure_ascii=True) + "\n")

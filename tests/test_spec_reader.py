@@ -148,6 +148,8 @@ def _save_on_ranks(rank: int, world: int, root: str) -> None:
 
 
 def test_session_audit_sees_saves_in_spawned_ranks_and_here(tmp_path):
+    if not spec_audit.enabled():
+        pytest.skip(f"{spec_audit.ENV}=off")
     audit_dir = os.environ[spec_audit.ENV]
     before = {p.name for p in Path(audit_dir).glob("*.jsonl")}
     run_ranks(2, _save_on_ranks, str(tmp_path))
