@@ -97,7 +97,7 @@ def _check(what: str, url: str | None, fn: Any) -> None:
         problem, detail = str(e), None
     except Exception:  # the reader itself failed: as much a finding as a spec violation
         problem, detail = "the independent reader crashed:\n" + traceback.format_exc(), None
-    line = {"what": what, "url": url, "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
+    line = {"what": what, "url": url, "pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST", "?"),
             "problem": problem, "detail": detail, "seconds": round(time.perf_counter() - t0, 4)}
     path = Path(os.environ[ENV]) / f"audit-{os.getpid()}.jsonl"
     with open(path, "a", encoding="utf-8") as f:

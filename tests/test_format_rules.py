@@ -297,3 +297,16 @@ def test_empty_string_containers_on_every_backend(tmp_path):
         back = ckptfs.load_keys(url)
         assert _equal(back, sd), (name, version)
         assert math.isclose(back[""]["v"], 3)
+
+
+def test_dcp_checkpoint_is_read_in_dcps_item_order(tmp_path):
+    """A checkpoint written by DCP itself has no ckptfs index: its items are listed in the order
+    DCP walked the saved state dict, and that is the order load_keys gives back."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model": {"0.weight": torch.ones(2, 2), "0.bias": torch.zeros(2)}, "step": 3,
+          "cfg": {"b": 1, "a": {"z": "x", "y": [1, 2]}}, "l": [torch.ones(1), {"k": 2, "j": 1}]}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    index = ckptfs.load_metadata(tmp_path / "dcp")
+    assert index.order is not None and index.order[:3] == ("model", "model/0.weight", "model/0.bias")
+    assert keys_in_order(ckptfs.load_keys(tmp_path / "dcp")) == keys_in_order(sd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from ckptfs.errors import FormatVersionError, MalformedIndexError
 from ckptfs.layout.dtypes import BY_NAME
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.testing.ranks import run_ranks
+from tests import spec_audit
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "formats" / "index.schema.json").read_text())
@@ -174,6 +176,11 @@ def _save_sharded(rank: int, world: int, root: str, backends: list[tuple[str, in
 
 def test_sharded_indexes_validate(tmp_path):
     run_ranks(2, _save_sharded, str(tmp_path), BACKENDS)
+    if spec_audit.enabled():  # the session audit read these saves in the spawned coordinator
+        checks = {x["url"]: x for x in spec_audit.collect(os.environ[spec_audit.ENV])[0]}
+        for name, version in BACKENDS:
+            check = checks[f"{tmp_path}/{name}-{version}"]
+            assert check["detail"] == "ok" and check["pid"] != os.getpid(), check
     for name, version in BACKENDS:
         d = validate_index(tmp_path / f"{name}-{version}")
         assert d["writer"]["world_size"] == 2

@@ -1,22 +1,19 @@
 """The independent reader (tests/spec_reader.py) itself: it reads every golden checkpoint to the
 contents its expected.json records (decoded here without ckptfs), it notices a planted fault of
-each kind it checks, and the session audit (tests/spec_audit.py) sees saves made in spawned
-ranks as well as in this process."""
+each kind it checks. (That the session audit sees saves made in spawned ranks is checked by
+tests/test_schema.py::test_sharded_indexes_validate, which spawns ranks anyway.)"""
 
 from __future__ import annotations
 
 import base64
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptfs
-from ckptfs.testing.ranks import run_ranks
 from tests import spec_audit, spec_reader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,28 +133,3 @@ def test_compare_notices_a_reordered_dict():
         spec_audit._compare(saved, {"b": 2, "a": 1}, "")
     with pytest.raises(spec_reader.SpecError, match="-0.0"):
         spec_audit._compare({"x": -0.0}, {"x": 0.0}, "")
-
-
-def _save_on_ranks(rank: int, world: int, root: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    ckptfs.save({"w": distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)]), "n": 1},
-                f"{root}/ranks")
-
-
-def test_session_audit_sees_saves_in_spawned_ranks_and_here(tmp_path):
-    if not spec_audit.enabled():
-        pytest.skip(f"{spec_audit.ENV}=off")
-    audit_dir = os.environ[spec_audit.ENV]
-    before = {p.name for p in Path(audit_dir).glob("*.jsonl")}
-    run_ranks(2, _save_on_ranks, str(tmp_path))
-    ckptfs.save({"here": torch.ones(1)}, tmp_path / "here")
-    lines, _ = spec_audit.collect(audit_dir)
-    urls = {x["url"]: x for x in lines if x["what"] == "data"}
-    assert f"{tmp_path}/ranks" in urls and str(tmp_path / "here") in urls
-    assert not urls[f"{tmp_path}/ranks"]["problem"] and urls[f"{tmp_path}/ranks"]["detail"] == "ok"
-    new_files = {p.name for p in Path(audit_dir).glob("*.jsonl")} - before
-    assert new_files - {f"audit-{os.getpid()}.jsonl"}, "no record came from a spawned rank"
-    shutil.rmtree(tmp_path / "ranks")

@@ -141,19 +141,24 @@ def containers_of_paths(paths: Iterable[tuple[str | int, ...]]) -> dict[str, str
 
 
 def expand_value(key: str, obj: Any, values: dict[str, Json], containers: dict[str, str],
-                 skipped: list[str]) -> None:
+                 skipped: list[str], order: dict[str, None] | None = None) -> None:
     """Add a loaded BYTE_IO object under ``key``: containers are opened into ckptfs containers
-    and plain leaves; leaves that are not plain values are listed in ``skipped``."""
+    and plain leaves; leaves that are not plain values are listed in ``skipped``. Keys added
+    are appended to ``order`` depth first, dict items in the object's order."""
     if isinstance(obj, dict | list | tuple):
         containers[key] = "dict" if isinstance(obj, dict) else type(obj).__name__
+        if order is not None:
+            order.setdefault(key, None)
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         for k, v in items:
             if isinstance(k, bool) or not isinstance(k, str | int):
                 skipped.append(f"{key}/{k!r}")
                 continue
-            expand_value(encode_key((*decode_key(key), k)), v, values, containers, skipped)
+            expand_value(encode_key((*decode_key(key), k)), v, values, containers, skipped, order)
         return
     if is_plain(obj):
         values[key] = encode_value(obj, key)
+        if order is not None:
+            order.setdefault(key, None)
     else:
         skipped.append(f"{key} ({type(obj).__module__}.{type(obj).__qualname__})")

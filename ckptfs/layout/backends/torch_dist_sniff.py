@@ -99,9 +99,15 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
     files: dict[str, int] = {}
     paths: dict[str, tuple] = {}
     byte_items: list[tuple[str, DcpStorage]] = []
+    # DCP lists its items in the order it walked the saved state dict: that order, containers
+    # before their items, is the index's order (formats/README.md §3.2)
+    order: dict[str, None] = {}
     for fqn, item in md.items.items():
         path = md.planner_data.get(fqn) or (fqn,)
         key = key_of_path(path)
+        for i in range(1, len(path)):
+            order.setdefault(key_of_path(path[:i]), None)
+        order.setdefault(key, None)
         if key in paths:
             raise MalformedIndexError(f"{source}: DCP items {paths[key]!r} and {path!r} both map "
                                       f"to ckptfs key {key!r}")
@@ -129,14 +135,14 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
         except Exception as e:
             skipped.append(f"{key} (torch.load(weights_only=True) refuses it: {_reason(e)})")
             continue
-        expand_value(key, obj, values, containers, skipped)
+        expand_value(key, obj, values, containers, skipped, order)
     containers.update(containers_of_paths(paths.values()))
     writer: dict[str, Any] = {"library": "torch.distributed.checkpoint", "dcp_version": md.version,
                               "read_from": METADATA,
                               "pickle_globals": sorted(md.globals_seen)}
     if megatron is not None:
         writer["megatron"] = megatron
-        await _merge_common(reader, values, containers, skipped, tensors)
+        await _merge_common(reader, values, containers, skipped, tensors, order)
     if skipped:
         warnings.warn(
             f"{source}: {len(skipped)} value(s) are not plain Python values and are left out of "
@@ -145,9 +151,11 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
     clash = sorted(set(containers) & (set(values) | set(tensors)))
     if clash:
         raise MalformedIndexError(f"{source}: key {clash[0]!r} is both a container and a leaf")
+    keys = {*tensors, *values, *containers}
     return Index(backend=backend, backend_version=version, tensors=dict(sorted(tensors.items())),
                  values=values, containers=containers, files=dict(sorted(files.items())),
-                 writer=writer)
+                 writer=writer, order=(*(k for k in order if k in keys),
+                                       *sorted(keys.difference(order))))
 
 
 def _grow(files: dict[str, int], st: DcpStorage) -> None:
@@ -175,7 +183,8 @@ def _tensor(md: DcpMetadata, fqn: str, key: str, item: DcpTensor, source: str,
 
 
 async def _merge_common(reader: ByteReader, values: dict[str, Any], containers: dict[str, str],
-                        skipped: list[str], tensors: dict[str, TensorEntry]) -> None:
+                        skipped: list[str], tensors: dict[str, TensorEntry],
+                        order: dict[str, None]) -> None:
     """Megatron's common.pt: the non-sharded state, at the root of the state dict."""
     if not await reader.exists(MEGATRON_COMMON):
         return
@@ -202,7 +211,7 @@ async def _merge_common(reader: ByteReader, values: dict[str, Any], containers: 
         key = encode_key((k,))
         if key in values or key in tensors:
             raise MalformedIndexError(f"{where}: key {key!r} is also in the DCP metadata")
-        expand_value(key, v, values, containers, skipped)
+        expand_value(key, v, values, containers, skipped, order)
 
 
 def _reason(e: Exception) -> str:
