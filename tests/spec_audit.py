@@ -108,6 +108,7 @@ def _audit_index(data: bytes) -> str:
     from tests import spec_reader
 
     idx = spec_reader.audit_index(bytes(data))
+    spec_reader.check_writer_spelling(data, idx)
     spec_reader.read_tree(idx)
     return "ok"
 

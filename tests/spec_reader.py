@@ -299,6 +299,26 @@ def _tensor(key: str, t: Any, files: dict[str, int]) -> None:
                 raise SpecError(f"{where}: chunks at {list(a)} and {list(b)} overlap")
 
 
+_TOP = ["format", "format_version", "required_features", "backend", "writer", "order", "containers",
+        "values", "tensors", "files"]
+
+
+def check_writer_spelling(data: bytes, index: Index) -> None:
+    """§2.2 *Writer*: the exact bytes ckptfs writes (a second writer can produce the same)."""
+    d = index.doc
+    if bytes(data) != json.dumps(d, ensure_ascii=False).encode():
+        raise SpecError("the index is not spelled as json.dumps(ensure_ascii=False) writes it")
+    if [k for k in d if k in _TOP] != [k for k in _TOP if k in d]:
+        raise SpecError(f"top-level members in the order {list(d)}")
+    if "order" in d:
+        pos = {k: i for i, k in enumerate(d["order"])}
+        for m in ("containers", "values", "tensors"):
+            if [pos[k] for k in d.get(m, {})] != sorted(pos[k] for k in d.get(m, {})):
+                raise SpecError(f"{m} is not listed in the order of 'order'")
+    if list(d.get("files", {})) != sorted(d.get("files", {})):
+        raise SpecError("files are not in code point order")
+
+
 # -- §3.2: the tree and its order -----------------------------------------------------------------
 
 @dataclass(frozen=True)
