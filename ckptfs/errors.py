@@ -31,6 +31,10 @@ class BackendOptionsError(ConfigError):
     """A backend option is unknown or has a bad value."""
 
 
+class UsageError(ConfigError):
+    """A tool's arguments cannot work together (the ``ckptfs`` command exits with status 2)."""
+
+
 class MalformedIndexError(CkptfsError):
     """The index file is malformed: a field is missing or has the wrong type."""
 

@@ -40,7 +40,8 @@ def make_backend(name: str, version: int | None, options: Mapping[str, Any] | No
     be = get_backend(name, version)(options)
     if not be.writable:
         raise ConfigError(f"backend {be.name}-{be.version} is read-only (it reads checkpoints "
-                          f"written by another tool); save with another backend")
+                          f"written by another tool); save with another backend, or export "
+                          f"tensors in that layout with ckptfs.unshard (e.g. format='hf')")
     return be
 
 

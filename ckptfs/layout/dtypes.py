@@ -34,6 +34,7 @@ _ALL = (
 )
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _ALL}
+BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _ALL}  #: for foreign headers
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 
 
@@ -58,4 +59,18 @@ def from_name(name: str, key: str = "?") -> DType:
     except KeyError:
         raise MalformedIndexError(
             f"key {key!r}: unknown dtype {name!r} in the index; known: {', '.join(NAMES)}"
+        ) from None
+
+
+def from_safetensors(code: str, where: str = "?") -> DType:
+    """The dtype of a safetensors header dtype code ("F32", "BF16", ...), or a clear error naming
+    ``where`` (the tensor and file) and the codes ckptfs can store."""
+    from ckptfs.errors import UnsupportedValueError
+
+    try:
+        return BY_SAFETENSORS[code]
+    except KeyError:
+        raise UnsupportedValueError(
+            f"{where}: safetensors dtype {code!r} is not supported; supported: "
+            f"{', '.join(BY_SAFETENSORS)}"
         ) from None

@@ -83,3 +83,5 @@ register_backend("safetensors_chunks", 1,
 register_backend("zarr", 2, "ckptfs.layout.backends.zarr_backend:ZarrV2Backend")
 register_backend("zarr", 3, "ckptfs.layout.backends.zarr_backend:ZarrV3Backend")
 register_backend("torch_dist", 1, "ckptfs.layout.backends.torch_dist:TorchDistBackend")
+register_backend("hf_safetensors", 1,
+                 "ckptfs.layout.backends.hf_safetensors:HfSafetensorsBackend")
