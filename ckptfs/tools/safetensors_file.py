@@ -1,0 +1,87 @@
+"""A safetensors file written one tensor at a time.
+
+The header (every tensor's name, dtype, shape and data offsets) depends only on metadata, so it
+is written first and each tensor's bytes follow as they arrive: memory holds one tensor, not
+the file. Layout as ``safetensors.torch.save_file`` writes it: an 8-byte little-endian header
+length, the JSON header padded with spaces to a multiple of 8, then the tensors largest
+element size first (every tensor stays aligned to its element size), contiguous, no gaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ckptfs.layout.dtypes import DType
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor of the file: its name in the header, dtype and shape."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def layout(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
+           ) -> tuple[bytes, list[TensorSpec]]:
+    """(the header bytes including their length prefix, the specs in data order)."""
+    ordered = sorted(specs, key=lambda s: (-s.dtype.itemsize, s.name))
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    for s in ordered:
+        header[s.name] = {"dtype": s.dtype.safetensors, "shape": list(s.shape),
+                          "data_offsets": [pos, pos + s.nbytes]}
+        pos += s.nbytes
+    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, ordered
+
+
+class SafetensorsWriter:
+    """Write ``path``: ``layout`` fixes the order, then ``write(name, tensor)`` once per tensor
+    in that order (``order``), then ``close``. A mismatch raises ValueError naming the tensor."""
+
+    def __init__(self, path: str | os.PathLike, specs: Sequence[TensorSpec],
+                 metadata: Mapping[str, str] | None = None) -> None:
+        header, self.order = layout(specs, metadata)
+        self._next = 0
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f.write(header)
+        self.nbytes = len(header) + sum(s.nbytes for s in self.order)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        spec = self.order[self._next]
+        if name != spec.name or t.dtype != spec.dtype.torch or tuple(t.shape) != spec.shape:
+            raise ValueError(f"safetensors writer: expected {spec.name!r} {spec.dtype.name} "
+                             f"{list(spec.shape)} next, got {name!r} {t.dtype} {list(t.shape)}")
+        self._f.write(tensor_bytes(t.contiguous()))
+        self._next += 1
+
+    def abort(self) -> None:
+        """Stop after a failure (the partial file stays for inspection)."""
+        self._f.close()
+
+    def close(self) -> None:
+        try:
+            if self._next != len(self.order):
+                raise ValueError(f"safetensors writer: {len(self.order) - self._next} tensor(s) "
+                                 f"never written, first {self.order[self._next].name!r}")
+        finally:
+            self._f.close()

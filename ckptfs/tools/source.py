@@ -1,0 +1,165 @@
+"""A checkpoint opened for a tool: its store, index and backend; key selection; and tensors
+streamed in bounded batches through the read engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.read import TensorRead, execute_reads
+from ckptfs.errors import MissingKeysError
+from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io.store import Store
+from ckptfs.layout.backend import Backend
+from ckptfs.layout.boxes import Box, full_box
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
+from ckptfs.layout.keys import encode_key
+from ckptfs.layout.registry import get_backend
+from ckptfs.planning.load_plan import plan_reads
+
+#: bytes of tensor data a tool holds at once besides one tensor larger than this
+DEFAULT_BUFFER = 64 << 20
+
+
+@dataclass(frozen=True)
+class Source:
+    """An open checkpoint: where it is, its index, its backend and whether the index was
+    sniffed from a foreign layout (no ``ckptfs.index.json``)."""
+
+    url: str
+    store: Store
+    index: Index
+    backend: Backend
+    foreign: bool
+
+
+@contextmanager
+def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
+                    io_config: IOConfig | None = None) -> Iterator[Source]:
+    url = os.fspath(url)
+    store = run_sync(open_store(url, storage_options, io_config))
+    try:
+        index = run_sync(read_index(store))
+        foreign = not run_sync(store.exists(INDEX_FILE))
+        backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+        yield Source(url, store, index, backend, foreign)
+    finally:
+        run_sync(store.close())
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The leaves a tool works on. ``root`` is the one container the keys name, or "" when
+    they name the whole checkpoint or several subtrees; output names are relative to it."""
+
+    tensors: tuple[str, ...]
+    values: tuple[str, ...]
+    root: str
+    prefixes: tuple[str, ...] | None  #: the keys asked for (None: everything)
+
+    def relative(self, key: str) -> str:
+        return key[len(self.root) + 1:] if self.root else key
+
+    def containers(self, index: Index) -> dict[str, str]:
+        """Container kinds of the selection (ancestors of its leaves and every container
+        inside a selected subtree, empty ones included), relative to ``root``."""
+        out = {}
+        for c, kind in index.containers.items():
+            if self.prefixes is not None and not any(
+                    _under(c, p) or _under(p, c) for p in self.prefixes):
+                continue
+            if self.root and not c.startswith(self.root + "/"):
+                continue  # the root itself and its ancestors
+            out[self.relative(c)] = kind
+        return out
+
+
+def select(index: Index, keys: Iterable[str | tuple] | None, url: str) -> Selection:
+    """Leaves named by ``keys`` (canonical keys or path tuples, each a leaf or a subtree), in
+    index order; None selects everything. A key that names nothing raises MissingKeysError."""
+    if keys is None:
+        return Selection(tuple(index.tensors), tuple(index.values), "", None)
+    wanted = [encode_key(tuple(k)) if isinstance(k, tuple) else str(k) for k in keys]
+    missing = [k for k in wanted if not any(_under(x, k) for x in (*index.tensors, *index.values))]
+    if missing:
+        raise MissingKeysError(url, missing)
+    tensors = tuple(k for k in index.tensors if any(_under(k, w) for w in wanted))
+    values = tuple(k for k in index.values if any(_under(k, w) for w in wanted))
+    root = wanted[0] if len(wanted) == 1 and wanted[0] in index.containers else ""
+    return Selection(tensors, values, root, tuple(wanted))
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + "/")
+
+
+def nbytes(entry: TensorEntry, box: Box | None = None) -> int:
+    return (entry.numel if box is None else box.volume) * from_name(entry.dtype, entry.key).itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of one tensor to read (the whole tensor by default)."""
+
+    entry: TensorEntry
+    box: Box
+
+    @classmethod
+    def whole(cls, entry: TensorEntry) -> Region:
+        return cls(entry, full_box(entry.shape))
+
+
+def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int = DEFAULT_BUFFER,
+                 verify: bool = True,
+                 on_batch: Callable[[int], None] | None = None) -> Iterator[tuple[Region, torch.Tensor]]:
+    """Each region's data as a new C-contiguous tensor, in order. Regions are read in batches
+    of at most ``buffer_bytes`` (a larger region alone), so at most one batch is held here;
+    the caller drops each tensor once it is written. ``on_batch(bytes)`` reports progress."""
+    batch: list[Region] = []
+    size = 0
+    for r in regions:
+        n = nbytes(r.entry, r.box)
+        if batch and size + n > buffer_bytes:
+            yield from _read_batch(source, batch, verify, on_batch)
+            batch, size = [], 0
+        batch.append(r)
+        size += n
+    if batch:
+        yield from _read_batch(source, batch, verify, on_batch)
+
+
+def _read_batch(source: Source, batch: list[Region], verify: bool,
+                on_batch: Callable[[int], None] | None) -> Iterator[tuple[Region, torch.Tensor]]:
+    out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch) for r in batch]
+    jobs = [TensorRead(r.entry, t, tuple(plan_reads(r.entry, r.box)))
+            for r, t in zip(batch, out, strict=True) if t.numel()]
+    run_sync(execute_reads(source.store, source.backend, jobs, verify=verify))
+    if on_batch is not None:
+        on_batch(sum(t.nbytes for t in out))
+    for i, r in enumerate(batch):
+        t, out[i] = out[i], None  # type: ignore[call-overload]
+        yield r, t
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):
+    """A tqdm bar (bytes by default) on stderr, or a stand-in that ignores updates."""
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

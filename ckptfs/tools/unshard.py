@@ -1,0 +1,263 @@
+"""``ckptfs.unshard``: whole tensors of a checkpoint into plain files, a bounded batch at a time.
+
+Formats: ``safetensors`` and ``hf`` hold tensors only (a safetensors header has no place for
+Python values such as an optimizer's step and param_groups); ``torch`` holds everything
+``torch.load(weights_only=True)`` can read back. Strategies, as in OLMo-core's
+``unshard_checkpoint``:
+
+| strategy | safetensors | torch | hf |
+|---|---|---|---|
+| one_file | checkpoint.safetensors | checkpoint.pt (the nested state dict) | model.safetensors |
+| one_file_per_tensor | <key>.safetensors | <key>.pt | model-0000i-of-0000N.safetensors + index |
+| chunks | chunk-00000.safetensors ... | chunk-00000.pt ... | model-0000i-of-0000N.safetensors + index |
+
+``<key>`` is the canonical key, percent-encoded to one file name. Files of one_file_per_tensor
+and chunks map canonical keys to leaves; ``chunks`` packs leaves in key order into files of at
+most ``chunk_size`` bytes (a larger tensor alone). When ``keys`` names exactly one container
+(e.g. ``["model"]``), names are relative to it, so ``--keys model --format hf`` gives the
+model's own parameter names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from ckptfs.errors import CheckpointExistsError, UsageError
+from ckptfs.io import IOConfig
+from ckptfs.io.open import split_protocol
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.keys import encode_component
+from ckptfs.layout.values import decode_value
+from ckptfs.state.flatten import unflatten
+from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
+from ckptfs.tools.source import (
+    DEFAULT_BUFFER,
+    Region,
+    Selection,
+    Source,
+    nbytes,
+    open_checkpoint,
+    progress_bar,
+    read_regions,
+    select,
+)
+from ckptfs.tools.torch_file import TorchFileWriter
+
+FORMATS = ("safetensors", "torch", "hf")
+STRATEGIES = ("one_file", "one_file_per_tensor", "chunks")
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class UnshardResult:
+    """What ``unshard`` wrote."""
+
+    out_dir: str
+    format: str
+    strategy: str
+    files: tuple[str, ...]  #: relative to out_dir, in writing order (the hf index last)
+    tensors: int
+    values: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _FilePlan:
+    name: str
+    tensors: tuple[str, ...]  #: checkpoint keys, in the order their bytes are written
+    values: tuple[str, ...]
+    nested: bool  #: a torch one_file file (the nested state dict) rather than a flat one
+
+
+def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "safetensors",
+            strategy: str = "one_file", chunk_size: int | None = None,
+            keys: Iterable[str | tuple] | None = None, overwrite: bool = False,
+            storage_options: Mapping[str, Any] | None = None, io_config: IOConfig | None = None,
+            buffer_bytes: int = DEFAULT_BUFFER, verify: bool = True,
+            progress: bool = False) -> UnshardResult:
+    """Write the whole (unsharded) tensors of the checkpoint at ``url`` (any backend, or a
+    DCP, Megatron or Hugging Face directory; local or remote) as files in the local directory
+    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor.
+    Refuses to replace existing files unless ``overwrite``."""
+    t0 = time.perf_counter()
+    _check_args(format, strategy, chunk_size, out_dir)
+    out = Path(os.fspath(out_dir))
+    with open_checkpoint(url, storage_options, io_config) as src:
+        sel = select(src.index, keys, src.url)
+        _check_values(sel, format, strategy)
+        plans = _plan(src, sel, format, strategy, chunk_size)
+        names = [p.name for p in plans] + ([HF_INDEX] if format == "hf" and strategy != "one_file" else [])
+        _claim(out, names, format, overwrite)
+        written = _write(src, sel, plans, out, format, buffer_bytes, verify, progress)
+        if format == "hf" and strategy != "one_file":
+            written += _write_hf_index(src, sel, plans, out)
+    return UnshardResult(str(out), format, strategy, tuple(names), len(sel.tensors),
+                         len(sel.values), written, time.perf_counter() - t0)
+
+
+def _check_args(format: str, strategy: str, chunk_size: int | None, out_dir: Any) -> None:
+    if format not in FORMATS:
+        raise UsageError(f"format {format!r} is not one of {', '.join(FORMATS)}")
+    if strategy not in STRATEGIES:
+        raise UsageError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if strategy == "chunks" and (chunk_size is None or chunk_size < 1):
+        raise UsageError("strategy 'chunks' needs chunk_size (bytes per file, at least 1)")
+    if strategy != "chunks" and chunk_size is not None:
+        raise UsageError(f"chunk_size applies to strategy 'chunks' only, not {strategy!r}")
+    proto, _ = split_protocol(os.fspath(out_dir))
+    if proto not in ("file", "local"):
+        raise UsageError(f"out_dir must be a local directory, not {os.fspath(out_dir)!r} (unshard "
+                         f"writes files in place; copy them to object storage afterwards)")
+
+
+def _check_values(sel: Selection, format: str, strategy: str) -> None:
+    if not sel.values:
+        return
+    shown = ", ".join(repr(k) for k in sel.values[:3]) + (" ..." if len(sel.values) > 3 else "")
+    if format in ("safetensors", "hf"):
+        raise UsageError(
+            f"{len(sel.values)} Python value(s) such as {shown} cannot go into {format} files, "
+            f"which hold tensors only (optimizer state has steps and param_groups): use "
+            f"format 'torch', or select tensors with keys (e.g. keys=['model'])")
+    if strategy == "one_file_per_tensor":
+        raise UsageError(
+            f"{len(sel.values)} Python value(s) such as {shown} have no tensor file of their "
+            f"own: use strategy 'one_file' or 'chunks', or select tensors with keys")
+
+
+def _plan(src: Source, sel: Selection, format: str, strategy: str,
+          chunk_size: int | None) -> list[_FilePlan]:
+    ext = ".pt" if format == "torch" else ".safetensors"
+    idx = src.index
+    if strategy == "one_file":
+        name = HF_SINGLE if format == "hf" else f"checkpoint{ext}"
+        groups = [(name, list(sel.tensors), list(sel.values))]
+    elif strategy == "one_file_per_tensor":
+        groups = [(f"{quote(sel.relative(k), safe='')}{ext}", [k], []) for k in sel.tensors]
+    else:
+        assert chunk_size is not None
+        groups = []
+        cur_t: list[str] = []
+        cur_v: list[str] = []
+        size = 0
+        for k in sorted((*sel.tensors, *sel.values)):
+            n = nbytes(idx.tensors[k]) if k in idx.tensors else 0
+            if cur_t and size + n > chunk_size:
+                groups.append(("", cur_t, cur_v))
+                cur_t, cur_v, size = [], [], 0
+            (cur_t if k in idx.tensors else cur_v).append(k)
+            size += n
+        if cur_t or cur_v:
+            groups.append(("", cur_t, cur_v))
+        groups = [(f"chunk-{i:05d}{ext}", t, v) for i, (_, t, v) in enumerate(groups)]
+    if format == "hf" and strategy != "one_file":
+        n = len(groups)
+        groups = [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", t, v)
+                  for i, (_, t, v) in enumerate(groups)]
+    plans = []
+    for name, tensors, values in groups:
+        if format != "torch":  # the safetensors data order
+            by_name = {sel.relative(k): k for k in tensors}
+            _, order = layout(_specs(src, sel, tensors))
+            tensors = [by_name[s.name] for s in order]
+        plans.append(_FilePlan(name, tuple(tensors), tuple(values),
+                               format == "torch" and strategy == "one_file"))
+    return plans
+
+
+def _specs(src: Source, sel: Selection, keys: Iterable[str]) -> list[TensorSpec]:
+    return [TensorSpec(sel.relative(k), from_name(src.index.tensors[k].dtype, k),
+                       src.index.tensors[k].shape) for k in keys]
+
+
+def _claim(out: Path, names: list[str], format: str, overwrite: bool) -> None:
+    """Refuse to replace files (and, for hf, to mix with another export's shards)."""
+    clash = [n for n in names if (out / n).exists()]
+    if format == "hf" and out.is_dir():
+        clash += [p.name for p in out.iterdir() if p.name not in clash and _hf_weights(p.name)]
+    if clash and not overwrite:
+        raise CheckpointExistsError(
+            f"{out}: {', '.join(sorted(clash)[:5])}{' ...' if len(clash) > 5 else ''} already "
+            f"exist(s); pass overwrite=True (--overwrite) to replace them")
+    for n in clash:
+        if n not in names:
+            (out / n).unlink()  # a stale shard of an earlier hf export
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _hf_weights(name: str) -> bool:
+    return name in (HF_SINGLE, HF_INDEX) or (name.startswith("model-") and name.endswith(".safetensors"))
+
+
+def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: Path, format: str,
+           buffer_bytes: int, verify: bool, progress: bool) -> int:
+    """Open each file's writer in turn and feed it from one stream of tensors."""
+    regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
+    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify)
+    bar = progress_bar(sum(nbytes(r.entry) for r in regions), f"ckptfs unshard {src.url}", progress)
+    total = 0
+    try:
+        for plan in plans:
+            writer = _open_writer(src, sel, plan, out / plan.name, format)
+            try:
+                for key in plan.tensors:
+                    region, data = next(stream)
+                    assert region.entry.key == key
+                    writer.write(_file_key(sel, plan, key) if format == "torch" else sel.relative(key),
+                                 data)
+                    bar.update(data.nbytes)
+                    del data
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+            total += writer.nbytes
+    finally:
+        bar.close()
+    return total
+
+
+def _file_key(sel: Selection, plan: _FilePlan, key: str) -> str:
+    """The canonical key of ``key`` inside a torch file: its path relative to the root in the
+    nested one_file file, one component (the relative key) in the flat files."""
+    return sel.relative(key) if plan.nested else encode_component(sel.relative(key))
+
+
+def _open_writer(src: Source, sel: Selection, plan: _FilePlan, path: Path,
+                 format: str) -> SafetensorsWriter | TorchFileWriter:
+    idx = src.index
+    if format != "torch":
+        meta = {"format": "pt"} if format == "hf" else {"format": "ckptfs.unshard"}
+        return SafetensorsWriter(path, _specs(src, sel, plan.tensors), meta)
+
+    def build(make):
+        leaves: dict[str, Any] = {}
+        for k in plan.tensors:
+            e = idx.tensors[k]
+            leaves[sel.relative(k)] = make(_file_key(sel, plan, k), from_name(e.dtype, k).torch, e.shape)
+        for k in plan.values:
+            leaves[sel.relative(k)] = decode_value(idx.values[k], k)
+        if plan.nested:  # one_file: the nested state dict, exact types
+            return unflatten(sel.containers(idx), leaves)
+        return leaves  # flat: canonical key -> leaf
+
+    return TorchFileWriter(path, build)
+
+
+def _write_hf_index(src: Source, sel: Selection, plans: list[_FilePlan], out: Path) -> int:
+    weight_map = {sel.relative(k): p.name for p in plans for k in p.tensors}
+    doc = {"metadata": {"total_size": sum(nbytes(src.index.tensors[k]) for k in sel.tensors),
+                        "total_parameters": sum(src.index.tensors[k].numel for k in sel.tensors)},
+           "weight_map": dict(sorted(weight_map.items()))}
+    raw = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
+    (out / HF_INDEX).write_bytes(raw)
+    return len(raw)

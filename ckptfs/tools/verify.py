@@ -1,0 +1,357 @@
+"""``ckptfs.verify``: check a checkpoint end to end and report every problem, not just the first.
+
+Checks, in order: the index against formats/index.schema.json (when jsonschema is installed)
+and the format's compatibility policy; every data file present with its recorded size; every
+tensor's chunks inside its shape, pairwise disjoint and covering it (geometry, not area sums);
+every chunk read whole and its crc32c compared with the index. A problem names its kind, key,
+chunk offsets and file. New kinds may be added (``KINDS``); consumers should treat an unknown
+kind as a problem like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ckptfs.layout
+from ckptfs.errors import CkptfsError
+from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io.store import Store
+from ckptfs.io.tasks import gather_all
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.checksum import checksum
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
+from ckptfs.layout.registry import get_backend
+from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, progress_bar, read_regions
+
+SCHEMA_FILE = Path(ckptfs.layout.__file__).resolve().parent / "index.schema.json"
+
+#: Problem kinds this version reports.
+KINDS: dict[str, str] = {
+    "index": "the index cannot be read or parsed (nothing else could be checked)",
+    "schema": "the index JSON does not validate against formats/index.schema.json",
+    "missing-file": "a data file the index names is absent",
+    "file-size": "a data file's size differs from the index",
+    "bounds": "a chunk's box has the wrong rank or leaves its tensor's shape",
+    "overlap": "two chunks of a tensor share elements",
+    "hole": "the chunks of a tensor leave elements uncovered",
+    "dtype": "a tensor's dtype is unknown",
+    "read": "a chunk's bytes cannot be read or decoded",
+    "checksum": "a chunk's bytes do not match its crc32c",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a checkpoint."""
+
+    kind: str  #: one of KINDS (later versions may add kinds)
+    message: str
+    key: str | None = None
+    chunk: tuple[int, ...] | None = None  #: the chunk's offsets in its tensor
+    file: str | None = None  #: relative to the checkpoint root
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "key": self.key,
+                "chunk": None if self.chunk is None else list(self.chunk),
+                "file": self.file, "message": self.message}
+
+    def __str__(self) -> str:
+        where = [f"key {self.key!r}" if self.key is not None else "",
+                 f"chunk {list(self.chunk)}" if self.chunk is not None else "",
+                 f"file {self.file}" if self.file is not None else ""]
+        loc = ", ".join(w for w in where if w)
+        return f"[{self.kind}] {loc + ': ' if loc else ''}{self.message}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What ``verify`` checked and every problem it found; ``ok`` when there is none."""
+
+    url: str
+    problems: tuple[Problem, ...]
+    backend: str | None = None
+    backend_version: int | None = None
+    foreign: bool = False  #: no ckptfs index: read through the backend's ``sniff``
+    tensors: int = 0
+    chunks: int = 0
+    chunks_checksummed: int = 0  #: chunks whose crc32c matched
+    chunks_without_checksum: int = 0  #: read whole, but the index records no checksum
+    files: int = 0
+    bytes_read: int = 0
+    skipped: tuple[str, ...] = ()  #: checks that could not run, and why
+    seconds: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def by_kind(self) -> dict[str, list[Problem]]:
+        out: dict[str, list[Problem]] = {}
+        for p in self.problems:
+            out.setdefault(p.kind, []).append(p)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "ok": self.ok, "backend": self.backend,
+                "backend_version": self.backend_version, "foreign": self.foreign,
+                "tensors": self.tensors, "chunks": self.chunks,
+                "chunks_checksummed": self.chunks_checksummed,
+                "chunks_without_checksum": self.chunks_without_checksum, "files": self.files,
+                "bytes_read": self.bytes_read, "skipped": list(self.skipped),
+                "seconds": round(self.seconds, 3),
+                "problems": [p.to_dict() for p in self.problems]}
+
+
+def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+           io_config: IOConfig | None = None, checksums: bool = True,
+           buffer_bytes: int = DEFAULT_BUFFER, progress: bool = False) -> VerifyReport:
+    """Check the checkpoint at ``url`` and return every problem found (never raises for a
+    damaged checkpoint; a missing one is a problem of kind "index"). ``checksums=False`` skips
+    reading the data (schema, files, sizes and tiling only). Reads at most ``buffer_bytes`` of
+    chunk data at a time (one larger chunk alone)."""
+    t0 = time.perf_counter()
+    url = os.fspath(url)
+    store = run_sync(open_store(url, storage_options, io_config))
+    try:
+        return _verify(url, store, checksums, buffer_bytes, progress, t0)
+    finally:
+        run_sync(store.close())
+
+
+def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress: bool,
+            t0: float) -> VerifyReport:
+    from ckptfs.engine.index_io import read_index
+
+    problems: list[Problem] = []
+    skipped: list[str] = []
+    raw = _read_raw_index(store)
+    foreign = raw is None
+    if raw is not None:
+        _schema(raw, problems, skipped)
+    try:
+        index = run_sync(read_index(store))
+    except (CkptfsError, OSError) as e:
+        problems.append(Problem("index", f"{type(e).__name__}: {e}", file=INDEX_FILE))
+        return VerifyReport(url, tuple(problems), skipped=tuple(skipped),
+                            seconds=time.perf_counter() - t0)
+    if foreign:
+        _schema(json.dumps(index.to_dict()).encode(), problems, skipped, sniffed=True)
+    chunks = sum(len(t.chunks) for t in index.tensors.values())
+    missing = _files(store, index, problems)
+    for entry in index.tensors.values():
+        _tiling(entry, problems, skipped)
+    summed = unsummed = 0
+    before = store.stats.bytes_read
+    if checksums:
+        try:
+            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+        except CkptfsError as e:
+            problems.append(Problem("index", f"{type(e).__name__}: {e}"))
+        else:
+            source = Source(url, store, index, backend, foreign)
+            summed, unsummed = _chunks(source, missing, problems, buffer_bytes, progress)
+    else:
+        skipped.append("checksums: not requested (every chunk's bytes were left unread)")
+    return VerifyReport(
+        url, tuple(problems), index.backend, index.backend_version, foreign, len(index.tensors),
+        chunks, summed, unsummed, len(_all_files(index)), store.stats.bytes_read - before,
+        tuple(skipped), time.perf_counter() - t0)
+
+
+def _read_raw_index(store: Store) -> bytes | None:
+    try:
+        return bytes(run_sync(store.get(INDEX_FILE)))
+    except FileNotFoundError:
+        return None
+
+
+def _schema(raw: bytes, problems: list[Problem], skipped: list[str], sniffed: bool = False) -> None:
+    try:
+        import jsonschema
+    except ImportError:
+        skipped.append("schema: jsonschema is not installed (pip install 'ckptfs[conformance]')")
+        return
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return  # reported by the index parser
+    schema = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    what = "the index built from the foreign files" if sniffed else INDEX_FILE
+    for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path)):
+        path = list(e.absolute_path)
+        key = path[1] if len(path) > 1 and path[0] in ("tensors", "values") else None
+        problems.append(Problem("schema", f"{what} at {path}: {e.message}", key=key,
+                                file=None if sniffed else INDEX_FILE))
+
+
+def _all_files(index: Index) -> dict[str, int | None]:
+    """Every file the index names: its file table (with sizes) and every chunk's file."""
+    files: dict[str, int | None] = dict(index.files)
+    for t in index.tensors.values():
+        for c in t.chunks:
+            if c.file is not None:
+                files.setdefault(c.file, None)
+    return files
+
+
+def _files(store: Store, index: Index, problems: list[Problem]) -> set[str]:
+    """Check presence and size of every file; returns the missing ones."""
+    files = _all_files(index)
+
+    async def sizes() -> list[int | None]:
+        async def one(path: str) -> int | None:
+            try:
+                return await store.size(path)
+            except FileNotFoundError:
+                return None
+        return await gather_all(*(one(p) for p in files))
+
+    missing = set()
+    for (path, want), got in zip(files.items(), run_sync(sizes()), strict=True):
+        if got is None:
+            missing.add(path)
+            keys = sorted({t.key for t in index.tensors.values() for c in t.chunks if c.file == path})
+            shown = ", ".join(map(repr, keys[:5])) + (" ..." if len(keys) > 5 else "")
+            problems.append(Problem("missing-file", f"data file is missing (holds {shown or 'no chunk'})",
+                                    file=path))
+        elif want is not None and got != want:
+            problems.append(Problem("file-size", f"{got} bytes, the index says {want}", file=path))
+    return missing
+
+
+def _tiling(entry: TensorEntry, problems: list[Problem], skipped: list[str]) -> None:
+    """Chunks inside the shape, pairwise disjoint, and covering every element: in-bounds,
+    disjoint boxes cover the tensor exactly when their volumes add up to its size."""
+    shape = entry.shape
+    boxes: list[Box] = []
+    for c in entry.chunks:
+        box = Box(c.offsets, c.shape)
+        if not box.in_bounds(shape):
+            problems.append(Problem("bounds", f"chunk {box} does not fit in shape {list(shape)}",
+                                    entry.key, c.offsets, c.file))
+        elif box.volume:
+            boxes.append(box)
+    boxes.sort()
+    overlaps = False
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if a.offsets and b.offsets[0] >= a.ends[0]:
+                break  # sorted by offsets: no later box reaches back into a
+            common = a.intersect(b)
+            if common is not None:
+                overlaps = True
+                problems.append(Problem("overlap", f"chunks {a} and {b} share {common}", entry.key,
+                                        b.offsets))
+    total = entry.numel
+    if not overlaps:
+        covered = sum(b.volume for b in boxes)
+        if covered != total:
+            problems.append(Problem("hole", f"the chunks cover {covered} of {total} elements of "
+                                            f"shape {list(shape)}{_first_hole(shape, boxes)}", entry.key))
+    elif total > HOLE_MAP_LIMIT:
+        skipped.append(f"holes of key {entry.key!r}: its chunks overlap and it has {total} elements")
+    else:
+        hole = _first_hole(shape, boxes)
+        if hole:
+            problems.append(Problem("hole", f"the chunks leave elements of shape {list(shape)} "
+                                            f"uncovered{hole}", entry.key))
+
+
+#: largest tensor (elements) whose coverage is mapped element by element to locate a hole
+HOLE_MAP_LIMIT = 1 << 24
+
+
+def _first_hole(shape: tuple[int, ...], boxes: list[Box]) -> str:
+    """' (first uncovered element [i, j, ...])', or '' when all are covered or the tensor is
+    too large to map."""
+    n = 1
+    for s in shape:
+        n *= s
+    if n > HOLE_MAP_LIMIT:
+        return ""
+    covered = np.zeros(shape, dtype=bool)
+    for b in boxes:
+        covered[b.slices()] = True
+    holes = np.argwhere(~covered)
+    return f" (first uncovered element {holes[0].tolist()})" if len(holes) else ""
+
+
+def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_bytes: int,
+            progress: bool) -> tuple[int, int]:
+    """Read every chunk whole (through the backend, so encoded and padded chunks count) and
+    compare its crc32c. Returns (chunks that matched, chunks without a checksum)."""
+    regions = []
+    for entry in source.index.tensors.values():
+        try:
+            from_name(entry.dtype, entry.key)
+        except CkptfsError as e:
+            problems.append(Problem("dtype", str(e), entry.key))
+            continue
+        for c in entry.chunks:
+            if c.file in missing or not Box(c.offsets, c.shape).in_bounds(entry.shape):
+                continue
+            regions.append(Region(entry, Box(c.offsets, c.shape)))
+    sums = {(r.entry.key, r.box.offsets): c.checksum for r in regions
+            for c in r.entry.chunks if c.offsets == r.box.offsets}
+    files = {(r.entry.key, r.box.offsets): c.file for r in regions
+             for c in r.entry.chunks if c.offsets == r.box.offsets}
+    bar = progress_bar(sum(_region_bytes(r) for r in regions), f"ckptfs verify {source.url}", progress)
+    matched = unsummed = 0
+    try:
+        for batch in _batches(regions, buffer_bytes):
+            try:
+                got = list(read_regions(source, batch, buffer_bytes=buffer_bytes, verify=False))
+            except Exception:  # find the culprits one chunk at a time
+                got = []
+                for r in batch:
+                    try:
+                        got += list(read_regions(source, [r], verify=False))
+                    except Exception as e:
+                        problems.append(Problem("read", f"{type(e).__name__}: {e}", r.entry.key,
+                                                r.box.offsets, files[(r.entry.key, r.box.offsets)]))
+            for r, data in got:
+                want = sums[(r.entry.key, r.box.offsets)]
+                if want is None:
+                    unsummed += 1
+                    continue
+                have = checksum(tensor_bytes(data))
+                if have != want:
+                    problems.append(Problem("checksum", f"crc32c is {have}, the index says {want}",
+                                            r.entry.key, r.box.offsets,
+                                            files[(r.entry.key, r.box.offsets)]))
+                else:
+                    matched += 1
+            bar.update(sum(_region_bytes(r) for r in batch))
+    finally:
+        bar.close()
+    return matched, unsummed
+
+
+def _region_bytes(r: Region) -> int:
+    return r.box.volume * from_name(r.entry.dtype, r.entry.key).itemsize
+
+
+def _batches(regions: list[Region], budget: int):
+    batch: list[Region] = []
+    size = 0
+    for r in regions:
+        n = _region_bytes(r)
+        if batch and size + n > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(r)
+        size += n
+    if batch:
+        yield batch
