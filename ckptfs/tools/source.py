@@ -115,6 +115,10 @@ class Region:
     def whole(cls, entry: TensorEntry) -> Region:
         return cls(entry, full_box(entry.shape))
 
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.entry, self.box)
+
 
 def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int = DEFAULT_BUFFER,
                  verify: bool = True,
@@ -122,17 +126,23 @@ def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int
     """Each region's data as a new C-contiguous tensor, in order. Regions are read in batches
     of at most ``buffer_bytes`` (a larger region alone), so at most one batch is held here;
     the caller drops each tensor once it is written. ``on_batch(bytes)`` reports progress."""
+    for batch in batches(regions, buffer_bytes):
+        yield from _read_batch(source, batch, verify, on_batch)
+
+
+def batches(regions: Iterable[Region], budget: int) -> Iterator[list[Region]]:
+    """Consecutive regions of at most ``budget`` bytes together (a larger one alone)."""
     batch: list[Region] = []
     size = 0
     for r in regions:
-        n = nbytes(r.entry, r.box)
-        if batch and size + n > buffer_bytes:
-            yield from _read_batch(source, batch, verify, on_batch)
+        n = r.nbytes
+        if batch and size + n > budget:
+            yield batch
             batch, size = [], 0
         batch.append(r)
         size += n
     if batch:
-        yield from _read_batch(source, batch, verify, on_batch)
+        yield batch
 
 
 def _read_batch(source: Source, batch: list[Region], verify: bool,

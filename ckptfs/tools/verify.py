@@ -31,7 +31,7 @@ from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
-from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, progress_bar, read_regions
+from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, batches, progress_bar, read_regions
 
 SCHEMA_FILE = Path(ckptfs.layout.__file__).resolve().parent / "index.schema.json"
 
@@ -307,10 +307,10 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
             for c in r.entry.chunks if c.offsets == r.box.offsets}
     files = {(r.entry.key, r.box.offsets): c.file for r in regions
              for c in r.entry.chunks if c.offsets == r.box.offsets}
-    bar = progress_bar(sum(_region_bytes(r) for r in regions), f"ckptfs verify {source.url}", progress)
+    bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs verify {source.url}", progress)
     matched = unsummed = 0
     try:
-        for batch in _batches(regions, buffer_bytes):
+        for batch in batches(regions, buffer_bytes):
             try:
                 got = list(read_regions(source, batch, buffer_bytes=buffer_bytes, verify=False))
             except Exception:  # find the culprits one chunk at a time
@@ -333,25 +333,8 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
                                             files[(r.entry.key, r.box.offsets)]))
                 else:
                     matched += 1
-            bar.update(sum(_region_bytes(r) for r in batch))
+            bar.update(sum(r.nbytes for r in batch))
     finally:
         bar.close()
     return matched, unsummed
 
-
-def _region_bytes(r: Region) -> int:
-    return r.box.volume * from_name(r.entry.dtype, r.entry.key).itemsize
-
-
-def _batches(regions: list[Region], budget: int):
-    batch: list[Region] = []
-    size = 0
-    for r in regions:
-        n = _region_bytes(r)
-        if batch and size + n > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append(r)
-        size += n
-    if batch:
-        yield batch

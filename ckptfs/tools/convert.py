@@ -1,0 +1,142 @@
+"""``ckptfs.convert``: any readable checkpoint (every backend, and DCP, Megatron or Hugging Face
+directories) to any writable backend, streaming.
+
+The target keeps the source's chunk boxes (a backend may split them further, e.g. a zarr grid),
+so a resharded load of the result reads as little as one of the source. Chunks are read a
+bounded batch at a time through the read engine, laid out by the target backend as one
+"rank" per batch (its files never collide), written, and dropped before the next batch: memory
+stays near ``buffer_bytes`` or one larger chunk, whatever the checkpoint's size. The index is
+committed last, create-if-absent, exactly as ``ckptfs.save`` commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfs.errors import UsageError
+from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io.store import Store
+from ckptfs.layout.backend import Backend, ChunkData, RankWriteJob
+from ckptfs.layout.boxes import Box, full_box
+from ckptfs.layout.checksum import checksum
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index
+from ckptfs.layout.registry import get_writable_backend
+from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.planning.save_plan import ShardInfo, TensorPlan, plan_save
+from ckptfs.save import _build_index, _claim_target, _commit, _write_files
+from ckptfs.tools.source import (
+    DEFAULT_BUFFER,
+    Region,
+    Source,
+    batches,
+    open_checkpoint,
+    progress_bar,
+    read_regions,
+)
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What ``convert`` wrote."""
+
+    src: str
+    dst: str
+    backend: str
+    backend_version: int
+    tensors: int
+    values: int
+    chunks: int  #: stored chunks of the new checkpoint
+    bytes_written: int  #: data files of the new checkpoint
+    seconds: float
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
+            backend_version: int | None = None, backend_options: Mapping[str, Any] | None = None,
+            overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
+            dst_storage_options: Mapping[str, Any] | None = None,
+            io_config: IOConfig | None = None, buffer_bytes: int = DEFAULT_BUFFER,
+            verify: bool = True, progress: bool = False) -> ConvertResult:
+    """Write the checkpoint at ``src`` to ``dst`` with ``backend`` (``backend_version`` None:
+    the newest registered). One process, no process group. ``dst_storage_options`` default to
+    ``storage_options``. Refuses an existing checkpoint at ``dst`` unless ``overwrite``."""
+    t0 = time.perf_counter()
+    src, dst = os.fspath(src), os.fspath(dst)
+    if src.rstrip("/") == dst.rstrip("/"):
+        raise UsageError(f"convert: source and destination are the same ({src})")
+    be = get_writable_backend(backend, backend_version)(backend_options)
+    with open_checkpoint(src, storage_options, io_config) as source:
+        store = run_sync(open_store(dst, storage_options if dst_storage_options is None
+                                    else dst_storage_options, io_config))
+        try:
+            index = _convert(source, be, store, overwrite, buffer_bytes, verify, progress)
+        finally:
+            run_sync(store.close())
+    return ConvertResult(src, dst, be.name, be.version, len(index.tensors), len(index.values),
+                         sum(len(t.chunks) for t in index.tensors.values()), index.total_bytes,
+                         time.perf_counter() - t0)
+
+
+def _plans(index: Index, be: Backend) -> dict[str, TensorPlan]:
+    """The save plan of one process holding every source chunk box (empty tensors: their
+    whole, empty box)."""
+    infos = []
+    for key, e in index.tensors.items():
+        boxes = [Box(c.offsets, c.shape) for c in e.chunks if Box(c.offsets, c.shape).volume]
+        for b in boxes or [full_box(e.shape)]:
+            infos.append(ShardInfo(key, e.dtype, e.shape, b, 0))
+    return plan_save([infos], lambda d: from_name(d).itemsize, split=be.split_chunks)
+
+
+def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_bytes: int,
+             verify: bool, progress: bool) -> Index:
+    index = source.index
+    plans = _plans(index, be)
+    replacing = run_sync(_claim_target(store, overwrite))
+    save_id = uuid.uuid4().hex[:12]
+    written: set[str] = set()
+    outcomes: list[tuple[list[tuple[str, ChunkEntry]], dict[str, int]]] = []
+    regions = [Region(index.tensors[k], c.box) for k, p in plans.items() for c in p.chunks]
+    bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs convert {source.url}", progress)
+    try:
+        prep = be.prepare(plans)
+        run_sync(_write_files(store, prep, False))
+        written.update(f.path for f in prep)
+        for batch_no, batch in enumerate(batches(regions, buffer_bytes)):
+            chunks = tuple(
+                ChunkData(r.entry.key, from_name(r.entry.dtype, r.entry.key), r.entry.shape, r.box, data)
+                for r, data in read_regions(source, batch, buffer_bytes=buffer_bytes, verify=verify))
+            rw = be.write_rank(RankWriteJob(batch_no, 1, save_id, chunks))
+            written.update(f.path for f in rw.files)
+            run_sync(_write_files(store, rw.files, False))
+            sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in chunks}
+            entries = [(k, e if e.checksum is not None else
+                        dataclasses.replace(e, checksum=sums.get((k, e.offsets)))) for k, e in rw.chunks]
+            outcomes.append((entries, {f.path: f.nbytes for f in rw.files}))
+            bar.update(sum(c.data.nbytes for c in chunks))
+            del chunks, rw
+        new = _build_index(be, plans, outcomes or [([], {})], dict(index.values),
+                           dict(index.containers), 1)
+        new = dataclasses.replace(new, writer={**new.writer, "converted_from": {
+            "url": source.url, "backend": index.backend, "backend_version": index.backend_version,
+            "writer": {k: v for k, v in index.writer.items() if isinstance(v, str | int | float)}}})
+    except BaseException:
+        if written:  # nothing was committed: what this conversion wrote is garbage
+            run_sync(store.delete(sorted(written)))
+        raise
+    finally:
+        bar.close()
+    try:
+        run_sync(_commit(store, be, new, written if replacing else None))
+    except BaseException:
+        if not run_sync(store.exists(INDEX_FILE)):
+            run_sync(store.delete(sorted(written)))
+        raise
+    return new
+
