@@ -1,7 +1,8 @@
 """ckptfs: distributed checkpointing with a versioned, pickle-free format over fsspec.
 
 Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
-  cli, demo, tools/         command-line tools
+  cli, demo, tools/         command-line tools: inspect, verify, convert, unshard, bench; the
+                            model+optimizer helpers (re-exported here lazily)
   testing/                  spawned ranks for tests, the conformance suite (+ golden checkpoints)
   save / load / metadata /  the public API: short compositions of the engine's phases
     manage
@@ -35,6 +36,7 @@ from ckptfs.errors import (
     StorageError,
     UnknownBackendError,
     UnsupportedValueError,
+    UsageError,
 )
 from ckptfs.io.store import IOConfig
 from ckptfs.layout.backend import Backend
@@ -55,6 +57,36 @@ def register_zarr_dtypes() -> None:
     register()
 
 
+#: Tools (ckptfs/tools/, a layer above this API) exported here and imported on first use
+#: (PEP 562), so ``import ckptfs`` stays light and imports still point down only.
+_TOOLS: dict[str, str] = {
+    "verify": "ckptfs.tools.verify",
+    "VerifyReport": "ckptfs.tools.verify",
+    "Problem": "ckptfs.tools.verify",
+    "convert": "ckptfs.tools.convert",
+    "ConvertResult": "ckptfs.tools.convert",
+    "unshard": "ckptfs.tools.unshard",
+    "UnshardResult": "ckptfs.tools.unshard",
+    "save_model_and_optim_state": "ckptfs.tools.model_state",
+    "load_model_and_optim_state": "ckptfs.tools.model_state",
+}
+
+
+def __getattr__(name: str):
+    module = _TOOLS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_TOOLS})
+
+
 __all__ = [
     "INDEX_FILE",
     "AccessDeniedError",
@@ -65,6 +97,7 @@ __all__ = [
     "ChunkEntry",
     "CkptfsError",
     "ConfigError",
+    "ConvertResult",
     "ForbiddenGlobalError",
     "FormatVersionError",
     "IOConfig",
@@ -74,6 +107,7 @@ __all__ = [
     "MalformedIndexError",
     "MismatchError",
     "MissingKeysError",
+    "Problem",
     "RankError",
     "SaveResult",
     "ShardedTensor",
@@ -81,15 +115,23 @@ __all__ = [
     "StorageError",
     "TensorEntry",
     "UnknownBackendError",
+    "UnshardResult",
     "UnsupportedValueError",
+    "UsageError",
+    "VerifyReport",
     "__version__",
     "available_backends",
+    "convert",
     "delete",
     "get_backend",
     "load",
     "load_keys",
     "load_metadata",
+    "load_model_and_optim_state",
     "register_backend",
     "register_zarr_dtypes",
     "save",
+    "save_model_and_optim_state",
+    "unshard",
+    "verify",
 ]

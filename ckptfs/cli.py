@@ -1,6 +1,18 @@
-"""The ``ckptfs`` command: one subcommand per tool.
+"""The ``ckptfs`` command (also ``python -m ckptfs``): one subcommand per tool.
 
+    ckptfs inspect URL [--json] [--keys PATTERN]
+    ckptfs verify URL [--json] [--no-checksums]
+    ckptfs convert SRC DST --backend NAME[:VERSION] [--backend-option K=V ...] [--overwrite]
+    ckptfs unshard URL DIR [--format safetensors|torch|hf] [--strategy one_file|one_file_per_tensor|chunks]
+                   [--chunk-size BYTES] [--keys KEY ...] [--overwrite] [--json]
+    ckptfs bench [SUITE] [ARGS ...]
     ckptfs conformance [--backend NAME:VERSION ...] [--golden-dir DIR] [pytest args ...]
+
+Every command that reads a checkpoint takes ``--storage-option KEY=VALUE`` (repeatable; VALUE
+is JSON when it parses as JSON, a dotted KEY nests: ``client_kwargs.region_name=us-east-1``) and
+``--storage-options FILE`` (a JSON object; single options override it), and ``--quiet`` (no
+progress bars or summaries). Exit status: 0 ok, 1 a problem was found (verify) or the command
+failed, 2 a usage error.
 
 Each subcommand is a small module-level ``add_<name>(subparsers)`` that registers its parser and
 sets ``run`` (a function of the parsed namespace and the leftover arguments, returning an exit
@@ -10,11 +22,317 @@ code). Only subcommands that set ``passthrough`` accept leftover arguments.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import ckptfs
+from ckptfs.errors import CkptfsError, UsageError
+
+# ---------------------------------------------------------------------------- shared options
+
+
+def parse_assignment(text: str, what: str) -> tuple[list[str], Any]:
+    """``KEY=VALUE`` -> (KEY split at dots, VALUE as JSON if it parses, else the string)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"{what} {text!r} is not KEY=VALUE")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def _assign(out: dict[str, Any], path: list[str], value: Any) -> None:
+    node = out
+    for p in path[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise UsageError(f"option {'.'.join(path)!r}: {p!r} is already a plain value")
+    node[path[-1]] = value
+
+
+def storage_options(args: argparse.Namespace, prefix: str = "") -> dict[str, Any] | None:
+    """storage_options from ``--{prefix}storage-options FILE`` and ``--{prefix}storage-option``."""
+    file = getattr(args, f"{prefix}storage_options_file".replace("-", "_"))
+    pairs = getattr(args, f"{prefix}storage_option".replace("-", "_"))
+    out: dict[str, Any] = {}
+    if file:
+        try:
+            out = json.loads(Path(file).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"--storage-options {file}: {e}") from None
+        if not isinstance(out, dict):
+            raise UsageError(f"--storage-options {file}: must hold a JSON object")
+    for text in pairs:
+        _assign(out, *parse_assignment(text, "--storage-option"))
+    return out or None
+
+
+def _common(prefix: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("storage")
+    g.add_argument(f"--{prefix}storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an fsspec/s3fs storage option (repeatable); VALUE is JSON if it parses, "
+                        "a dotted KEY nests (client_kwargs.region_name=us-east-1)")
+    g.add_argument(f"--{prefix}storage-options", dest=f"{prefix}storage_options_file".replace("-", "_"),
+                   metavar="FILE", help="a JSON file with storage options")
+    return p
+
+
+def _quiet() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summaries")
+    return p
+
+
+def _json(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as JSON")
+
+
+def _emit(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+
+
+def parse_size(text: str) -> int:
+    """Bytes: an int, or a number with a unit (KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB,
+    TiB = powers of 1024), as Hugging Face's ``max_shard_size`` reads "5GB"."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1000000, 500MB, 2GiB)") from None
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def run_inspect(args: argparse.Namespace, rest: list[str]) -> int:
+    from ckptfs.tools.describe import describe, render
+    from ckptfs.tools.source import open_checkpoint
+
+    with open_checkpoint(args.url, storage_options(args)) as src:
+        doc = describe(src.url, src.index, src.foreign, args.keys)
+    if args.json:
+        _emit(doc)
+    else:
+        print(render(doc))
+    return 0
+
+
+def add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect", parents=[_common(), _quiet()], help="show a checkpoint's index: versions, tensors, values",
+        description="Show the format and backend versions, the writer, totals, a table of tensors "
+                    "(key, dtype, shape, bytes, chunks) and the values of the checkpoint at URL. "
+                    "Reads the index only (or, for DCP, Megatron and Hugging Face directories, "
+                    "their metadata).")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--keys", metavar="PATTERN",
+                   help="only keys matching a glob (model/*.weight) or under a key (optim)")
+    _json(p, "the index summary")
+    p.set_defaults(run=run_inspect)
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def run_verify(args: argparse.Namespace, rest: list[str]) -> int:
+    report = ckptfs.verify(args.url, storage_options=storage_options(args),
+                           checksums=not args.no_checksums, progress=not args.quiet)
+    if args.json:
+        _emit(report.to_dict())
+    else:
+        for p in report.problems:
+            print(p)
+        if not args.quiet:
+            for s in report.skipped:
+                print(f"skipped: {s}", file=sys.stderr)
+            what = (f"{report.tensors} tensors, {report.chunks} chunks ({report.chunks_checksummed} "
+                    f"checksums matched, {report.chunks_without_checksum} without checksum), "
+                    f"{report.files} files, {report.bytes_read} bytes read")
+            verdict = "OK" if report.ok else f"{len(report.problems)} PROBLEM(S)"
+            print(f"{verdict}: {report.url}: {what}")
+    return 0 if report.ok else 1
+
+
+def add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", parents=[_common(), _quiet()], help="check a checkpoint end to end (exit 1 on any problem)",
+        description="Check the index against the JSON Schema, every data file's presence and size, "
+                    "that the chunks of every tensor tile it exactly, and every chunk's crc32c. "
+                    "Every problem is reported with its kind, key, chunk and file. Exit 1 on any.")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="skip reading the data (index, files, sizes and tiling only)")
+    _json(p, "the report")
+    p.set_defaults(run=run_verify)
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def _backend_pair(text: str) -> tuple[str, int | None]:
+    name, sep, version = text.partition(":")
+    if not sep:
+        return name, None
+    try:
+        return name, int(version)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: VERSION must be an integer (NAME:VERSION)") from None
+
+
+def run_convert(args: argparse.Namespace, rest: list[str]) -> int:
+    name, version = args.backend
+    options: dict[str, Any] = {}
+    for text in args.backend_option:
+        _assign(options, *parse_assignment(text, "--backend-option"))
+    src_opts = storage_options(args)
+    dst_opts = storage_options(args, "dst-") if (args.dst_storage_option or args.dst_storage_options_file) \
+        else src_opts
+    res = ckptfs.convert(args.src, args.dst, backend=name, backend_version=version,
+                         backend_options=options or None, overwrite=args.overwrite,
+                         storage_options=src_opts, dst_storage_options=dst_opts,
+                         progress=not args.quiet)
+    if args.json:
+        _emit(asdict(res))
+    elif not args.quiet:
+        print(f"converted {res.src} -> {res.dst}: {res.backend}-{res.backend_version}, "
+              f"{res.tensors} tensors, {res.values} values, {res.chunks} chunks, "
+              f"{res.bytes_written} bytes in {res.seconds:.2f} s")
+    return 0
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert", parents=[_common(), _common("dst-"), _quiet()],
+        help="rewrite a checkpoint with another backend (streaming)",
+        description="Write the checkpoint at SRC (any backend, or a DCP, Megatron or Hugging Face "
+                    "directory) to DST with another backend, a bounded batch of chunks at a time. "
+                    "--dst-storage-option(s) apply to DST (default: the same as SRC's).")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--backend", required=True, type=_backend_pair, metavar="NAME[:VERSION]",
+                   help="target backend (ckptfs.available_backends(); VERSION: newest if omitted)")
+    p.add_argument("--backend-option", action="append", default=[], metavar="K=V",
+                   help="a backend option (repeatable), e.g. compressor=zstd")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    _json(p, "the result")
+    p.set_defaults(run=run_convert)
+
+
+# ---------------------------------------------------------------------------- unshard
+
+
+def run_unshard(args: argparse.Namespace, rest: list[str]) -> int:
+    res = ckptfs.unshard(args.url, args.dir, format=args.format, strategy=args.strategy,
+                         chunk_size=args.chunk_size, keys=args.keys, overwrite=args.overwrite,
+                         storage_options=storage_options(args), progress=not args.quiet)
+    if args.json:
+        _emit(asdict(res))
+    elif not args.quiet:
+        print(f"unsharded {args.url} -> {res.out_dir} ({res.format}, {res.strategy}): "
+              f"{res.tensors} tensors, {res.values} values, {len(res.files)} files, "
+              f"{res.bytes_written} bytes in {res.seconds:.2f} s")
+        for f in res.files:
+            print(f"  {f}")
+    return 0
+
+
+def add_unshard(sub: argparse._SubParsersAction) -> None:
+    from ckptfs.tools.unshard import FORMATS, STRATEGIES
+
+    p = sub.add_parser(
+        "unshard", parents=[_common(), _quiet()],
+        help="write whole tensors as safetensors, torch.save or Hugging Face files",
+        description="Write the whole tensors of the checkpoint at URL into the local directory DIR, "
+                    "a bounded batch at a time. safetensors and hf hold tensors only (select them "
+                    "with --keys, e.g. --keys model); torch also holds optimizer state and values. "
+                    "hf writes model.safetensors, or model-0000i-of-0000N.safetensors shards with "
+                    "model.safetensors.index.json (strategies chunks and one_file_per_tensor).")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--format", choices=FORMATS, default="safetensors")
+    p.add_argument("--strategy", choices=STRATEGIES, default="one_file")
+    p.add_argument("--chunk-size", type=parse_size, metavar="BYTES",
+                   help="file size limit of --strategy chunks (e.g. 5GB, 512MiB)")
+    p.add_argument("--keys", nargs="+", action="extend", metavar="KEY",
+                   help="only these keys or subtrees; one container (e.g. model) becomes the root")
+    p.add_argument("--overwrite", action="store_true", help="replace existing files in DIR")
+    _json(p, "the result")
+    p.set_defaults(run=run_unshard)
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def _bench_package():
+    """The ``bench`` package of a source checkout (it is not part of the installed wheel)."""
+    try:
+        import bench  # importable when run from the checkout root
+    except ImportError:
+        root = Path.cwd()
+        if not (root / "bench" / "run.py").is_file():
+            return None
+        sys.path.insert(0, str(root))
+        import bench
+    return bench
+
+
+def run_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+    import pkgutil
+    import runpy
+
+    pkg = _bench_package()
+    if pkg is None:
+        print("ckptfs bench: the benchmarks live in the source tree (bench/), not in the installed "
+              "package; run `ckptfs bench` from the root of a ckptfs checkout (git clone the "
+              "repository, `make venv`, then `ckptfs bench --help`)", file=sys.stderr)
+        return 2
+    suites = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)
+                    if m.name == "run" or m.name.endswith("_quick"))
+    if args.list:
+        for name in suites:
+            doc = (importlib.import_module(f"bench.{name}").__doc__ or "").strip().splitlines()
+            print(f"{name:<18} {doc[0] if doc else ''}")
+        return 0
+    if args.suite not in suites:
+        print(f"ckptfs bench: no suite {args.suite!r}; suites: {', '.join(suites)}", file=sys.stderr)
+        return 2
+    if args.suite == "run":
+        return int(importlib.import_module("bench.run").main(rest) or 0)
+    argv = sys.argv
+    sys.argv = [f"bench.{args.suite}", *rest]
+    try:
+        runpy.run_module(f"bench.{args.suite}", run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="run the benchmarks (from a source checkout)",
+        description="Run a benchmark suite of the source tree's bench/ package: `run` (the default, "
+                    "= make bench: ckptfs vs torch.distributed.checkpoint) or a *_quick script. "
+                    "Other arguments go to the suite (ckptfs bench run --help).")
+    p.add_argument("suite", nargs="?", default="run", help="suite name (default: run; --list)")
+    p.add_argument("--list", action="store_true", help="list the suites")
+    p.set_defaults(run=run_bench, passthrough=True)
+
+
+# ---------------------------------------------------------------------------- conformance
 
 
 def run_conformance(args: argparse.Namespace, rest: list[str]) -> int:
@@ -49,11 +367,13 @@ def add_conformance(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_conformance, passthrough=True)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_conformance]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_inspect, add_verify, add_convert, add_unshard, add_bench, add_conformance]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptfs", description="ckptfs command-line tools.")
+    parser = argparse.ArgumentParser(prog="ckptfs", description="ckptfs command-line tools. Exit "
+                                     "status: 0 ok, 1 a problem found or the command failed, 2 usage error.")
     parser.add_argument("--version", action="version", version=f"ckptfs {ckptfs.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
@@ -69,7 +389,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest[:1] == ["--"]:
         rest = rest[1:]
-    return args.run(args, rest)
+    prog = f"ckptfs {args.command}"
+    try:
+        return args.run(args, rest)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except CkptfsError as e:
+        print(f"{prog}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `ckptfs inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 - ``verify``: check a checkpoint end to end and report every problem (``ckptfs.verify``).
 - ``convert``: any readable checkpoint to any writable backend, streaming (``ckptfs.convert``).
 - ``unshard``: whole tensors into safetensors, ``torch.save`` or Hugging Face files (``ckptfs.unshard``).
-- ``inspect``: what ``ckptfs inspect`` prints (index only).
+- ``describe``: what ``ckptfs inspect`` prints (index only).
 - ``model_state``: ``save_model_and_optim_state`` / ``load_model_and_optim_state``.
 - ``source``: open a checkpoint, select keys, stream tensors in bounded batches.
 - ``safetensors_file``, ``torch_file``: single files written a tensor at a time.

@@ -127,11 +127,11 @@ def _check_values(sel: Selection, format: str, strategy: str) -> None:
         raise UsageError(
             f"{len(sel.values)} Python value(s) such as {shown} cannot go into {format} files, "
             f"which hold tensors only (optimizer state has steps and param_groups): use "
-            f"format 'torch', or select tensors with keys (e.g. keys=['model'])")
+            f"format 'torch', or select tensors with keys (e.g. keys=['model'], --keys model)")
     if strategy == "one_file_per_tensor":
         raise UsageError(
             f"{len(sel.values)} Python value(s) such as {shown} have no tensor file of their "
-            f"own: use strategy 'one_file' or 'chunks', or select tensors with keys")
+            f"own: use strategy 'one_file' or 'chunks', or select tensors with keys (--keys)")
 
 
 def _plan(src: Source, sel: Selection, format: str, strategy: str,

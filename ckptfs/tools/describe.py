@@ -1,0 +1,93 @@
+"""What ``ckptfs inspect`` shows: a checkpoint's versions, writer, totals, tensors and values,
+from the index alone (no tensor data is read)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from typing import Any
+
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import Index, TensorEntry
+from ckptfs.layout.values import decode_value
+
+
+def matches(key: str, pattern: str | None) -> bool:
+    """A glob (``model/*.weight``), or a plain key naming a leaf or a subtree."""
+    if pattern is None:
+        return True
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(key, pattern)
+    return key == pattern or key.startswith(pattern + "/")
+
+
+def _bytes(e: TensorEntry) -> int:
+    try:
+        return e.numel * from_name(e.dtype, e.key).itemsize
+    except Exception:
+        return 0
+
+
+def describe(url: str, index: Index, foreign: bool, pattern: str | None = None) -> dict[str, Any]:
+    """The JSON document of ``ckptfs inspect --json``. Values keep the index's JSON encoding
+    (non-finite floats as ``{"$float": "nan"}``)."""
+    tensors = [e for k, e in index.tensors.items() if matches(k, pattern)]
+    values = {k: v for k, v in index.values.items() if matches(k, pattern)}
+    return {
+        "url": url,
+        "format_version": index.format_version,
+        "backend": {"name": index.backend, "version": index.backend_version,
+                    "options": dict(index.backend_options)},
+        "foreign": foreign,
+        "writer": dict(index.writer),
+        "totals": {"tensors": len(index.tensors), "values": len(index.values),
+                   "chunks": sum(len(e.chunks) for e in index.tensors.values()),
+                   "files": len(index.files), "file_bytes": index.total_bytes,
+                   "tensor_bytes": sum(_bytes(e) for e in index.tensors.values())},
+        "selected": {"pattern": pattern, "tensors": len(tensors), "values": len(values)},
+        "tensors": [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape), "bytes": _bytes(e),
+                     "chunks": len(e.chunks)} for e in tensors],
+        "values": values,
+    }
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The text form: a header, then a table of tensors and one line per value."""
+    be, w, tot = doc["backend"], doc["writer"], doc["totals"]
+    lines = [f"checkpoint  {doc['url']}",
+             f"format      ckptfs {doc['format_version']}, backend {be['name']}-{be['version']}"
+             + (f" {json.dumps(be['options'], sort_keys=True)}" if be["options"] else "")
+             + ("  (no ckptfs index: read from the foreign files)" if doc["foreign"] else "")]
+    who = " ".join(f"{k}={w[k]}" for k in ("library", "library_version", "torch_version",
+                                            "world_size", "created") if k in w)
+    if who:
+        lines.append(f"writer      {who}")
+    lines.append(f"totals      {tot['tensors']} tensors ({human(tot['tensor_bytes'])}), "
+                 f"{tot['values']} values, {tot['chunks']} chunks, {tot['files']} files "
+                 f"({human(tot['file_bytes'])})")
+    sel = doc["selected"]
+    if sel["pattern"] is not None:
+        lines.append(f"selected    {sel['tensors']} tensors, {sel['values']} values matching "
+                     f"{sel['pattern']!r}")
+    rows = [(t["key"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", human(t["bytes"]),
+             str(t["chunks"])) for t in doc["tensors"]]
+    if rows:
+        head = ("key", "dtype", "shape", "bytes", "chunks")
+        width = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+        lines.append("")
+        for r in [head, *rows]:
+            lines.append("  ".join(c.rjust(width[i]) if i >= 3 else c.ljust(width[i])
+                                   for i, c in enumerate(r)).rstrip())
+    if doc["values"]:
+        lines.append("")
+        for k, v in doc["values"].items():
+            lines.append(f"{k} = {decode_value(v, k)!r}")
+    return "\n".join(lines)
