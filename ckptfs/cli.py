@@ -308,13 +308,13 @@ def run_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.suite not in suites:
         print(f"ckptfs bench: no suite {args.suite!r}; suites: {', '.join(suites)}", file=sys.stderr)
         return 2
-    if args.suite == "run":
-        return int(importlib.import_module("bench.run").main(rest) or 0)
     argv = sys.argv
-    sys.argv = [f"bench.{args.suite}", *rest]
+    sys.argv = [f"ckptfs bench {args.suite}", *rest]
     try:
+        if args.suite == "run":
+            return int(importlib.import_module("bench.run").main(rest) or 0)
         runpy.run_module(f"bench.{args.suite}", run_name="__main__")
-    except SystemExit as e:
+    except SystemExit as e:  # argparse (--help, bad arguments) and scripts that exit
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         sys.argv = argv
@@ -323,10 +323,10 @@ def run_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="run the benchmarks (from a source checkout)",
+        "bench", help="run the benchmarks (from a source checkout; --list)", add_help=False,
         description="Run a benchmark suite of the source tree's bench/ package: `run` (the default, "
                     "= make bench: ckptfs vs torch.distributed.checkpoint) or a *_quick script. "
-                    "Other arguments go to the suite (ckptfs bench run --help).")
+                    "Other arguments, --help included, go to the suite (ckptfs bench run --help).")
     p.add_argument("suite", nargs="?", default="run", help="suite name (default: run; --list)")
     p.add_argument("--list", action="store_true", help="list the suites")
     p.set_defaults(run=run_bench, passthrough=True)
@@ -382,11 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status (argparse's own exits included)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, rest = parser.parse_known_args(argv)
-    if rest and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if rest and not getattr(args, "passthrough", False):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as e:  # --help, --version, usage errors (2)
+        return e.code if isinstance(e.code, int) else 0
     if rest[:1] == ["--"]:
         rest = rest[1:]
     prog = f"ckptfs {args.command}"

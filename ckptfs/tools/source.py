@@ -19,10 +19,10 @@ from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
+from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.keys import encode_key
 from ckptfs.layout.registry import get_backend
-from ckptfs.planning.load_plan import plan_reads
+from ckptfs.planning.load_plan import ReadPiece, plan_reads
 
 #: bytes of tensor data a tool holds at once besides one tensor larger than this
 DEFAULT_BUFFER = 64 << 20
@@ -106,10 +106,16 @@ def nbytes(entry: TensorEntry, box: Box | None = None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Region:
-    """A box of one tensor to read (the whole tensor by default)."""
+    """A box of one tensor to read (the whole tensor by default), from the chunks that cover
+    it, or from ``chunk`` alone (one stored chunk, read whole, whatever its neighbours)."""
 
     entry: TensorEntry
     box: Box
+    chunk: ChunkEntry | None = None
+
+    @classmethod
+    def of_chunk(cls, entry: TensorEntry, chunk: ChunkEntry) -> Region:
+        return cls(entry, Box(chunk.offsets, chunk.shape), chunk)
 
     @classmethod
     def whole(cls, entry: TensorEntry) -> Region:
@@ -148,14 +154,20 @@ def batches(regions: Iterable[Region], budget: int) -> Iterator[list[Region]]:
 def _read_batch(source: Source, batch: list[Region], verify: bool,
                 on_batch: Callable[[int], None] | None) -> Iterator[tuple[Region, torch.Tensor]]:
     out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch) for r in batch]
-    jobs = [TensorRead(r.entry, t, tuple(plan_reads(r.entry, r.box)))
-            for r, t in zip(batch, out, strict=True) if t.numel()]
+    jobs = [TensorRead(r.entry, t, _pieces(r)) for r, t in zip(batch, out, strict=True) if t.numel()]
     run_sync(execute_reads(source.store, source.backend, jobs, verify=verify))
     if on_batch is not None:
         on_batch(sum(t.nbytes for t in out))
     for i, r in enumerate(batch):
         t, out[i] = out[i], None  # type: ignore[call-overload]
         yield r, t
+
+
+def _pieces(r: Region) -> tuple[ReadPiece, ...]:
+    if r.chunk is None:
+        return tuple(plan_reads(r.entry, r.box))
+    whole = full_box(r.chunk.shape)
+    return (ReadPiece(r.chunk, whole, whole),)
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):

@@ -188,11 +188,11 @@ def _schema(raw: bytes, problems: list[Problem], skipped: list[str], sniffed: bo
         return  # reported by the index parser
     schema = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
     validator = jsonschema.validators.validator_for(schema)(schema)
-    what = "the index built from the foreign files" if sniffed else INDEX_FILE
+    what = "the index built from the foreign files, " if sniffed else ""
     for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path)):
         path = list(e.absolute_path)
         key = path[1] if len(path) > 1 and path[0] in ("tensors", "values") else None
-        problems.append(Problem("schema", f"{what} at {path}: {e.message}", key=key,
+        problems.append(Problem("schema", f"{what}at {path}: {e.message}", key=key,
                                 file=None if sniffed else INDEX_FILE))
 
 
@@ -302,11 +302,7 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
         for c in entry.chunks:
             if c.file in missing or not Box(c.offsets, c.shape).in_bounds(entry.shape):
                 continue
-            regions.append(Region(entry, Box(c.offsets, c.shape)))
-    sums = {(r.entry.key, r.box.offsets): c.checksum for r in regions
-            for c in r.entry.chunks if c.offsets == r.box.offsets}
-    files = {(r.entry.key, r.box.offsets): c.file for r in regions
-             for c in r.entry.chunks if c.offsets == r.box.offsets}
+            regions.append(Region.of_chunk(entry, c))
     bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs verify {source.url}", progress)
     matched = unsummed = 0
     try:
@@ -320,17 +316,16 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
                         got += list(read_regions(source, [r], verify=False))
                     except Exception as e:
                         problems.append(Problem("read", f"{type(e).__name__}: {e}", r.entry.key,
-                                                r.box.offsets, files[(r.entry.key, r.box.offsets)]))
+                                                r.box.offsets, r.chunk.file))
             for r, data in got:
-                want = sums[(r.entry.key, r.box.offsets)]
+                want = r.chunk.checksum
                 if want is None:
                     unsummed += 1
                     continue
                 have = checksum(tensor_bytes(data))
                 if have != want:
                     problems.append(Problem("checksum", f"crc32c is {have}, the index says {want}",
-                                            r.entry.key, r.box.offsets,
-                                            files[(r.entry.key, r.box.offsets)]))
+                                            r.entry.key, r.box.offsets, r.chunk.file))
                 else:
                     matched += 1
             bar.update(sum(r.nbytes for r in batch))
