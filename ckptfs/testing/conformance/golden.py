@@ -123,6 +123,44 @@ def save_golden_ranks(rank: int, world: int, jobs: list[tuple[str, int, str]]) -
         ckptfs.save(golden_rank_state(rank), url, backend=name, backend_version=version)
 
 
+# ---------------------------------------------------------------------------- read-only pairs
+def hf_golden_reference() -> dict[str, Any]:
+    """The golden state of ``hf_safetensors`` 1: flat Hugging Face parameter names, every dtype
+    both safetensors and ckptfs store, a 0-d and an empty tensor."""
+    g = torch.Generator().manual_seed(GOLDEN_SEED)
+    state: dict[str, Any] = {f"model.layers.{i}.{n}.weight": random_tensor(n, (2, 3), g)
+                             for i, n in enumerate(DTYPES)}
+    state["model.norm.weight"] = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 1e-40])
+    state["model.scale"] = torch.tensor(7, dtype=torch.int64)
+    state["model.empty"] = torch.empty(0, 3, dtype=torch.float16)
+    state["lm_head.weight"] = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    return state
+
+
+def write_hf_golden(checkpoint: Path) -> dict[str, Any]:
+    """Write the hf_safetensors golden checkpoint with the safetensors library, laid out as
+    ``transformers``' ``save_pretrained`` does (two shards and ``model.safetensors.index.json``);
+    returns the expected state."""
+    from safetensors.torch import save_file
+
+    state = hf_golden_reference()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    checkpoint.mkdir(parents=True)
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(checkpoint / file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())},
+             "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return state
+
+
+#: Read-only pairs' golden checkpoints come from the foreign tool: (name, version) -> writer of
+#: the checkpoint directory that returns the expected state.
+FOREIGN_WRITERS: dict[tuple[str, int], Any] = {("hf_safetensors", 1): write_hf_golden}
+
+
 # ---------------------------------------------------------------------------- expected.json
 def encode(obj: Any) -> Any:
     """JSON form with explicit types; independent of the ckptfs index encoding."""

@@ -3,7 +3,8 @@
     python -m ckptfs.testing.conformance.make_golden [--backend NAME:VERSION ...] [--golden-dir DIR]
 
 Each new directory ``<golden-dir>/<backend>-<version>/`` gets ``checkpoint/`` (saved by
-GOLDEN_WORLD spawned gloo ranks from a fixed seed), ``expected.json`` (the whole state dict,
+GOLDEN_WORLD spawned gloo ranks from a fixed seed; for a read-only pair, written by the foreign
+tool through golden.FOREIGN_WRITERS), ``expected.json`` (the whole state dict,
 encoded by golden.py, not by ckptfs) and ``SHA256SUMS``. It is built in a staging
 directory, checked (it must load to its expected values and stay under MAX_BYTES), and only then
 moved into place. Commit the new directory; from then on its bytes are frozen.
@@ -23,6 +24,7 @@ from ckptfs.testing.conformance.cases import differences
 from ckptfs.testing.conformance.golden import (
     CHECKPOINT,
     EXPECTED,
+    FOREIGN_WRITERS,
     GOLDEN_ROOT,
     GOLDEN_WORLD,
     MANIFEST,
@@ -33,7 +35,13 @@ from ckptfs.testing.conformance.golden import (
     manifest_text,
     save_golden_ranks,
 )
-from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, import_error, select_pairs
+from ckptfs.testing.conformance.pairs import (
+    GOLDEN_REQUIRED,
+    Pair,
+    import_error,
+    is_writable,
+    select_pairs,
+)
 from ckptfs.testing.ranks import run_ranks
 
 MAX_BYTES = 256 * 1024
@@ -60,12 +68,20 @@ def make_golden(pairs: list[Pair], root: Path, log=print) -> list[Pair]:
         return []
     with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as tmp:
         staging = Path(tmp)
-        jobs = [(p.name, p.version, str(staging / p.id / CHECKPOINT)) for p in missing]
-        run_ranks(GOLDEN_WORLD, save_golden_ranks, jobs)
-        expected = golden_reference()
+        written = [p for p in missing if is_writable(p)]
+        jobs = [(p.name, p.version, str(staging / p.id / CHECKPOINT)) for p in written]
+        if jobs:
+            run_ranks(GOLDEN_WORLD, save_golden_ranks, jobs)
+        states = {p: golden_reference() for p in written}
+        for p in missing:
+            if p not in states:  # read-only: written by the foreign tool itself
+                writer = FOREIGN_WRITERS.get((p.name, p.version))
+                if writer is None:
+                    raise RuntimeError(f"{p} is read-only and golden.FOREIGN_WRITERS has no writer for it")
+                states[p] = writer(staging / p.id / CHECKPOINT)
         for p in missing:
             d = staging / p.id
-            (d / EXPECTED).write_text(json.dumps(expected_document(p, expected), ensure_ascii=False,
+            (d / EXPECTED).write_text(json.dumps(expected_document(p, states[p]), ensure_ascii=False,
                                                  indent=1) + "\n", encoding="utf-8")
             diffs = differences(ckptfs.load_keys(d / CHECKPOINT), GoldenDir(staging, p).expected())
             if diffs:

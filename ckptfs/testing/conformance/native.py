@@ -56,6 +56,25 @@ def check_safetensors(root: Path, index: ckptfs.Index, expected: Mapping[str, to
     assert seen == stored, f"safetensors files hold {seen} tensors, the index lists {stored} chunks"
 
 
+@native_check("hf_safetensors")
+def check_hf_safetensors(root: Path, index: ckptfs.Index, expected: Mapping[str, torch.Tensor]) -> None:
+    """transformers' layout: the index's weight_map names each tensor's shard (or one
+    model.safetensors), and safetensors reads every tensor under its own name."""
+    import json
+
+    from safetensors import safe_open
+
+    single = root / "model.safetensors"
+    if single.is_file():
+        weight_map = dict.fromkeys(expected, "model.safetensors")
+    else:
+        weight_map = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map) == set(expected), sorted(set(weight_map) ^ set(expected))[:5]
+    for key, want in expected.items():
+        with safe_open(str(root / weight_map[key]), framework="pt") as f:
+            _same_bytes(f"{weight_map[key]}:{key}", raw_bytes(f.get_tensor(key)), want)
+
+
 def zarr_path(key: str) -> str:
     """The zarr node path of a key (formats/zarr-2.md §Paths): each canonical component is a
     node name, except that "" becomes "%" and a name starting with "." or "__" (or a reserved

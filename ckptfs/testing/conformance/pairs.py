@@ -8,7 +8,7 @@ import ckptfs
 
 #: Pairs ckptfs ships: their golden checkpoints must exist in the built-in golden root.
 GOLDEN_REQUIRED: frozenset[tuple[str, int]] = frozenset({
-    ("safetensors_chunks", 1), ("zarr", 2), ("zarr", 3), ("torch_dist", 1),
+    ("safetensors_chunks", 1), ("zarr", 2), ("zarr", 3), ("torch_dist", 1), ("hf_safetensors", 1),
 })
 
 
@@ -61,6 +61,14 @@ def import_error(pair: Pair) -> str | None:
     except Exception as e:  # ImportError, AttributeError of a half-written module, ...
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def is_writable(pair: Pair) -> bool:
+    """False for read-only pairs (``Backend.writable``): their save-based cases are skipped."""
+    try:
+        return bool(ckptfs.get_backend(pair.name, pair.version).writable)
+    except Exception:  # not importable: the pair is skipped anyway
+        return True
 
 
 def importable_pairs() -> list[Pair]:

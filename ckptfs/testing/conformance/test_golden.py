@@ -9,11 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import ckptfs
-from ckptfs.testing.conformance.cases import assert_same, differences, raw_bytes, zeros_like_state
+from ckptfs.testing.conformance.cases import (
+    assert_same,
+    differences,
+    flatten,
+    raw_bytes,
+    zeros_like_state,
+)
 from ckptfs.testing.conformance.golden import CHECKPOINT, GoldenDir, all_golden, locate, manifest_problems
-from ckptfs.testing.conformance.pairs import Pair, select_pairs
+from ckptfs.testing.conformance.pairs import Pair, is_writable, select_pairs
 
 FROZEN = ("golden checkpoints are frozen: a format change needs a new backend version and a new "
           "golden directory (python -m ckptfs.testing.conformance.make_golden); never regenerate an existing one")
@@ -34,7 +41,8 @@ def test_golden_loads_to_expected_values(golden: GoldenDir, pair: Pair) -> None:
     target = zeros_like_state(expected)
     ckptfs.load(target, golden.checkpoint)
     assert_same(target, expected, f"load({golden.checkpoint})")
-    assert len(meta.tensors["sharded/rows"].chunks) >= 2, "golden data was saved by several ranks"
+    if is_writable(pair):
+        assert len(meta.tensors["sharded/rows"].chunks) >= 2, "golden data was saved by several ranks"
 
 
 def test_every_golden_directory_has_a_registered_backend(golden_search: list[Path]) -> None:
@@ -47,7 +55,8 @@ def test_every_golden_directory_has_a_registered_backend(golden_search: list[Pat
 # ---------------------------------------------------------------------------- tampering
 def _needle(expected: dict[str, Any]) -> bytes:
     """16 raw bytes of a random float64 tensor: unique in the data files of a raw layout."""
-    return raw_bytes(expected["dtypes"]["float64"])[:16]
+    tensors, _, _ = flatten(expected)
+    return next(raw_bytes(t)[:16] for t in tensors.values() if t.dtype == torch.float64 and t.numel() > 2)
 
 
 def flip_data_byte(root: Path, expected: dict[str, Any]) -> Path:
@@ -91,6 +100,8 @@ def test_flipped_byte_fails_hash_check_and_load(golden: GoldenDir, tmp_path: Pat
 
 
 def test_edited_index_fails_hash_check_and_differs(golden: GoldenDir, tmp_path: Path) -> None:
+    if not (golden.checkpoint / ckptfs.INDEX_FILE).is_file():
+        pytest.skip(f"{golden.pair}: a foreign layout has no {ckptfs.INDEX_FILE} to edit")
     copy = GoldenDir(tmp_path, golden.pair)
     shutil.copytree(golden.path, copy.path)
     index = copy.checkpoint / ckptfs.INDEX_FILE
@@ -106,28 +117,32 @@ def test_edited_index_fails_hash_check_and_differs(golden: GoldenDir, tmp_path: 
 
 # ---------------------------------------------------------------------------- cross-backend
 def convert(src: Path, dst: Path, to: Pair) -> None:
-    """Whole-tensor conversion through the public API (ckptfs.convert is a later tool)."""
-    ckptfs.save(ckptfs.load_keys(src), dst, backend=to.name, backend_version=to.version)
+    """The conversion tool (streaming, one bounded batch at a time)."""
+    ckptfs.convert(src, dst, backend=to.name, backend_version=to.version, buffer_bytes=1024)
 
 
 def test_convert_to_other_backend_and_back(pair: Pair, other: Pair, golden_search: list[Path],
                                           tmp_path: Path) -> None:
+    """Each golden checkpoint converts to the other backend and, when its own backend writes,
+    back again, with every value, container and tensor intact."""
     done = 0
     for src, via in ((pair, other), (other, pair)):
         g = locate(golden_search, src)
-        if g is None:
+        if g is None or not is_writable(via):
             continue
         expected = g.expected()
         there, back = tmp_path / f"{src}-to-{via}", tmp_path / f"{src}-to-{via}-to-{src}"
         convert(g.checkpoint, there, via)
         assert ckptfs.load_metadata(there).backend == via.name
         assert_same(ckptfs.load_keys(there), expected, f"{src} golden converted to {via}")
+        done += 1
+        if not is_writable(src):
+            continue
         convert(there, back, src)
         assert_same(ckptfs.load_keys(back), expected, f"{src} golden converted to {via} and back")
         a, b = ckptfs.load_metadata(g.checkpoint), ckptfs.load_metadata(back)
         assert {k: (e.dtype, e.shape) for k, e in a.tensors.items()} == \
                {k: (e.dtype, e.shape) for k, e in b.tensors.items()}
         assert dict(a.containers) == dict(b.containers) and set(a.values) == set(b.values)
-        done += 1
     if not done:
-        pytest.skip(f"neither {pair} nor {other} has a golden checkpoint")
+        pytest.skip(f"no golden checkpoint of {pair} or {other} converts to a writable backend")

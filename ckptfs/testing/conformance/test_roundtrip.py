@@ -29,7 +29,7 @@ from ckptfs.testing.conformance.cases import (
     zeros_like_state,
 )
 from ckptfs.testing.conformance.pairs import Pair
-from ckptfs.testing.conformance.workspace import LIMITS, TIMINGS, Workspace
+from ckptfs.testing.conformance.workspace import LIMITS, TIMINGS, Workspace, require_writable
 
 REFERENCE = basic_state()
 
@@ -185,6 +185,7 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def test_overwrite_refused_then_allowed(pair: Pair, tmp_path: Path) -> None:
+    require_writable(pair)
     url = tmp_path / "ckpt"
     first = {"w": torch.arange(6.0).reshape(2, 3), "step": 1, "only_first": torch.ones(4)}
     second = {"w": torch.full((2, 3), 9.0), "step": 2}
@@ -211,6 +212,7 @@ def test_ten_thousand_small_tensors(pair: Pair, workspace: Workspace) -> None:
 
 @pytest.mark.parametrize("case", LIMIT_CASES)
 def test_store_exactly_or_refuse_clearly(pair: Pair, case: str, tmp_path: Path) -> None:
+    require_writable(pair)
     state = LIMIT_CASES[case]()
     url = tmp_path / "ckpt"
     try:

@@ -9,11 +9,12 @@ import ckptfs
 from ckptfs.testing.conformance import reshard
 from ckptfs.testing.conformance.cases import assert_same, flatten
 from ckptfs.testing.conformance.pairs import Pair
-from ckptfs.testing.conformance.workspace import ReshardRun, Workspace
+from ckptfs.testing.conformance.workspace import ReshardRun, Workspace, require_writable
 
 
 @pytest.fixture
 def run(pair: Pair, usable_pairs: list[Pair], workspace: Workspace) -> ReshardRun:
+    require_writable(pair)
     return workspace.reshard(usable_pairs)[pair]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import ckptfs
 from ckptfs.testing.conformance import reshard
 from ckptfs.testing.conformance.cases import basic_state, many_state
-from ckptfs.testing.conformance.pairs import Pair
+from ckptfs.testing.conformance.pairs import Pair, is_writable
 from ckptfs.testing.ranks import run_ranks
 
 #: (pair id, what) -> seconds, printed in the terminal summary
@@ -40,6 +40,14 @@ class ReshardRun:
         return out
 
 
+def require_writable(pair: Pair) -> None:
+    """Skip the calling case for a read-only pair: it can only be read (golden checkpoints)."""
+    if not is_writable(pair):
+        import pytest
+
+        pytest.skip(f"{pair} is read-only (Backend.writable is False): this case saves")
+
+
 class Workspace:
     """Lazily written, memoised checkpoints under one session temp directory."""
 
@@ -49,6 +57,7 @@ class Workspace:
         self._reshard: dict[Pair, ReshardRun] | None = None
 
     def _save(self, pair: Pair, what: str, make) -> Path:
+        require_writable(pair)
         key = (pair.id, what)
         if key not in self._done:
             url = self.root / pair.id / what
@@ -70,7 +79,7 @@ class Workspace:
         """One spawn of SAVE_WORLD ranks for all ``pairs`` together (see reshard.py)."""
         if self._reshard is None:
             runs, jobs = {}, []
-            for p in pairs:
+            for p in filter(is_writable, pairs):
                 results = self.root / p.id / "reshard-results"
                 results.mkdir(parents=True, exist_ok=True)
                 runs[p] = ReshardRun(self.root / p.id / f"w{reshard.SAVE_WORLD}", results)
