@@ -240,7 +240,7 @@ def run_unshard(args: argparse.Namespace, rest: list[str]) -> int:
         _emit(asdict(res))
     elif not args.quiet:
         print(f"unsharded {args.url} -> {res.out_dir} ({res.format}, {res.strategy}): "
-              f"{res.tensors} tensors, {res.values} values, {len(res.files)} files, "
+              f"{res.tensors} tensors, {res.values} values, {len(res.files)} file(s), "
               f"{res.bytes_written} bytes in {res.seconds:.2f} s")
         for f in res.files:
             print(f"  {f}")

@@ -52,3 +52,12 @@ def test_only_dist_and_dtensor_placement_call_torch_distributed():
         for call in re.findall(r"\bdist\.(\w+)\(", path.read_text()):
             offenders.append(f"{rel}: dist.{call}()")
     assert not offenders, offenders
+
+
+def test_tools_are_exported_lazily():
+    """The package root names the tools (a layer above it) and imports them on first use (PEP
+    562 ``__getattr__`` through importlib), never with an import statement (the test above)."""
+    names = set(ckptfs._TOOLS)
+    assert names <= set(ckptfs.__all__) and names <= set(dir(ckptfs))
+    for name, module in ckptfs._TOOLS.items():
+        assert getattr(ckptfs, name).__module__ == module

@@ -307,29 +307,37 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
     matched = unsummed = 0
     try:
         for batch in batches(regions, buffer_bytes):
-            try:
-                got = list(read_regions(source, batch, buffer_bytes=buffer_bytes, verify=False))
-            except Exception:  # find the culprits one chunk at a time
-                got = []
-                for r in batch:
-                    try:
-                        got += list(read_regions(source, [r], verify=False))
-                    except Exception as e:
-                        problems.append(Problem("read", f"{type(e).__name__}: {e}", r.entry.key,
-                                                r.box.offsets, r.chunk.file))
-            for r, data in got:
-                want = r.chunk.checksum
-                if want is None:
-                    unsummed += 1
-                    continue
-                have = checksum(tensor_bytes(data))
-                if have != want:
-                    problems.append(Problem("checksum", f"crc32c is {have}, the index says {want}",
-                                            r.entry.key, r.box.offsets, r.chunk.file))
-                else:
-                    matched += 1
+            m, u = _check_batch(source, batch, buffer_bytes, problems)
+            matched, unsummed = matched + m, unsummed + u
             bar.update(sum(r.nbytes for r in batch))
     finally:
         bar.close()
     return matched, unsummed
 
+
+def _check_batch(source: Source, batch: list[Region], buffer_bytes: int,
+                 problems: list[Problem]) -> tuple[int, int]:
+    """Read one batch and check it (its tensors are freed on return, before the next batch)."""
+    try:
+        got = list(read_regions(source, batch, buffer_bytes=buffer_bytes, verify=False))
+    except Exception:  # find the culprits one chunk at a time
+        got = []
+        for r in batch:
+            try:
+                got += list(read_regions(source, [r], verify=False))
+            except Exception as e:
+                problems.append(Problem("read", f"{type(e).__name__}: {e}", r.entry.key,
+                                        r.box.offsets, r.chunk.file if r.chunk else None))
+    matched = unsummed = 0
+    for r, data in got:
+        want = r.chunk.checksum if r.chunk else None
+        if want is None:
+            unsummed += 1
+            continue
+        have = checksum(tensor_bytes(data))
+        if have != want:
+            problems.append(Problem("checksum", f"crc32c is {have}, the index says {want}",
+                                    r.entry.key, r.box.offsets, r.chunk.file if r.chunk else None))
+        else:
+            matched += 1
+    return matched, unsummed
