@@ -12,7 +12,7 @@ Every command that reads a checkpoint takes ``--storage-option KEY=VALUE`` (repe
 is JSON when it parses as JSON, a dotted KEY nests: ``client_kwargs.region_name=us-east-1``) and
 ``--storage-options FILE`` (a JSON object; single options override it), and ``--quiet`` (no
 progress bars or summaries). Exit status: 0 ok, 1 a problem was found (verify) or the command
-failed, 2 a usage error.
+failed, 2 a usage error (bad arguments, options or settings: ``ckptfs.ConfigError``).
 
 Each subcommand is a small module-level ``add_<name>(subparsers)`` that registers its parser and
 sets ``run`` (a function of the parsed namespace and the leftover arguments, returning an exit
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import ckptfs
-from ckptfs.errors import CkptfsError, UsageError
+from ckptfs.errors import CkptfsError, ConfigError, UsageError
 
 # ---------------------------------------------------------------------------- shared options
 
@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"ckptfs {args.command}"
     try:
         return args.run(args, rest)
-    except UsageError as e:
+    except ConfigError as e:  # arguments and settings (UsageError, BackendOptionsError, ...)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except CkptfsError as e:

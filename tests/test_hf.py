@@ -127,7 +127,7 @@ def test_unshard_hf_loads_with_from_pretrained(model, tmp_path, capsys, strategy
 
 
 def test_hf_backend_is_read_only(pretrained, tmp_path):
-    with pytest.raises(ckptfs.ReadOnlyBackendError, match="hf_safetensors-1.*unshard"):
+    with pytest.raises(ckptfs.ConfigError, match="hf_safetensors-1 is read-only.*unshard"):
         ckptfs.save({"w": torch.ones(2)}, tmp_path / "x", backend="hf_safetensors")
     assert not (tmp_path / "x").exists()
     assert not ckptfs.get_backend("hf_safetensors", 1).writable

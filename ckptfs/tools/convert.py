@@ -19,18 +19,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfs.dist import Comm
+from ckptfs.engine.commit import _commit, build_index, claim_target
+from ckptfs.engine.errors import public_errors
+from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.write import Written, write_files, write_rank
 from ckptfs.errors import UsageError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
-from ckptfs.layout.backend import Backend, ChunkData, RankWriteJob
+from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box, full_box
-from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index
-from ckptfs.layout.registry import get_writable_backend
-from ckptfs.layout.tensor_bytes import tensor_bytes
-from ckptfs.planning.save_plan import ShardInfo, TensorPlan, plan_save
-from ckptfs.save import _build_index, _claim_target, _commit, _write_files
+from ckptfs.layout.index import INDEX_FILE, Index
+from ckptfs.layout.plan import TensorPlan
+from ckptfs.planning.save_plan import ShardInfo, plan_save
+from ckptfs.save import make_backend
 from ckptfs.tools.source import (
     DEFAULT_BUFFER,
     Region,
@@ -70,14 +73,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
     src, dst = os.fspath(src), os.fspath(dst)
     if src.rstrip("/") == dst.rstrip("/"):
         raise UsageError(f"convert: source and destination are the same ({src})")
-    be = get_writable_backend(backend, backend_version)(backend_options)
-    with open_checkpoint(src, storage_options, io_config) as source:
-        store = run_sync(open_store(dst, storage_options if dst_storage_options is None
-                                    else dst_storage_options, io_config))
-        try:
-            index = _convert(source, be, store, overwrite, buffer_bytes, verify, progress)
-        finally:
-            run_sync(store.close())
+    with public_errors(dst):
+        be = make_backend(backend, backend_version, backend_options)
+        with open_checkpoint(src, storage_options, io_config) as source:
+            store = run_sync(open_store(dst, storage_options if dst_storage_options is None
+                                        else dst_storage_options, io_config))
+            try:
+                index = _convert(source, be, store, overwrite, buffer_bytes, verify, progress)
+            finally:
+                run_sync(store.close())
     return ConvertResult(src, dst, be.name, be.version, len(index.tensors), len(index.values),
                          sum(len(t.chunks) for t in index.tensors.values()), index.total_bytes,
                          time.perf_counter() - t0)
@@ -96,47 +100,51 @@ def _plans(index: Index, be: Backend) -> dict[str, TensorPlan]:
 
 def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_bytes: int,
              verify: bool, progress: bool) -> Index:
+    """The engine's write and commit phases, one batch of chunks (one "rank") at a time."""
     index = source.index
     plans = _plans(index, be)
-    replacing = run_sync(_claim_target(store, overwrite))
+    comm = Comm(None)  # one process, no process group
+    replacing = claim_target(store, comm, overwrite)
     save_id = uuid.uuid4().hex[:12]
-    written: set[str] = set()
-    outcomes: list[tuple[list[tuple[str, ChunkEntry]], dict[str, int]]] = []
+    prepared: list[str] = []
+    ranks = []
     regions = [Region(index.tensors[k], c.box) for k, p in plans.items() for c in p.chunks]
     bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs convert {source.url}", progress)
     try:
         prep = be.prepare(plans)
-        run_sync(_write_files(store, prep, False))
-        written.update(f.path for f in prep)
+        prepared += [f.path for f in prep]
+        run_sync(write_files(store, prep, False))
         for batch_no, batch in enumerate(batches(regions, buffer_bytes)):
-            chunks = tuple(
-                ChunkData(r.entry.key, from_name(r.entry.dtype, r.entry.key), r.entry.shape, r.box, data)
-                for r, data in read_regions(source, batch, buffer_bytes=buffer_bytes, verify=verify))
-            rw = be.write_rank(RankWriteJob(batch_no, 1, save_id, chunks))
-            written.update(f.path for f in rw.files)
-            run_sync(_write_files(store, rw.files, False))
-            sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in chunks}
-            entries = [(k, e if e.checksum is not None else
-                        dataclasses.replace(e, checksum=sums.get((k, e.offsets)))) for k, e in rw.chunks]
-            outcomes.append((entries, {f.path: f.nbytes for f in rw.files}))
-            bar.update(sum(c.data.nbytes for c in chunks))
-            del chunks, rw
-        new = _build_index(be, plans, outcomes or [([], {})], dict(index.values),
-                           dict(index.containers), 1)
+            ranks.append(_write_batch(source, be, store, plans, batch_no, batch, save_id,
+                                      buffer_bytes, verify))
+            bar.update(sum(r.nbytes for r in batch))
+        written = Written(tuple(prepared), tuple(ranks))
+        staged = StagedSave(0, 1, plans, (), dict(index.values), dict(index.containers), (), False)
+        new = build_index(be, staged, written)
         new = dataclasses.replace(new, writer={**new.writer, "converted_from": {
             "url": source.url, "backend": index.backend, "backend_version": index.backend_version,
             "writer": {k: v for k, v in index.writer.items() if isinstance(v, str | int | float)}}})
     except BaseException:
-        if written:  # nothing was committed: what this conversion wrote is garbage
-            run_sync(store.delete(sorted(written)))
+        paths = set(prepared) | {p for r in ranks for p in r.files}
+        if paths:  # nothing was committed: what this conversion wrote is garbage
+            run_sync(store.delete(sorted(paths)))
         raise
     finally:
         bar.close()
     try:
-        run_sync(_commit(store, be, new, written if replacing else None))
+        run_sync(_commit(store, be, new, plans, written.paths() if replacing else None))
     except BaseException:
         if not run_sync(store.exists(INDEX_FILE)):
-            run_sync(store.delete(sorted(written)))
+            run_sync(store.delete(sorted(written.paths())))
         raise
     return new
 
+
+def _write_batch(source: Source, be: Backend, store: Store, plans: dict[str, TensorPlan],
+                 batch_no: int, batch: list[Region], save_id: str, buffer_bytes: int, verify: bool):
+    """Read one batch and write it as "rank" ``batch_no`` (its tensors are freed on return)."""
+    chunks = tuple(
+        ChunkData(r.entry.key, from_name(r.entry.dtype, r.entry.key), r.entry.shape, r.box, data)
+        for r, data in read_regions(source, batch, buffer_bytes=buffer_bytes, verify=verify))
+    staged = StagedSave(batch_no, 1, plans, chunks, {}, {}, (), False)
+    return write_rank(staged, be, store, save_id, False)

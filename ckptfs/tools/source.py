@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.read import TensorRead, execute_reads
 from ckptfs.errors import MissingKeysError
@@ -38,18 +40,21 @@ class Source:
     index: Index
     backend: Backend
     foreign: bool
+    pool: BufferPool  #: scratch for reads that cannot land in place (IOConfig.scratch_bytes)
 
 
 @contextmanager
 def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
                     io_config: IOConfig | None = None) -> Iterator[Source]:
     url = os.fspath(url)
-    store = run_sync(open_store(url, storage_options, io_config))
+    with public_errors(url):
+        store = run_sync(open_store(url, storage_options, io_config))
     try:
-        index = run_sync(read_index(store))
-        foreign = not run_sync(store.exists(INDEX_FILE))
-        backend = get_backend(index.backend, index.backend_version)(index.backend_options)
-        yield Source(url, store, index, backend, foreign)
+        with public_errors(url):
+            index = run_sync(read_index(store))
+            foreign = not run_sync(store.exists(INDEX_FILE))
+            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+        yield Source(url, store, index, backend, foreign, BufferPool(limit=store.config.scratch_bytes))
     finally:
         run_sync(store.close())
 
@@ -155,7 +160,7 @@ def _read_batch(source: Source, batch: list[Region], verify: bool,
                 on_batch: Callable[[int], None] | None) -> Iterator[tuple[Region, torch.Tensor]]:
     out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch) for r in batch]
     jobs = [TensorRead(r.entry, t, _pieces(r)) for r, t in zip(batch, out, strict=True) if t.numel()]
-    run_sync(execute_reads(source.store, source.backend, jobs, verify=verify))
+    run_sync(execute_reads(source.store, source.backend, jobs, pool=source.pool, verify=verify))
     if on_batch is not None:
         on_batch(sum(t.nbytes for t in out))
     for i, r in enumerate(batch):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from ckptfs.engine.errors import public_errors
 from ckptfs.errors import CheckpointExistsError, UsageError
 from ckptfs.io import IOConfig
 from ckptfs.io.open import split_protocol
@@ -91,7 +92,7 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
     t0 = time.perf_counter()
     _check_args(format, strategy, chunk_size, out_dir)
     out = Path(os.fspath(out_dir))
-    with open_checkpoint(url, storage_options, io_config) as src:
+    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, io_config) as src:
         sel = select(src.index, keys, src.url)
         _check_values(sel, format, strategy)
         plans = _plan(src, sel, format, strategy, chunk_size)

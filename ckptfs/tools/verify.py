@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 import ckptfs.layout
+from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.errors import public_errors
 from ckptfs.errors import CkptfsError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
@@ -122,11 +124,12 @@ def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None 
     chunk data at a time (one larger chunk alone)."""
     t0 = time.perf_counter()
     url = os.fspath(url)
-    store = run_sync(open_store(url, storage_options, io_config))
-    try:
-        return _verify(url, store, checksums, buffer_bytes, progress, t0)
-    finally:
-        run_sync(store.close())
+    with public_errors(url):
+        store = run_sync(open_store(url, storage_options, io_config))
+        try:
+            return _verify(url, store, checksums, buffer_bytes, progress, t0)
+        finally:
+            run_sync(store.close())
 
 
 def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress: bool,
@@ -159,7 +162,8 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
         except CkptfsError as e:
             problems.append(Problem("index", f"{type(e).__name__}: {e}"))
         else:
-            source = Source(url, store, index, backend, foreign)
+            source = Source(url, store, index, backend, foreign,
+                            BufferPool(limit=store.config.scratch_bytes))
             summed, unsummed = _chunks(source, missing, problems, buffer_bytes, progress)
     else:
         skipped.append("checksums: not requested (every chunk's bytes were left unread)")
