@@ -24,7 +24,7 @@ from ckptfs.cli import build_parser
 from ckptfs.layout import registry
 from ckptfs.testing.conformance.golden import GOLDEN_ROOT, GoldenDir, manifest_problems
 from ckptfs.testing.conformance.make_golden import make_golden
-from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, parse_pair
+from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, is_writable, parse_pair
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN = REPO / "examples" / "npy_plugin"
@@ -128,9 +128,16 @@ def test_conformance_passes_from_an_installed_wheel(wheel_venv: Path, tmp_path: 
     for pair in [*BUILT_IN, NPY]:
         mine = _pair_outcomes(outcomes, pair)
         passed = [k for k, v in mine.items() if v == "passed"]
-        assert len(passed) >= 40, f"{pair}: only {len(passed)} conformance cases passed: {mine}"
-        for must in ("test_golden_bytes_are_unchanged", "test_golden_loads_to_expected_values",
-                     "test_reshard_save_world_to_load_world", "test_ten_thousand_small_tensors"):
+        if not is_writable(pair):  # read-only: the reading cases, on its foreign golden checkpoint
+            musts = ("test_golden_bytes_are_unchanged", "test_golden_loads_to_expected_values",
+                     "test_native_reader", "test_index_matches_schema",
+                     "test_convert_to_other_backend_and_back")
+            assert all(v in ("passed", "skipped") for v in mine.values()), mine
+        else:
+            assert len(passed) >= 40, f"{pair}: only {len(passed)} conformance cases passed: {mine}"
+            musts = ("test_golden_bytes_are_unchanged", "test_golden_loads_to_expected_values",
+                     "test_reshard_save_world_to_load_world", "test_ten_thousand_small_tensors")
+        for must in musts:
             assert any(must in k for k in passed), f"{pair}: {must} did not pass"
 
 
