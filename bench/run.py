@@ -41,7 +41,7 @@ def importable_backends() -> list[tuple[str, int]]:
             cls = ckptfs.get_backend(name, version)
         except ImportError:
             continue
-        if cls.__module__.startswith("ckptfs."):
+        if cls.__module__.startswith("ckptfs.") and cls.writable:
             out.append((name, version))
     return out
 

@@ -43,14 +43,15 @@ def validate_index(index: dict[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def importable_backends() -> list[tuple[str, int]]:
-    """Built-in backends (classes inside ckptfs) whose modules import; plugins are not ours."""
+    """Built-in writable backends (classes inside ckptfs) whose modules import; plugins are not
+    ours, and read-only ones (hf_safetensors) have no index of their own to validate."""
     out = []
     for name, version in ckptfs.available_backends():
         try:
             cls = ckptfs.get_backend(name, version)
         except ImportError:
             continue
-        if cls.__module__.startswith("ckptfs."):
+        if cls.__module__.startswith("ckptfs.") and cls.writable:
             out.append((name, version))
     return out
 

@@ -279,6 +279,18 @@ def test_unshard_torch(ckpts, tmp_path, capsys):
         assert list(got) == [k] and not differences(got[k], t), k
 
 
+def test_unshard_every_backend_and_foreign_layout(ckpts, tmp_path):
+    for name, (root, expected) in ckpts.items():
+        res = ckptfs.unshard(root, tmp_path / name, format="torch", buffer_bytes=1000)
+        got = torch.load(tmp_path / name / res.files[0], weights_only=True)
+        assert not differences(got, expected), (name, differences(got, expected)[:3])
+        tensors = flatten(expected)[0]
+        res = ckptfs.unshard(root, tmp_path / f"{name}-st", format="safetensors",
+                             keys=list(tensors), strategy="chunks", chunk_size=300)
+        merged = {k: v for f in res.files for k, v in load_file(tmp_path / f"{name}-st" / f).items()}
+        assert not differences(merged, tensors), name
+
+
 def test_unshard_safetensors_and_hf(ckpts, tmp_path, capsys):
     root, expected = ckpts["torch_dist-1"]
     rc, _, err = cli(capsys, "unshard", root, tmp_path / "x", "--format", "safetensors")

@@ -117,8 +117,8 @@ def test_edited_index_fails_hash_check_and_differs(golden: GoldenDir, tmp_path: 
 
 # ---------------------------------------------------------------------------- cross-backend
 def convert(src: Path, dst: Path, to: Pair) -> None:
-    """The conversion tool (streaming, one bounded batch at a time)."""
-    ckptfs.convert(src, dst, backend=to.name, backend_version=to.version, buffer_bytes=1024)
+    """The conversion tool (``ckptfs.convert``, streaming)."""
+    ckptfs.convert(src, dst, backend=to.name, backend_version=to.version)
 
 
 def test_convert_to_other_backend_and_back(pair: Pair, other: Pair, golden_search: list[Path],
