@@ -195,6 +195,7 @@ def test_convert_every_backend_to_every_other(ckpts, tmp_path):
             meta = ckptfs.load_metadata(out)
             assert (meta.backend, meta.backend_version) == dst
             assert meta.writer["converted_from"]["backend"] == src[0]
+            assert meta.order == ckptfs.load_metadata(root).order  # dict order is kept
             assert res.bytes_written == meta.total_bytes and res.tensors == len(meta.tensors)
             assert_same(ckptfs.load_keys(out), expected, f"{src} -> {dst}")
             assert ckptfs.verify(out).ok

@@ -119,7 +119,8 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
                                       buffer_bytes, verify))
             bar.update(sum(r.nbytes for r in batch))
         written = Written(tuple(prepared), tuple(ranks))
-        staged = StagedSave(0, 1, plans, (), dict(index.values), dict(index.containers), (), False)
+        staged = StagedSave(0, 1, plans, (), dict(index.values), dict(index.containers), (), False,
+                            tuple(index.order or ()))
         new = build_index(be, staged, written)
         new = dataclasses.replace(new, writer={**new.writer, "converted_from": {
             "url": source.url, "backend": index.backend, "backend_version": index.backend_version,

@@ -247,8 +247,10 @@ def _open_writer(src: Source, sel: Selection, plan: _FilePlan, path: Path,
             leaves[sel.relative(k)] = make(_file_key(sel, plan, k), from_name(e.dtype, k).torch, e.shape)
         for k in plan.values:
             leaves[sel.relative(k)] = decode_value(idx.values[k], k)
-        if plan.nested:  # one_file: the nested state dict, exact types
-            return unflatten(sel.containers(idx), leaves)
+        if plan.nested:  # one_file: the nested state dict, exact types, dicts in the saved order
+            order = None if idx.order is None else [
+                sel.relative(k) for k in idx.order if not sel.root or k.startswith(sel.root + "/")]
+            return unflatten(sel.containers(idx), leaves, order)
         return leaves  # flat: canonical key -> leaf
 
     return TorchFileWriter(path, build)
