@@ -64,7 +64,7 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
 
     def build_and_commit() -> int:
         index = build_index(backend, staged, written)
-        run_sync(_commit(store, backend, index, staged.plans,
+        run_sync(commit_index(store, backend, index, staged.plans,
                          written.paths() if replacing else None))
         return index.total_bytes
 
@@ -105,8 +105,8 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
                  writer=writer, order=staged.order or None)
 
 
-async def _commit(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],
-                  written: set[str] | None) -> None:
+async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],
+                       written: set[str] | None) -> None:
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
     (``written`` = every file this save wrote), everything else under the root goes after."""
     final = backend.finalize(index, plans)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import _commit, build_index, claim_target
+from ckptfs.engine.commit import build_index, claim_target, commit_index
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import Written, write_files, write_rank
@@ -133,7 +133,7 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
     finally:
         bar.close()
     try:
-        run_sync(_commit(store, be, new, plans, written.paths() if replacing else None))
+        run_sync(commit_index(store, be, new, plans, written.paths() if replacing else None))
     except BaseException:
         if not run_sync(store.exists(INDEX_FILE)):
             run_sync(store.delete(sorted(written.paths())))
