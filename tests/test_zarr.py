@@ -155,6 +155,9 @@ MEGATRON = {  # key -> (dtype name, shape, chunk shape: one rank's shard)
 }
 
 
+MEGATRON_COMMON = {"iteration": 3, "optimizer": {"param_groups": [{"lr": 0.5, "params": [0]}]}}
+
+
 def megatron_tensors() -> dict[str, torch.Tensor]:
     return {k: _tensor(d, s, 200 + i) for i, (k, (d, s, _)) in enumerate(MEGATRON.items())}
 
@@ -178,7 +181,7 @@ def build_megatron(root: str) -> None:
     json.dump({"sharded_backend": "zarr", "sharded_backend_version": 1,
                "common_backend": "torch", "common_backend_version": 1},
               open(f"{root}/metadata.json", "w"))
-    open(f"{root}/common.pt", "wb").write(b"not unpickled by ckptfs")
+    torch.save(MEGATRON_COMMON, f"{root}/common.pt")
 
 
 def megatron_state(rank: int, world: int, fill: bool) -> dict:
@@ -392,8 +395,9 @@ def test_megatron_metadata_and_whole_tensors(saved):
         {k: (d, s) for k, (d, s, _) in MEGATRON.items()}
     out = ckptfs.load_keys(root)
     ref = megatron_tensors()
-    assert set(out) == set(ref)
+    assert set(out) == set(ref) | set(MEGATRON_COMMON)  # common.pt at the root, as Megatron loads it
     assert all(_bits(out[k]) == _bits(ref[k]) and out[k].dtype == ref[k].dtype for k in ref)
+    assert {k: out[k] for k in MEGATRON_COMMON} == MEGATRON_COMMON
 
 
 def test_megatron_missing_chunk_named(saved, tmp_path):

@@ -110,7 +110,8 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
     (``written`` = every file this save wrote), everything else under the root goes after."""
     final = backend.finalize(index, plans)
-    await write_files(store, final, False)
+    await write_files(store, final[:-1], False)
+    await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
     await store.put_if_absent(INDEX_FILE, index.dumps())
     if written is not None:
         keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}

@@ -120,7 +120,8 @@ class Backend(ABC):
                                                      holds the plans of the keys it writes)
       4. ``index_options()``                         coordinator, building the index
       5. ``finalize(index, plans)``                  coordinator, after every rank's data is
-                                                     durable and before the index is committed
+                                                     durable and before the index is committed;
+                                                     its last file is written after the others
     Load
       1. ``sniff(reader)`` (classmethod)             when a root has no index, for each backend
       2. ``chunk_sources(items, reader)``            every loading rank, once per load
@@ -167,7 +168,8 @@ class Backend(ABC):
 
     def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
         """Files the coordinator writes after all data and before the index (``index`` is the
-        one about to be committed)."""
+        one about to be committed). All but the last are written concurrently, then the last
+        one, so it can be another tool's completion marker (Megatron's ``metadata.json``)."""
         return []
 
     @abstractmethod

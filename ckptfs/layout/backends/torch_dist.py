@@ -6,6 +6,10 @@ writes the plain values as BYTE_IO blobs and DCP's pickled ``.metadata`` in ``fi
 ckptfs index (written last by the engine) points each chunk at the raw storage bytes inside its
 blob, so ckptfs loads are plain ranged reads of exactly the bytes needed.
 
+With option ``megatron`` the checkpoint is also one Megatron-Core's ``dist_checkpointing.load``
+accepts: the values become Megatron's common state and ``metadata.json`` is written last
+(megatron_common).
+
 Written by DCP (or Megatron-Core), read by ckptfs: ``sniff`` builds the index from ``.metadata``
 with a restricted unpickler; ``chunk_source`` locates each blob's storage bytes with two small
 ranged reads (cached per blob) instead of deserialising the whole chunk.
@@ -24,7 +28,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckptfs.errors import IntegrityError, MalformedIndexError, UnsupportedValueError
+from ckptfs.errors import (
+    BackendOptionsError,
+    IntegrityError,
+    MalformedIndexError,
+    UnsupportedValueError,
+)
 from ckptfs.layout.backend import (
     Backend,
     Buffer,
@@ -37,7 +46,8 @@ from ckptfs.layout.backend import (
     RankWriteJob,
     RawChunk,
 )
-from ckptfs.layout.backends.torch_dist_keys import dcp_leaves
+from ckptfs.layout.backends import megatron_common as mc
+from ckptfs.layout.backends.torch_dist_keys import DcpLeaf, dcp_leaves
 from ckptfs.layout.backends.torch_dist_sniff import METADATA, sniff_dcp
 from ckptfs.layout.backends.torch_dist_zip import (
     TensorLayout,
@@ -76,11 +86,24 @@ def values_file(index: Index) -> str:
 class TorchDistBackend(Backend):
     name: ClassVar[str] = "torch_dist"
     version: ClassVar[int] = 1
-    #: files_per_rank: how many files each rank spreads its chunks over (DCP's thread_count)
-    default_options: ClassVar[dict[str, Any]] = {"files_per_rank": 1}
+    #: files_per_rank: how many files each rank spreads its chunks over (DCP's thread_count);
+    #: megatron: also write what megatron.core.dist_checkpointing.load needs, with the common
+    #: state in the form named ("common_state": megatron-core >= 0.19, True means this;
+    #: "common.pt": every version up to 0.19)
+    default_options: ClassVar[dict[str, Any]] = {"files_per_rank": 1, "megatron": None}
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(options)
+        form = self.options["megatron"]
+        if form is True:
+            form = mc.FORMS[0]
+        if form is False:
+            form = None
+        if form is not None and form not in mc.FORMS:
+            raise BackendOptionsError(
+                f"backend torch_dist-1: option megatron={form!r}; use True or one of "
+                f"{list(mc.FORMS)} (the form of Megatron's common state), or None")
+        self.options["megatron"] = form
         #: load-side cache: the parsed layout of each foreign blob (file, offset), parsed once
         #: however many pieces read from it
         self._blobs: dict[tuple[str, int], asyncio.Future[TensorLayout]] = {}
@@ -108,8 +131,19 @@ class TorchDistBackend(Backend):
             files.append(FileWrite(path, tuple(parts)))
         return RankWrite(tuple(files), tuple(entries))
 
+    def index_options(self) -> dict[str, Any]:
+        """The options, without ``megatron`` when it is off: an index written without it is
+        the same as before the option existed."""
+        out = dict(self.options)
+        if out["megatron"] is None:
+            del out["megatron"]
+        return out
+
     def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
-        """DCP's ``.metadata`` and the BYTE_IO file of the plain values (coordinator)."""
+        """DCP's ``.metadata`` and the BYTE_IO file of the plain values (coordinator). With
+        option ``megatron``, the values are Megatron's common state instead (one BYTE_IO item
+        ``common_state/shard_0_1``, or ``common.pt``), and ``metadata.json`` comes last: its
+        presence is what marks a complete checkpoint for Megatron."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (
             BytesStorageMetadata,
@@ -121,19 +155,25 @@ class TorchDistBackend(Backend):
             TensorStorageMetadata,
         )
 
+        megatron = self.options["megatron"]
         values_path = values_file(index)
         parts: list[Buffer] = []
         pos = 0
         items: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         planner: dict[str, tuple] = {}
-        for leaf in dcp_leaves(index.tensors, index.values, index.containers):
+        leaves = dcp_leaves(index.tensors, index.values, index.containers)
+        common: dict[Any, Any] = {}
+        if megatron is not None:  # the values go to Megatron's common state, not DCP items
+            common = mc.common_state(index.tensors, index.values, index.containers)
+            leaves = [leaf for leaf in leaves if leaf.tensor]
+            if megatron == "common_state":
+                leaves.append(DcpLeaf(mc.COMMON_STATE, (mc.COMMON_STATE,), "", False, [common]))
+        for leaf in leaves:
             planner[leaf.fqn] = leaf.path
             if not leaf.tensor:
                 pos = _pad(parts, pos)
-                bio = io.BytesIO()
-                torch.save(leaf.value, bio)
-                parts.append(bio.getvalue())
+                parts.append(_torch_save(leaf.value))
                 storage[MetadataIndex(leaf.fqn)] = _StorageInfo(values_path, pos, len(parts[-1]))
                 items[leaf.fqn] = BytesStorageMetadata()
                 pos += len(parts[-1])
@@ -151,7 +191,12 @@ class TorchDistBackend(Backend):
                       storage_meta=StorageMeta(save_id=values_path.split("/")[1]),
                       version=DCP_VERSION)
         out = [FileWrite(values_path, tuple(parts))] if parts else []
-        return [*out, FileWrite(METADATA, (pickle.dumps(md),))]
+        out.append(FileWrite(METADATA, (pickle.dumps(md),)))
+        if megatron == "common.pt":
+            out.append(FileWrite(mc.COMMON_FILE, (_torch_save(common),)))
+        if megatron is not None:
+            out.append(FileWrite(mc.CONFIG, (json.dumps(mc.config(megatron)).encode(),)))
+        return out
 
     # -- load ---------------------------------------------------------------------------------
 
@@ -213,6 +258,12 @@ class TorchDistBackend(Backend):
     @classmethod
     async def sniff(cls, reader: ByteReader) -> Index | None:
         return await sniff_dcp(reader, cls.name, cls.version)
+
+
+def _torch_save(obj: Any) -> bytes:
+    bio = io.BytesIO()
+    torch.save(obj, bio)
+    return bio.getvalue()
 
 
 def _item(tensor: TensorEntry, chunk: ChunkEntry) -> tuple[int, int]:

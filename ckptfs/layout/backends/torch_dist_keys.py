@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.errors import UnsupportedValueError
+from ckptfs.layout.backends.torch_dist_pickle import Opaque
 from ckptfs.layout.keys import decode_key, encode_key, parent_key
-from ckptfs.layout.values import component_order, decode_value, encode_value, is_plain
+from ckptfs.layout.values import component_order, decode_value, encode_value
 
 Json = Any
 
@@ -142,23 +143,31 @@ def containers_of_paths(paths: Iterable[tuple[str | int, ...]]) -> dict[str, str
 
 def expand_value(key: str, obj: Any, values: dict[str, Json], containers: dict[str, str],
                  skipped: list[str], order: dict[str, None] | None = None) -> None:
-    """Add a loaded BYTE_IO object under ``key``: containers are opened into ckptfs containers
-    and plain leaves; leaves that are not plain values are listed in ``skipped``. Keys added
-    are appended to ``order`` depth first, dict items in the object's order."""
-    if isinstance(obj, dict | list | tuple):
-        containers[key] = "dict" if isinstance(obj, dict) else type(obj).__name__
+    """Add an unpickled object under ``key``: containers are opened into ckptfs containers and
+    plain leaves; leaves that are not plain values (and keys that are neither str nor int) are
+    listed in ``skipped`` as ``key (class)``. Keys added are appended to ``order`` depth first,
+    dict items in the object's order."""
+    if type(obj) in (dict, list, tuple):
+        containers[key] = type(obj).__name__
         if order is not None:
             order.setdefault(key, None)
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         for k, v in items:
             if isinstance(k, bool) or not isinstance(k, str | int):
-                skipped.append(f"{key}/{k!r}")
+                skipped.append(f"{key}: key {k!r} ({class_name(k)})")
                 continue
             expand_value(encode_key((*decode_key(key), k)), v, values, containers, skipped, order)
         return
-    if is_plain(obj):
+    if type(obj) in (type(None), bool, int, float, str):  # exact: no subclass smuggles code
         values[key] = encode_value(obj, key)
         if order is not None:
             order.setdefault(key, None)
     else:
-        skipped.append(f"{key} ({type(obj).__module__}.{type(obj).__qualname__})")
+        skipped.append(f"{key} ({class_name(obj)})")
+
+
+def class_name(obj: Any) -> str:
+    """``module.class`` of ``obj``; for an unpickled stand-in, the class it stands for."""
+    if isinstance(obj, Opaque):
+        return obj.name
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -9,6 +9,12 @@ The records are then checked field by field into the frozen ``DcpMetadata``.
 
 ``data.pkl`` (inside each item's torch.save zip): the same approach, allowing only what a plain
 tensor pickles to (``torch._utils._rebuild_tensor_v2/v3``, storage types, dtypes).
+
+Values (BYTE_IO items, Megatron's ``common.pt`` and common-state object): containers and plain
+values are built by pickle's own opcodes; the only global resolved is ``collections.OrderedDict``
+(-> dict). Every other global (a tensor rebuild, ``argparse.Namespace``, a user class, ``os.system``)
+resolves to an ``Opaque`` stand-in that only keeps its class name, so the rest of the tree still
+reads and the caller can name what it refuses. Nothing outside this module runs.
 """
 
 from __future__ import annotations
@@ -394,3 +400,96 @@ def read_tensor_pickle(data: bytes) -> StoredTensor:
     if not isinstance(out, StoredTensor):
         raise IntegrityError(f"data.pkl holds a {type(out).__name__}, not a tensor")
     return out
+
+
+# -- values ---------------------------------------------------------------------------------------
+
+#: the display name of what a refused callable builds (the class a user would recognise)
+_BUILDS: Mapping[str, str] = {
+    "torch._utils._rebuild_tensor_v2": "torch.Tensor",
+    "torch._utils._rebuild_tensor_v3": "torch.Tensor",
+    "torch._utils._rebuild_parameter": "torch.nn.Parameter",
+    "torch._utils._rebuild_device_tensor_from_numpy": "torch.Tensor",
+    "_codecs.encode": "bytes",
+}
+#: refused callables whose first argument is the class being built (name that class)
+_CONSTRUCTORS = frozenset({"copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__",
+                           "numpy.core.multiarray._reconstruct",
+                           "numpy._core.multiarray._reconstruct"})
+
+
+_PY2_MODULES: Mapping[str, str] = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+class Opaque:
+    """Stand-in for an object of a class ckptfs does not unpickle; ``name`` is its class.
+
+    The classes of refused globals are subclasses made per unpickle; building, calling, BUILD,
+    APPENDS and SETITEMS on them are absorbed, so nothing of the real class ever runs.
+    """
+
+    global_name: ClassVar[str] = "?"  #: the refused ``module.name``
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        first = args[0] if args else None
+        if self.global_name in _CONSTRUCTORS and isinstance(first, type) and issubclass(first, Opaque):
+            self._builds = first.global_name
+
+    @property
+    def name(self) -> str:
+        """The class this object would have been (a tensor rebuild is ``torch.Tensor``)."""
+        return self.__dict__.get("_builds") or _BUILDS.get(self.global_name, self.global_name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+class _StorageStandIn(Opaque):
+    global_name = "torch storage"
+
+
+class _ValueUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.classes: dict[str, type[Opaque]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        module = _PY2_MODULES.get(module, module)  # protocol 2 names builtins as __builtin__
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        full = f"{module}.{name}"
+        cls = self.classes.get(full)
+        if cls is None:
+            cls = self.classes[full] = type("Opaque", (Opaque,), {"global_name": full,
+                                                                 "__module__": __name__})
+        return cls
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _StorageStandIn()
+
+
+def read_value_pickle(data: bytes, source: str) -> Any:
+    """The object tree of a pickle of plain values; objects of any other class are ``Opaque``.
+    Raises MalformedIndexError naming ``source`` if it is not a readable pickle."""
+    try:
+        return _ValueUnpickler(data).load()
+    except Exception as e:
+        raise MalformedIndexError(f"{source}: not a readable pickle of values ({e})"[:500]) from None

@@ -1,39 +1,36 @@
 """A ckptfs Index for a directory written by PyTorch DCP or Megatron-Core ``torch_dist``
-(formats/torch_dist-1.md §Reading foreign checkpoints). Reads metadata only, never tensor data.
+(formats/torch_dist-1.md §Reading foreign checkpoints). Reads metadata and values (BYTE_IO
+items, Megatron's common state) only, never tensor data.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import math
-import os
-import re
 import warnings
 from typing import Any
 
-import torch
-
-from ckptfs.errors import CheckpointNotFoundError, FormatVersionError, MalformedIndexError
+from ckptfs.errors import (
+    CheckpointNotFoundError,
+    FormatVersionError,
+    MalformedIndexError,
+    UnsupportedValueError,
+)
 from ckptfs.layout.backend import ByteReader
+from ckptfs.layout.backends import megatron_common as mc
 from ckptfs.layout.backends.torch_dist_keys import containers_of_paths, expand_value, key_of_path
 from ckptfs.layout.backends.torch_dist_pickle import (
     DcpMetadata,
     DcpStorage,
     DcpTensor,
-    ForbiddenGlobalError,
     load_dcp_metadata,
 )
+from ckptfs.layout.backends.torch_dist_zip import read_value_blob
 from ckptfs.layout.dtypes import from_torch
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
-from ckptfs.layout.keys import encode_key
 
 METADATA = ".metadata"
-MEGATRON_CONFIG = "metadata.json"
-MEGATRON_COMMON = "common.pt"
-#: set to "skip" to read a Megatron checkpoint whose common.pt torch.load(weights_only=True) refuses
-COMMON_ENV = "CKPTFS_MEGATRON_COMMON"
 
 
 def _where(reader: ByteReader, path: str) -> str:
@@ -50,7 +47,7 @@ async def sniff_dcp(reader: ByteReader, backend: str, version: int) -> Index | N
     if not await reader.exists(METADATA):
         if megatron is not None:
             raise CheckpointNotFoundError(
-                f"{source} is missing: {_where(reader, MEGATRON_CONFIG)} names a torch_dist "
+                f"{source} is missing: {_where(reader, mc.CONFIG)} names a torch_dist "
                 f"checkpoint, but its DCP metadata was never written (incomplete save?)"
             )
         if await reader.exists("__0.metadata"):
@@ -66,11 +63,11 @@ async def sniff_dcp(reader: ByteReader, backend: str, version: int) -> Index | N
 
 async def _megatron_config(reader: ByteReader) -> dict[str, Any] | bool | None:
     """Megatron's metadata.json: None when absent, False when it names another backend."""
-    if not await reader.exists(MEGATRON_CONFIG):
+    if not await reader.exists(mc.CONFIG):
         return None
-    where = _where(reader, MEGATRON_CONFIG)
+    where = _where(reader, mc.CONFIG)
     try:
-        cfg = json.loads(bytes(await reader.get(MEGATRON_CONFIG)))
+        cfg = json.loads(bytes(await reader.get(mc.CONFIG)))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MalformedIndexError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or "sharded_backend" not in cfg:
@@ -86,7 +83,7 @@ async def _megatron_config(reader: ByteReader) -> dict[str, Any] | bool | None:
     if common != "torch" or cfg.get("common_backend_version", 1) != 1:
         raise FormatVersionError(
             f"{where}: common_backend {common!r} version {cfg.get('common_backend_version')!r}; "
-            f"ckptfs reads Megatron's common state only as 'torch' version 1 (common.pt)"
+            f"ckptfs reads Megatron's common state only as 'torch' version 1"
         )
     return cfg
 
@@ -98,43 +95,59 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
     containers: dict[str, str] = {}
     files: dict[str, int] = {}
     paths: dict[str, tuple] = {}
-    byte_items: list[tuple[str, DcpStorage]] = []
+    byte_items: list[tuple[str, str, DcpStorage]] = []
     # DCP lists its items in the order it walked the saved state dict: that order, containers
     # before their items, is the index's order (formats/README.md §3.2)
     order: dict[str, None] = {}
     for fqn, item in md.items.items():
         path = md.planner_data.get(fqn) or (fqn,)
         key = key_of_path(path)
-        for i in range(1, len(path)):
-            order.setdefault(key_of_path(path[:i]), None)
-        order.setdefault(key, None)
-        if key in paths:
-            raise MalformedIndexError(f"{source}: DCP items {paths[key]!r} and {path!r} both map "
-                                      f"to ckptfs key {key!r}")
-        paths[key] = path
+        if not (megatron is not None and fqn == mc.COMMON_STATE):  # not a key of its own
+            for i in range(1, len(path)):
+                order.setdefault(key_of_path(path[:i]), None)
+            order.setdefault(key, None)
         if isinstance(item, DcpTensor):
             tensors[key] = _tensor(md, fqn, key, item, source, files)
         else:
             st = md.storage.get((fqn, None))
             if st is None:
                 raise MalformedIndexError(f"{source}: BYTE_IO item {fqn!r} has no storage_data entry")
-            byte_items.append((key, st))
+            byte_items.append((fqn, key, st))
+            if megatron is not None and fqn == mc.COMMON_STATE:
+                continue  # merged at the root below, not a key of its own
+        if key in paths:
+            raise MalformedIndexError(f"{source}: DCP items {paths[key]!r} and {path!r} both map "
+                                      f"to ckptfs key {key!r}")
+        paths[key] = path
     skipped: list[str] = []
+    common: tuple[Any, str] | None = None
 
-    async def fetch(key: str, st: DcpStorage) -> tuple[str, DcpStorage, bytes]:
+    async def fetch(fqn: str, key: str, st: DcpStorage) -> tuple[str, str, DcpStorage, bytes]:
         data = await reader.get_range(st.relative_path, st.offset, st.offset + st.length)
-        return key, st, bytes(data)
+        return fqn, key, st, bytes(data)
 
-    for key, st, data in await asyncio.gather(*(fetch(k, s) for k, s in byte_items)):
+    for fqn, key, st, data in await asyncio.gather(*(fetch(*b) for b in byte_items)):
         _grow(files, st)
+        where = f"{_where(reader, st.relative_path)} (item {fqn!r})"
         if st.transforms:
+            if megatron is not None and fqn == mc.COMMON_STATE:
+                raise UnsupportedValueError(f"{where}: stored with DCP transforms "
+                                            f"{list(st.transforms)}; ckptfs cannot read it")
             skipped.append(f"{key} (DCP transforms {list(st.transforms)})")
             continue
         try:
-            obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as e:
-            skipped.append(f"{key} (torch.load(weights_only=True) refuses it: {_reason(e)})")
+            obj = read_value_blob(data, where)
+        except MalformedIndexError as e:
+            if megatron is not None and fqn == mc.COMMON_STATE:
+                raise
+            skipped.append(f"{key} ({e})")
             continue
+        if megatron is not None:
+            if fqn == mc.COMMON_STATE:
+                common = (mc.common_of_item(obj, where), where)
+                continue
+            if mc.SHARDED_OBJECT.fullmatch(fqn):
+                obj = mc.sharded_object(obj)
         expand_value(key, obj, values, containers, skipped, order)
     containers.update(containers_of_paths(paths.values()))
     writer: dict[str, Any] = {"library": "torch.distributed.checkpoint", "dcp_version": md.version,
@@ -142,7 +155,10 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
                               "pickle_globals": sorted(md.globals_seen)}
     if megatron is not None:
         writer["megatron"] = megatron
-        await _merge_common(reader, values, containers, skipped, tensors, order)
+        if await reader.exists(mc.COMMON_FILE):  # Megatron reads common.pt first when present
+            common = await read_common_file(reader)
+        if common is not None:
+            mc.merge_common(common[0], common[1], values, containers, {*tensors, *values}, order)
     if skipped:
         warnings.warn(
             f"{source}: {len(skipped)} value(s) are not plain Python values and are left out of "
@@ -156,6 +172,14 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
                  values=values, containers=containers, files=dict(sorted(files.items())),
                  writer=writer, order=(*(k for k in order if k in keys),
                                        *sorted(keys.difference(order))))
+
+
+async def read_common_file(reader: ByteReader) -> tuple[Any, str]:
+    """Megatron's ``common.pt`` (the common state up to 0.18), unpickled with the value
+    allowlist, and where it is."""
+    where = _where(reader, mc.COMMON_FILE)
+    data = await reader.get(mc.COMMON_FILE)
+    return await asyncio.to_thread(read_value_blob, data, where), where
 
 
 def _grow(files: dict[str, int], st: DcpStorage) -> None:
@@ -180,44 +204,3 @@ def _tensor(md: DcpMetadata, fqn: str, key: str, item: DcpTensor, source: str,
         _grow(files, st)
     chunks.sort(key=lambda c: c.offsets)
     return TensorEntry(key, dt.name, item.size, tuple(chunks), extra={"dcp_fqn": fqn})
-
-
-async def _merge_common(reader: ByteReader, values: dict[str, Any], containers: dict[str, str],
-                        skipped: list[str], tensors: dict[str, TensorEntry],
-                        order: dict[str, None]) -> None:
-    """Megatron's common.pt: the non-sharded state, at the root of the state dict."""
-    if not await reader.exists(MEGATRON_COMMON):
-        return
-    where = _where(reader, MEGATRON_COMMON)
-    data = bytes(await reader.get(MEGATRON_COMMON))
-    try:
-        common = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:
-        if os.environ.get(COMMON_ENV) == "skip":
-            warnings.warn(f"{where}: left out ({COMMON_ENV}=skip): {_reason(e)}", stacklevel=4)
-            return
-        raise ForbiddenGlobalError(
-            f"{where}: Megatron's common state cannot be read safely: torch.load(weights_only="
-            f"True) refuses it ({_reason(e)}); ckptfs does not unpickle arbitrary objects. The "
-            f"sharded tensors in .metadata are readable: set {COMMON_ENV}=skip to load the "
-            f"checkpoint without common.pt"
-        ) from None
-    if not isinstance(common, dict):
-        raise MalformedIndexError(f"{where}: holds a {type(common).__name__}, not a dict")
-    for k, v in common.items():
-        if isinstance(k, bool) or not isinstance(k, str | int):
-            skipped.append(f"common.pt key {k!r}")
-            continue
-        key = encode_key((k,))
-        if key in values or key in tensors:
-            raise MalformedIndexError(f"{where}: key {key!r} is also in the DCP metadata")
-        expand_value(key, v, values, containers, skipped, order)
-
-
-def _reason(e: Exception) -> str:
-    msg = str(e)
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
-    if m:
-        return f"it needs {m.group(1)}, which weights_only does not allow"
-    line = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(e).__name__)
-    return line[:300]

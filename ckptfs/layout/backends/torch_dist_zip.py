@@ -1,6 +1,9 @@
 """The ``torch.save`` zip container of one DCP item (formats/torch_dist-1.md §Blobs).
 
-Reading: ``locate_tensor`` finds where a saved tensor's storage bytes sit inside a blob with two
+Reading values: ``read_value_blob`` unpickles the ``data.pkl`` of a blob that holds Python values
+(a BYTE_IO item, Megatron's ``common.pt``) with the restricted value unpickler.
+
+Reading tensors: ``locate_tensor`` finds where a saved tensor's storage bytes sit inside a blob with two
 small ranged reads (the central directory at the end, then the head up to the storage record's
 local header). It is written sans-IO, as a generator of ``(start, end)`` requests, so the same
 parser runs over bytes in memory (at save time) and over ranged reads of a store (at load time).
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptfs.layout.backends.torch_dist_pickle import StoredTensor, read_tensor_pickle
+from ckptfs.errors import MalformedIndexError
+from ckptfs.layout.backends.torch_dist_pickle import StoredTensor, read_tensor_pickle, read_value_pickle
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 Request = tuple[int, int]  #: bytes [start, end) relative to the blob start
@@ -155,7 +159,7 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int,
     raise ZipFormatError(f"record {name}: zip64 sizes without a zip64 extra field")
 
 
-def _local_data_start(head: bytes, rec: ZipRecord) -> int | None:
+def _local_data_start(head: bytes | memoryview, rec: ZipRecord) -> int | None:
     """Offset of ``rec``'s payload, if its local header lies in ``head`` (from byte 0)."""
     h = rec.header_offset
     if h + 30 > len(head):
@@ -208,6 +212,30 @@ def locate_tensor(blob_len: int) -> Steps:
         itemsize = torch.empty((), dtype=tensor.dtype).element_size()  # type: ignore[union-attr]
         data_offset = start + tensor.storage_offset * itemsize  # type: ignore[union-attr]
     return TensorLayout(data_offset, tensor, record, byteorder, records)
+
+
+def read_value_blob(blob: bytes | memoryview, source: str) -> object:
+    """The Python values a ``torch.save`` blob holds (objects of refused classes are
+    ``torch_dist_pickle.Opaque``); errors name ``source``."""
+    mv = memoryview(blob)
+    try:
+        records = run_on_bytes(locate_records(mv.nbytes), mv)
+    except ZipFormatError as e:
+        raise MalformedIndexError(f"{source}: not a torch.save zip ({e})") from None
+    assert isinstance(records, tuple)
+    pkl = next((r for r in records if r.name.endswith("/data.pkl") and r.name.count("/") == 1), None)
+    if pkl is None:
+        raise MalformedIndexError(f"{source}: no <archive>/data.pkl record: not a torch.save blob")
+    try:
+        start = _local_data_start(mv, pkl)
+    except ZipFormatError as e:
+        raise MalformedIndexError(f"{source}: {e}") from None
+    if start is None or start + pkl.compressed_size > mv.nbytes:
+        raise MalformedIndexError(f"{source}: record {pkl.name} exceeds the blob")
+    data = bytes(mv[start : start + pkl.compressed_size])
+    if pkl.method != 0:
+        data = zlib.decompress(data, -15)
+    return read_value_pickle(data, source)
 
 
 def run_on_bytes(steps: Generator[Request, bytes, object], data: bytes | memoryview) -> object:

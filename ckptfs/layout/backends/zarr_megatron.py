@@ -2,19 +2,25 @@
 
 Megatron wrote one zarr v2 array per ShardedTensor key directly under the checkpoint directory
 (``<key>/.zarray`` plus chunk files, chunks = one rank's shard, ``fill_value: null``, bfloat16
-patched into the dtype), ``metadata.json`` naming the backend, and no index. ``sniff`` builds a
-ckptfs Index from those files (formats/zarr-2.md §Megatron-Core checkpoints).
+patched into the dtype), ``metadata.json`` naming the backend, its common state in ``common.pt``
+and each ShardedObject in ``<key>/shard_<offsets>_<shape>.pt``, and no index. ``sniff`` builds a
+ckptfs Index from those files (formats/zarr-2.md §Megatron-Core checkpoints); the pickles are
+read with the restricted value unpickler (megatron_common, torch_dist_pickle).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from ckptfs.errors import FormatVersionError, MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.backend import ByteReader
+from ckptfs.layout.backends import megatron_common as mc
+from ckptfs.layout.backends.torch_dist_keys import expand_value
+from ckptfs.layout.backends.torch_dist_zip import read_value_blob
 from ckptfs.layout.backends.zarr_codecs import Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid
 from ckptfs.layout.backends.zarr_meta import V2_DTYPES
@@ -22,7 +28,8 @@ from ckptfs.layout.backends.zarr_paths import chunk_key, join
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.layout.keys import encode_component
 
-MARKER = "metadata.json"
+MARKER = mc.CONFIG
+MEGATRON_COMMON = mc.COMMON_FILE
 
 
 async def sniff_megatron(reader: ByteReader) -> Index | None:
@@ -36,11 +43,17 @@ async def sniff_megatron(reader: ByteReader) -> Index | None:
     if not isinstance(meta, dict) or meta.get("sharded_backend") != "zarr":
         return None
     if meta.get("sharded_backend_version") != 1:
-        where = reader.full_path(MARKER) if hasattr(reader, "full_path") else MARKER
         raise FormatVersionError(
-            f"{where}: Megatron zarr sharded_backend_version is "
+            f"{_where(reader, MARKER)}: Megatron zarr sharded_backend_version is "
             f"{meta.get('sharded_backend_version')!r}; ckptfs reads version 1")
-    paths = sorted(f[: -len("/.zarray")] for f in await reader.list("") if f.endswith("/.zarray"))
+    common = meta.get("common_backend", "torch")
+    if common != "torch" or meta.get("common_backend_version", 1) != 1:
+        raise FormatVersionError(
+            f"{_where(reader, MARKER)}: common_backend {common!r} version "
+            f"{meta.get('common_backend_version')!r}; ckptfs reads Megatron's common state only "
+            f"as 'torch' version 1 (common.pt)")
+    listing = await reader.list("")
+    paths = sorted(f[: -len("/.zarray")] for f in listing if f.endswith("/.zarray"))
     docs = await asyncio.gather(*(reader.get(join(p, ".zarray")) for p in paths))
     tensors = {}
     for path, raw in zip(paths, docs, strict=True):
@@ -51,9 +64,45 @@ async def sniff_megatron(reader: ByteReader) -> Index | None:
         # Megatron keys are flat strings: the directory path is one key component
         entry = tensor_from_zarray(encode_component(path), path, doc)
         tensors[entry.key] = entry
+    values: dict[str, Any] = {}
+    containers: dict[str, str] = {}
+    await _sharded_objects(reader, listing, values, containers)
+    if MEGATRON_COMMON in listing:
+        data = await reader.get(MEGATRON_COMMON)
+        where = _where(reader, MEGATRON_COMMON)
+        obj = await asyncio.to_thread(read_value_blob, data, where)
+        mc.merge_common(obj, where, values, containers, {*tensors, *values, *containers})
     writer = {"library": "megatron-core",
               **{k: v for k, v in meta.items() if isinstance(v, str | int | float | bool)}}
-    return Index(backend="zarr", backend_version=2, tensors=tensors, writer=writer)
+    return Index(backend="zarr", backend_version=2, tensors=tensors, values=values,
+                 containers=containers, writer=writer)
+
+
+async def _sharded_objects(reader: ByteReader, listing: list[str], values: dict[str, Any],
+                           containers: dict[str, str]) -> None:
+    """Megatron's common strategy saved each ShardedObject as ``<unique key>.pt``; its object
+    is exposed under the unique key. A value ckptfs cannot represent is left out with a warning
+    (as for DCP BYTE_IO items)."""
+    names = sorted(f[:-3] for f in listing
+                   if f.endswith(".pt") and mc.SHARDED_OBJECT.fullmatch(f[:-3]))
+    blobs = await asyncio.gather(*(reader.get(f"{n}.pt") for n in names))
+    skipped: list[str] = []
+    for name, blob in zip(names, blobs, strict=True):
+        where = _where(reader, f"{name}.pt")
+        try:
+            obj = await asyncio.to_thread(read_value_blob, blob, where)
+        except MalformedIndexError as e:
+            skipped.append(f"{encode_component(name)} ({e})")
+            continue
+        expand_value(encode_component(name), obj, values, containers, skipped)
+    if skipped:
+        warnings.warn(f"{_where(reader, '')}: {len(skipped)} ShardedObject value(s) are not plain "
+                      f"Python values and are left out: {'; '.join(skipped[:10])}", stacklevel=3)
+
+
+def _where(reader: ByteReader, path: str) -> str:
+    full = getattr(reader, "full_path", None)
+    return full(path) if callable(full) else path
 
 
 def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEntry:
