@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean interop megatron-venvs megatron-fixtures
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,40 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Megatron-Core interop (tests/interop/megatron_live.py), outside `make test`: two venvs of their
+# own (megatron-core pins numpy/zarr differently from ckptfs). megatron-core 0.19.2 needs Python
+# >= 3.12 by its metadata, but its wheel imports on 3.11; it imports triton and psutil undeclared.
+# The 0.19.2 venv also gets ckptfs's dependencies (ckptfs itself comes from PYTHONPATH).
+MEGATRON_VENV ?= .venv-megatron
+MEGATRON015_VENV ?= .venv-megatron015
+CKPTFS_DEPS := numpy fsspec s3fs obstore safetensors "zarr>=3.1.3" "numcodecs>=0.16" google-crc32c \
+	ml_dtypes tqdm
+
+$(MEGATRON_VENV)/.installed:
+	$(PY) -m venv $(MEGATRON_VENV)
+	$(MEGATRON_VENV)/bin/pip install -q $(TORCH)
+	$(MEGATRON_VENV)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(MEGATRON_VENV)/bin/pip install -q $(TORCH) triton psutil packaging $(CKPTFS_DEPS)
+	touch $@
+
+$(MEGATRON015_VENV)/.installed:
+	$(PY) -m venv $(MEGATRON015_VENV)
+	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH)
+	$(MEGATRON015_VENV)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.15.3
+	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH) triton psutil packaging "numpy<2" "zarr<3" tensorstore
+	touch $@
+
+megatron-venvs: $(MEGATRON_VENV)/.installed $(MEGATRON015_VENV)/.installed
+
+interop: megatron-venvs
+	$(MEGATRON_VENV)/bin/python tests/interop/megatron_live.py \
+		--venv019 $(abspath $(MEGATRON_VENV)) --venv015 $(abspath $(MEGATRON015_VENV))
+
+# rewrites tests/fixtures/megatron/ (commit the result only when the format it tests changes)
+megatron-fixtures: megatron-venvs
+	$(MEGATRON_VENV)/bin/python tests/fixtures/megatron/make_fixtures.py
+	$(MEGATRON015_VENV)/bin/python tests/fixtures/megatron/make_fixtures.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
