@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -281,7 +282,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--venv019", required=True)
     ap.add_argument("--venv015", required=True)
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None, help="keep the checkpoints here (default: a temporary "
+                    "directory, removed when every step passed)")
     opts = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "PYTHONWARNINGS": "ignore"}
@@ -325,7 +327,10 @@ def main() -> int:
                         f"bit-exact", venv, world, "mcore_load", path)
     failed = [r for r in results if not r[1]]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    print(json.dumps({"megatron_core": versions, "workdir": str(work)}))
+    if failed or opts.workdir:
+        print(json.dumps({"megatron_core": versions, "workdir": str(work)}))
+    else:
+        shutil.rmtree(work)
     return 1 if failed else 0
 
 
