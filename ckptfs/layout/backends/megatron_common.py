@@ -107,13 +107,13 @@ def common_state(tensors: Collection[str], values: Mapping[str, Json],
     whose kept items would be renumbered (some items only tensors, others not) is refused:
     Megatron could not merge it back with the tensors."""
     tensors = set(tensors)
-    children: dict[str, list[str]] = {}
+    children: dict[str | None, list[str]] = {}  #: parent key (None: the root) -> its keys
     for key in (*values, *containers):
         children.setdefault(parent_key(key), []).append(key)
     for key in tensors:
         children.setdefault(parent_key(key), []).append(key)
 
-    def ordered(key: str) -> list[str]:
+    def ordered(key: str | None) -> list[str]:
         return sorted(children.get(key, []), key=lambda k: component_order(decode_key(k)[-1]))
 
     def build(key: str) -> tuple[bool, Any]:
@@ -138,7 +138,7 @@ def common_state(tensors: Collection[str], values: Mapping[str, Json],
         return bool(kept) or not kids, tuple(items) if kind == "tuple" else items
 
     root = {}
-    for key in ordered(""):
+    for key in ordered(None):
         keep, obj = build(key)
         if keep:
             root[decode_key(key)[-1]] = obj
