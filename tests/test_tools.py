@@ -24,7 +24,7 @@ from ckptfs.cli import main, parse_size, storage_options
 from ckptfs.io import open_store, run_sync
 from ckptfs.testing.conformance.cases import assert_same, basic_state, differences, flatten
 from tests.test_torch_dist import _megatron_dir
-from tests.test_zarr import build_megatron, megatron_tensors
+from tests.test_zarr import MEGATRON_COMMON, build_megatron, megatron_tensors
 
 WRITABLE = [("safetensors_chunks", 1), ("zarr", 2), ("zarr", 3), ("torch_dist", 1)]
 REF = basic_state()
@@ -66,7 +66,7 @@ def ckpts(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     d, w = _megatron_dir(root, {"iteration": 7})
     out["megatron-torch_dist"] = (d, {"decoder.w": w, "decoder.b": torch.arange(4), "iteration": 7})
     build_megatron(str(root / "megatron-zarr"))
-    out["megatron-zarr"] = (root / "megatron-zarr", megatron_tensors())
+    out["megatron-zarr"] = (root / "megatron-zarr", {**megatron_tensors(), **MEGATRON_COMMON})
     write_hf(root / "hf")
     out["hf"] = (root / "hf", hf_state())
     return out
