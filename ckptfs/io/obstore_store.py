@@ -1,11 +1,12 @@
 """s3:// (and gs://, az://) through obstore, selected with ``IOConfig(engine="obstore")``.
 
-obstore's Rust client streams multipart uploads itself (``put_async`` with an iterator of
-zero-copy views, ``chunk_size=part_size``, ``max_concurrency=upload_concurrency``), so its
-per-request retries (5xx, drops, timeouts; exponential backoff with jitter) are the ones that
-matter: they are configured from ``IOConfig.retries/retry_delay/retry_max_delay``. ckptfs wraps
-each whole operation once more with the same classification, so permanent errors (403, 404)
-still fail at once with the URL in the message.
+Each request is retried by one layer only (``IOConfig.retries/retry_delay/retry_max_delay``):
+single requests (GET, HEAD, single PUT, create, list, delete) by ckptfs's retry layer, with
+obstore's own retries turned off; a multipart upload by obstore's per-request retries (it
+streams the parts itself: ``put_async`` with an iterator of zero-copy views,
+``chunk_size=part_size``, ``max_concurrency=upload_concurrency``), which ckptfs does not repeat.
+Either way permanent errors (403, 404) fail at once with the URL in the message, and exhausted
+retries raise ``StorageError``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from obstore.exceptions import (
     UnauthenticatedError,
 )
 
+from ckptfs.errors import StorageError
 from ckptfs.io.parts import join, part_size_for, pieces, total_bytes
-from ckptfs.io.retry import RetryPolicy, retrying
+from ckptfs.io.retry import RetryPolicy, is_transient, retrying
 from ckptfs.io.store import Buffer, IOConfig, Store
 
 T = TypeVar("T")
@@ -61,6 +63,7 @@ def s3_config(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
 
 
 def retry_config(policy: RetryPolicy) -> dict[str, Any]:
+    """obstore's RetryConfig for ``policy`` (``RetryPolicy(0)`` turns its retries off)."""
     return {"max_retries": policy.retries,
             "backoff": {"init_backoff": timedelta(seconds=policy.base_delay),
                         "max_backoff": timedelta(seconds=policy.max_delay), "base": 2},
@@ -72,28 +75,35 @@ async def open_obstore(url: str, storage_options: Mapping[str, Any], config: IOC
     from obstore.store import S3Store, from_url
 
     proto, rest = url.split("://", 1)
-    rc = retry_config(config.retry_policy)
-    if proto in ("s3", "s3a"):
-        bucket, _, prefix = rest.partition("/")
-        cfg, client_options = s3_config(storage_options)
-        store = S3Store(bucket, prefix=prefix.strip("/") or None, client_options=client_options,
-                        retry_config=rc, **cfg)
-    else:
+
+    def client(policy: RetryPolicy) -> Any:
+        rc = retry_config(policy)
+        if proto in ("s3", "s3a"):
+            bucket, _, prefix = rest.partition("/")
+            cfg, client_options = s3_config(storage_options)
+            return S3Store(bucket, prefix=prefix.strip("/") or None,
+                           client_options=client_options, retry_config=rc, **cfg)
         opts = dict(storage_options)
-        store = from_url(url, client_options=opts.pop("client_options", None), retry_config=rc,
-                         **opts)
-    return ObstoreStore(store, url, config)
+        return from_url(url, client_options=opts.pop("client_options", None), retry_config=rc,
+                        **opts)
+
+    policy = config.retry_policy
+    # one client without retries (ckptfs retries each request), one whose per-request retries
+    # serve multipart uploads (ckptfs cannot retry a part of obstore's streaming upload)
+    return ObstoreStore(client(RetryPolicy(0)), url, config, multipart_store=client(policy))
 
 
 class ObstoreStore(Store):
     """A checkpoint root on an obstore ObjectStore (its prefix is the root)."""
 
-    def __init__(self, store: Any, url: str, config: IOConfig | None = None) -> None:
+    def __init__(self, store: Any, url: str, config: IOConfig | None = None, *,
+                 multipart_store: Any = None) -> None:
+        """``store`` must not retry (ckptfs's retry layer does); ``multipart_store`` (default:
+        ``store``) is the same root with obstore's retries on, used for multipart uploads only,
+        which ckptfs does not retry again."""
         super().__init__(url, config)
         self.store = store
-        # obstore retries each request; ckptfs retries a whole operation once more
-        self._policy = RetryPolicy(min(1, self.config.retries), self.config.retry_delay,
-                                   self.config.retry_max_delay)
+        self.multipart_store = store if multipart_store is None else multipart_store
 
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         if end <= start:
@@ -135,8 +145,8 @@ class ObstoreStore(Store):
             try:
                 async with self.budget.hold(held), self.semaphore:
                     await self._call(path, lambda: obstore.put_async(
-                        self.store, path, views(), chunk_size=size,
-                        max_concurrency=self.config.upload_concurrency))
+                        self.multipart_store, path, views(), chunk_size=size,
+                        max_concurrency=self.config.upload_concurrency), retry=False)
             except FileNotFoundError:
                 # NoSuchUpload: obstore retried a completion whose first attempt landed
                 if await self._size_or_none(path) != total:
@@ -203,11 +213,21 @@ class ObstoreStore(Store):
     def _count_retry(self, _: BaseException) -> None:
         self.stats.retries += 1
 
-    async def _call(self, path: str, op: Callable[[], Awaitable[T]]) -> T:
-        """Run ``op`` with retries; obstore's errors become the builtin ones, naming the URL."""
+    async def _call(self, path: str, op: Callable[[], Awaitable[T]], retry: bool = True) -> T:
+        """Run ``op``, retried by ckptfs unless ``retry`` is False (obstore retried its requests
+        already); obstore's errors become the builtin ones, naming the URL."""
         url = self.full_path(path)
+        policy = self.config.retry_policy
         try:
-            return await retrying(op, url, self._policy, on_retry=self._count_retry)
+            if retry:
+                return await retrying(op, url, policy, on_retry=self._count_retry)
+            try:
+                return await op()
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                raise StorageError(f"{url}: still failing after {policy.retries + 1} attempt(s) "
+                                   f"(obstore's retries): {type(e).__name__}: {e}") from e
         except (NotFoundError, FileNotFoundError):  # some calls raise the builtin
             raise FileNotFoundError(f"{url}: no such file") from None
         except (AlreadyExistsError, PreconditionError, FileExistsError):
