@@ -30,6 +30,7 @@ import torch
 
 from ckptfs.errors import (
     BackendOptionsError,
+    ForbiddenGlobalError,
     IntegrityError,
     MalformedIndexError,
     UnsupportedValueError,
@@ -299,7 +300,12 @@ def _balance(chunks: tuple[ChunkData, ...], n: int) -> list[list[ChunkData]]:
 
 def _decode_blob(raw: Buffer, dt: DType, chunk: ChunkEntry, where: str) -> Buffer:
     """A blob whose bytes are not the tensor in C order: torch.load(weights_only=True) it."""
-    t = torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
+    try:
+        t = torch.load(io.BytesIO(bytes(raw)), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:  # a global outside torch's weights-only allowlist
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ForbiddenGlobalError(f"{where} in {chunk.file}: torch.load(weights_only=True) "
+                                   f"refuses the item's pickle ({first})") from None
     if not isinstance(t, torch.Tensor) or t.dtype != dt.torch or tuple(t.shape) != tuple(chunk.shape):
         raise IntegrityError(f"{where}: the item does not hold a {dt.torch} tensor of shape "
                              f"{list(chunk.shape)}")
