@@ -2,19 +2,24 @@
 state reset per test), and a loopback fault-injecting HTTP proxy in front of it.
 
 The proxy forwards each request to moto and can answer a share of them with 503 SlowDown, drop
-the connection before or after forwarding, add latency, or deny paths with 403. It logs every
-request (method, path, status, start and end times) for tests that count GETs or measure how
-many uploads overlap. Spawned ranks reach its log and settings through ``/__proxy__/...``.
+the connection before or after forwarding, add latency, or deny paths with 403; ``script`` gives
+chosen requests a chosen fault (deterministic: the first N matching requests), and ``gate`` holds
+requests until a number of them are in flight at once (concurrency proven by construction, not
+by timing). It logs every request (method, path, status, start and end times, body size, the keys
+of a bulk delete) for tests that count GETs or check how uploads overlap. Spawned ranks reach its
+log and settings through ``/__proxy__/...``.
 """
 
 from __future__ import annotations
 
+import html
 import http.client
 import http.server
 import json
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -78,6 +83,17 @@ class Faults:
     latency: float = 0.0  #: seconds to wait before forwarding
     deny: list[str] = field(default_factory=list)  #: path substrings answered 403 AccessDenied
     seed: int = 0
+    #: deterministic faults: {"path": substring, "method": "PUT" (optional), "query": substring
+    #: (optional), "fault": "503" | "drop" | "drop_after" | "deny", "skip": K (default 0),
+    #: "times": N (default 1)}: requests K+1 .. K+N that match a rule get its fault
+    script: list[dict] = field(default_factory=list)
+    #: hold requests whose path contains ``gate_path`` (and query ``gate_query``) until ``gate``
+    #: of them are in flight at once (then the gate stays open); ``gate_timeout`` seconds at
+    #: most, then they go on
+    gate: int = 0
+    gate_path: str = ""
+    gate_query: str = ""
+    gate_timeout: float = 30.0
 
 
 @dataclass
@@ -92,6 +108,8 @@ class Record:
     range: str = ""  #: the Range header
     if_none_match: str = ""  #: the If-None-Match header (create-if-absent)
     copy_source: str = ""  #: x-amz-copy-source (a server-side copy: a "rename")
+    length: int = 0  #: bytes of the request body
+    keys: list[str] = field(default_factory=list)  #: object keys of a bulk delete (POST ?delete)
 
 
 class FaultProxy:
@@ -104,6 +122,10 @@ class FaultProxy:
         self.records: list[Record] = []
         self._lock = threading.Lock()
         self._rng = random.Random(0)
+        self._script_seen: list[int] = []
+        self._gate = threading.Condition(self._lock)
+        self._gate_waiting = 0
+        self._gate_open = False
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -140,12 +162,43 @@ class FaultProxy:
         with self._lock:
             self.faults = Faults(**kwargs)
             self._rng = random.Random(self.faults.seed)
+            self._reset_rules()
 
     def reset(self) -> None:
         with self._lock:
             self.faults = Faults()
             self.records = []
             self._rng = random.Random(0)
+            self._reset_rules()
+
+    def _reset_rules(self) -> None:
+        self._script_seen = [0] * len(self.faults.script)
+        self._gate_waiting = 0
+        self._gate_open = False
+        self._gate.notify_all()
+
+    def _scripted(self, method: str, path: str, query: str) -> str:
+        """The fault of the first script rule this request matches and has uses left (lock held)."""
+        for i, rule in enumerate(self.faults.script):
+            if (rule.get("path", "") in path and rule.get("method", method) == method
+                    and rule.get("query", "") in query):
+                self._script_seen[i] += 1
+                skip = rule.get("skip", 0)
+                if skip < self._script_seen[i] <= skip + rule.get("times", 1):
+                    return rule["fault"]
+        return ""
+
+    def _wait_at_gate(self, path: str, query: str) -> None:
+        with self._gate:
+            f = self.faults
+            if not f.gate or self._gate_open or f.gate_path not in path or f.gate_query not in query:
+                return
+            self._gate_waiting += 1
+            if self._gate_waiting >= f.gate:
+                self._gate_open = True
+                self._gate.notify_all()
+            else:
+                self._gate.wait_for(lambda: self._gate_open, timeout=f.gate_timeout)
 
     def log(self) -> list[Record]:
         with self._lock:
@@ -161,8 +214,11 @@ class FaultProxy:
         with self._lock:
             f = self.faults
             roll = self._rng.random()
-        fault = ""
-        if any(d in path for d in f.deny):
+            fault = self._scripted(h.command, path, query)
+        self._wait_at_gate(path, query)
+        if fault:
+            pass  # scripted
+        elif any(d in path for d in f.deny):
             fault = "deny"
         elif roll < f.fail_share:
             fault = "503"
@@ -173,34 +229,38 @@ class FaultProxy:
         if f.latency:
             time.sleep(f.latency)
         if fault == "drop":
-            self._record(h, path, query, 0, t0, fault)
+            self._record(h, path, query, 0, t0, fault, body)
             h.close_connection = True
             return
         if fault in ("503", "deny"):
             status = 503 if fault == "503" else 403
-            self._record(h, path, query, status, t0, fault)
+            self._record(h, path, query, status, t0, fault, body)
             _reply(h, status, [("Content-Type", "application/xml")],
                    b"" if h.command == "HEAD" else (_SLOWDOWN if status == 503 else _DENIED))
             return
         try:
             status, headers, payload = self._forward(h, body)
         except OSError:
-            self._record(h, path, query, 0, t0, "upstream")
+            self._record(h, path, query, 0, t0, "upstream", body)
             raise
         if fault == "drop_after":
-            self._record(h, path, query, 0, t0, fault)
+            self._record(h, path, query, 0, t0, fault, body)
             h.close_connection = True
             return
         # logged before answering: a client that got its answer finds its request in the log
-        self._record(h, path, query, status, t0, fault)
+        self._record(h, path, query, status, t0, fault, body)
         _reply(h, status, headers, payload, head=h.command == "HEAD")
 
-    def _record(self, h, path: str, query: str, status: int, t0: float, fault: str) -> None:
+    def _record(self, h, path: str, query: str, status: int, t0: float, fault: str,
+                body: bytes = b"") -> None:
+        keys = []
+        if h.command == "POST" and "delete" in query.split("&"):
+            keys = [html.unescape(k) for k in re.findall(r"<Key>(.*?)</Key>", body.decode("utf-8", "replace"))]
         with self._lock:
             self.records.append(Record(
                 h.command, path, query, status, t0, time.monotonic(), fault,
                 h.headers.get("Range", ""), h.headers.get("If-None-Match", ""),
-                h.headers.get("x-amz-copy-source", "")))
+                h.headers.get("x-amz-copy-source", ""), len(body), keys))
 
     def _forward(self, h, body: bytes):
         conn = http.client.HTTPConnection(*self.upstream, timeout=120)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import ckptfs
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
-from ckptfs.testing.ranks import run_ranks
+from ckptfs.testing.ranks import RanksFailed, run_ranks
 
 
 def expect_error(fn, *types) -> str:
@@ -83,7 +83,19 @@ def scenarios(rank: int, world: int, root: str) -> None:
     assert "refuses the layout" in msg
     assert not os.path.exists(f"{root}/9/{ckptfs.INDEX_FILE}")
 
-    # 10. after all that, collectives are still in step
+    # 10. a DTensor with a Partial placement (pending reduction) is refused, naming the key;
+    # nothing is committed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    partial = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()], run_check=False)
+    msg = expect_error(lambda: ckptfs.save({"grad": partial}, f"{root}/10"),
+                       ckptfs.UnsupportedValueError)
+    assert "'grad'" in msg and "Partial" in msg
+    assert not os.path.exists(f"{root}/10/{ckptfs.INDEX_FILE}")
+
+    # 11. after all that, collectives are still in step
     t = torch.tensor([rank])
     dist.all_reduce(t)
     assert t.item() == 1
@@ -112,3 +124,14 @@ def subgroups(rank: int, world: int, root: str) -> None:
 @pytest.mark.timeout(180)
 def test_independent_process_groups(tmp_path):
     run_ranks(4, subgroups, str(tmp_path))
+
+
+def _rank_one_fails(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 broke on purpose")
+    dist.barrier()  # rank 0 would wait here for ever: the harness must kill it
+
+
+def test_harness_reports_a_failed_rank_and_stops_the_others():
+    with pytest.raises(RanksFailed, match=r"(?s)rank1\.err.*ValueError: rank 1 broke on purpose"):
+        run_ranks(2, _rank_one_fails, timeout=120)

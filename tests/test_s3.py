@@ -180,16 +180,108 @@ def test_permanent_errors_fail_at_once_naming_the_url(s3, engine):
     assert len(data_gets(s3.proxy.log())) == 1  # 404: no retry
 
 
-def test_retries_are_bounded_and_name_the_url(s3):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_retries_are_bounded_and_name_the_url(s3, engine):
+    """Every request answered 503: each one is sent 1 + retries times in all (one retry layer:
+    ckptfs's, or obstore's for multipart parts, never both), then StorageError names the URL.
+    Three kinds of request: a GET (the index), a single PUT and a multipart upload."""
     url = f"{s3.url}/down"
     ckptfs.save({"w": torch.ones(10)}, url, storage_options=s3.options)
+    cfg = engine_config(engine, retries=2, retry_delay=0.01, retry_max_delay=0.02, part_size=5 * MiB)
     s3.proxy.reset()
     s3.proxy.configure(fail_share=1.0)
-    cfg = ckptfs.IOConfig(retries=2, retry_delay=0.01, retry_max_delay=0.02)
-    with pytest.raises(ckptfs.StorageError, match=re.escape(f"{url}/ckptfs.index.json")):
+    with pytest.raises(ckptfs.StorageError, match=re.escape(f"{url}/ckptfs.index.json") + r".*3 attempt"):
         ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, io_config=cfg)
     gets = [r for r in s3.proxy.log() if r.path.endswith("ckptfs.index.json")]
-    assert len(gets) == 3 and all(r.status == 503 for r in gets)  # 1 try + 2 retries
+    assert [r.status for r in gets] == [503] * 3, gets  # 1 try + 2 retries
+
+    for case, sd, rule in (
+            ("single", {"w": torch.ones(10)}, {"method": "PUT", "path": "/data/"}),
+            ("multipart", {"w": torch.ones(6 * MiB // 4)}, {"method": "POST", "query": "uploads"})):
+        s3.proxy.reset()
+        s3.proxy.configure(script=[{**rule, "fault": "503", "times": 100}])
+        with pytest.raises(ckptfs.StorageError, match=re.escape(f"{s3.url}/{case}/data/") + r".*3 attempt"):
+            ckptfs.save(sd, f"{s3.url}/{case}", storage_options=s3.options, io_config=cfg)
+        failed = [r for r in s3.proxy.log() if r.fault == "503"]
+        assert len(failed) == 3 and len({r.path for r in failed}) == 1, (case, failed)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_retried_create_that_landed_counts_as_done(s3, engine):
+    """The index PUT reaches S3 but its answer is lost (the proxy drops the connection after
+    forwarding): the retry finds the object exists (412) holding this save's bytes, and the save
+    succeeds instead of calling its own commit a conflict."""
+    url, cfg = f"{s3.url}/lost", engine_config(engine, retry_delay=0.01)
+    s3.proxy.configure(script=[{"method": "PUT", "path": "ckptfs.index.json", "fault": "drop_after"}])
+    sd = {"w": torch.arange(12.0), "step": 4}
+    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+    puts = [r for r in s3.proxy.log() if r.method == "PUT" and r.path.endswith("ckptfs.index.json")]
+    assert [(r.fault, r.status) for r in puts] == [("drop_after", 0), ("", 412)], puts
+    assert all(r.if_none_match == "*" for r in puts)
+    tgt = {"w": torch.zeros(12), "step": 0}
+    ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg)
+    assert torch.equal(tgt["w"], sd["w"]) and tgt["step"] == 4
+    # a real conflict is still one: another save's index is not this save's bytes
+    with pytest.raises(ckptfs.CheckpointExistsError):
+        ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+
+
+def _deletions(log: list[Record]) -> list[tuple[list[str], float, float]]:
+    """(keys, start, end) of every delete request: bulk DeleteObjects or a single DELETE."""
+    out = []
+    for r in log:
+        if r.method == "POST" and "delete" in r.query.split("&"):
+            out.append((r.keys, r.t0, r.t1))
+        elif r.method == "DELETE" and "uploadId" not in r.query:
+            out.append(([r.path.removeprefix(f"/{BUCKET}/")], r.t0, r.t1))
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_delete_uncommits_first(s3, engine):
+    """delete removes the index in a request of its own that completes before any data file is
+    deleted; when deleting the data then fails, the checkpoint is already uncommitted (never an
+    index over missing files)."""
+    url, cfg = f"{s3.url}/del", engine_config(engine, retry_delay=0.01)
+    sd = {"a": torch.ones(100), "b": torch.zeros(50), "step": 1}
+    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg,
+                backend_options={"max_file_bytes": 300})  # several data files
+    keys = keys_under(s3.direct, "del/")
+    assert len(keys) >= 3
+    s3.proxy.reset()
+    assert ckptfs.delete(url, storage_options=s3.options, io_config=cfg) == len(keys)
+    dels = _deletions(s3.proxy.log())
+    assert dels and dels[0][0] == ["del/ckptfs.index.json"], dels
+    assert all(t0 >= dels[0][2] for _, t0, _ in dels[1:])
+    assert sorted(k for ks, _, _ in dels for k in ks) == keys
+    assert keys_under(s3.direct, "del/") == []
+
+    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+    s3.proxy.reset()
+    # the second delete request (the data) is refused: the index went first
+    s3.proxy.configure(script=[{"method": "POST", "query": "delete", "fault": "deny", "skip": 1},
+                               {"method": "DELETE", "path": "/data/", "fault": "deny"}])
+    with pytest.raises((PermissionError, ckptfs.StorageError, OSError)):
+        ckptfs.delete(url, storage_options=s3.options, io_config=cfg)
+    with pytest.raises(ckptfs.CheckpointNotFoundError):
+        ckptfs.load_metadata(url, storage_options=s3.options, io_config=cfg)
+    assert [k for k in keys_under(s3.direct, "del/") if "/data/" in k]  # the data is still there
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_s3a_urls(s3, engine):
+    """s3a:// names the same objects as s3://."""
+    cfg = engine_config(engine)
+    sd = {"w": torch.arange(6.0), "step": 2}
+    ckptfs.save(sd, f"s3a://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg)
+    assert "a/ck/ckptfs.index.json" in keys_under(s3.direct, "a/")
+    back = ckptfs.load_keys(f"s3://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg)
+    assert torch.equal(back["w"], sd["w"]) and back["step"] == 2
+    tgt = {"w": torch.zeros(6), "step": 0}
+    ckptfs.load(tgt, f"s3a://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg)
+    assert torch.equal(tgt["w"], sd["w"])
+    assert ckptfs.delete(f"s3a://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg) >= 2
+    assert keys_under(s3.direct, "a/") == []
 
 
 # -- every backend, 2 spawned ranks, resharding ----------------------------------------------
@@ -378,11 +470,14 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
         t = mine.clone() if fill else torch.empty_like(mine)
         return {"x": ckptfs.ShardedTensor(t, tuple(full.shape), (rank * rows, 0)), "step": 3 if fill else 0}
 
-    # 1. throttled: at most 1 rank of a node uploads at once; 2. not throttled: both do
+    # 1. throttled: at most 1 rank of a node uploads at once (rounds end in a barrier: no
+    # overlap can happen, whatever the timing); 2. not throttled: the proxy holds the first
+    # uploads until all 4 ranks have one in flight, so both ranks of each node overlap
     peaks = {}
     for name, limit in (("throttled", 1), ("free", None)):
-        if rank == 0:
-            proxy_call(endpoint, "configure", {"latency": 0.15})
+        if rank == 0 and limit is None:
+            proxy_call(endpoint, "configure", {"gate": world, "gate_path": f"/{name}/data/",
+                                               "gate_timeout": 30})
         dist.barrier()
         ckptfs.save(state(True), f"s3://{BUCKET}/{name}", storage_options=opts, io_config=cfg,
                     throttle_uploads=limit)
@@ -393,6 +488,32 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
     if rank == 0:
         assert peaks["throttled"] == {0: 1, 1: 1}, peaks
         assert peaks["free"] == {0: 2, 1: 2}, peaks  # the bound is real: without it, both upload
+
+    # 3. a rank whose upload fails (403 on its files) in the first round: every rank still goes
+    # through every round (the second round's ranks upload after the failure), then the failure
+    # is raised on all ranks: the culprit's own error, a RankError naming it elsewhere
+    if rank == 0:
+        proxy_call(endpoint, "configure", {"deny": ["/r00000-"]})
+    dist.barrier()
+    try:
+        ckptfs.save(state(True), f"s3://{BUCKET}/failing", storage_options=opts, io_config=cfg,
+                    throttle_uploads=1)
+        raise AssertionError(f"rank {rank}: the save with a failed upload succeeded")
+    except PermissionError as e:
+        assert rank == 0, f"rank {rank} got rank 0's error: {e}"
+    except ckptfs.RankError as e:
+        assert rank != 0 and "rank 0" in str(e) and "r00000" in str(e), str(e)
+    dist.barrier()
+    if rank == 0:
+        log = [r for r in proxy_log(endpoint) if "/failing/data/" in r.path]
+        proxy_call(endpoint, "reset")
+        denied = [r for r in log if r.fault == "deny"]
+        later = [r for r in log if re.search(r"/r0000[13]-", r.path) and r.status == 200]
+        assert denied and later and min(r.t0 for r in later) > max(r.t1 for r in denied), log
+        assert {re.search(r"/r(\d{5})-", r.path).group(1) for r in later} == {"00001", "00003"}
+    t = torch.tensor([rank])
+    dist.all_reduce(t)  # the collectives are still in step
+    assert t.item() == sum(range(world))
 
     # 3. pre-download: one rank per node fetches that node's files once; the second load of the
     # same checkpoint sends no GET at all
@@ -418,13 +539,12 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
                 # every rank's file fetched exactly once (in part_size pieces), by one node only
                 want = {f"/{BUCKET}/throttled/{f}": math.ceil(n / cfg.part_size) for f, n in idx.files.items()}
                 assert per_file == want, (per_file, want)
-            else:
-                assert [r for r in log if r.method == "GET"] == []
-                assert len(log) <= 1  # one HEAD of the index: is the cache still this version?
+            else:  # one HEAD of the index (is the cache still this version?), nothing else
+                assert [(r.method, r.path) for r in log] == [("HEAD", f"/{BUCKET}/throttled/ckptfs.index.json")], log
 
 
 def test_throttled_uploads_and_pre_download_on_two_nodes(s3, tmp_path):
-    run_ranks(4, _throttle_and_pre_download, s3.endpoint, str(tmp_path))
+    run_ranks(4, _throttle_and_pre_download, s3.endpoint, str(tmp_path), timeout=240)
     for node in (0, 1):
         cdir = cache_dir(tmp_path / f"node{node}", f"{s3.url}/throttled")
         files = sorted(f for _, _, fs in os.walk(os.path.join(cdir, "data")) for f in fs)

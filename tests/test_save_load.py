@@ -297,3 +297,58 @@ def test_str_keyed_checkpoint_fills_int_keyed_target(tmp_path):
     res = ckptfs.load(target, tmp_path / "c")
     assert res.missing_keys == [] and res.unexpected_keys == []
     assert torch.equal(target["state"][0]["m"], torch.ones(2)) and target["state"][1]["step"] == 5
+
+
+@pytest.fixture
+def own_registry(monkeypatch):
+    """Backends registered by a test are gone after it."""
+    from ckptfs.layout import registry
+
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+
+
+def test_local_commit_is_create_if_absent(tmp_path, own_registry):
+    """Another writer's index appears at the root between the save's check and its commit (a
+    backend's finalize hook plants it, the last step before the commit): the commit refuses to
+    replace it, the rival index is left as it was, and this save's data files are removed."""
+    from ckptfs.layout.backend import FileWrite
+    from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
+
+    rival = b'{"written by": "another save"}'
+
+    class CommitRace(SafetensorsChunksBackend):
+        name, version = "commit_race", 1
+
+        def finalize(self, index, *args):
+            return [*super().finalize(index, *args), FileWrite(ckptfs.INDEX_FILE, (rival,))]
+
+    ckptfs.register_backend("commit_race", 1, CommitRace)
+    url = tmp_path / "c"
+    with pytest.raises((FileExistsError, ckptfs.CheckpointExistsError), match=ckptfs.INDEX_FILE):
+        ckptfs.save({"w": torch.ones(8)}, url, backend="commit_race")
+    assert (url / ckptfs.INDEX_FILE).read_bytes() == rival
+    assert [p.name for p in url.rglob("*") if p.is_file()] == [ckptfs.INDEX_FILE]
+
+
+def test_file_urls(tmp_path):
+    url = f"file://{tmp_path}/c"
+    sd = {"w": torch.arange(5.0), "step": 3}
+    ckptfs.save(sd, url)
+    assert (tmp_path / "c" / ckptfs.INDEX_FILE).is_file()  # the path after file://
+    tgt = {"w": torch.zeros(5), "step": 0}
+    ckptfs.load(tgt, tmp_path / "c")
+    assert torch.equal(tgt["w"], sd["w"]) and tgt["step"] == 3
+    assert torch.equal(ckptfs.load_keys(url)["w"], sd["w"])
+    assert ckptfs.load_metadata(url).tensors["w"].shape == (5,)
+    assert ckptfs.delete(url) == 2
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+
+
+def test_progress_bar(tmp_path, capsys):
+    """progress=True shows a byte-counting bar for the save on stderr; the default shows none."""
+    sd = {"w": torch.ones(1000)}
+    ckptfs.save(sd, tmp_path / "quiet")
+    assert "ckptfs save" not in capsys.readouterr().err
+    ckptfs.save(sd, tmp_path / "loud", progress=True)
+    err = capsys.readouterr().err
+    assert f"ckptfs save {tmp_path / 'loud'}" in err, err

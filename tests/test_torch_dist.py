@@ -19,6 +19,7 @@ import math
 import os
 import pickle
 import re
+import struct
 import sys
 import types
 import zipfile
@@ -419,6 +420,33 @@ def test_metadata_smuggling_foreign_globals_is_refused(tmp_path):
         assert not marker.exists(), name
     pickle.loads(pickle.dumps(legit))  # the legit twin is fine for pickle ...
     pickle.loads(payloads[f"{__name__}._side_effect"])  # ... and the payload is live
+    assert marker.exists()
+
+
+def test_item_pickle_with_a_foreign_global_is_refused_unrun(tmp_path):
+    """A DCP tensor item whose data.pkl (the pickle inside its torch.save zip) names a foreign
+    global: ckptfs's data.pkl unpickler refuses it without running it, and so does the
+    weights-only fallback; the load fails with ForbiddenGlobalError naming the key."""
+    marker = tmp_path / "pwned"
+    d = tmp_path / "d"
+    dcp.save({"t": torch.arange(64.0).reshape(8, 8)}, checkpoint_id=str(d), no_dist=True)
+    md = pickle.loads((d / ".metadata").read_bytes())  # written just now by DCP: trusted
+    (info,) = md.storage_data.values()
+    blob = bytearray((d / info.relative_path).read_bytes())
+    item = bytes(blob[info.offset:info.offset + info.length])
+    rec = next(r for r in zipfile.ZipFile(io.BytesIO(item)).infolist() if r.filename.endswith("/data.pkl"))
+    nlen, elen = struct.unpack_from("<HH", item, rec.header_offset + 26)
+    start = info.offset + rec.header_offset + 30 + nlen + elen
+    evil = pickle.dumps(_Evil(str(marker)), protocol=2)
+    assert rec.compress_type == zipfile.ZIP_STORED and len(evil) <= rec.file_size
+    blob[start:start + rec.file_size] = evil.ljust(rec.file_size, b".")  # bytes after STOP are ignored
+    (d / info.relative_path).write_bytes(bytes(blob))
+    with pytest.raises(ForbiddenGlobalError, match="'t'"):
+        ckptfs.load({"t": torch.zeros(8, 8)}, d)
+    with pytest.raises(ForbiddenGlobalError):
+        ckptfs.load_keys(d)
+    assert not marker.exists()
+    pickle.loads(evil)  # the payload is live
     assert marker.exists()
 
 
