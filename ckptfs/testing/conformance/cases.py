@@ -241,3 +241,25 @@ def assert_same(actual: Any, expected: Any, what: str = "") -> None:
         shown = "\n  ".join(diffs[:20])
         more = f"\n  ... {len(diffs) - 20} more" if len(diffs) > 20 else ""
         raise AssertionError(f"{what}: {len(diffs)} difference(s):\n  {shown}{more}")
+
+
+# ---------------------------------------------------------------------------- geometry
+def tiling_problems(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[str]:
+    """Why the ``(offsets, shape)`` boxes do not tile a tensor of ``shape`` exactly once (every
+    element in exactly one box, every box inside the tensor); [] when they do. Checked element
+    by element, so an overlap cannot hide a hole (as a sum of box volumes would let it)."""
+    problems = []
+    covered = torch.zeros(tuple(shape), dtype=torch.int32)
+    for offsets, extent in boxes:
+        if len(offsets) != len(shape) or len(extent) != len(shape):
+            problems.append(f"box {list(offsets)} + {list(extent)} has the wrong rank for {list(shape)}")
+            continue
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, extent, shape)):
+            problems.append(f"box {list(offsets)} + {list(extent)} leaves the tensor {list(shape)}")
+            continue
+        covered[tuple(slice(o, o + n) for o, n in zip(offsets, extent))] += 1
+    for what, mask in (("in no box", covered == 0), ("in several boxes", covered > 1)):
+        where = mask.nonzero()
+        if len(where):
+            problems.append(f"{len(where)} element(s) {what}, the first at {where[0].tolist()}")
+    return problems

@@ -78,14 +78,14 @@ def flip_data_byte(root: Path, expected: dict[str, Any]) -> Path:
     return target
 
 
-def _load_fails_or_differs(root: Path, expected: dict[str, Any]) -> str:
-    try:
-        got = ckptfs.load_keys(root)
-    except Exception as e:
-        return f"load failed: {type(e).__name__}: {e}"
-    diffs = differences(got, expected)
-    assert diffs, "the tampered checkpoint loads to the expected values: the change went unnoticed"
-    return f"load differs: {diffs[0]}"
+def assert_load_raises_integrity_error(root: Path, like: dict[str, Any]) -> None:
+    """Loading a checkpoint with a damaged byte of tensor data raises ckptfs.IntegrityError, from
+    load_keys and from an in-place load into a target shaped ``like`` the saved state: never
+    wrong values returned in silence."""
+    with pytest.raises(ckptfs.IntegrityError):
+        ckptfs.load_keys(root)
+    with pytest.raises(ckptfs.IntegrityError):
+        ckptfs.load(zeros_like_state(like), root)
 
 
 def test_flipped_byte_fails_hash_check_and_load(golden: GoldenDir, tmp_path: Path) -> None:
@@ -96,7 +96,18 @@ def test_flipped_byte_fails_hash_check_and_load(golden: GoldenDir, tmp_path: Pat
     changed = flip_data_byte(copy.checkpoint, expected)
     rel = changed.relative_to(copy.path).as_posix()
     assert manifest_problems(copy.path) == [f"{rel}: sha256 differs from SHA256SUMS"]
-    _load_fails_or_differs(copy.checkpoint, expected)
+    assert_load_raises_integrity_error(copy.checkpoint, expected)
+
+
+def test_flipped_data_byte_raises_integrity_error(pair: Pair, tmp_path: Path) -> None:
+    """A fresh checkpoint of this pair (no golden needed): one flipped byte of stored tensor data
+    makes every load raise IntegrityError (the chunk checksum, or the layout's own check)."""
+    g = torch.Generator().manual_seed(11)
+    state = {"dtypes": {"float64": torch.randn(64, 64, generator=g, dtype=torch.float64)}, "step": 1}
+    url = tmp_path / "ckpt"
+    ckptfs.save(state, url, backend=pair.name, backend_version=pair.version)
+    flip_data_byte(url, state)
+    assert_load_raises_integrity_error(url, state)
 
 
 def test_edited_index_fails_hash_check_and_differs(golden: GoldenDir, tmp_path: Path) -> None:

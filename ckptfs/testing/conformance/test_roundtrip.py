@@ -26,6 +26,7 @@ from ckptfs.testing.conformance.cases import (
     flatten,
     many_state,
     python_values,
+    tiling_problems,
     zeros_like_state,
 )
 from ckptfs.testing.conformance.pairs import Pair
@@ -127,12 +128,8 @@ def canonical_dtype(t: torch.Tensor) -> str:
 
 
 def _assert_tiles(key: str, e: ckptfs.TensorEntry) -> None:
-    covered = torch.zeros(e.shape, dtype=torch.int32)
-    for c in e.chunks:
-        assert len(c.offsets) == len(c.shape) == len(e.shape), key
-        assert all(o + s <= n for o, s, n in zip(c.offsets, c.shape, e.shape)), (key, c)
-        covered[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape))] += 1
-    assert bool((covered == 1).all()), f"{key}: chunks do not tile the tensor exactly once"
+    problems = tiling_problems(e.shape, [(c.offsets, c.shape) for c in e.chunks])
+    assert not problems, f"{key}: chunks do not tile the tensor exactly once: {problems}"
 
 
 def test_load_metadata_reads_no_data(basic: Path, tmp_path: Path) -> None:
