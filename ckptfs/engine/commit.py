@@ -112,7 +112,12 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
     final = backend.finalize(index, plans)
     await write_files(store, final[:-1], False)
     await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
-    await store.put_if_absent(INDEX_FILE, index.dumps())
+    try:
+        await store.put_if_absent(INDEX_FILE, index.dumps())
+    except FileExistsError:  # another save committed at this root after claim_target
+        raise CheckpointExistsError(
+            f"{store.full_path(INDEX_FILE)} appeared while this save was writing: another save "
+            f"committed a checkpoint at {store.url} first; it is left as it is") from None
     if written is not None:
         keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
         stale = [p for p in await store.list() if p not in keep]
