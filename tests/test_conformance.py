@@ -227,3 +227,87 @@ def test_broken_entry_point_does_not_break_ckptfs(tmp_path: Path, monkeypatch: p
     sd = {"w": torch.arange(4.0)}
     ckptfs.save(sd, tmp_path / "ckpt", backend="npy_chunks")
     assert torch.equal(ckptfs.load_keys(tmp_path / "ckpt")["w"], sd["w"])
+
+
+_MUTANTS = '''"""Two broken variants of the example plugin, for tests/test_conformance.py."""
+import math
+
+from ckptfs.layout.backend import EncodedChunk, RankWrite
+from ckptfs.layout.index import ChunkEntry
+from ckptfs_example_npy import NpyChunksBackend
+
+
+class WholeChunkNpy(NpyChunksBackend):
+    """Reads every chunk whole (as if it were compressed), however little of it a load needs."""
+
+    name, version = "npy_wholechunk", 1
+
+    async def chunk_source(self, tensor, chunk, reader):
+        raw = await super().chunk_source(tensor, chunk, reader)
+        return EncodedChunk(raw.file, bytes, raw.offset, raw.offset + raw.nbytes)
+
+
+class NoChecksumNpy(NpyChunksBackend):
+    """Stores each chunk of 2+ rows as two index entries (top and bottom rows) and, unlike zarr
+    v3's inner chunks, sets no checksum on them: its chunks are never verified."""
+
+    name, version = "npy_nocrc", 1
+
+    def write_rank(self, job):
+        rw = super().write_rank(job)
+        entries = []
+        for key, e in rw.chunks:
+            if not e.shape or e.shape[0] < 2:
+                entries.append((key, e))
+                continue
+            top = e.shape[0] // 2
+            row = e.byte_length // e.shape[0]
+            for start, rows in ((0, top), (top, e.shape[0] - top)):
+                entries.append((key, ChunkEntry((e.offsets[0] + start, *e.offsets[1:]),
+                                                (rows, *e.shape[1:]), e.file,
+                                                e.byte_offset + start * row, rows * row)))
+        return RankWrite(rw.files, tuple(entries))
+'''
+
+
+def test_suite_fails_backends_that_read_whole_chunks_or_skip_checksums(tmp_path: Path) -> None:
+    """The conformance cases that judge reads and integrity, run on two broken variants of the
+    example plugin (registered by entry point from a temporary site directory): the variant that
+    reads whole chunks fails the partial-load read bound (the 3 -> 2 bound in the spawned
+    reshard cases is the same check), the variant whose chunks carry no checksum fails the
+    flipped byte and the checksum rule; each passes the cases that do not concern its defect
+    (the plugin itself passes every case: test_conformance_passes_from_an_installed_wheel).
+    Single-process cases only, to stay fast."""
+    site = tmp_path / "site"
+    _fake_distribution(site, "ckptfs_mutant_backends", {
+        "npy_wholechunk_1": "ckptfs_mutant_backends:WholeChunkNpy",
+        "npy_nocrc_1": "ckptfs_mutant_backends:NoChecksumNpy",
+    })
+    (site / "ckptfs_mutant_backends.py").write_text(_MUTANTS)
+    junit = tmp_path / "junit.xml"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfs.cli", "conformance", "--backend", "npy_wholechunk:1",
+         "--backend", "npy_nocrc:1", "-q", f"--junitxml={junit}",
+         "-k", "flipped_data_byte or partial_load_reads_only or (every_chunk_has_a_checksum and basic) "
+               "or load_keys_round_trip"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    outcomes = _outcomes(junit)
+
+    def failed(pair: Pair) -> list[str]:
+        """The failed cases of ``pair``, named without the pair: test_x or test_x[param]."""
+        out = []
+        for name, v in _pair_outcomes(outcomes, pair).items():
+            case = name.split("::")[-1]
+            for with_pair, without in ((f"[{pair.id}]", ""), (f"[{pair.id}-", "["), (f"-{pair.id}]", "]")):
+                case = case.replace(with_pair, without)
+            if v == "failed":
+                out.append(case)
+            assert v != "skipped" or "golden" in case, (name, v)
+        return sorted(out)
+
+    assert failed(Pair("npy_wholechunk", 1)) == ["test_partial_load_reads_only_what_it_needs"], proc.stdout[-4000:]
+    assert failed(Pair("npy_nocrc", 1)) == ["test_every_chunk_has_a_checksum[basic]",
+                                            "test_flipped_data_byte_raises_integrity_error"], proc.stdout[-4000:]

@@ -68,10 +68,14 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     rw = backend.write_rank(job)
     writing = submit(write_files(store, rw.files, progress))
     try:
-        sums = {(c.key, c.box.offsets): checksum(tensor_bytes(c.data)) for c in staged.chunks}
+        sums = {(c.key, c.box.offsets, c.box.shape): checksum(tensor_bytes(c.data))
+                for c in staged.chunks}
     finally:
         writing.result()
-    entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets)))) for key, e in rw.chunks)
+    # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
+    # the chunk's corner must not get the whole chunk's (the backend sets its own)
+    entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
+                    for key, e in rw.chunks)
     return WrittenRank(entries, {f.path: f.nbytes for f in rw.files})
 
 

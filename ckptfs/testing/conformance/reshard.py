@@ -3,7 +3,9 @@ a rank holding an empty shard, replicated tensors, and values.
 
 One spawn of SAVE_WORLD ranks serves every pair: all ranks save a checkpoint per pair, then the
 first LOAD_WORLD ranks, as their own process group, load every pair's SAVE_WORLD checkpoint
-(3 -> 2) and its single-process "basic" checkpoint (1 -> 2) into differently sharded targets.
+(3 -> 2) and its single-process "basic" checkpoint (1 -> 2) into differently sharded targets,
+and load ``wide`` (saved by rows, loaded by columns) once more alone to bound the bytes read:
+at most the target's own bytes plus READ_SLACK_PER_CHUNK per stored chunk it overlaps.
 Each rank records its failures per (pair, case) in a JSON file instead of raising, so one
 broken backend does not hide the others.
 """
@@ -32,6 +34,12 @@ LOAD_GRID: tuple[Box, ...] = (((0, 0), (7, 5)), ((0, 5), (7, 4)))
 LOAD_REP: tuple[Box, ...] = (((0, 0), (1, 4)), ((1, 0), (2, 4)))
 LOAD_NESTED: tuple[Box, ...] = (((0,), (5,)), ((5,), (3,)))
 LOAD_DTYPES: tuple[Box, ...] = (((0, 0), (3, 3)), ((0, 3), (3, 2)))
+#: saved Shard(0) over SAVE_WORLD (32-row chunks of 64 KiB), loaded Shard(1) over LOAD_WORLD: each
+#: loading rank needs half of every chunk, so reading whole chunks reads twice what it needs
+WIDE = (96, 512)
+#: bytes a resharded load may read beyond the elements it fills, per stored chunk it overlaps
+#: (room for a small header a layout must parse); formats/PLUGINS.md states it
+READ_SLACK_PER_CHUNK = 4096
 
 
 def reference() -> dict[str, Any]:
@@ -43,6 +51,7 @@ def reference() -> dict[str, Any]:
         "st_empty_rank": torch.randn(10, 6, generator=g, dtype=torch.float64),
         "rep": random_tensor("float8_e4m3fn", (3, 4), g),
         "nested": {0: random_tensor("complex64", (8,), g)},  # Shard(0) over 3: 3, 3, 2
+        "wide": torch.randn(*WIDE, generator=g),
         "step": 42,
         "tag": "saved on 3 ranks",
     }
@@ -77,6 +86,7 @@ def save_state(rank: int, world: int, mesh) -> dict[str, Any]:
         "st_empty_rank": _sharded(ref["st_empty_rank"], SAVE_EMPTY_RANK[rank]),
         "rep": ref["rep"].clone(),
         "nested": {0: _dtensor(ref["nested"][0], mesh, Shard(0))},
+        "wide": _dtensor(ref["wide"], mesh, Shard(0)),
         "step": ref["step"],
         "tag": ref["tag"],
     }
@@ -94,6 +104,7 @@ def _load_target_w3(rank: int, mesh) -> tuple[dict[str, Any], dict[str, Any]]:
         "st_empty_rank": _dtensor(torch.zeros(10, 6, dtype=torch.float64), mesh, Replicate()),
         "rep": _sharded(torch.zeros(3, 4, dtype=torch.float8_e4m3fn), LOAD_REP[rank]),
         "nested": {0: _sharded(torch.zeros(8, dtype=torch.complex64), LOAD_NESTED[rank])},
+        "wide": _dtensor(torch.zeros(WIDE), mesh, Shard(1)),
         "step": None,
         "tag": None,
     }
@@ -104,6 +115,7 @@ def _load_target_w3(rank: int, mesh) -> tuple[dict[str, Any], dict[str, Any]]:
         "st_empty_rank": ref["st_empty_rank"],
         "rep": _sharded(ref["rep"], LOAD_REP[rank]).local_tensor,
         "nested": {0: _sharded(ref["nested"][0], LOAD_NESTED[rank]).local_tensor},
+        "wide": _dtensor(ref["wide"], mesh, Shard(1)).to_local(),
         "step": ref["step"],
         "tag": ref["tag"],
     }
@@ -199,8 +211,44 @@ def run_ranks_main(rank: int, world: int, jobs: list[tuple[str, int, str, str, s
                 raise AssertionError(f"rank {rank} of {LOAD_WORLD} loading {url}:\n  " + "\n  ".join(bad))
         return run
 
+    def reads(url: str) -> Callable[[], None]:
+        def run() -> None:
+            _check_bytes_read(url, rank, sub_mesh, group)
+        return run
+
     for _, _, w3_url, basic_url, results in jobs:
         cases = {"basic 1->2": check(basic_url, _load_target_w1)}
         if saved[w3_url]:
             cases[f"{SAVE_WORLD}->2"] = check(w3_url, _load_target_w3)
+            cases[f"{SAVE_WORLD}->2 bytes read"] = reads(w3_url)
         _record(Path(results), rank, "load", cases)
+
+
+def _check_bytes_read(url: str, rank: int, mesh, group) -> None:
+    """Load ``wide`` alone, by columns, without coalescing gaps (IOConfig(max_gap=0)): the bytes
+    read are at least the target's own bytes and at most READ_SLACK_PER_CHUNK more per stored
+    chunk the target overlaps. The needed bytes and the chunks are counted here, from the target
+    and the index geometry, not taken from ckptfs's own accounting."""
+    from torch.distributed.tensor import Shard
+
+    target = {"wide": _dtensor(torch.zeros(WIDE), mesh, Shard(1))}
+    res = ckptfs.load(target, url, process_group=group, strict=False,
+                      io_config=ckptfs.IOConfig(max_gap=0))
+    local = target["wide"].to_local()
+    cols = WIDE[1] // LOAD_WORLD
+    if raw_bytes(local) != raw_bytes(reference()["wide"][:, rank * cols:(rank + 1) * cols]):
+        raise AssertionError(f"rank {rank}: wide loaded by columns differs")
+    mine = ((0, rank * cols), (WIDE[0], cols))
+    chunks = [c for c in ckptfs.load_metadata(url).tensors["wide"].chunks
+              if _overlap((c.offsets, c.shape), mine)]
+    needed = local.numel() * local.element_size()
+    bound = needed + READ_SLACK_PER_CHUNK * len(chunks)
+    if res.bytes_needed != needed or not needed <= res.bytes_read <= bound:
+        raise AssertionError(
+            f"rank {rank}: a resharded load of wide read {res.bytes_read} bytes (ckptfs says "
+            f"{res.bytes_needed} needed) for {needed} bytes of target over {len(chunks)} chunks; "
+            f"allowed at most {bound} (READ_SLACK_PER_CHUNK = {READ_SLACK_PER_CHUNK})")
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(*a, *b))

@@ -4,6 +4,8 @@ in their backend's native reader, and the compatibility policy (formats/README.m
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,18 @@ def test_index_matches_schema(which: str, pair: Pair, workspace: Workspace, usab
         doc = ckptfs.load_metadata(root).to_dict()
     errors = sorted(validator_cls(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:10])
+
+
+@pytest.mark.parametrize("which", CHECKPOINTS)
+def test_every_chunk_has_a_checksum(which: str, pair: Pair, workspace: Workspace,
+                                    usable_pairs: list[Pair], golden_search: list[Path]) -> None:
+    """ckptfs writes a crc32c for every stored chunk with elements (formats/README.md §6); a
+    backend storing one planned chunk as several entries must set theirs."""
+    root, _ = _checkpoint(which, pair, workspace, usable_pairs, golden_search)
+    doc = json.loads((root / INDEX).read_text(encoding="utf-8"))
+    bad = [(key, c["offsets"]) for key, t in doc["tensors"].items() for c in t["chunks"]
+           if math.prod(c["shape"]) and not re.fullmatch(r"crc32c:[0-9a-f]{8}", c.get("checksum", ""))]
+    assert not bad, f"{len(bad)} chunk(s) without a crc32c checksum, e.g. {bad[:5]}"
 
 
 @pytest.mark.parametrize("which", CHECKPOINTS)

@@ -37,7 +37,14 @@ def test_save_uneven_shards(run: ReshardRun) -> None:
 def test_reshard_save_world_to_load_world(run: ReshardRun) -> None:
     _fail_on(run.errors("save", reshard.SAVE_WORLD))
     errors = run.errors("load", reshard.LOAD_WORLD)
-    _fail_on({k: v for k, v in errors.items() if "basic" not in k})
+    _fail_on({k: v for k, v in errors.items() if "basic" not in k and "bytes read" not in k})
+
+
+def test_resharded_load_reads_only_what_it_needs(run: ReshardRun) -> None:
+    """3 -> 2 by columns of row chunks: bytes read <= needed + READ_SLACK_PER_CHUNK per chunk."""
+    _fail_on(run.errors("save", reshard.SAVE_WORLD))
+    errors = run.errors("load", reshard.LOAD_WORLD)
+    _fail_on({k: v for k, v in errors.items() if "bytes read" in k or "never ran" in v})
 
 
 def test_reshard_one_to_load_world(run: ReshardRun) -> None:
