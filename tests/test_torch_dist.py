@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import zeros as dtensor_zeros
@@ -49,9 +49,7 @@ from ckptfs.layout.backends.torch_dist_zip import (
     run_on_bytes,
     tensor_blob,
 )
-from ckptfs.layout.boxes import Box
 from ckptfs.state.flatten import flatten
-from ckptfs.state.shards import local_shard
 from ckptfs.testing.ranks import run_ranks
 
 SHAPE = (12, 8)
@@ -128,24 +126,39 @@ def check(sd: dict, case: str) -> list[str]:
     return bad
 
 
-def touched(index: ckptfs.Index, sd: dict, rank: int) -> tuple[int, int]:
-    """(stored chunks this rank's targets overlap, their DCP item bytes)."""
-    n = nbytes = 0
-    for key, obj in flatten(sd).tensors.items():
-        shard = local_shard(key, obj, rank)
-        for c in index.tensors[key].chunks:
-            if shard is not None and Box(c.offsets, c.shape).intersect(shard.box) is not None:
-                n += 1
-                nbytes += c.extra["item_length"]
-    return n, nbytes
+def _local_box(x) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, shape) this process holds of ``x``: torch's own DTensor geometry, or the whole
+    of a plain tensor."""
+    if isinstance(x, DTensor):
+        shape, off = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+        return tuple(off), tuple(shape)
+    return (0,) * x.dim(), tuple(x.shape)
 
 
-def check_dcp_read(res: ckptfs.LoadResult, index: ckptfs.Index, sd: dict, rank: int,
-                   case: str) -> list[str]:
-    """A load from DCP-written files reads what it needs plus at most HEADER per blob."""
-    blobs, _ = touched(index, sd, rank)
-    if not res.bytes_needed <= res.bytes_read <= res.bytes_needed + HEADER * blobs:
-        return [f"{case}: read {res.bytes_read} B for {res.bytes_needed} B over {blobs} blobs"]
+def touched(dcp_dir: str, sd: dict) -> tuple[int, int, int]:
+    """(bytes this process's tensors need, DCP items they overlap, those items' bytes), from
+    DCP's own metadata and flattening and torch's shard geometry, not from ckptfs."""
+    md = FileSystemReader(dcp_dir).read_metadata()
+    flat, _ = flatten_state_dict(sd)
+    needed = blobs = nbytes = 0
+    for fqn, x in flat.items():
+        if not isinstance(x, torch.Tensor):
+            continue
+        (off, shape) = _local_box(x)
+        needed += math.prod(shape) * x.element_size()
+        for c in md.state_dict_metadata[fqn].chunks:
+            if all(o < co + cs and co < o + n for o, n, co, cs in zip(off, shape, c.offsets, c.sizes)):
+                blobs += 1
+                nbytes += md.storage_data[MetadataIndex(fqn, c.offsets)].length
+    return needed, blobs, nbytes
+
+
+def check_dcp_read(res: ckptfs.LoadResult, dcp_dir: str, sd: dict, case: str) -> list[str]:
+    """A load from DCP-written files reads what it needs plus at most HEADER per item."""
+    needed, blobs, _ = touched(dcp_dir, sd)
+    if res.bytes_needed != needed or not needed <= res.bytes_read <= needed + HEADER * blobs:
+        return [f"{case}: read {res.bytes_read} B (ckptfs says {res.bytes_needed} needed) for "
+                f"{needed} B over {blobs} items"]
     return []
 
 
@@ -166,17 +179,16 @@ def load_world3(rank: int, world: int, root: str) -> None:
         sd = make_state(mesh, p, False)
         dcp.load(sd, checkpoint_id=f"{root}/ck2")
         fails += check(sd, f"dcp.load ck2 -> 3 {p}")
-    index = ckptfs.load_metadata(f"{root}/dcp2")
     for p in ([Shard(0)], [Shard(1)], [Replicate()]):  # ckptfs reads what DCP wrote
         sd = make_state(mesh, p, False)
         res = ckptfs.load(sd, f"{root}/dcp2", io_config=FAST)
-        fails += check(sd, f"ckptfs.load dcp2 -> 3 {p}") + check_dcp_read(res, index, sd, rank, str(p))
+        fails += check(sd, f"ckptfs.load dcp2 -> 3 {p}") + check_dcp_read(res, f"{root}/dcp2", sd, str(p))
     # a resharded read of the big tensor fetches a fraction of the whole chunks DCP would load
     big = {"model": {"big": make_state(mesh, [Shard(0)], False)["model"]["big"]}}
     res = ckptfs.load(big, f"{root}/dcp2", io_config=FAST)
-    blobs, whole = touched(index, big, rank)
-    if not (res.bytes_read <= res.bytes_needed + HEADER * blobs and res.bytes_read < whole / 2):
-        fails.append(f"big: read {res.bytes_read} of {whole} B, needed {res.bytes_needed} B")
+    needed, blobs, whole = touched(f"{root}/dcp2", big)
+    if not (needed <= res.bytes_read <= needed + HEADER * blobs and res.bytes_read < whole / 2):
+        fails.append(f"big: read {res.bytes_read} of {whole} B, needed {needed} B")
     # ckptfs reads its own torch_dist checkpoint through the index: exactly the bytes needed
     sd = make_state(mesh, [Shard(1)], False)
     res = ckptfs.load(sd, f"{root}/ck2", io_config=FAST)
@@ -199,12 +211,11 @@ def world4_2d(rank: int, world: int, root: str) -> None:
             dcp.load(sd, checkpoint_id=f"{root}/{src}")
             fails += check(sd, f"dcp.load {src} -> 2x2 {p}")
     for src in ("dcp4", "dcp2"):
-        index = ckptfs.load_metadata(f"{root}/{src}")
         for p in ([Replicate(), Shard(0)], [Shard(1), Shard(0)]):
             sd = make_state(mesh, p, False)
             res = ckptfs.load(sd, f"{root}/{src}", io_config=FAST)
             fails += check(sd, f"ckptfs.load {src} -> 2x2 {p}")
-            fails += check_dcp_read(res, index, sd, rank, f"{src} {p}")
+            fails += check_dcp_read(res, f"{root}/{src}", sd, f"{src} {p}")
     dist.barrier()
     assert not fails, fails
 
@@ -249,8 +260,7 @@ def test_two_and_four_to_one(root4):
         res = ckptfs.load(sd, f"{root4}/{src}", io_config=FAST)
         assert check(sd, f"ckptfs.load {src} -> 1") == []
         assert res.missing_keys == [] and res.unexpected_keys == []
-        index = ckptfs.load_metadata(f"{root4}/{src}")
-        assert check_dcp_read(res, index, sd, 0, src) == []
+        assert check_dcp_read(res, f"{root4}/{src}", sd, src) == []
     # partial load: half the rows of the big tensor, from DCP's 2-rank column chunks
     half = ckptfs.ShardedTensor(torch.zeros(32, 256), BIG, (16, 0))
     res = ckptfs.load({"model": {"big": half}}, f"{root4}/dcp2", io_config=FAST)

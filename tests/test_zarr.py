@@ -365,6 +365,25 @@ def test_codec_checksum_detects_a_flipped_byte(saved, tmp_path, name, chunk):
         zarr.open_group(root, mode="r")["model/float32"][...]
 
 
+def test_v2_crc32c_filter_detects_damage_the_compressor_cannot(saved, tmp_path):
+    """v2 applies the crc32c filter inside the compression: a chunk whose raw bytes changed and
+    were then compressed again is valid zstd, so only the crc32c filter can catch it (with
+    ckptfs's own checksum off, verify=False)."""
+    import numcodecs
+
+    root = _copy(saved, "v2-zstd-crc", tmp_path)
+    path = f"{root}/model/float32/0.0"
+    zstd = numcodecs.Zstd()
+    inner = bytearray(zstd.decode(open(path, "rb").read()))  # raw bytes + 4-byte crc32c
+    inner[0] ^= 0x40
+    with open(path, "wb") as f:
+        f.write(zstd.encode(bytes(inner)))
+    with pytest.raises(ckptfs.IntegrityError, match=r"(?i)'model/float32'.*(crc|checksum)"):
+        ckptfs.load(_target(root), root, strict=False, verify=False)
+    with pytest.raises(ckptfs.IntegrityError, match="'model/float32'"):
+        ckptfs.load(_target(root), root, strict=False)  # and ckptfs's checksum, when on
+
+
 def test_raw_chunk_corruption_fails_the_index_checksum(saved, tmp_path):
     root = _copy(saved, "v3", tmp_path)
     _flip(f"{root}/model/float32/c/0/0")
