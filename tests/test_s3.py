@@ -544,7 +544,7 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
 
 
 def test_throttled_uploads_and_pre_download_on_two_nodes(s3, tmp_path):
-    run_ranks(4, _throttle_and_pre_download, s3.endpoint, str(tmp_path), timeout=240)
+    run_ranks(4, _throttle_and_pre_download, s3.endpoint, str(tmp_path), timeout=150)
     for node in (0, 1):
         cdir = cache_dir(tmp_path / f"node{node}", f"{s3.url}/throttled")
         files = sorted(f for _, _, fs in os.walk(os.path.join(cdir, "data")) for f in fs)
