@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean interop megatron-venvs megatron-fixtures
+.PHONY: venv demo test lint bench mutate clean interop megatron-venvs megatron-fixtures
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -24,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/python -m ckptfs.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check ckptfs tests bench examples
+	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 	$(BIN)/python -m pytest -q -ra
 
 lint: $(STAMP)
-	$(BIN)/ruff check ckptfs tests bench examples
+	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
@@ -66,6 +66,9 @@ interop: megatron-venvs
 megatron-fixtures: megatron-venvs
 	$(MEGATRON_VENV)/bin/python tests/fixtures/megatron/make_fixtures.py
 	$(MEGATRON015_VENV)/bin/python tests/fixtures/megatron/make_fixtures.py
+
+mutate: $(STAMP)
+	$(BIN)/python -m tools_dev.mutate
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
