@@ -52,6 +52,14 @@ def _outcomes(junit: Path) -> dict[str, str]:
     return out
 
 
+def _failure_text(junit: Path, name: str) -> str:
+    """The failure messages of the junit cases whose name starts with ``name``."""
+    return "\n".join(child.get("message", "") + (child.text or "")
+                     for case in ET.parse(junit).getroot().iter("testcase")
+                     if case.get("name", "").startswith(name)
+                     for child in case if child.tag in ("failure", "error"))
+
+
 def _pair_outcomes(outcomes: dict[str, str], pair: Pair) -> dict[str, str]:
     return {k: v for k, v in outcomes.items() if f"[{pair.id}" in k or f"->{pair.id}]" in k}
 
@@ -160,7 +168,9 @@ def test_changed_golden_byte_makes_the_suite_fail(tmp_path: Path) -> None:
     assert "golden checkpoints are frozen" in proc.stdout
     outcomes = _outcomes(junit)
     st = _pair_outcomes(outcomes, g.pair)
-    assert st and all(v == "failed" for v in st.values()), st  # hashes, and the load (checksum)
+    assert st and all(v == "failed" for v in st.values()), st  # hashes, and the load
+    loads = _failure_text(junit, "test_golden_loads_to_expected_values")
+    assert "IntegrityError" in loads and "fails its checksum" in loads, loads[-2000:]  # not "differs"
     npy = _pair_outcomes(outcomes, NPY)
     assert npy and all(v == "passed" for v in npy.values()), npy  # the untouched one still passes
 
