@@ -249,9 +249,10 @@ print(json.dumps(out))
 
 def test_multipart_upload_memory_is_bounded(s3):
     """Uploading a 60 MiB file in 5 MiB parts, 2 at a time, raises the uploading process's peak
-    resident memory (Linux VmHWM, reset just before, in a fresh process) by at most 3 copies of
-    2 parts (30 MiB; s3fs/botocore holds about 2 copies of a part being sent, obstore none),
-    never by the file: only the parts being sent are buffered. Both engines."""
+    resident memory (Linux VmHWM, reset just before, in a fresh process) by well under the file
+    (less than 45 MiB; measured: about 22 MiB with s3fs, which holds about 2 copies of each part
+    being sent, under 1 MiB with obstore), never by a copy of the whole file (60 MiB and more).
+    Both engines."""
     import json
     import subprocess
     import sys
@@ -260,7 +261,7 @@ def test_multipart_upload_memory_is_bounded(s3):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     grew = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert all(n < 3 * 2 * 5 * 2**20 for n in grew.values()), grew
+    assert all(n < 45 * 2**20 for n in grew.values()), grew
 
 
 def test_max_bytes_in_flight_bounds_ranged_gets(s3):
