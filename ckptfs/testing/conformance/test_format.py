@@ -70,6 +70,8 @@ def test_every_chunk_has_a_checksum(which: str, pair: Pair, workspace: Workspace
     """ckptfs writes a crc32c for every stored chunk with elements (formats/README.md §6); a
     backend storing one planned chunk as several entries must set theirs."""
     root, _ = _checkpoint(which, pair, workspace, usable_pairs, golden_search)
+    if not (root / INDEX).is_file():
+        pytest.skip(f"{pair}: a foreign layout has no {INDEX} to record checksums in")
     doc = json.loads((root / INDEX).read_text(encoding="utf-8"))
     bad = [(key, c["offsets"]) for key, t in doc["tensors"].items() for c in t["chunks"]
            if math.prod(c["shape"]) and not re.fullmatch(r"crc32c:[0-9a-f]{8}", c.get("checksum", ""))]
