@@ -46,6 +46,7 @@ from ckptfs.load import LoadResult, load, load_keys
 from ckptfs.manage import delete
 from ckptfs.metadata import load_metadata
 from ckptfs.save import SaveResult, save
+from ckptfs.state.flatten import PerRank
 from ckptfs.state.shards import ShardedTensor
 
 
@@ -107,6 +108,7 @@ __all__ = [
     "MalformedIndexError",
     "MismatchError",
     "MissingKeysError",
+    "PerRank",
     "Problem",
     "RankError",
     "SaveResult",

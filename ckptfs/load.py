@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from ckptfs.dist import Comm, ProcessGroup
+from ckptfs.engine import exchange as xchg
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.read import TensorRead, read_tensors
-from ckptfs.engine.targets import files_of, plan_targets
+from ckptfs.engine.targets import TargetPlan, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.boxes import full_box
@@ -37,13 +38,18 @@ class LoadResult:
     read_requests: int = 0
     seconds: float = 0.0
     scratch_peak: int = 0  #: most scratch memory (bytes) held at once for non-contiguous targets
+    exchanged_bytes: int = 0  #: bytes received from other ranks (``exchange``) instead of read
+
+
+def _remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
 
 
 def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True,
          verify: bool = True, io_config: IOConfig | None = None, pre_download: bool = False,
-         work_dir: str | os.PathLike | None = None) -> LoadResult:
+         work_dir: str | os.PathLike | None = None, exchange: bool | None = None) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
@@ -51,38 +57,60 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     MissingKeysError naming it. ``verify`` checks crc32c of every chunk read whole.
     ``pre_download=True`` first copies the files each node needs into the node-local
     ``work_dir`` (one rank per node downloads; reused by later loads), then reads locally.
+    ``exchange=True`` reads each region several ranks need (replicas) once per process group
+    and sends it to the others over torch.distributed (``IOConfig.exchange_bytes`` in transit
+    at once); the default (None) exchanges when the checkpoint is remote (an object store URL)
+    and the group has more than one rank.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
         comm = Comm(process_group)
         store = run_sync(open_store(url, storage_options, io_config))
+        if exchange is None:
+            exchange = comm.size > 1 and _remote(url)
         try:
+            cached = None
             if pre_download:
-                from ckptfs.engine.pre_download import pre_download as fetch
+                from ckptfs.engine.pre_download import cached_index, fill_cache
 
-                index, cached = fetch(comm, store, url, work_dir, lambda idx: files_of(
-                    plan_targets(state_dict, idx, comm.rank)))
-                remote, store = store, cached
-                run_sync(remote.close())
+                cached = cached_index(comm, store, url, work_dir)
+                index = cached.index
             else:
                 index = comm.decide(f"load: reading the index of {url}",
                                     lambda: run_sync(read_index(store)))
 
-            def work() -> LoadResult:
+            def match() -> TargetPlan:
                 plan = plan_targets(state_dict, index, comm.rank)
                 if strict and plan.missing:
                     raise MissingKeysError(url, list(plan.missing))
-                before = (store.stats.bytes_read, store.stats.read_requests)
-                needed, peak = run_sync(read_tensors(store, index, plan.reads, verify=verify))
-                for path, value in plan.replace:
-                    set_path(state_dict, path, value)
-                st = store.stats
-                return LoadResult(list(plan.missing), list(plan.unexpected),
-                                  st.bytes_read - before[0], needed, st.read_requests - before[1],
-                                  time.perf_counter() - t0, peak)
+                return plan
 
-            return comm.agree(f"load from {url}", work)[comm.rank]
+            plan = comm.check(f"load from {url}: matching the target", match)
+            reads = plan.reads
+            ex = None
+            if exchange:
+                ex = xchg.plan_load(comm, plan.reads, store.config.exchange_bytes)
+                reads = ex.reads
+            if cached is not None:
+                local = fill_cache(comm, store, cached, files_of(reads))
+                run_sync(store.close())
+                store = local
+
+            def read() -> tuple[int, int]:
+                return run_sync(read_tensors(store, index, reads, verify=verify))
+
+            before = (store.stats.bytes_read, store.stats.read_requests)
+            _, peak = comm.check(f"load from {url}", read)
+            got = comm.check(f"load from {url}: exchanging", lambda: xchg.run(comm, ex)) if ex else 0
+            for path, value in plan.replace:
+                set_path(state_dict, path, value)
+            st = store.stats
+            needed = sum(p.src.volume * from_name(r.entry.dtype).itemsize
+                         for r in plan.reads for p in r.pieces)
+            return LoadResult(list(plan.missing), list(plan.unexpected),
+                              st.bytes_read - before[0], needed, st.read_requests - before[1],
+                              time.perf_counter() - t0, peak, got)
         finally:
             run_sync(store.close())
 

@@ -7,10 +7,10 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfs.dist import Comm, ProcessGroup
+from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.commit import claim_target, commit
 from ckptfs.engine.errors import public_errors
@@ -33,6 +33,10 @@ class SaveResult:
     total_bytes: int  #: data bytes of the whole checkpoint
     files: tuple[str, ...]  #: data files this rank wrote
     seconds: float
+    plan_cached: bool = False  #: the plan of an earlier save of the same structure was reused
+    #: what this rank moved through collectives (planning, outcomes, and index entries sent to
+    #: the coordinator, counted apart in ``entry_bytes``)
+    comm: CommStats = field(default_factory=CommStats)
 
 
 def make_backend(name: str, version: int | None, options: Mapping[str, Any] | None) -> Backend:
@@ -78,6 +82,6 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                 run_sync(store.close())
         finally:
             release(staged, pool)
-        mine = written.ranks[comm.rank].files
+        mine = written.mine.files
         return SaveResult(url, be.name, be.version, sum(mine.values()), total, tuple(mine),
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, staged.cached, comm.stats.snapshot())

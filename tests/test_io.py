@@ -295,7 +295,7 @@ def test_node_layout_and_rounds():
 
 
 class ThreadGroup:
-    """all_gather over threads (a stand-in for a process group in a unit test)."""
+    """Comm's collectives over threads (a stand-in for a process group in a unit test)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n, timeout=20)
@@ -309,6 +309,11 @@ class ThreadGroup:
             self.barrier.wait()
             return out
         return gather
+
+    def comm(self, rank: int) -> SimpleNamespace:
+        gather = self.all_gather(rank)
+        return SimpleNamespace(rank=rank, all_gather=gather, barrier=lambda: gather(None),
+                               all_min=lambda vs: [min(x) for x in zip(*gather(list(vs)))])
 
 
 def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
@@ -336,8 +341,7 @@ def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
             return rank * 10
 
         try:
-            comm = SimpleNamespace(rank=rank, all_gather=group.all_gather(rank))
-            results[rank] = run_throttled(1, comm, fn)
+            results[rank] = run_throttled(1, group.comm(rank), fn)
         except Exception as e:
             results[rank] = e
 
@@ -353,7 +357,7 @@ def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
 
 
 def test_no_throttle_runs_at_once_single_process():
-    solo = SimpleNamespace(rank=0, all_gather=lambda x: [x])
+    solo = ThreadGroup(1).comm(0)
     assert run_throttled(None, solo, lambda: 7) == 7
     with pytest.raises(ValueError, match="throttle_uploads"):
         run_throttled(0, solo, lambda: 7)

@@ -53,8 +53,11 @@ def scenarios(rank: int, world: int, root: str) -> None:
     msg = expect_error(lambda: ckptfs.save(sd, f"{root}/4"), ckptfs.ShardingError)
     assert "replica_id 0" in msg
 
-    # 5. pipeline-style: each rank holds different keys; replicas with distinct ids are fine
-    sd = {f"stage{rank}": {"w": torch.full((3,), float(rank))},
+    # 5. pipeline-style: each rank holds different keys (a plain tensor would be a replica every
+    # rank holds: a stage's own tensor is a whole-tensor ShardedTensor, or a DTensor on the
+    # stage's mesh); replicas with distinct ids are fine
+    own = torch.full((3,), float(rank))
+    sd = {f"stage{rank}": {"w": ckptfs.ShardedTensor(own, (3,), (0,))},
           "shared": ckptfs.ShardedTensor(torch.ones(2, 2), (2, 2), (0, 0), replica_id=rank)}
     ckptfs.save(sd, f"{root}/5")
     target = {f"stage{rank}": {"w": torch.zeros(3)}, "shared": torch.zeros(2, 2)}

@@ -295,3 +295,73 @@ def test_unknown_optional_fields_are_legal_everywhere():
     index = Index.from_dict(d)
     assert index.extra == {"future_field": {"anything": [1, 2]}}
     assert index.tensors["model/w"].chunks[0].byte_offset == 128
+
+
+# -- packed chunks (required feature "packed_chunks", formats/README.md §2.3) ------------------
+
+def _packed() -> dict[str, Any]:
+    d = _example()
+    d["required_features"] = ["packed_chunks"]
+    d["file_table"] = {"prefix": "data/x/", "files": [["r00000-000.safetensors", 176]]}
+    del d["files"]
+    d["tensors"]["model/w"]["chunks"] = [[[0, 0], [4, 3], 0, 128, 48, "0123abcd"]]
+    return d
+
+
+def test_packed_example_is_valid_and_reads_as_the_unpacked_one():
+    validate_index(_packed())
+    packed, plain = Index.from_dict(_packed()), Index.from_dict(_example())
+    assert packed.tensors == plain.tensors and packed.files == plain.files
+
+
+PACKED_BAD = {
+    "row too short": ((*C0,), [[0, 0], [4, 3], 0, 128, 48]),
+    "file id outside the table": ((*C0,), [[0, 0], [4, 3], 1, 128, 48, "0123abcd"]),
+    "shape is a string": ((*C0,), [[0, 0], "4x3", 0, 128, 48, "0123abcd"]),
+    "negative byte offset": ((*C0,), [[0, 0], [4, 3], 0, -1, 48, "0123abcd"]),
+    "no file table": (("file_table",), _DELETE),
+    "file escapes the root": (("file_table", "prefix"), "../"),
+    "file size is a string": (("file_table", "files", 0, 1), "176"),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED_BAD))
+def test_malformed_packed_rejected(case):
+    path, value = PACKED_BAD[case]
+    d = copy.deepcopy(_packed())
+    *parents, last = path
+    node: Any = d
+    for p in parents:
+        node = node[p]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    if case not in ("file id outside the table", "file escapes the root"):  # reader's checks
+        assert not VALIDATOR.is_valid(d), case
+    with pytest.raises(MalformedIndexError):
+        Index.from_dict(d)
+
+
+def test_large_indexes_are_written_packed_and_read_back(tmp_path, monkeypatch):
+    """Past PACK_MIN_CHUNKS chunks the index packs its chunks (and says so in
+    required_features); below it stays plain, readable without the feature."""
+    import ckptfs.layout.index as index_mod
+
+    sd = {f"t{i}": torch.full((3,), float(i)) for i in range(40)}
+    ckptfs.save(sd, tmp_path / "plain")
+    plain = validate_index(tmp_path / "plain")
+    assert "packed_chunks" not in plain["required_features"]
+    monkeypatch.setattr(index_mod, "PACK_MIN_CHUNKS", 32)
+    ckptfs.save(sd, tmp_path / "packed")
+    packed = validate_index(tmp_path / "packed")
+    assert packed["required_features"] == ["packed_chunks"] and packed["file_table"]["files"]
+    assert isinstance(packed["tensors"]["t7"]["chunks"][0], list)
+    assert len((tmp_path / "packed" / INDEX_FILE).read_bytes()) < \
+        0.7 * len((tmp_path / "plain" / INDEX_FILE).read_bytes())
+    back = ckptfs.load_keys(tmp_path / "packed")
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    a = ckptfs.load_metadata(tmp_path / "plain").tensors["t7"].chunks[0]
+    b = ckptfs.load_metadata(tmp_path / "packed").tensors["t7"].chunks[0]
+    assert (a.offsets, a.shape, a.byte_length, a.checksum) == (b.offsets, b.shape, b.byte_length,
+                                                               b.checksum)

@@ -1,14 +1,22 @@
 """The collectives ckptfs needs, over any torch.distributed group or a world of one.
 
-Every phase that can fail on one rank ends in ``agree`` (or ``decide``): all ranks exchange their
-outcome, so a failure anywhere raises everywhere instead of leaving the others waiting in a
-collective. This module and the DTensor code in state/ are the only places that call
-``torch.distributed``.
+Every phase that can fail on one rank ends in a collective that settles the outcome (``check``,
+``collect``, ``agree``, ``decide``): a failure anywhere raises everywhere instead of leaving the
+others waiting. On success the settling costs one small all-reduce (``check``, ``collect``);
+error messages travel only when something failed. What only the coordinator needs (index
+entries) is gathered, not all-gathered, and what every rank holds alike is exchanged once per
+distinct value (``distinct``). This module and the DTensor code in state/ are the only places
+that call ``torch.distributed``.
+
+Object collectives pickle into byte tensors on the group's device (CPU for gloo, the current
+CUDA device for NCCL) and count the bytes they move in ``Comm.stats``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -20,6 +28,33 @@ T = TypeVar("T")
 S = TypeVar("S")
 ProcessGroup = dist.ProcessGroup
 
+#: ``distinct`` broadcasts each distinct value when there are at most this many; more, and one
+#: all-gather is cheaper
+BROADCAST_DISTINCT = 16
+
+
+@dataclass
+class CommStats:
+    """Bytes one rank moved through collectives (sent plus received, padding included)."""
+
+    object_bytes: int = 0  #: pickled objects (descriptions, outcomes, index entries, ...)
+    entry_bytes: int = 0  #: of ``object_bytes``: index entries sent to the coordinator
+    tensor_bytes: int = 0  #: tensor collectives: flags, digests, exchanged tensor data
+    collectives: int = 0
+
+    def snapshot(self) -> CommStats:
+        return CommStats(self.object_bytes, self.entry_bytes, self.tensor_bytes, self.collectives)
+
+    def since(self, before: CommStats) -> CommStats:
+        return CommStats(self.object_bytes - before.object_bytes,
+                         self.entry_bytes - before.entry_bytes,
+                         self.tensor_bytes - before.tensor_bytes,
+                         self.collectives - before.collectives)
+
+
+def _encode(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
 
 class Comm:
     """Ranks of one process group (or a single process when none is initialised)."""
@@ -27,6 +62,7 @@ class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
+        self.stats = CommStats()
         if self.distributed:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
@@ -34,42 +70,200 @@ class Comm:
             if group is not None:
                 raise ConfigError("process_group given but torch.distributed is not initialised")
             self.rank, self.size = 0, 1
+        self._device: torch.device | None = None
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The group's ranks as global ranks (what identifies the group across Comm objects)."""
+        if not self.distributed:
+            return (0,)
+        if self.group is None:
+            return tuple(range(self.size))
+        return tuple(dist.get_process_group_ranks(self.group))
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensor collectives take their tensors: CPU for gloo, the current CUDA device for
+        NCCL (and other accelerator-only backends)."""
+        if self._device is None:
+            backend = str(dist.get_backend(self.group)) if self.distributed else "gloo"
+            if "gloo" in backend or not torch.cuda.is_available():
+                self._device = torch.device("cpu")
+            else:
+                self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
+
+    # -- tensor collectives -------------------------------------------------------------------
+
     def barrier(self) -> None:
         if self.size > 1:
+            self.stats.collectives += 1
             dist.barrier(group=self.group)
 
-    def all_gather(self, obj: T) -> list[T]:
+    def all_min(self, values: Sequence[int]) -> list[int]:
+        """Element-wise minimum of ``values`` (int64) over all ranks: O(1) bytes per rank."""
         if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self._count_tensor(t.numel() * 8 * 2)
+        return t.tolist()
 
-    def gather(self, obj: T) -> list[T] | None:
-        """Every rank's ``obj`` on the coordinator (None elsewhere): what only rank 0 needs."""
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``; all ranks pass the same length (digests)."""
         if self.size == 1:
-            return [obj]
-        out: list[Any] | None = [None] * self.size if self.is_coordinator else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
-        return out
-
-    def broadcast(self, obj: T | None) -> T:
-        """Rank 0's ``obj`` on every rank."""
-        if self.size == 1:
-            return obj  # type: ignore[return-value]
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]  # type: ignore[return-value]
+            return [bytes(data)]
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        out = torch.empty(self.size * len(data), dtype=torch.uint8, device=self.device)
+        dist.all_gather(list(out.split(len(data))), t, group=self.group)
+        self._count_tensor(out.numel())
+        raw = out.cpu().numpy().tobytes()
+        n = len(data)
+        return [raw[i * n:(i + 1) * n] for i in range(self.size)]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Fill ``tensor`` on every rank with ``src``'s (group rank) ``tensor``, in place."""
         if self.size > 1:
             dist.broadcast(tensor, group=self.group, group_src=src)
+            self._count_tensor(tensor.numel() * tensor.element_size())
+
+    def point_to_point(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> None:
+        """Run ``ops`` (("send" | "recv", tensor on ``device``, peer group rank, tag)) as one
+        batch and wait for all of them; ranks post matching sends and receives in the same
+        order."""
+        if not ops:
+            return
+        batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, group=self.group,
+                            tag=tag, group_peer=peer) for kind, t, peer, tag in ops]
+        for work in dist.batch_isend_irecv(batch):
+            work.wait()
+        self.stats.tensor_bytes += sum(t.numel() * t.element_size() for _, t, _, _ in ops)
+        self.stats.collectives += 1
+
+    def all_to_all(self, send: torch.Tensor, send_sizes: Sequence[int],
+                   recv_sizes: Sequence[int]) -> torch.Tensor:
+        """Bytes to and from every rank in one collective: ``send`` (uint8 on ``device``) holds
+        ``send_sizes[r]`` bytes for rank r, in rank order; returns the bytes received, in rank
+        order, ``recv_sizes[r]`` from rank r."""
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        if self.size == 1:
+            recv.copy_(send[: recv.numel()])
+            return recv
+        dist.all_to_all_single(recv, send, output_split_sizes=list(recv_sizes),
+                               input_split_sizes=list(send_sizes), group=self.group)
+        self._count_tensor(send.numel() + recv.numel())
+        return recv
+
+    def _count_tensor(self, nbytes: int) -> None:
+        self.stats.tensor_bytes += nbytes
+        self.stats.collectives += 1
+
+    # -- object collectives ----------------------------------------------------------------
+
+    def _framed(self, obj: Any) -> tuple[torch.Tensor, int]:
+        """``obj`` pickled behind its 8-byte length, padded to the group's longest: (buffer on
+        ``device``, width)."""
+        raw = _encode(obj)
+        width = -self.all_min([-(len(raw) + 8)])[0]
+        buf = bytearray(width)
+        buf[:8] = len(raw).to_bytes(8, "little")
+        buf[8:8 + len(raw)] = raw
+        return torch.frombuffer(buf, dtype=torch.uint8).to(self.device), width
+
+    @staticmethod
+    def _decode(part: torch.Tensor) -> Any:
+        raw = part.cpu().numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        return pickle.loads(raw[8:8 + n])
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` on every rank."""
+        if self.size == 1:
+            return [obj]
+        buf, width = self._framed(obj)
+        out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
+        dist.all_gather(list(out.split(width)), buf, group=self.group)
+        self.stats.object_bytes += width * self.size
+        self.stats.collectives += 1
+        return [self._decode(part) for part in out.split(width)]
+
+    def gather(self, obj: T, *, entries: bool = False) -> list[T] | None:
+        """Every rank's ``obj`` on the coordinator (None elsewhere): what only rank 0 needs.
+        ``entries`` counts the bytes as index entries (``CommStats.entry_bytes``)."""
+        if self.size == 1:
+            return [obj]
+        buf, width = self._framed(obj)
+        parts = ([torch.empty(width, dtype=torch.uint8, device=self.device)
+                  for _ in range(self.size)] if self.is_coordinator else None)
+        dist.gather(buf, parts, group=self.group, group_dst=0)
+        moved = width * (self.size - 1) if self.is_coordinator else width
+        self.stats.object_bytes += moved
+        if entries:
+            self.stats.entry_bytes += moved
+        self.stats.collectives += 1
+        if parts is None:
+            return None
+        return [self._decode(p) for p in parts]
+
+    def broadcast(self, obj: T | None, src: int = 0) -> T:
+        """``src``'s ``obj`` on every rank."""
+        if self.size == 1:
+            return obj  # type: ignore[return-value]
+        raw = _encode(obj) if self.rank == src else b""
+        n = -self.all_min([-len(raw)])[0]  # the size: a max-reduction (0 from all but src)
+        buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
+               if self.rank == src else torch.empty(n, dtype=torch.uint8, device=self.device))
+        if n:
+            dist.broadcast(buf, group=self.group, group_src=src)
+        self.stats.object_bytes += n
+        self.stats.collectives += 1
+        out = raw if self.rank == src else buf.cpu().numpy().tobytes()
+        return pickle.loads(out)  # type: ignore[no-any-return]
+
+    # -- outcomes: a failure anywhere raises everywhere --------------------------------------
+
+    def settle(self, what: str, err: BaseException | None) -> None:
+        """Collective: raise ``err`` here, or a RankError when only other ranks failed. Costs
+        one small all-reduce when nobody failed."""
+        self.check_min(what, err, [])
+
+    def check_min(self, what: str, err: BaseException | None, values: Sequence[int]) -> list[int]:
+        """``settle`` and ``all_min(values)`` in one all-reduce (``values`` of a failed rank are
+        ignored)."""
+        if self.size == 1:
+            if err is not None:
+                raise err
+            return list(values)
+        mins = self.all_min([0 if err is not None else 1, *values])
+        if mins[0] == 1:
+            return mins[1:]
+        msgs = self.all_gather(None if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        raise RankError(what, {r: m for r, m in enumerate(msgs) if m is not None})
+
+    def check(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` here; if it failed on any rank, raise on every rank. Returns this rank's
+        result (nobody else's)."""
+        err: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn()
+        except Exception as e:
+            err = e
+        self.settle(what, err)
+        return result
+
+    def collect(self, what: str, fn: Callable[[], T], share: Callable[[T], S], *,
+                entries: bool = False) -> tuple[T, list[S] | None]:
+        """``check`` then gather ``share(result)`` on the coordinator: (this rank's result,
+        every rank's shared part on rank 0 / None elsewhere)."""
+        result = self.check(what, fn)
+        return result, self.gather(share(result), entries=entries)
 
     def agree(self, what: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, exchange outcomes, and return every rank's result.
@@ -109,11 +303,57 @@ class Comm:
             except Exception as e:
                 err = e
                 outcome = (False, f"{type(e).__name__}: {e}")
-        # all_gather, not broadcast: every rank leaves only when all have the answer
-        outcome = self.all_gather(outcome)[0]
+        outcome = self.broadcast(outcome)
         if err is not None:
             raise err
         ok, payload = outcome  # type: ignore[misc]
         if not ok:
             raise RankError(what, {0: payload})
         return payload
+
+    def lead(self, what: str, fn: Callable[[], T]) -> T | None:
+        """Run ``fn`` on rank 0 only; every rank learns whether it failed (and raises if so).
+        Returns ``fn``'s result on rank 0 and None elsewhere: only the verdict travels."""
+        err: BaseException | None = None
+        result: Any = None
+        if self.is_coordinator:
+            try:
+                result = fn()
+            except Exception as e:
+                err = e
+        verdict = self.broadcast(None if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        if verdict is not None:
+            raise RankError(what, {0: verdict})
+        return result
+
+    def distinct(self, obj: T, digest: bytes) -> tuple[list[T], list[int]]:
+        """Every distinct ``obj`` of the group, each sent once: (the distinct values, the index
+        of each rank's value). ``digest`` (same length on every rank) must differ between
+        different values. When all ranks hold the same value nothing but one all-reduce moves."""
+        if self.size == 1:
+            return [obj], [0]
+        h = int.from_bytes(digest[:8], "little") >> 1
+        lo, neg_hi = self.all_min([h, -h])
+        if lo == -neg_hi and self._same(digest):
+            return [obj], [0] * self.size
+        digests = self.all_gather_bytes(digest)
+        first: dict[bytes, int] = {}
+        owners = [first.setdefault(d, len(first)) for d in digests]
+        sources = sorted({d: r for r, d in reversed(list(enumerate(digests)))}.values())
+        if len(sources) <= BROADCAST_DISTINCT:
+            values = [self.broadcast(obj if self.rank == src else None, src) for src in sources]
+        else:
+            everyone = self.all_gather(obj if self.rank in set(sources) else None)
+            values = [everyone[src] for src in sources]
+        return values, owners
+
+    def _same(self, digest: bytes) -> bool:
+        """All ranks' ``digest`` agree past the 63 bits ``distinct`` already compared."""
+        rest = digest[8:]
+        if not rest:
+            return True
+        h = int.from_bytes(rest[:8], "little") >> 1
+        lo, neg_hi = self.all_min([h, -h])
+        return lo == -neg_hi

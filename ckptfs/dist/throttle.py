@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckptfs.dist.comm import Comm
-from ckptfs.errors import ConfigError
 from ckptfs.dist.nodes import NodeLayout, node_id
+from ckptfs.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -28,16 +28,16 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
     """Run ``fn`` (this rank's uploads) in this rank's round; collective over ``comm``.
 
     Every rank calls this with its own ``limit``; the smallest one given wins, and when no rank
-    gives one (all None) ``fn`` runs at once after the one exchange.
+    gives one (all None) ``fn`` runs at once after one small all-reduce.
     """
-    seen = comm.all_gather((node_id(), limit))
-    limits = [k for _, k in seen if k is not None]
-    if not limits:
+    none = 1 << 62
+    k = comm.all_min([none if limit is None else limit])[0]
+    if k == none:
         return fn()
-    k = min(limits)
+    seen = comm.all_gather(node_id())
     if k < 1:
         raise ConfigError(f"throttle_uploads must be at least 1, got {k}")
-    layout = NodeLayout.from_ids([nid for nid, _ in seen])
+    layout = NodeLayout.from_ids(seen)
     rounds = upload_rounds(layout, k)
     result: Any = None
     error: BaseException | None = None
@@ -47,7 +47,7 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
                 result = fn()
             except Exception as e:  # re-raised after the rounds: never skip a barrier
                 error = e
-        comm.all_gather(None)  # barrier: round r is over on every rank
+        comm.barrier()  # round r is over on every rank
     if error is not None:
         raise error
     return result

@@ -13,7 +13,7 @@ import math
 import platform
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -21,11 +21,12 @@ from ckptfs._version import __version__
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import Written, write_files
-from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError
+from ckptfs.engine.write import Written, WrittenRank, write_files
+from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.plan import TensorPlan
 
@@ -77,24 +78,26 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
 
 
 def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index:
-    """The index of the checkpoint: every rank's entries under the agreed plan."""
-    plans: Mapping[str, TensorPlan] = staged.plans
+    """The index of the checkpoint: every rank's entries under the agreed plan (coordinator).
+    Raises ShardingError when a plain tensor's replicas differ (their checksums)."""
     by_key: dict[str, list[ChunkEntry]] = defaultdict(list)
     files: dict[str, int] = {}
+    assert written.ranks is not None, "build_index runs on the coordinator"
     for rank in written.ranks:
         for key, e in rank.entries:
             by_key[key].append(e)
         files.update(rank.files)
+    check_replicas(written.ranks)
     tensors = {}
-    for key, plan in plans.items():
+    for key, (dtype, shape) in staged.tensors.items():
         chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
-        # a backend may store one planned chunk as several entries (zarr v3 inner chunks)
-        planned = sum(c.box.volume for c in plan.chunks)
+        # the planned chunks tile the tensor; a backend may store one planned chunk as several
+        # entries (zarr v3 inner chunks), never fewer elements
         stored = sum(math.prod(e.shape) for e in chunks)
-        if stored != planned:
-            raise CkptfsError(f"key {key!r}: {len(plan.chunks)} chunks of {planned} elements planned, "
-                              f"{len(chunks)} of {stored} elements written")
-        tensors[key] = TensorEntry(key, plan.dtype, plan.shape, chunks)
+        if stored != math.prod(shape):
+            raise CkptfsError(f"key {key!r}: {math.prod(shape)} elements planned, {len(chunks)} "
+                              f"chunks of {stored} elements written")
+        tensors[key] = TensorEntry(key, dtype, shape, chunks)
     writer = {"library": "ckptfs", "library_version": __version__,
               "torch_version": torch.__version__, "python_version": platform.python_version(),
               "world_size": staged.world_size,
@@ -102,7 +105,35 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     return Index(backend=backend.name, backend_version=backend.version, tensors=tensors,
                  values=staged.values, containers=staged.containers,
                  files=dict(sorted(files.items())), backend_options=backend.index_options(),
-                 writer=writer, order=staged.order or None)
+                 writer=writer, order=staged.order or None, per_rank=staged.per_rank)
+
+
+def check_replicas(ranks: Sequence[WrittenRank]) -> None:
+    """Every rank's checksum of a plain-tensor slice it holds must equal the writer's: a plain
+    tensor is a replica, and one whose copies differ (per-rank RNG state) would otherwise be
+    saved as one rank's copy without a word."""
+    if not any(r.replica_sums for r in ranks):
+        return
+    written: dict[tuple[str, Box], tuple[int, str | None]] = {}
+    for w, r in enumerate(ranks):
+        for key, e in r.entries:
+            written[(key, Box(e.offsets, e.shape))] = (w, e.checksum)
+    differ: dict[tuple[str, Box], list[int]] = defaultdict(list)
+    for rank, r in enumerate(ranks):
+        for key, region, crc in r.replica_sums:
+            # a backend that stores a slice as several entries (zarr v3 inner chunks) has no
+            # entry of the slice's shape: nothing to compare with
+            got = written.get((key, region))
+            if got is not None and got[1] is not None and got[1] != crc:
+                differ[(key, region)].append(rank)
+    if differ:
+        (key, region), who = min(differ.items())
+        w, crc = written[(key, region)]
+        raise ShardingError(
+            f"key {key!r}: a plain tensor differs between ranks: region {region} as rank {w} "
+            f"holds it ({crc}) differs on rank(s) {', '.join(map(str, who[:8]))}"
+            f"{' ...' if len(who) > 8 else ''}. A plain tensor is a replica that every rank "
+            f"holds alike; save per-rank state (RNG states) with ckptfs.PerRank")
 
 
 async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],

@@ -7,7 +7,7 @@ then every rank reads them from local disk.
    (nodes: hostname, or ``$CKPTFS_NODE_ID``).
 3. The lowest rank of each node fills ``work_dir`` (layout: ckptfs/io/cache.py) with what is
    missing: the node's data files plus the checkpoint's small metadata files, each checked
-   against its size in the index. The other ranks wait in the same ``agree``; a failure on any
+   against its size in the index. The other ranks wait in the same collective; a failure on any
    node raises on every rank.
 4. Every rank then reads from the local copy (chunk checksums verified as usual). A later load
    of the same checkpoint version finds the cache complete and sends no GET at all.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm, NodeLayout, node_id
@@ -61,6 +62,24 @@ def pre_download(comm: Comm, store: Store, url: str, work_dir: str | os.PathLike
                  chunk_files: Callable[[Index], Iterable[str | None]]) -> tuple[Index, Store]:
     """Fill this node's cache for ``url`` and return the index and a LocalStore over the cache.
     ``chunk_files(index)`` names the files this rank's reads touch. Collective."""
+    cached = cached_index(comm, store, url, work_dir)
+    files = comm.check("load: planning the pre-download", lambda: chunk_files(cached.index))
+    return cached.index, fill_cache(comm, store, cached, files)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedIndex:
+    """The index, read through the node's cache, and what filling the cache needs."""
+
+    index: Index
+    url: str
+    cdir: str
+    tag: str
+
+
+def cached_index(comm: Comm, store: Store, url: str,
+                 work_dir: str | os.PathLike | None) -> CachedIndex:
+    """Steps 1: the version tag and the index, on every rank (collective)."""
     if work_dir is None:
         raise ConfigError("pre_download=True needs work_dir= (a node-local directory)")
     cdir = cache_dir(work_dir, url)
@@ -73,8 +92,16 @@ def pre_download(comm: Comm, store: Store, url: str, work_dir: str | os.PathLike
         return run_sync(go())
 
     tag, index = comm.decide(f"load: reading the index of {url}", head_and_index)
+    return CachedIndex(index, url, cdir, tag)
+
+
+def fill_cache(comm: Comm, store: Store, cached: CachedIndex,
+               chunk_files: Iterable[str | None]) -> Store:
+    """Steps 2-3 (collective): fill each node's cache with the files its ranks' reads touch
+    (``chunk_files``: this rank's); returns a LocalStore over the cache."""
+    index, url, cdir, tag = cached.index, cached.url, cached.cdir, cached.tag
     needed = comm.agree("load: planning the pre-download",
-                        lambda: (node_id(), files_needed(chunk_files(index), index)))
+                        lambda: (node_id(), files_needed(chunk_files, index)))
     layout = NodeLayout.from_ids([nid for nid, _ in needed])
     mine = sorted({f for r in layout.ranks_on(layout.node_of[comm.rank]) for f in needed[r][1]})
 
@@ -83,8 +110,8 @@ def pre_download(comm: Comm, store: Store, url: str, work_dir: str | os.PathLike
             return 0
         return run_sync(_fill(store, cdir, url, tag, index, mine))
 
-    comm.agree(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
-    return index, LocalStore(cdir, store.config)
+    comm.check(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
+    return LocalStore(cdir, store.config)
 
 
 async def _fill(store: Store, cdir: str, url: str, tag: str, index: Index,

@@ -1,18 +1,35 @@
 """Save, phase 1 of 3: stage. After ``stage`` returns, the checkpoint's content is fixed.
 
-Every rank flattens its state dict, describes its shards (no data), and the ranks exchange the
-descriptions (one ``agree``) so that every rank computes the same plan: which stored chunks
-there are and which one rank writes each. Then each rank takes the bytes of the chunks it
-writes: with ``copy=True`` into buffers leased from the pool (the caller may change its tensors
-as soon as ``stage`` returns: what an asynchronous save needs), with ``copy=False`` as zero-copy
-views where the data is CPU and contiguous (a synchronous save, whose caller waits), copying
-only what must be (non-contiguous or non-CPU data).
+Every rank flattens its state dict and describes its tensors without data (planning/layouts.py:
+one layout per tensor; a DTensor's mesh and placements stand for every rank's shard). The ranks
+then agree on one plan with as little traffic as the layouts allow:
+
+1. One all-reduce settles, at once, whether any rank failed, whether every rank may reuse its
+   cached plan (planning/plan_cache.py), whether all ranks' descriptions and all ranks' plain
+   values are equal, and whether any rank holds ``PerRank`` state.
+2. On a cache miss the distinct descriptions are exchanged (``Comm.distinct``: nothing more when
+   all are equal, e.g. SPMD training; one per pipeline stage otherwise), every rank checks them
+   the same way and plans; each rank computes only its own writes (planning/save_plan.py).
+3. Plain values and ``PerRank`` state go to the coordinator only (gathered when they differ
+   between ranks or exist), which checks them and builds the index from them later.
+
+Then each rank takes the bytes of the chunks it writes: with ``copy=True`` into buffers leased
+from the pool (the caller may change its tensors as soon as ``stage`` returns: what an
+asynchronous save needs), with ``copy=False`` as zero-copy views where the data is CPU and
+contiguous (a synchronous save, whose caller waits), copying only what must be (non-contiguous
+or non-CPU data). Each rank also checksums the slices of plain tensors that another rank writes,
+so the coordinator can tell replicas that differ (commit.py).
+
+The stage phase runs every collective on the ``Comm`` it is given (a background save gives it
+its own group's); the plan cache is keyed by the group's members, so saves over the same ranks
+share entries safely (plan_cache.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import hashlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,23 +39,46 @@ from ckptfs.engine.buffers import BufferPool, Lease
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
+from ckptfs.layout.boxes import Box, full_box
+from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.plan import TensorPlan
-from ckptfs.planning.save_plan import ShardInfo, plan_save
+from ckptfs.layout.plan import PlannedChunk, TensorPlan
+from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.planning import save_plan
+from ckptfs.planning.layouts import Description
+from ckptfs.planning.plan_cache import PLANS, CachedPlan, PlanCache
+from ckptfs.planning.save_plan import SavePlan, agree_layouts
 from ckptfs.state.flatten import flatten, merge_order
-from ckptfs.state.shards import LocalShard, local_shard
+from ckptfs.state.shards import LocalShard, MeshTable, local_shard, tensor_layout
 
 Json = Any
 
 
 @dataclass(frozen=True, slots=True)
-class Description:
-    """What one rank holds, without data: what the ranks exchange before planning."""
+class Private:
+    """What only the coordinator needs of a rank: its plain values and containers (when they
+    differ between ranks) and its ``PerRank`` tensors (key, dtype, shape) and values."""
 
-    shards: tuple[ShardInfo, ...]
-    values: Mapping[str, Json]  #: key -> encoded plain value
-    containers: Mapping[str, str]  #: key -> dict | list | tuple
+    values: Mapping[str, Json]
+    containers: Mapping[str, str]
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+    per_rank: tuple[str, ...]  #: PerRank keys
     order: tuple[str, ...] = ()  #: every key, depth first, dicts in insertion order
+
+
+@dataclass
+class Described:
+    """One rank's state taken apart: its description and everything staying on the rank."""
+
+    desc: Description
+    digest: bytes
+    shards: dict[str, LocalShard]  #: planned keys -> local shard
+    own: dict[str, LocalShard]  #: PerRank tensors (written by this rank only)
+    values: dict[str, Json]  #: plain values outside PerRank
+    containers: dict[str, str]
+    private: Private
+    order: tuple[str, ...] = ()  #: every key, depth first, dicts in insertion order
+    values_digest: bytes = field(default=b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +87,19 @@ class StagedSave:
 
     rank: int
     world_size: int
-    plans: Mapping[str, TensorPlan]  #: every tensor of the checkpoint
+    plans: Mapping[str, TensorPlan]  #: every tensor (built on access: the coordinator uses all)
     chunks: tuple[ChunkData, ...]  #: the chunks this rank writes, CPU and C-contiguous
-    values: Mapping[str, Json]  #: plain values of all ranks (lowest rank wins)
+    values: Mapping[str, Json]  #: coordinator: plain values of all ranks; others: their own
     containers: Mapping[str, str]
     leases: tuple[Lease, ...]  #: buffers holding copied chunks; release after the write
     copied: bool  #: every chunk is a copy: the caller's tensors are no longer read
     order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
+    #: (key, slice, checksum) of plain-tensor slices this rank holds and another rank writes
+    replica_sums: tuple[tuple[str, Box, str], ...] = ()
+    per_rank: tuple[str, ...] = ()  #: coordinator: the PerRank keys of the checkpoint
+    cached: bool = False  #: the plan came from the plan cache
+    #: (dtype, global shape) of every tensor in ``plans``, without building the plans
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -61,55 +107,208 @@ class StagedSave:
         return sum(c.data.numel() * c.dtype.itemsize for c in self.chunks)
 
 
-def describe(state_dict: Mapping[str, Any], rank: int) -> tuple[Description, dict[str, LocalShard]]:
+def _digest(*parts: Any) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def _h63(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
+             min_slice: int) -> Described:
     """This rank's description and its local shards (views of the caller's tensors)."""
-    flat = flatten(state_dict)
+    flat = flatten(state_dict, comm.rank)
+    pos = {g: i for i, g in enumerate(comm.members)}
+    meshes = MeshTable(pos.get)
     shards: dict[str, LocalShard] = {}
-    for key, obj in flat.tensors.items():
-        s = local_shard(key, obj, rank)
-        if s is not None:
+    own: dict[str, LocalShard] = {}
+    layouts = []
+    for key in sorted(flat.tensors):
+        obj = flat.tensors[key]
+        s = local_shard(key, obj, comm.rank)
+        if s is None:
+            continue
+        if key in flat.private:
+            own[key] = s
+        else:
             shards[key] = s
-    infos = tuple(ShardInfo(k, s.dtype.name, s.global_shape, s.box, s.replica_id)
-                  for k, s in shards.items())
-    return Description(infos, flat.values, flat.containers, tuple(flat.order)), shards
-
-
-def merge_values(descriptions: Sequence[Description],
-                 plans: Mapping[str, TensorPlan]) -> tuple[dict[str, Json], dict[str, str]]:
-    """Values and containers of all ranks (lowest rank wins for a value held by several)."""
-    values: dict[str, Json] = {}
-    containers: dict[str, str] = {}
-    for d in descriptions:
-        for k, v in d.values.items():
-            values.setdefault(k, v)
-        for k, kind in d.containers.items():
-            if containers.setdefault(k, kind) != kind:
-                raise ShardingError(f"key {k!r}: ranks disagree whether it is a {kind} or a "
-                                    f"{containers[k]}")
-    clash = sorted((set(values) & set(plans)) | (set(containers) & (set(values) | set(plans))))
-    if clash:
-        raise ShardingError(f"key {clash[0]!r} is a tensor, a value or a container on different ranks")
-    return values, containers
+            layouts.append((key, tensor_layout(s, obj, comm.rank, meshes)))
+    # what shapes the plan besides the layouts: the backend and the slicing threshold
+    desc = Description(tuple(layouts), tuple(meshes.specs))
+    digest = _digest(desc.digest(), comm.size, backend.name, backend.version,
+                     sorted(backend.index_options().items()), min_slice)
+    values = {k: v for k, v in flat.values.items() if k not in flat.private}
+    mine = {k: v for k, v in flat.values.items() if k in flat.private}
+    containers = dict(flat.containers)
+    order = tuple(flat.order)
+    private = Private(mine, {}, tuple((k, s.dtype.name, s.global_shape) for k, s in own.items()),
+                      tuple(flat.per_rank), order)
+    return Described(desc, digest, shards, own, values, containers, private, order,
+                     _digest(sorted(values.items()), sorted(containers.items()), order))
 
 
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
-          copy: bool) -> StagedSave:
-    """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``)."""
-    (_, local), described = comm.exchange("save: describing the state dict",
-                                          lambda: describe(state_dict, comm.rank), lambda r: r[0])
-    plans = plan_save([d.shards for d in described], lambda d: from_name(d).itemsize,
-                      split=backend.split_chunks)
-    values, containers = merge_values(described, plans)
-    views: list[tuple[str, TensorPlan, Any, torch.Tensor]] = []
-    for key, plan in plans.items():
-        for c in plan.chunks:
-            if c.writer == comm.rank:
-                s = local[key]
-                views.append((key, plan, c.box, s.local.detach()[c.box.relative_to(s.box).slices()]))
+          copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None) -> StagedSave:
+    """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
+    ``min_slice``: bytes below which replicated regions are not cut among their holders
+    (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call)."""
+    if min_slice is None:
+        min_slice = save_plan.MIN_SLICE_BYTES
+    what = "save: describing the state dict"
+    err: BaseException | None = None
+    d: Described | None = None
+    try:
+        d = describe(state_dict, comm, backend, min_slice)
+    except Exception as e:
+        err = e
+    ckey = (comm.members, comm.rank)
+    entry = cache.get(ckey)
+    hit = d is not None and entry is not None and entry.digest == d.digest
+    pid = entry.plan_id if hit else 0  # type: ignore[union-attr]
+    vh = _h63(d.values_digest) if d is not None else 0
+    extra = d is not None and bool(d.private.tensors or d.private.values or d.private.per_rank)
+    mins = comm.check_min(what, err, [int(hit), pid, -pid, vh, -vh, -int(extra)])
+    assert d is not None
+    if mins[0] == 1 and mins[1] == -mins[2]:
+        plan: SavePlan = entry.plan  # type: ignore[union-attr]
+        cached = True
+    else:
+        plan = _plan(d, comm, backend, min_slice)
+        cache.put(ckey, CachedPlan(d.digest, plan.plan_id, plan))
+        cached = False
+    values, containers, per_rank, private_plans = d.values, d.containers, (), {}
+    private_plans = {k: _own_plan(k, s, comm.rank) for k, s in d.own.items()}
+    orders: list[tuple[str, ...]] = [d.order]
+    if mins[3] != -mins[4] or mins[5] < 0:  # values differ between ranks, or PerRank state
+        parts = comm.gather((d.values, d.containers, d.private))
+        merged = comm.lead("save: merging plain values",
+                           lambda: merge_values(parts, plan))  # type: ignore[arg-type]
+        if merged is not None:
+            values, containers, per_rank, private_plans, orders = merged
+    plans = _Plans(plan.plans, private_plans)
+    views: list[tuple[str, tuple[int, ...], Box, torch.Tensor]] = []
+    local = dict(d.shards)
+    for key, box in plan.writes():
+        s = d.shards[key]
+        views.append((key, s.global_shape, box, s.local.detach()[box.relative_to(s.box).slices()]))
+    for key, s in d.own.items():
+        local[key] = s
+        if s.box.volume:
+            views.append((key, s.global_shape, s.box, s.local.detach()))
+    sums = comm.check("save: checksumming replicas", lambda: _replica_sums(d, plan))
     chunks, leases = _take(views, {k: local[k] for k, *_ in views}, pool, copy)
-    order = merge_order((d.order for d in described), [*containers, *values, *plans])
+    tensors = {k: (lay.dtype, lay.shape) for k, lay in plan.layouts.items()}
+    tensors.update((k, (p.dtype, p.shape)) for k, p in private_plans.items())
+    order = merge_order(orders, [*containers, *values, *tensors]) if comm.is_coordinator else ()
     return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy,
-                      tuple(order))
+                      tuple(order), sums, per_rank, cached, tensors)
+
+
+def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePlan:
+    """Exchange the distinct descriptions, check them, plan (collective)."""
+    descs, owners = comm.distinct(d.desc, d.digest)
+    split = backend.split_chunks if type(backend).split_chunks is not Backend.split_chunks else None
+
+    def agree() -> SavePlan:
+        layouts = agree_layouts(descs, owners, lambda n: from_name(n).itemsize)
+        pid = _h63(_digest(owners, [x.digest() for x in descs], comm.size, backend.name,
+                           backend.version, sorted(backend.index_options().items()), min_slice))
+        plan = SavePlan(layouts, comm.rank, comm.size, split, min_slice, descs=descs,
+                        owners=owners, plan_id=pid)
+        plan.writes()  # this rank's part of the plan, computed now (it is cached with it)
+        return plan
+
+    return comm.check("save: checking the shards of every rank", agree)
+
+
+def _own_plan(key: str, s: LocalShard, rank: int) -> TensorPlan:
+    isz = s.dtype.itemsize
+    chunks = (PlannedChunk(s.box, rank, (rank,)),) if s.box.volume else ()
+    return TensorPlan(key, s.dtype.name, s.global_shape, isz, chunks)
+
+
+def _replica_sums(d: Described, plan: SavePlan) -> tuple[tuple[str, Box, str], ...]:
+    """Checksums of the slices of plain tensors this rank holds but another rank writes."""
+    out = []
+    for key, lay in plan.layouts.items():
+        if lay.kind != "plain" or key not in d.shards:
+            continue
+        s = d.shards[key]
+        for box, writer in plan.slices(key):
+            if writer == plan.rank:
+                continue
+            view = s.local.detach()[box.relative_to(s.box).slices()]
+            if view.device.type != "cpu" or not view.is_contiguous():
+                view = view.to("cpu").contiguous()
+            out.append((key, box, checksum(tensor_bytes(view))))
+    return tuple(out)
+
+
+class _Plans(Mapping[str, TensorPlan]):
+    """The agreed plans, then the PerRank tensors' plans."""
+
+    def __init__(self, planned: Mapping[str, TensorPlan], own: Mapping[str, TensorPlan]) -> None:
+        self._planned, self._own = planned, own
+
+    def __getitem__(self, key: str) -> TensorPlan:
+        got = self._own.get(key)
+        return got if got is not None else self._planned[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._planned
+        yield from self._own
+
+    def __len__(self) -> int:
+        return len(self._planned) + len(self._own)
+
+
+def merge_values(parts: Sequence[tuple[Mapping[str, Json], Mapping[str, str], Private]],
+                 plan: SavePlan) -> tuple[dict[str, Json], dict[str, str], tuple[str, ...],
+                                          dict[str, TensorPlan], list[tuple[str, ...]]]:
+    """Coordinator: every rank's plain values (which must agree where ranks share them),
+    containers and PerRank state; raises ShardingError naming the key and the ranks."""
+    values: dict[str, Json] = {}
+    holders: dict[str, list[int]] = {}
+    containers: dict[str, str] = {}
+    per_rank: set[str] = set()
+    own: dict[str, TensorPlan] = {}
+    for r, (vals, conts, priv) in enumerate(parts):
+        for k, v in vals.items():
+            if k in values and values[k] != v:
+                first = holders[k][0]
+                raise ShardingError(
+                    f"key {k!r}: ranks hold different values ({values[k]!r} on rank {first}, "
+                    f"{v!r} on rank {r}); a plain value is a replica every rank holds alike. "
+                    f"Save values that differ per rank with ckptfs.PerRank")
+            values.setdefault(k, v)
+            holders.setdefault(k, []).append(r)
+        values.update(priv.values)
+        for k, kind in conts.items():
+            if containers.setdefault(k, kind) != kind:
+                raise ShardingError(f"key {k!r}: ranks disagree whether it is a {kind} or a "
+                                    f"{containers[k]}")
+        per_rank.update(priv.per_rank)
+        for k, dtype, shape in priv.tensors:
+            isz = from_name(dtype, k).itemsize
+            box = full_box(shape)
+            own[k] = TensorPlan(k, dtype, shape, isz,
+                                (PlannedChunk(box, r, (r,)),) if box.volume else ())
+    world = len(parts)
+    for k, rs in holders.items():
+        scope = plan.scope_of(rs[0])
+        if len(rs) != world and any(x not in set(rs) for x in scope):
+            lack = [x for x in scope if x not in set(rs)]
+            raise ShardingError(
+                f"key {k!r}: a plain value is held by rank(s) {rs[:6]} but not by rank(s) "
+                f"{lack[:6]}; every rank (of its pipeline stage) must hold it. Save values "
+                f"that differ per rank with ckptfs.PerRank")
+    tensors = set(plan.layouts) | set(own)
+    clash = sorted((set(values) & tensors) | (set(containers) & (set(values) | tensors)))
+    if clash:
+        raise ShardingError(f"key {clash[0]!r} is a tensor, a value or a container on different "
+                            f"ranks")
+    return values, containers, tuple(sorted(per_rank)), own, [p.order for _, _, p in parts]
 
 
 def _needs_copy(data: torch.Tensor) -> bool:
@@ -126,7 +325,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
     got = iter(run_sync(_lease_all(pool, wanted)) if wanted else ())
     chunks: list[ChunkData] = []
     leases: list[Lease] = []
-    for (key, plan, box, data), n in zip(views, sizes, strict=True):
+    for (key, shape, box, data), n in zip(views, sizes, strict=True):
         if n > 0:
             lease = next(got)
             leases.append(lease)
@@ -135,7 +334,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
             data = buf
         elif n == 0:
             data = torch.empty(data.shape, dtype=data.dtype)
-        chunks.append(ChunkData(key, shards[key].dtype, plan.shape, box, data))
+        chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
     return tuple(chunks), tuple(leases)
 
 

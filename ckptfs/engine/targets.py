@@ -3,7 +3,7 @@ replaces, and the keys it lacks or does not ask for."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ def _stringified(path: tuple) -> str:
 def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
     """Match ``state_dict`` (this rank's view) against ``index``; raises MismatchError naming
     a key whose shape, dtype or kind (tensor or value) differs."""
-    flat = flatten(state_dict)
+    flat = flatten(state_dict, rank)
     reads: list[TensorRead] = []
     replace: list[tuple[Path, Any]] = []
     missing: list[str] = []
@@ -80,10 +80,13 @@ def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> Targ
         else:
             missing.append(key)
     have = set(flat.tensors) | set(flat.values) | matched
-    unexpected = sorted(k for k in (*index.tensors, *index.values) if k not in have)
+    # other ranks' entries of a PerRank value are expected to stay unread
+    theirs = tuple(k + "/" for k in flat.per_rank)
+    unexpected = sorted(k for k in (*index.tensors, *index.values)
+                        if k not in have and not (theirs and k.startswith(theirs)))
     return TargetPlan(tuple(reads), tuple(replace), tuple(sorted(missing)), tuple(unexpected))
 
 
-def files_of(plan: TargetPlan) -> list[str | None]:
-    """The data files the plan's reads touch (None for a chunk that names none)."""
-    return [p.chunk.file for r in plan.reads for p in r.pieces]
+def files_of(reads: Sequence[TensorRead]) -> list[str | None]:
+    """The data files ``reads`` touch (None for a chunk that names none)."""
+    return [p.chunk.file for r in reads for p in r.pieces]

@@ -3,13 +3,14 @@
 The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
 computing each chunk's crc32c while the I/O threads write. With ``throttle_uploads=K`` at most
-K ranks of a node write at once. The outcomes (index entries, file sizes) come back from every
-rank; a failure anywhere raises on every rank.
+K ranks of a node write at once. A failure anywhere raises on every rank (one all-reduce when
+none failed); the outcomes (index entries, file sizes, replica checksums) are gathered on the
+coordinator only, which alone needs them for the index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptfs.dist import Comm, run_throttled
@@ -19,8 +20,10 @@ from ckptfs.io.loop import submit
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.index import ChunkEntry
+from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 
@@ -30,17 +33,22 @@ class WrittenRank:
 
     entries: tuple[tuple[str, ChunkEntry], ...]  #: (key, entry)
     files: Mapping[str, int]  #: path -> bytes
+    #: (key, slice, checksum) of plain-tensor slices the rank holds and another rank wrote
+    replica_sums: tuple[tuple[str, Box, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Written:
-    """The write phase's outcome: the coordinator's layout files and every rank's files."""
+    """The write phase's outcome: the coordinator's layout files, this rank's files, and (on
+    the coordinator) every rank's."""
 
     prepared: tuple[str, ...]  #: files ``Backend.prepare`` wrote (known to the coordinator)
-    ranks: tuple[WrittenRank, ...]  #: indexed by rank
+    mine: WrittenRank  #: what this rank wrote
+    ranks: tuple[WrittenRank, ...] | None  #: coordinator: every rank's, indexed by rank
 
     def paths(self) -> set[str]:
-        return set(self.prepared) | {p for r in self.ranks for p in r.files}
+        ranks = self.ranks if self.ranks is not None else (self.mine,)
+        return set(self.prepared) | {p for r in ranks for p in r.files}
 
 
 def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_id: str, *,
@@ -53,10 +61,11 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
         run_sync(write_files(store, prep, False))
 
     comm.decide("save: preparing the layout", prepare)
-    ranks = comm.agree("save: writing data", lambda: run_throttled(
+    mine, ranks = comm.collect("save: writing data", lambda: run_throttled(
         throttle_uploads, comm,
-        lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)))
-    return Written(tuple(f.path for f in prep), tuple(ranks))
+        lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)),
+        lambda w: w, entries=True)
+    return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks))
 
 
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
@@ -64,7 +73,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     """This rank's files; checksums are computed here while the I/O threads write."""
     keys = {c.key for c in staged.chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
-                       {k: staged.plans[k] for k in keys})
+                       _Some(staged.plans, keys))
     rw = backend.write_rank(job)
     writing = submit(write_files(store, rw.files, progress))
     try:
@@ -76,7 +85,25 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
-    return WrittenRank(entries, {f.path: f.nbytes for f in rw.files})
+    return WrittenRank(entries, {f.path: f.nbytes for f in rw.files}, staged.replica_sums)
+
+
+class _Some(Mapping[str, TensorPlan]):
+    """The plans of ``keys`` (the keys a rank writes), built only if the backend asks."""
+
+    def __init__(self, plans: Mapping[str, TensorPlan], keys: set[str]) -> None:
+        self._plans, self._keys = plans, keys
+
+    def __getitem__(self, key: str) -> TensorPlan:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._plans[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:

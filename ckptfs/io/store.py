@@ -32,6 +32,9 @@ class IOConfig:
     #: or non-CPU targets, encoded chunks); reads are batched to stay within it
     scratch_bytes: int = 512 * 2**20
     part_size: int = 32 * 2**20  #: multipart upload part size (and pre-download piece size)
+    #: ``load(..., exchange=True)``: bytes one rank sends plus receives per exchange round (the
+    #: memory in transit at once)
+    exchange_bytes: int = 256 * 2**20
     upload_concurrency: int = 4  #: parts of one file uploaded at once
     retries: int = 5  #: extra attempts for a transient error (5xx, throttling, drops, timeouts)
     retry_delay: float = 0.2  #: first backoff cap in seconds; doubles per retry, full jitter
@@ -41,7 +44,7 @@ class IOConfig:
         if self.engine not in ENGINES:
             raise ConfigError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency",
-                     "scratch_bytes"):
+                     "scratch_bytes", "exchange_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:

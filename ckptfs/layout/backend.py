@@ -114,7 +114,9 @@ class Backend(ABC):
     Save
       0. ``__init__(options)``                      every rank
       1. ``split_chunks(key, dtype, shape, boxes)``  every rank, once per tensor, while planning;
-                                                     must be deterministic (ranks compare plans)
+                                                     must be deterministic (ranks compare plans);
+                                                     overriding it makes every rank plan every
+                                                     tensor (its input is all ranks' boxes)
       2. ``prepare(plans)``                          coordinator, before any rank writes data
       3. ``write_rank(job)``                         every rank that writes chunks (job.plans
                                                      holds the plans of the keys it writes)
@@ -154,8 +156,10 @@ class Backend(ABC):
 
     def split_chunks(self, key: str, dtype: str, shape: tuple[int, ...],
                      boxes: list[Box]) -> list[Box]:
-        """Stored chunks for a key, given the distinct boxes ranks hold. Each returned box must
-        lie inside one of ``boxes``; together they must tile the tensor. Default: as held."""
+        """Stored chunks for a key, given the boxes the planner stores (the distinct boxes ranks
+        hold, large replicated ones cut into slices among their holders). Each returned box
+        must lie inside one of ``boxes``; together they must tile the tensor. Default: as
+        given."""
         return boxes
 
     def prepare(self, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:

@@ -22,8 +22,14 @@ INDEX_FILE = "ckptfs.index.json"
 FORMAT_NAME = "ckptfs"
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
+#: the required feature of an index whose chunks are packed rows (formats/README.md §2.3)
+PACKED_CHUNKS = "packed_chunks"
 #: Required features this reader implements (formats/README.md §Compatibility).
-KNOWN_FEATURES: frozenset[str] = frozenset()
+KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS})
+#: an index with at least this many chunks is written packed (§2.3); smaller ones stay readable
+#: by readers without the feature
+PACK_MIN_CHUNKS = 4096
+_CRC = "crc32c:"
 
 Json = Any
 
@@ -49,6 +55,43 @@ class ChunkEntry:
         if self.extra:
             d["extra"] = dict(self.extra)
         return d
+
+    def to_row(self, file_ids: Mapping[str, int]) -> list[Json]:
+        """The packed form (§2.3): [offsets, shape, file id, byte_offset, byte_length,
+        checksum hex, extra?]."""
+        crc = self.checksum
+        if crc is not None and crc.startswith(_CRC):
+            crc = crc[len(_CRC):]
+        row: list[Json] = [list(self.offsets), list(self.shape),
+                           None if self.file is None else file_ids[self.file],
+                           self.byte_offset, self.byte_length, crc]
+        if self.extra:
+            row.append(dict(self.extra))
+        return row
+
+    @classmethod
+    def from_row(cls, row: Json, files: list[str], where: str) -> ChunkEntry:
+        if not isinstance(row, list) or len(row) not in (6, 7):
+            raise MalformedIndexError(f"{where}: a packed chunk must be a list of 6 or 7 items")
+        offsets, shape, fid, off, length, crc = row[:6]
+        for name, v in (("offsets", offsets), ("shape", shape)):
+            if not isinstance(v, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+                raise MalformedIndexError(f"{where}: {name} must be a list of ints >= 0: {v!r}")
+        if len(offsets) != len(shape):
+            raise MalformedIndexError(f"{where}: 'offsets' and 'shape' differ in length")
+        if fid is not None and not (isinstance(fid, int) and 0 <= fid < len(files)):
+            raise MalformedIndexError(f"{where}: file id {fid!r} is not in file_table")
+        for name, v in (("byte_offset", off), ("byte_length", length)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise MalformedIndexError(f"{where}: {name} must be an int >= 0, got {v!r}")
+        if crc is not None and not isinstance(crc, str):
+            raise MalformedIndexError(f"{where}: checksum must be a string, got {crc!r}")
+        extra = row[6] if len(row) == 7 else {}
+        if not isinstance(extra, dict):
+            raise MalformedIndexError(f"{where}: extra must be an object")
+        return cls(tuple(offsets), tuple(shape), None if fid is None else files[fid], off,
+                   length, None if crc is None else _CRC + crc, extra)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Json], where: str) -> ChunkEntry:
@@ -93,17 +136,28 @@ class TensorEntry:
             d["extra"] = dict(self.extra)
         return d
 
+    def to_packed(self, file_ids: Mapping[str, int]) -> dict[str, Json]:
+        d = self.to_dict()
+        d["chunks"] = [c.to_row(file_ids) for c in self.chunks]
+        return d
+
     @classmethod
-    def from_dict(cls, key: str, d: Mapping[str, Json]) -> TensorEntry:
+    def from_dict(cls, key: str, d: Mapping[str, Json],
+                  files: list[str] | None = None) -> TensorEntry:
+        """``files``: the file table of a packed index (chunks are rows, §2.3)."""
         where = f"tensors[{key!r}]"
         chunks = _req(d, "chunks", list, where)
+        if files is None:
+            parsed = tuple(ChunkEntry.from_dict(c, f"{where}.chunks[{i}]")
+                           for i, c in enumerate(chunks))
+        else:
+            parsed = tuple(ChunkEntry.from_row(c, files, f"{where}.chunks[{i}]")
+                           for i, c in enumerate(chunks))
         return cls(
             key=key,
             dtype=_req(d, "dtype", str, where),
             shape=_int_tuple(d, "shape", where),
-            chunks=tuple(
-                ChunkEntry.from_dict(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)
-            ),
+            chunks=parsed,
             extra=_opt(d, "extra", dict, where) or {},
         )
 
@@ -126,19 +180,37 @@ class Index:
     #: every key of containers, values and tensors in the saved dicts' insertion order
     #: (formats/README.md §3.2); None for indexes written without it (order unspecified)
     order: tuple[str, ...] | None = None
+    #: keys of ``PerRank`` state: dict containers holding one entry per saving rank (§3.4)
+    per_rank: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
         """Sum of the stored data file sizes."""
         return sum(self.files.values())
 
+    @property
+    def packed(self) -> bool:
+        """Written with packed chunk rows (§2.3): large indexes, or one read packed."""
+        return PACKED_CHUNKS in self.required_features or \
+            sum(len(t.chunks) for t in self.tensors.values()) >= PACK_MIN_CHUNKS
+
     def to_dict(self) -> dict[str, Json]:
         """The JSON object, members in the order ckptfs writes them (formats/README.md §2.2);
-        with ``order``, containers, values and tensors are listed in that order too."""
+        with ``order``, containers, values and tensors are listed in that order too. An index
+        of ``PACK_MIN_CHUNKS`` chunks or more is packed (§2.3)."""
+        packed = self.packed
+        features = list(self.required_features)
+        if packed and PACKED_CHUNKS not in features:
+            features.append(PACKED_CHUNKS)
+        file_ids: dict[str, int] = {}
+        if packed:
+            table = sorted(set(self.files) | {c.file for t in self.tensors.values()
+                                              for c in t.chunks if c.file is not None})
+            file_ids = {f: i for i, f in enumerate(table)}
         d: dict[str, Json] = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
-            "required_features": list(self.required_features),
+            "required_features": features,
             "backend": {
                 "name": self.backend,
                 "version": self.backend_version,
@@ -150,8 +222,16 @@ class Index:
             d["order"] = list(self.order)
         d["containers"] = _in_order(self.containers, self.order)
         d["values"] = _in_order(self.values, self.order)
-        d["tensors"] = {k: t.to_dict() for k, t in _in_order(self.tensors, self.order).items()}
-        d["files"] = dict(self.files)
+        d["tensors"] = {k: t.to_packed(file_ids) if packed else t.to_dict()
+                        for k, t in _in_order(self.tensors, self.order).items()}
+        if packed:  # the files once, their common directory once (§2.3)
+            prefix = _common_dir(list(file_ids))
+            d["file_table"] = {"prefix": prefix, "files": [[f[len(prefix):], self.files.get(f)]
+                                                           for f in file_ids]}
+        else:
+            d["files"] = dict(self.files)
+        if self.per_rank:
+            d["per_rank"] = list(self.per_rank)
         return d
 
     def dumps(self) -> bytes:
@@ -195,12 +275,21 @@ class Index:
         _check_keys(source, tensors, values, containers)
         order = _opt(d, "order", list, source)
         known = {"format", "format_version", "required_features", "backend", "writer", "order",
-                 "containers", "values", "tensors", "files"}
+                 "containers", "values", "tensors", "files", "per_rank", "file_table"}
+        table: list[str] | None = None
+        files = dict(files)
+        if PACKED_CHUNKS in features:
+            table = _file_table(_req(d, "file_table", dict, source), files, source)
+        per_rank = _opt(d, "per_rank", list, source) or []
+        if not all(isinstance(k, str) and k in containers for k in per_rank):
+            raise MalformedIndexError(f"{source}: field 'per_rank' must list container keys: "
+                                      f"{per_rank!r}")
         return cls(
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
             backend_options=_opt(be, "options", dict, f"{source}: backend") or {},
-            tensors={k: TensorEntry.from_dict(k, t) for k, t in tensors.items()},
+            tensors={k: TensorEntry.from_dict(k, _check(t, k, dict, f"{source}: tensors"), table)
+                     for k, t in tensors.items()},
             values=values,
             containers=containers,
             files=files,
@@ -209,6 +298,7 @@ class Index:
             format_version=ver,
             extra={k: v for k, v in d.items() if k not in known},
             order=None if order is None else _check_order(source, order, tensors, values, containers),
+            per_rank=tuple(per_rank),
         )
 
     @classmethod
@@ -336,6 +426,34 @@ def _in_order(d: Mapping[str, Any], order: Sequence[str] | None) -> dict[str, An
     out = {k: d[k] for k in order if k in d}
     if len(out) != len(d):
         out.update((k, v) for k, v in d.items() if k not in out)
+    return out
+
+
+def _common_dir(paths: list[str]) -> str:
+    """The longest directory prefix (ending in '/') of every path, or ''."""
+    if not paths:
+        return ""
+    lo, hi = min(paths), max(paths)
+    n = 0
+    while n < min(len(lo), len(hi)) and lo[n] == hi[n]:
+        n += 1
+    return lo[:n].rpartition("/")[0] + "/" if "/" in lo[:n] else ""
+
+
+def _file_table(t: Mapping[str, Json], files: dict[str, int], source: str) -> list[str]:
+    """The paths of a packed index's file table (§2.3); adds their sizes to ``files``."""
+    where = f"{source}: file_table"
+    prefix = _req(t, "prefix", str, where)
+    out = []
+    for i, row in enumerate(_req(t, "files", list, where)):
+        if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str)
+                or not (row[1] is None or (isinstance(row[1], int) and not isinstance(row[1], bool)
+                                           and row[1] >= 0))):
+            raise MalformedIndexError(f"{where}.files[{i}] must be [name, size or null]: {row!r}")
+        path = check_relative_path(prefix + row[0], f"{where}.files[{i}]")
+        if row[1] is not None:
+            files[path] = row[1]
+        out.append(path)
     return out
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptfs.errors import ShardingError
@@ -22,11 +25,28 @@ class ReadPiece:
         return self.src.shape == self.chunk.shape
 
 
+def _candidates(entry: TensorEntry, local: Box) -> Sequence[ChunkEntry]:
+    """The chunks that may meet ``local``: with many chunks, only those whose extent along the
+    first dimension can reach it (bisection on the chunks ordered by their first offset)."""
+    chunks = entry.chunks
+    if len(chunks) < 64 or not local.shape:
+        return chunks
+    first = [c.offsets[0] for c in chunks]
+    order: Sequence[ChunkEntry] = chunks
+    if any(a > b for a, b in itertools.pairwise(first)):
+        order = sorted(chunks, key=lambda c: c.offsets[0])
+        first.sort()
+    reach = max(c.shape[0] for c in chunks)
+    lo = bisect.bisect_right(first, local.offsets[0] - reach)
+    hi = bisect.bisect_left(first, local.offsets[0] + local.shape[0])
+    return order[lo:hi]
+
+
 def plan_reads(entry: TensorEntry, local: Box) -> list[ReadPiece]:
     """The pieces that fill ``local``; raises ShardingError if the chunks leave a hole."""
     pieces = []
     covered = 0
-    for c in entry.chunks:
+    for c in _candidates(entry, local):
         cbox = Box(c.offsets, c.shape)
         common = cbox.intersect(local)
         if common is None:

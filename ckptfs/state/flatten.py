@@ -4,6 +4,10 @@ Containers are dicts (str or int keys), lists and tuples; leaves are tensors or 
 values (None, bool, int, float, str). Every container is recorded with its kind, so nesting,
 empty containers and int-vs-str keys round-trip exactly; every key is also listed in ``order``
 (depth-first, parents before children, dict items in insertion order), so dict order does too.
+
+``PerRank(value)`` marks state each rank holds for itself (RNG states, data-loader positions):
+on rank r it stands for a dict ``{r: value}`` (formats/README.md §3.4), so the ranks' values are
+stored side by side under ``<key>/<rank>`` instead of being taken for replicas.
 """
 
 from __future__ import annotations
@@ -16,9 +20,19 @@ from typing import Any
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.keys import Path, check_unicode, decode_key, encode_key
 from ckptfs.layout.values import component_order, encode_value
-from ckptfs.state.shards import is_tensor_like
+from ckptfs.state.shards import is_plain_tensor, is_tensor_like
 
 Json = Any
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """State that differs per rank and must come back to the same rank: ``value`` (a plain
+    tensor, a plain value, or a container of them) is saved under ``<key>/<rank>``, next to the
+    other ranks' values, and a load on rank r fills it from ``<key>/<r>``. Without it, a plain
+    tensor or value is a replica every rank holds alike (a save raises when they differ)."""
+
+    value: Any
 
 
 @dataclass
@@ -30,25 +44,46 @@ class FlatState:
     containers: dict[str, str] = field(default_factory=dict)  #: key -> dict|list|tuple
     paths: dict[str, Path] = field(default_factory=dict)  #: key -> path, for every leaf
     order: list[str] = field(default_factory=list)  #: every key, depth-first in insertion order
+    per_rank: dict[str, Path] = field(default_factory=dict)  #: PerRank keys -> their paths
+    private: set[str] = field(default_factory=set)  #: keys inside a PerRank (this rank's own)
 
 
-def flatten(state_dict: Mapping[str, Any]) -> FlatState:
-    """Take ``state_dict`` apart. Raises UnsupportedValueError naming the offending key."""
+def flatten(state_dict: Mapping[str, Any], rank: int | None = None) -> FlatState:
+    """Take ``state_dict`` apart (``rank``: where ``PerRank`` values go). Raises
+    UnsupportedValueError naming the offending key."""
     if not isinstance(state_dict, Mapping):
         raise UnsupportedValueError(
             f"a state dict must be a dict, got {type(state_dict).__name__}"
         )
     flat = FlatState()
-    _walk(state_dict, (), flat)
+    _walk(state_dict, (), flat, rank, False)
     return flat
 
 
-def _walk(obj: Any, path: Path, flat: FlatState) -> None:
+def _walk(obj: Any, path: Path, flat: FlatState, rank: int | None, private: bool) -> None:
+    if isinstance(obj, PerRank):
+        key = encode_key(path) if path else "<root>"
+        if not path or private:
+            raise UnsupportedValueError(f"key {key!r}: PerRank must wrap a value inside the "
+                                        f"state dict, and cannot be nested in another PerRank")
+        if rank is None:
+            raise UnsupportedValueError(f"key {key!r}: PerRank is only meaningful in "
+                                        f"ckptfs.save and ckptfs.load")
+        flat.containers[key] = "dict"
+        flat.per_rank[key] = path
+        flat.order.append(key)
+        _walk(obj.value, (*path, rank), flat, rank, True)
+        return
     if is_tensor_like(obj):
         key = encode_key(path)
+        if private and not is_plain_tensor(obj):
+            raise UnsupportedValueError(f"key {key!r}: PerRank holds plain tensors and values, "
+                                        f"not {type(obj).__name__}")
         flat.tensors[key] = obj
         flat.paths[key] = path
         flat.order.append(key)
+        if private:
+            flat.private.add(key)
         return
     if isinstance(obj, Mapping | list | tuple):
         if path:
@@ -66,7 +101,7 @@ def _walk(obj: Any, path: Path, flat: FlatState) -> None:
                 )
             if isinstance(k, str) and not k.isascii():
                 check_unicode(k, f"key {k!r} under {encode_key(path) if path else '<root>'!r}")
-            _walk(v, (*path, k), flat)
+            _walk(v, (*path, k), flat, rank, private)
         return
     if not path:
         raise UnsupportedValueError("a state dict must be a dict")
@@ -74,6 +109,8 @@ def _walk(obj: Any, path: Path, flat: FlatState) -> None:
     flat.values[key] = encode_value(obj, key)
     flat.paths[key] = path
     flat.order.append(key)
+    if private:
+        flat.private.add(key)
 
 
 def merge_order(orders: Iterable[Sequence[str]], keys: Iterable[str]) -> list[str]:
@@ -138,9 +175,12 @@ def unflatten(containers: Mapping[str, str], leaves: Mapping[str, Any],
 
 
 def set_path(root: Any, path: Path, value: Any) -> Any:
-    """Set ``value`` at ``path`` in place; tuples on the way are rebuilt. Returns the root."""
+    """Set ``value`` at ``path`` in place; tuples and ``PerRank`` wrappers on the way are rebuilt
+    (a PerRank stands for ``{rank: value}``). Returns the root."""
     if not path:
         return value
+    if isinstance(root, PerRank):
+        return PerRank(set_path(root.value, path[1:], value))
     head, rest = path[0], path[1:]
     child = set_path(root[head], rest, value) if rest else value
     if isinstance(root, tuple):

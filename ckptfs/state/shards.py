@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from ckptfs.errors import ShardingError, UnsupportedValueError
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import DType, from_torch
+from ckptfs.planning.layouts import REPLICATE, Layout, MeshSpec, mesh_box
 
 try:  # torch >= 2.4 has the public DTensor
     from torch.distributed.tensor import DTensor
@@ -54,6 +56,11 @@ class LocalShard:
 
 def is_tensor_like(obj: object) -> bool:
     return isinstance(obj, torch.Tensor | ShardedTensor)
+
+
+def is_plain_tensor(obj: object) -> bool:
+    """A tensor that is neither a DTensor nor a ShardedTensor (a replica on every rank)."""
+    return isinstance(obj, torch.Tensor) and not (DTensor is not None and isinstance(obj, DTensor))
 
 
 def local_shard(key: str, obj: torch.Tensor | ShardedTensor, rank: int) -> LocalShard | None:
@@ -104,3 +111,53 @@ def _dtensor_shard(key: str, x: DTensor) -> LocalShard | None:
         offset = tuple(min(o, n) for o, n in zip(offset, x.shape, strict=True))
     return LocalShard(key, local, from_torch(x.dtype, key), tuple(x.shape),
                       Box(tuple(offset), tuple(shape)), replica_id)
+
+
+@dataclass
+class MeshTable:
+    """The meshes of one rank's DTensors, each once (``Description.meshes``), as ranks of the
+    process group (``group_rank`` maps a global rank; None when the rank is outside it)."""
+
+    group_rank: Callable[[int], int | None]
+    specs: list[MeshSpec] = field(default_factory=list)
+    _index: dict[int, int | None] = field(default_factory=dict)  #: id(DeviceMesh) -> index
+    _by_spec: dict[MeshSpec, int] = field(default_factory=dict)
+
+    def index(self, mesh) -> int | None:
+        """Index of ``mesh``'s spec, or None when a rank of it is outside the process group."""
+        got = self._index.get(id(mesh), -1)
+        if got != -1:
+            return got
+        ranks = [self.group_rank(int(r)) for r in mesh.mesh.flatten().tolist()]
+        if any(r is None for r in ranks):
+            out = None
+        else:
+            spec = MeshSpec(tuple(int(n) for n in mesh.mesh.shape), tuple(ranks))  # type: ignore[arg-type]
+            out = self._by_spec.setdefault(spec, len(self.specs))
+            if out == len(self.specs):
+                self.specs.append(spec)
+        self._index[id(mesh)] = out
+        return out
+
+
+def tensor_layout(shard: LocalShard, obj: torch.Tensor | ShardedTensor, rank: int,
+                  meshes: MeshTable) -> Layout:
+    """The planner's view of ``shard`` (``local_shard(key, obj, rank)``): plain, mesh (a DTensor
+    whose placements give this very box) or explicit."""
+    dtype, shape = shard.dtype.name, shard.global_shape
+    if isinstance(obj, ShardedTensor):
+        return Layout(dtype, shape, box=shard.box, replica_id=shard.replica_id)
+    if DTensor is not None and isinstance(obj, DTensor):
+        i = meshes.index(obj.device_mesh)
+        if i is not None:
+            spec = meshes.specs[i]
+            placements = tuple(p.dim % max(len(shape), 1) if isinstance(p, Shard) else REPLICATE
+                               for p in obj.placements)
+            coord = spec.coordinate(rank)
+            if coord is not None:
+                box = mesh_box(shape, spec, placements, coord)
+                # an empty shard's offset is immaterial (DTensor and the planner clamp it apart)
+                if box == shard.box or box.volume == shard.box.volume == 0:
+                    return Layout(dtype, shape, mesh=i, placements=placements)
+        return Layout(dtype, shape, box=shard.box, replica_id=shard.replica_id)
+    return Layout(dtype, shape)

@@ -86,10 +86,10 @@ class SafetensorsChunksBackend(Backend):
         parts: list[Any] = [struct.pack("<Q", len(raw)), raw]
         for c, (start, n) in zip(ordered, spans, strict=True):
             parts.append(tensor_bytes(c.data))
+            # the chunk's name in the file is tensor_name(key, offsets): not repeated in the index
             entries.append((c.key, ChunkEntry(
                 offsets=c.box.offsets, shape=c.box.shape, file=path,
-                byte_offset=base + start, byte_length=n,
-                extra={"name": tensor_name(c.key, c.box.offsets)})))
+                byte_offset=base + start, byte_length=n)))
         files.append(FileWrite(path, tuple(parts)))
 
     async def chunk_sources(self, items, reader: ByteReader) -> list[ChunkSource]:

@@ -1,0 +1,510 @@
+"""Planning a save and a resharded load at 1,024 / 4,096 / 16,384 ranks, in one process, no data.
+
+    .venv/bin/python -m bench.scale [--worlds 1024,4096,16384] [--variants replicated,zero1]
+                                    [--no-dcp] [--quick]
+
+The state: a 70B-parameter transformer (80 layers, hidden 8192, FFN 28672, vocab 128256, GQA
+with 8 KV heads; bf16 parameters, fp32 Adam moments ``exp_avg``/``exp_avg_sq`` and a 0-d
+``step`` per parameter) laid out tensor-parallel 8 x pipeline-parallel 8 x data-parallel
+16/64/256 (TP innermost). Every stage's tensors are DTensors on its (dp, tp) mesh: column
+projections Shard(0) and row projections Shard(1) over tp, norms replicated over tp. Two
+variants: ``replicated`` (every dp rank holds full copies) and ``zero1`` (the moments are also
+Shard(0) over dp, ZeRO-1/FSDP style; the parameters stay replicated).
+
+One rank (a non-coordinator in the middle stage) is real: ``torch.distributed`` runs on the
+"fake" backend (collectives are no-ops) so that its state is made of meta DTensors, and both
+libraries describe and plan it through their own code:
+
+- ckptfs, one rank: ``describe`` (the rank's layouts), ``agree_layouts`` over the distinct
+  descriptions (one per pipeline stage: what ``Comm.distinct`` hands every rank) and this
+  rank's writes; and a save whose plan is cached (describe + digest). Peak memory by
+  tracemalloc. "input" is what the rank receives to plan: the pickled distinct descriptions and
+  16 bytes of digest per rank.
+- ckptfs, coordinator: ``build_index`` over every rank's index entries (what the gather brings:
+  the entries are synthesized exactly as safetensors_chunks writes them) and the JSON dump;
+  the index size.
+- DCP: ``DefaultSavePlanner.create_local_plan`` on the same rank's state dict, and
+  ``create_global_plan`` (dedup, metadata, validation) on every rank's SavePlan (the other
+  ranks' plans are built like the measured one, checked equal for it); then the ``.metadata``
+  a FileSystemWriter save commits (storage_data of every item), pickled: its size.
+- Resharded load, same rank: the ``zero1`` checkpoint loaded into the ``replicated`` layout
+  (and the other way round): ckptfs parses the index and matches its targets
+  (``plan_targets``); DCP unpickles ``.metadata`` and runs ``DefaultLoadPlanner``'s local plan.
+
+Growth: every figure is also divided by the stored chunk count, per world. Results go to
+bench/results/scale-<time>.json. ``--quick`` runs a small layout (TP4 x PP2 x DP 8/32, 4
+layers) in seconds (tests/test_scale.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import random
+import sys
+import time
+import tracemalloc
+import warnings
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+VOCAB, HIDDEN, FFN, KV = 128256, 8192, 28672, 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The parallel layout and the model size."""
+
+    tp: int
+    pp: int
+    dp: int
+    layers: int = 80
+    hidden: int = HIDDEN
+    ffn: int = FFN
+    kv: int = KV
+    vocab: int = VOCAB
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def parameters(s: Shape) -> list[tuple[str, tuple[int, ...], int | None, int]]:
+    """(fqn, global shape, tp shard dim or None (replicated over tp), stage)."""
+    per = s.layers // s.pp
+    out = []
+    for i in range(s.layers):
+        st = i // per
+        p = f"layers.{i}."
+        out += [(p + "attention.wq.weight", (s.hidden, s.hidden), 0, st),
+                (p + "attention.wk.weight", (s.kv, s.hidden), 0, st),
+                (p + "attention.wv.weight", (s.kv, s.hidden), 0, st),
+                (p + "attention.wo.weight", (s.hidden, s.hidden), 1, st),
+                (p + "feed_forward.w1.weight", (s.ffn, s.hidden), 0, st),
+                (p + "feed_forward.w3.weight", (s.ffn, s.hidden), 0, st),
+                (p + "feed_forward.w2.weight", (s.hidden, s.ffn), 1, st),
+                (p + "attention_norm.weight", (s.hidden,), None, st),
+                (p + "ffn_norm.weight", (s.hidden,), None, st)]
+    out += [("tok_embeddings.weight", (s.vocab, s.hidden), 0, 0),
+            ("norm.weight", (s.hidden,), None, s.pp - 1),
+            ("output.weight", (s.vocab, s.hidden), 0, s.pp - 1)]
+    return out
+
+
+REP = -1  # the planner's REPLICATE
+
+
+def tensors(s: Shape, variant: str, stage: int):
+    """(ckptfs key, DCP fqn, dtype, shape, (dp placement, tp placement) or None for plain)."""
+    out = []
+    for fqn, shape, tp_dim, st in parameters(s):
+        if st != stage:
+            continue
+        tp = REP if tp_dim is None else tp_dim
+        out.append((f"model/{fqn}", f"model.{fqn}", torch.bfloat16, shape, (REP, tp)))
+        moment = (0 if variant == "zero1" else REP, tp)
+        for m in ("exp_avg", "exp_avg_sq"):
+            out.append((f"optim/state/{fqn}/{m}", f"optim.state.{fqn}.{m}", torch.float32, shape,
+                        moment))
+        out.append((f"optim/state/{fqn}/step", f"optim.state.{fqn}.step", torch.float32, (), None))
+    return sorted(out)
+
+
+# -- ckptfs: synthetic descriptions of every stage (the planning layer's own types) --------------
+
+def stage_ranks(s: Shape, stage: int) -> tuple[int, ...]:
+    n = s.dp * s.tp
+    return tuple(range(stage * n, (stage + 1) * n))
+
+
+def descriptions(s: Shape, variant: str):
+    from ckptfs.layout.dtypes import from_torch
+    from ckptfs.planning.layouts import Description, Layout, MeshSpec
+
+    descs = []
+    for st in range(s.pp):
+        mesh = MeshSpec((s.dp, s.tp), stage_ranks(s, st))
+        rows = []
+        for key, _, dtype, shape, pl in tensors(s, variant, st):
+            name = from_torch(dtype).name
+            rows.append((key, Layout(name, shape) if pl is None else
+                         Layout(name, shape, mesh=0, placements=pl)))
+        descs.append(Description(tuple(rows), (mesh,)))
+    owners = [r // (s.dp * s.tp) for r in range(s.world)]
+    return descs, owners
+
+
+# -- the real rank on the fake backend ----------------------------------------------------------
+
+def init_fake(world: int, rank: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
+def rank_state(s: Shape, variant: str, rank: int) -> dict:
+    """The nested state dict of ``rank``: meta DTensors on its stage's (dp, tp) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (s.pp, s.dp, s.tp), mesh_dim_names=("pp", "dp", "tp"))
+    sub = mesh["dp", "tp"]
+    stage = rank // (s.dp * s.tp)
+    sd: dict = {"model": {}, "optim": {"state": {}}}
+    for key, _, dtype, shape, pl in tensors(s, variant, stage):
+        parts = key.split("/")
+        if pl is None:
+            t = torch.zeros(shape, dtype=dtype)
+        else:
+            placements = [Replicate() if p == REP else Shard(p) for p in pl]
+            local, _ = compute_local_shape_and_global_offset(shape, sub, placements)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            t = DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), sub, placements,
+                                   run_check=False, shape=torch.Size(shape), stride=stride)
+        if parts[0] == "model":
+            sd["model"][parts[1]] = t
+        else:
+            sd["optim"]["state"].setdefault(parts[2], {})[parts[3]] = t
+    return sd
+
+
+def flat_dcp(sd: dict) -> dict:
+    """DCP's flattening of the nested dict: dotted fqns."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(sd)
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+def timed(fn):
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def peak(fn):
+    """(seconds, peak bytes allocated, result): timed untraced, then run again under
+    tracemalloc for the peak."""
+    t, out = timed(fn)
+    gc.collect()
+    tracemalloc.start()
+    fn()
+    _, top = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return t, top, out
+
+
+def ckptfs_rank(s: Shape, variant: str, rank: int, sd: dict) -> dict:
+    from ckptfs.dist import Comm
+    from ckptfs.engine.stage import describe
+    from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
+    from ckptfs.layout.dtypes import from_name
+    from ckptfs.planning.save_plan import MIN_SLICE_BYTES, SavePlan, agree_layouts
+
+    descs, owners = descriptions(s, variant)
+    backend = SafetensorsChunksBackend()
+    comm = Comm()
+
+    def plan():
+        d = describe(sd, comm, backend, MIN_SLICE_BYTES)
+        layouts = agree_layouts(descs, owners, lambda n: from_name(n).itemsize)
+        p = SavePlan(layouts, rank, s.world, None, MIN_SLICE_BYTES, descs=descs, owners=owners)
+        return d, p, p.writes()
+
+    t, mem, (d, _, writes) = peak(plan)
+    mine = descs[owners[rank]]
+    if d.desc != mine:
+        diff = next(((a, b) for a, b in zip(d.desc.tensors, mine.tensors) if a != b), None)
+        raise AssertionError(f"the real rank's description differs from the synthetic one: {diff}")
+    t_cached, _ = timed(lambda: describe(sd, comm, backend, MIN_SLICE_BYTES).digest == d.digest)
+    received = sum(len(pickle.dumps(x)) for x in descs) + 16 * s.world
+    return {"plan_s": t, "plan_peak_bytes": mem, "cached_s": t_cached, "input_bytes": received,
+            "writes": len(writes)}
+
+
+def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") -> tuple[dict, bytes]:
+    """The coordinator's index assembly from every rank's entries; (figures, index bytes)."""
+    from ckptfs.engine.commit import build_index
+    from ckptfs.engine.stage import StagedSave
+    from ckptfs.engine.write import Written, WrittenRank
+    from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend, tensor_name
+    from ckptfs.layout.dtypes import from_name
+    from ckptfs.layout.index import ChunkEntry
+    from ckptfs.planning.save_plan import MIN_SLICE_BYTES, SavePlan, agree_layouts
+
+    descs, owners = descriptions(s, variant)
+    layouts = agree_layouts(descs, owners, lambda n: from_name(n).itemsize)
+    plan = SavePlan(layouts, 0, s.world, None, MIN_SLICE_BYTES, descs=descs, owners=owners)
+    # what every rank writes (from the global assignment), as safetensors_chunks lays it out
+    per_rank: list[list] = [[] for _ in range(s.world)]
+    assigned = plan._global()
+    for (key, _), slices in assigned.items():
+        for box, w in slices:
+            per_rank[w].append((key, box))
+    rng = random.Random(0)
+    ranks = []
+    nchunks = 0
+    for r, items in enumerate(per_rank):
+        items.sort(key=lambda kb: (kb[0], kb[1].offsets))
+        path = f"data/{save_id}/r{r:05d}-000.safetensors"
+        header = 8 + sum(len(tensor_name(k, b.offsets)) + 60 for k, b in items)
+        pos = header
+        entries = []
+        for key, box in items:
+            n = box.volume * layouts[key].itemsize
+            entries.append((key, ChunkEntry(box.offsets, box.shape, path, pos, n,
+                                            f"crc32c:{rng.getrandbits(32):08x}")))
+            pos += n
+        nchunks += len(entries)
+        ranks.append(WrittenRank(tuple(entries), {path: pos} if entries else {}))
+    written = Written((), ranks[0], tuple(ranks))
+    staged = StagedSave(0, s.world, plan.plans, (), {}, {}, (), False,
+                        tensors={k: (x.dtype, x.shape) for k, x in layouts.items()})
+    backend = SafetensorsChunksBackend()
+    t_build, index = timed(partial(build_index, backend, staged, written))
+    t_dump, raw = timed(index.dumps)
+    return {"chunks": nchunks, "assemble_s": t_build + t_dump, "index_bytes": len(raw),
+            "packed": index.packed}, raw
+
+
+def dcp_plans(s: Shape, variant: str):
+    """Every rank's DCP SavePlan, built as create_local_plan builds them (items shared where two
+    ranks' items are equal, to save memory; DCP's coordinator would unpickle separate ones)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    from ckptfs.planning.layouts import mesh_box
+
+    descs, _ = descriptions(s, variant)
+    plans = []
+    props = {dt: TensorProperties(dtype=dt) for dt in (torch.bfloat16, torch.float32)}
+    for st in range(s.pp):
+        ts = tensors(s, variant, st)
+        mesh = descs[st].meshes[0]
+        planner_data = {fqn: tuple(fqn.split(".", 2)) for _, fqn, *_ in ts}
+        memo: dict = {}
+        sizes = {fqn: torch.Size(shape) for _, fqn, _, shape, _ in ts}
+        for r in stage_ranks(s, st):
+            coord = mesh.coordinate(r)
+            items = []
+            for _, fqn, dtype, shape, pl in ts:
+                if pl is None:
+                    box_off, box_shape, kind = (0,) * len(shape), shape, WriteItemType.TENSOR
+                else:
+                    b = mesh_box(shape, mesh, pl, coord)
+                    box_off, box_shape, kind = b.offsets, b.shape, WriteItemType.SHARD
+                k = (fqn, box_off, box_shape)
+                item = memo.get(k)
+                if item is None:
+                    off = torch.Size(box_off)
+                    item = memo[k] = WriteItem(
+                        index=MetadataIndex(fqn, off), type=kind,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=off, sizes=torch.Size(box_shape)),
+                            properties=props[dtype], size=sizes[fqn]))
+                items.append(item)
+            plans.append(SavePlan(items, planner_data=planner_data))
+    return plans
+
+
+def dcp_rank(sd: dict, synthetic) -> dict:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    def plan():
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=False)
+        return planner.create_local_plan()
+
+    t, mem, local = peak(plan)
+    got = sorted((i.index.fqn, tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes))
+                 for i in local.items)
+    want = sorted((i.index.fqn, tuple(i.tensor_data.chunk.offsets),
+                   tuple(i.tensor_data.chunk.sizes)) for i in synthetic.items)
+    assert got == want, "DCP's own local plan differs from the synthetic one"
+    return {"plan_s": t, "plan_peak_bytes": mem}
+
+
+def dcp_coordinator(plans) -> tuple[dict, bytes]:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner()
+    planner.flatten_state_dict = True
+    t_global, (global_plan, md) = timed(partial(planner.create_global_plan, plans))
+    t_finish, raw = timed(partial(_dcp_finish, global_plan, md))
+    chunks = sum(len(p.items) for p in global_plan)
+    return {"global_s": t_global, "finish_s": t_finish, "metadata_bytes": len(raw),
+            "chunks": chunks}, raw
+
+
+def _dcp_finish(global_plan, md) -> bytes:
+    """FileSystemWriter's write results merged into the metadata, pickled (the coordinator)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    storage = {}
+    for r, p in enumerate(global_plan):
+        pos = 0
+        for item in p.items:
+            n = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+            storage[item.index] = _StorageInfo(f"__{r}_0.distcp", pos, n + 1100)
+            pos += n + 1100
+    meta = Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
+                    storage_data=storage)
+    return pickle.dumps(meta)
+
+
+def ckptfs_load(index_raw: bytes, target: dict, rank: int) -> dict:
+    from ckptfs.engine.targets import plan_targets
+    from ckptfs.layout.index import Index
+
+    t_parse, index = timed(lambda: Index.loads(index_raw))
+    t_plan, mem, plan = peak(lambda: plan_targets(target, index, rank))
+    return {"parse_s": t_parse, "plan_s": t_plan, "plan_peak_bytes": mem,
+            "pieces": sum(len(r.pieces) for r in plan.reads)}
+
+
+def dcp_load(md_raw: bytes, target: dict) -> dict:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    t_parse, md = timed(lambda: pickle.loads(md_raw))
+
+    def plan():
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(target, metadata=md, is_coordinator=False)
+        return planner.create_local_plan()
+
+    t_plan, mem, local = peak(plan)
+    return {"parse_s": t_parse, "plan_s": t_plan, "plan_peak_bytes": mem, "pieces": len(local.items)}
+
+
+def run(s: Shape, variant: str, other: str, with_dcp: bool) -> dict:
+    rank = s.world // 2 + 3  # a non-coordinator of a middle stage
+    init_fake(s.world, rank)
+    sd = rank_state(s, variant, rank)
+    out: dict = {"world": s.world, "variant": variant, "tp": s.tp, "pp": s.pp, "dp": s.dp,
+                 "layers": s.layers}
+    out["ckptfs_rank"] = ckptfs_rank(s, variant, rank, sd)
+    coord, index_raw = ckptfs_coordinator(s, variant)
+    out["ckptfs_coord"] = coord
+    target = rank_state(s, other, rank)
+    out["ckptfs_load"] = ckptfs_load(index_raw, target, rank)
+    del index_raw
+    if with_dcp:
+        plans = dcp_plans(s, variant)
+        out["dcp_rank"] = dcp_rank(flat_dcp(sd)[0], plans[rank])
+        coord, md_raw = dcp_coordinator(plans)
+        del plans
+        out["dcp_coord"] = coord
+        out["dcp_load"] = dcp_load(md_raw, flat_dcp(target)[0])
+        del md_raw
+    gc.collect()
+    return out
+
+
+def table(results: list[dict], with_dcp: bool) -> str:
+    rows = ["| world | variant | chunks (ckptfs / DCP) | ckptfs plan, one rank (s) | cached (s) | peak MiB | "
+            "input KiB | index assembly (s) | index MiB |"
+            + (" DCP local plan (s) | DCP global plan (s) | DCP finish (s) | .metadata MiB | "
+               "DCP global / ckptfs rank | index / .metadata |" if with_dcp else ""),
+            "|" + "---|" * (9 + (6 if with_dcp else 0))]
+    for r in results:
+        c, k = r["ckptfs_rank"], r["ckptfs_coord"]
+        dc = r["dcp_coord"]["chunks"] if with_dcp else "-"
+        row = (f"| {r['world']} | {r['variant']} | {k['chunks']} / {dc} | {c['plan_s']:.3f} | "
+               f"{c['cached_s']:.3f} | {c['plan_peak_bytes'] / 2**20:.1f} | "
+               f"{c['input_bytes'] / 1024:.0f} | {k['assemble_s']:.2f} | "
+               f"{k['index_bytes'] / 2**20:.1f} |")
+        if with_dcp:
+            d, m = r["dcp_rank"], r["dcp_coord"]
+            row += (f" {d['plan_s']:.3f} | {m['global_s']:.2f} | {m['finish_s']:.2f} | "
+                    f"{m['metadata_bytes'] / 2**20:.1f} | {m['global_s'] / c['plan_s']:.0f}x | "
+                    f"{k['index_bytes'] / m['metadata_bytes']:.2f} |")
+        rows.append(row)
+    rows += ["", "| world | variant | ckptfs index parse (s) | ckptfs load plan (s) | pieces"
+             + (" | DCP .metadata unpickle (s) | DCP load plan (s) | items |" if with_dcp else " |"),
+             "|" + "---|" * (5 + (3 if with_dcp else 0))]
+    for r in results:
+        c = r["ckptfs_load"]
+        row = (f"| {r['world']} | {r['variant']} -> other | {c['parse_s']:.2f} | {c['plan_s']:.3f} "
+               f"| {c['pieces']} |")
+        if with_dcp:
+            d = r["dcp_load"]
+            row += f" {d['parse_s']:.2f} | {d['plan_s']:.3f} | {d['pieces']} |"
+        rows.append(row)
+    rows += ["", "growth per stored chunk, relative to the smallest world:",
+             "| world | variant | chunks | ckptfs plan / chunk | assembly / chunk | index bytes / chunk"
+             + (" | DCP global / chunk | .metadata bytes / chunk |" if with_dcp else " |"),
+             "|" + "---|" * (6 + (2 if with_dcp else 0))]
+    base: dict = {}
+    for r in results:
+        k = r["ckptfs_coord"]
+        n = k["chunks"]
+        vals = [r["ckptfs_rank"]["plan_s"] / n, k["assemble_s"] / n, k["index_bytes"] / n]
+        if with_dcp:
+            vals += [r["dcp_coord"]["global_s"] / n, r["dcp_coord"]["metadata_bytes"] / n]
+        b = base.setdefault(r["variant"], vals)
+        rows.append(f"| {r['world']} | {r['variant']} | {n} | "
+                    + " | ".join(f"{v / b0:.2f}" for v, b0 in zip(vals, b)) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", default="1024,4096,16384")
+    ap.add_argument("--variants", default="replicated,zero1")
+    ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="TP4 x PP2 x DP 8/32, 4 layers")
+    ap.add_argument("--out", default=None, help="results file (default bench/results/scale-*.json)")
+    args = ap.parse_args(argv)
+    results = []
+    variants = args.variants.split(",")
+    if args.quick:
+        shapes = [Shape(4, 2, dp, layers=4, hidden=256, ffn=512, kv=64, vocab=1024) for dp in (8, 32)]
+    else:
+        shapes = [Shape(8, 8, w // 64) for w in map(int, args.worlds.split(","))]
+    print(f"# torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    for s in shapes:
+        for v in variants:
+            other = "replicated" if v == "zero1" else "zero1"
+            t0 = time.perf_counter()
+            results.append(run(s, v, other, not args.no_dcp))
+            print(f"# world {s.world} {v}: {time.perf_counter() - t0:.0f} s", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(table(results, not args.no_dcp))
+    path = args.out
+    if path is None:
+        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+        path = os.path.join(os.path.dirname(__file__), "results",
+                            f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"# results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
