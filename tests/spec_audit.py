@@ -117,13 +117,13 @@ def _audit_save(root: str, saved: Mapping[str, Any] | None) -> str:
     from tests import spec_reader
 
     idx = spec_reader.audit_index(Path(root, "ckptfs.index.json").read_bytes())
-    if sum(idx.doc.get("files", {}).values()) > MAX_DATA_BYTES:
+    if sum(idx.norm.get("files", {}).values()) > MAX_DATA_BYTES:
         return "index only (large)"
     data = spec_reader.audit_data(root, idx)
     tree = spec_reader.read_tree(idx, data)
     if saved is not None and "order" in idx.doc:
         _compare(saved, tree, "")
-    return "ok" if data or not idx.doc["tensors"] else "index only (backend not built in)"
+    return "ok" if data or not idx.norm["tensors"] else "index only (backend not built in)"
 
 
 def _compare(saved: Any, got: Any, where: str) -> None:

@@ -182,8 +182,15 @@ def _opt(d: dict, name: str, typ: type | tuple, where: str) -> Any:
 
 @dataclass
 class Index:
-    doc: dict
+    doc: dict  #: the index as written
     paths: dict[str, tuple]  #: every key -> path
+    #: the doc with packed chunks (§2.3) unpacked: chunk objects, and ``files`` built from the
+    #: file table (the doc itself when it is not packed)
+    norm: dict = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.norm is None:
+            self.norm = self.doc
 
 
 def audit_index(data: bytes) -> Index:
@@ -195,20 +202,21 @@ def audit_index(data: bytes) -> Index:
         raise SpecError(f"format is {d.get('format')!r}")
     if not _is_int(d.get("format_version")) or d["format_version"] != 1:
         raise SpecError(f"format_version {d.get('format_version')!r}: this reader knows 1")
-    feats = _opt(d, "required_features", list, "index")
-    if feats:
-        raise SpecError(f"required_features {feats!r}: version 1 defines none")
+    feats = _opt(d, "required_features", list, "index") or []
+    if [f for f in feats if f != "packed_chunks"] or len(set(feats)) != len(feats):
+        raise SpecError(f"required_features {feats!r}: version 1 defines only packed_chunks")
+    norm = _unpacked(d) if feats else d
     be = d.get("backend")
     if not isinstance(be, dict) or not isinstance(be.get("name"), str) or not _is_int(be.get("version")):
         raise SpecError(f"backend {be!r} lacks a string name and an integer version")
     _opt(be, "options", dict, "backend")
     _opt(d, "writer", dict, "index")
-    tensors = d.get("tensors")
+    tensors = norm.get("tensors")
     if not isinstance(tensors, dict):
         raise SpecError("tensors is missing or not an object")
     values = _opt(d, "values", dict, "index") or {}
     containers = _opt(d, "containers", dict, "index") or {}
-    files = _opt(d, "files", dict, "index") or {}
+    files = _opt(norm, "files", dict, "index") or {}
     for p, n in files.items():
         check_path(p, "files")
         if not _is_int(n) or n < 0:
@@ -233,11 +241,66 @@ def audit_index(data: bytes) -> Index:
         missing = sorted(set(paths) - set(order))[:3]
         raise SpecError(f"order is not a permutation of the keys (duplicates: "
                         f"{len(order) - len(set(order))}, unknown: {extra}, missing: {missing})")
+    per_rank = _opt(d, "per_rank", list, "index") or []
+    for k in per_rank:  # §3.4: dict containers whose children are keyed by rank
+        depth = len(decode_key(k)) + 1
+        ranks = [p[-1] for q, p in paths.items() if q.startswith(k + "/") and len(p) == depth]
+        if containers.get(k) != "dict" or not all(isinstance(r, int) and r >= 0 for r in ranks):
+            raise SpecError(f"per_rank {k!r} is not a dict container keyed by ranks")
     for k, v in values.items():
         _value(v, k)
     for k, t in tensors.items():
         _tensor(k, t, files)
-    return Index(d, paths)
+    return Index(d, paths, norm)
+
+
+def _unpacked(d: dict) -> dict:
+    """§2.3: the index with packed chunks as chunk objects and ``files`` from ``file_table``."""
+    table = d.get("file_table")
+    if not isinstance(table, dict) or not isinstance(table.get("prefix"), str) \
+            or not isinstance(table.get("files"), list):
+        raise SpecError("a packed index needs file_table {prefix, files}")
+    if "files" in d:
+        raise SpecError("a packed index lists its files in file_table, not files")
+    paths, files = [], {}
+    for i, row in enumerate(table["files"]):
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and row[0]
+                and (row[1] is None or (_is_int(row[1]) and row[1] >= 0))):
+            raise SpecError(f"file_table.files[{i}] = {row!r}")
+        path = table["prefix"] + row[0]
+        check_path(path, f"file_table.files[{i}]")
+        paths.append(path)
+        if row[1] is not None:
+            files[path] = row[1]
+    tensors = {}
+    for k, t in (d.get("tensors") or {}).items():
+        if not isinstance(t, dict) or not isinstance(t.get("chunks"), list):
+            raise SpecError(f"tensors[{k!r}] is not a tensor entry")
+        chunks = []
+        for i, row in enumerate(t["chunks"]):
+            if not isinstance(row, list) or len(row) not in (6, 7):
+                raise SpecError(f"tensors[{k!r}].chunks[{i}]: a packed chunk has 6 or 7 items")
+            off, shp, fid, start, length, crc = row[:6]
+            c: dict = {"offsets": off, "shape": shp}
+            if fid is not None:
+                if not (_is_int(fid) and 0 <= fid < len(paths)):
+                    raise SpecError(f"tensors[{k!r}].chunks[{i}]: file id {fid!r}")
+                c["file"] = paths[fid]
+            for name, v in (("byte_offset", start), ("byte_length", length)):
+                if v is not None:
+                    c[name] = v
+            if crc is not None:
+                if not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
+                    raise SpecError(f"tensors[{k!r}].chunks[{i}]: checksum {crc!r}")
+                c["checksum"] = "crc32c:" + crc
+            if len(row) == 7:
+                if not isinstance(row[6], dict):
+                    raise SpecError(f"tensors[{k!r}].chunks[{i}]: extra {row[6]!r}")
+                c["extra"] = row[6]
+            chunks.append(c)
+        tensors[k] = {**t, "chunks": chunks}
+    return {**{k: v for k, v in d.items() if k != "file_table"}, "tensors": tensors,
+            "files": files}
 
 
 def _value(v: Any, key: str) -> Any:
@@ -300,7 +363,7 @@ def _tensor(key: str, t: Any, files: dict[str, int]) -> None:
 
 
 _TOP = ["format", "format_version", "required_features", "backend", "writer", "order", "containers",
-        "values", "tensors", "files"]
+        "values", "tensors", "files", "file_table", "per_rank"]
 
 
 def check_writer_spelling(data: bytes, index: Index) -> None:
@@ -317,6 +380,10 @@ def check_writer_spelling(data: bytes, index: Index) -> None:
                 raise SpecError(f"{m} is not listed in the order of 'order'")
     if list(d.get("files", {})) != sorted(d.get("files", {})):
         raise SpecError("files are not in code point order")
+    if "file_table" in d:
+        names = [d["file_table"]["prefix"] + n for n, _ in d["file_table"]["files"]]
+        if names != sorted(names):
+            raise SpecError("file_table.files are not in code point order")
 
 
 # -- §3.2: the tree and its order -----------------------------------------------------------------
@@ -334,7 +401,7 @@ class TensorLeaf:
 def read_tree(index: Index, tensor_bytes: dict[str, bytes] | None = None) -> dict:
     """The saved state dict: dicts in ``order`` (canonical order without it), lists and tuples
     by index, values decoded, tensors as ``TensorLeaf``."""
-    d = index.doc
+    d = index.norm
     containers = d.get("containers", {})
     leaves: dict[str, Any] = {k: _value(v, k) for k, v in d.get("values", {}).items()}
     for k, t in d["tensors"].items():
@@ -387,7 +454,7 @@ def audit_data(root: str, index: Index) -> dict[str, bytes]:
     """Read every chunk of the checkpoint at local directory ``root`` as its backend's spec says,
     check the backend's own metadata and every checksum; return each tensor's C-order bytes.
     Backends other than the built-in ones are not read (an empty dict)."""
-    d = index.doc
+    d = index.norm
     be = (d["backend"]["name"], d["backend"]["version"])
     opts = d["backend"].get("options", {})
     files = d.get("files", {})
@@ -466,8 +533,8 @@ class _SafetensorsChunks(_Backend):
         if c.get("byte_length") != nbytes:
             raise SpecError(f"{where}: byte_length {c.get('byte_length')} != {nbytes}")
         base, h = self.header(c["file"])
-        name = f"{key}@{','.join(map(str, c['offsets']))}"
-        if c.get("extra", {}).get("name") != name or name not in h:
+        name = f"{key}@{','.join(map(str, c['offsets']))}"  # extra.name, when given, says it too
+        if c.get("extra", {}).get("name", name) != name or name not in h:
             raise SpecError(f"{where}: extra.name {c.get('extra')} / header lacks {name!r}")
         e = h[name]
         if e != {"dtype": DTYPES[t["dtype"]][1], "shape": c["shape"],

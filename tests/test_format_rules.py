@@ -22,7 +22,8 @@ from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.keys import KEY_PATTERN, decode_key, encode_key, is_canonical
-from ckptfs.planning.save_plan import ShardInfo, plan_save
+from ckptfs.planning.layouts import Description, Layout
+from ckptfs.planning.save_plan import SavePlan, agree_layouts
 from tests import spec_reader
 from tests.test_schema import BACKENDS, SCHEMA, VALIDATOR
 
@@ -235,17 +236,24 @@ def test_in_place_load_keeps_the_targets_order(tmp_path):
 
 # -- writer rules ----------------------------------------------------------------------------------
 
-def test_chunk_assignment_example_of_the_spec():
-    """§2.1: single-holder boxes first, then replicated ones by decreasing size, each to the
-    holder with the fewest bytes so far."""
-    def info(key, n):
-        return ShardInfo(key, "uint8", (n,), Box((0,), (n,)), 0)
+def test_writer_assignment_example():
+    """§2.1: replicated regions are cut into slices among their holders and each slice goes to
+    the holder of the group with the fewest bytes so far (the spec's example)."""
+    n = 3 << 20
+    mib = 1 << 20
 
-    plan = plan_save([[info("a", 800), info("c", 600), info("d", 400)],
-                      [info("b", 1000), ShardInfo("c", "uint8", (600,), Box((0,), (600,)), 1),
-                       ShardInfo("d", "uint8", (400,), Box((0,), (400,)), 1)]], lambda d: 1)
-    assert {k: p.chunks[0].writer for k, p in plan.items()} == {"a": 0, "b": 1, "c": 0, "d": 1}
-    assert "`b` → 1,\n  `a` → 0, then `c` → 0" in SPEC
+    def desc(rank):  # ranks 0 and 1 both hold c (3 MiB) and d (400 B): explicit replicas
+        return Description((("c", Layout("uint8", (n,), box=Box((0,), (n,)), replica_id=rank)),
+                            ("d", Layout("uint8", (400,), box=Box((0,), (400,)), replica_id=rank))))
+
+    layouts = agree_layouts([desc(0), desc(1)], [0, 1], lambda d: 1)
+    plan = SavePlan(layouts, 0, 2)
+    got = {k: [(c.box.offsets[0], c.box.shape[0], c.writer) for c in p.chunks]
+           for k, p in ((k, plan.plans[k]) for k in ("c", "d"))}
+    assert got == {"c": [(0, n // 2, 0), (n // 2, n // 2, 1)], "d": [(0, 400, 0)]}, got
+    assert SavePlan(layouts, 1, 2).writes() == [("c", Box((n // 2,), (n // 2,)))]
+    assert n // 2 >= mib
+    assert "`c` is cut into 2\n  slices of 1.5 MiB" in SPEC
 
 
 def test_safetensors_files_fill_in_key_order_example(tmp_path):

@@ -293,6 +293,29 @@ class _LazyPlans(Mapping[str, TensorPlan]):
         return len(self._plan.layouts)
 
 
+def plan_boxes(tensors: Mapping[str, tuple[str, tuple[int, ...], Sequence[Box]]],
+               itemsize: Callable[[str], int], split: SplitFn | None = None) -> dict[str, TensorPlan]:
+    """The plan of one process that holds ``tensors`` (key -> dtype, shape, its boxes) and
+    writes every chunk (rank 0): the boxes' tiling is checked, ``split`` may cut them further.
+    What ``ckptfs.convert`` stores: the source's chunk boxes."""
+    out = {}
+    for key in sorted(tensors):
+        dtype, shape, boxes = tensors[key]
+        held = {b: [0] for b in boxes if b.volume}
+        for b in held:
+            if not b.in_bounds(shape):
+                raise ShardingError(f"key {key!r}: box {b} is outside shape {list(shape)}")
+        check_tiling(key, shape, held)
+        stored = split(key, dtype, shape, list(held)) if split and held else list(held)
+        for sb in stored:
+            if not any(b.contains(sb) for b in held):
+                raise ShardingError(f"key {key!r}: backend chunk {sb} lies in no box")
+        chunks = tuple(sorted((PlannedChunk(b, 0, (0,)) for b in stored),
+                              key=lambda c: c.box.offsets))
+        out[key] = TensorPlan(key, dtype, shape, itemsize(dtype), chunks)
+    return out
+
+
 # -- agreeing on layouts --------------------------------------------------------------------
 
 def _ranks(ranks: Sequence[int]) -> str:

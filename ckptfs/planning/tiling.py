@@ -54,6 +54,8 @@ def _tiles_one_dim(shape: tuple[int, ...], ordered: list[Box]) -> bool:
     """The common case, checked in one pass: boxes spanning every dimension but one, whose
     intervals on that one follow each other from 0 to its end. False: look closer."""
     first = ordered[0]
+    if not shape:  # a 0-d tensor: its one box
+        return len(ordered) == 1
     vary = [d for d in range(len(shape)) if any(b.offsets[d] != first.offsets[d] or
                                                  b.shape[d] != first.shape[d] for b in ordered)]
     if len(vary) > 1:
@@ -66,7 +68,7 @@ def _tiles_one_dim(shape: tuple[int, ...], ordered: list[Box]) -> bool:
         if b.offsets[d] != pos:
             return False
         pos += b.shape[d]
-    return pos == (shape[d] if shape else 0)
+    return pos == shape[d]
 
 
 def _cell_box(cuts: list[list[int]], cell: tuple[int, ...]) -> Box:

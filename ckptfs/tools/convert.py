@@ -23,7 +23,7 @@ from ckptfs.dist import Comm
 from ckptfs.engine.commit import build_index, claim_target, commit_index
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import Written, write_files, write_rank
+from ckptfs.engine.write import Written, WrittenRank, write_files, write_rank
 from ckptfs.errors import UsageError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
@@ -32,7 +32,7 @@ from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.plan import TensorPlan
-from ckptfs.planning.save_plan import ShardInfo, plan_save
+from ckptfs.planning.save_plan import plan_boxes
 from ckptfs.save import make_backend
 from ckptfs.tools.source import (
     DEFAULT_BUFFER,
@@ -90,12 +90,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
 def _plans(index: Index, be: Backend) -> dict[str, TensorPlan]:
     """The save plan of one process holding every source chunk box (empty tensors: their
     whole, empty box)."""
-    infos = []
+    held = {}
     for key, e in index.tensors.items():
         boxes = [Box(c.offsets, c.shape) for c in e.chunks if Box(c.offsets, c.shape).volume]
-        for b in boxes or [full_box(e.shape)]:
-            infos.append(ShardInfo(key, e.dtype, e.shape, b, 0))
-    return plan_save([infos], lambda d: from_name(d).itemsize, split=be.split_chunks)
+        held[key] = (e.dtype, e.shape, boxes or [full_box(e.shape)])
+    return plan_boxes(held, lambda d: from_name(d).itemsize, split=be.split_chunks)
 
 
 def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_bytes: int,
@@ -118,9 +117,11 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
             ranks.append(_write_batch(source, be, store, plans, batch_no, batch, save_id,
                                       buffer_bytes, verify))
             bar.update(sum(r.nbytes for r in batch))
-        written = Written(tuple(prepared), tuple(ranks))
+        written = Written(tuple(prepared), ranks[0] if ranks else WrittenRank((), {}),
+                          tuple(ranks))
         staged = StagedSave(0, 1, plans, (), dict(index.values), dict(index.containers), (), False,
-                            tuple(index.order or ()))
+                            tuple(index.order or ()),
+                            tensors={k: (p.dtype, p.shape) for k, p in plans.items()})
         new = build_index(be, staged, written)
         new = dataclasses.replace(new, writer={**new.writer, "converted_from": {
             "url": source.url, "backend": index.backend, "backend_version": index.backend_version,
