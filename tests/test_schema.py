@@ -322,6 +322,8 @@ PACKED_BAD = {
     "no file table": (("file_table",), _DELETE),
     "file escapes the root": (("file_table", "prefix"), "../"),
     "file size is a string": (("file_table", "files", 0, 1), "176"),
+    "a chunk object in a packed index": ((*C0,), {"offsets": [0, 0], "shape": [4, 3]}),
+    "files beside the file table": (("files",), {"data/x/r00000-000.safetensors": 176}),
 }
 
 
@@ -337,8 +339,19 @@ def test_malformed_packed_rejected(case):
         del node[last]
     else:
         node[last] = value
-    if case not in ("file id outside the table", "file escapes the root"):  # reader's checks
-        assert not VALIDATOR.is_valid(d), case
+    assert not VALIDATOR.is_valid(d) or case in ("file id outside the table",
+                                                 "file escapes the root"), case  # reader's checks
+    if case != "files beside the file table":  # the schema's rule; ckptfs reads the table
+        with pytest.raises(MalformedIndexError):
+            Index.from_dict(d)
+
+
+def test_packed_rows_need_the_feature():
+    """A packed row in an index that does not name packed_chunks is malformed (§2.3): an old
+    reader would find a list where it expects a chunk object."""
+    d = _example()
+    d["tensors"]["model/w"]["chunks"] = [[[0, 0], [4, 3], None, 128, 48, "0123abcd"]]
+    assert not VALIDATOR.is_valid(d)
     with pytest.raises(MalformedIndexError):
         Index.from_dict(d)
 
@@ -357,6 +370,10 @@ def test_large_indexes_are_written_packed_and_read_back(tmp_path, monkeypatch):
     packed = validate_index(tmp_path / "packed")
     assert packed["required_features"] == ["packed_chunks"] and packed["file_table"]["files"]
     assert isinstance(packed["tensors"]["t7"]["chunks"][0], list)
+    # safetensors_chunks-1: chunk objects carry extra.name as 0.1 wrote it; packed rows leave
+    # the derived name out
+    assert plain["tensors"]["t7"]["chunks"][0]["extra"] == {"name": "t7@0"}
+    assert len(packed["tensors"]["t7"]["chunks"][0]) == 6
     assert len((tmp_path / "packed" / INDEX_FILE).read_bytes()) < \
         0.7 * len((tmp_path / "plain" / INDEX_FILE).read_bytes())
     back = ckptfs.load_keys(tmp_path / "packed")

@@ -122,7 +122,7 @@ def test_spec_reader_notices_planted_faults(tmp_path, fault, words):
         p = root / "model" / "w" / ".zarray"
         p.write_text(p.read_text().replace('"fill_value": 0.0', '"fill_value": 0'))
     elif fault == "safetensors header name":
-        _edit_index(root, lambda d: d["tensors"]["model/w"]["chunks"][0].update(extra={"name": "x@0,0"}))
+        _edit_index(root, lambda d: d["tensors"]["model/w"]["chunks"][0]["extra"].update(name="x@0,0"))
     with pytest.raises(spec_reader.SpecError, match=words):
         _audit(root)
 

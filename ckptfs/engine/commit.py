@@ -9,6 +9,7 @@ the data files this save wrote; nothing of a previous checkpoint is lost.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import time
@@ -27,7 +28,7 @@ from ckptfs.io import run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
+from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry, packs
 from ckptfs.layout.plan import TensorPlan
 
 
@@ -89,8 +90,14 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
         files.update(rank.files)
     check_replicas(written.ranks)
     tensors = {}
+    # a packed index (§2.3) leaves out the extra members the backend's spec derives
+    implied = backend.implied_extra if packs(sum(map(len, by_key.values()))) else frozenset()
     for key, (dtype, shape) in staged.tensors.items():
         chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
+        if implied:
+            chunks = tuple(dataclasses.replace(e, extra={k: v for k, v in e.extra.items()
+                                                         if k not in implied})
+                           if implied & e.extra.keys() else e for e in chunks)
         # the planned chunks tile the tensor; a backend may store one planned chunk as several
         # entries (zarr v3 inner chunks), never fewer elements
         stored = sum(math.prod(e.shape) for e in chunks)

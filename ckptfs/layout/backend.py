@@ -139,6 +139,10 @@ class Backend(ABC):
     default_options: ClassVar[Mapping[str, Any]] = {}
     #: False for read-only layouts (foreign formats a backend only sniffs and reads)
     writable: ClassVar[bool] = True
+    #: members of a chunk entry's ``extra`` that the backend's spec derives from the key and
+    #: offsets: written in chunk objects, left out of a packed index's rows (formats/README.md
+    #: §2.3), which only readers that know the feature read
+    implied_extra: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = dict(options or {})

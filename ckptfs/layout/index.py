@@ -34,6 +34,11 @@ _CRC = "crc32c:"
 Json = Any
 
 
+def packs(n_chunks: int) -> bool:
+    """An index of ``n_chunks`` chunks is written packed (§2.3)."""
+    return n_chunks >= PACK_MIN_CHUNKS
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkEntry:
     """One stored chunk of a tensor: its box in the global tensor and where its bytes live."""
@@ -192,7 +197,7 @@ class Index:
     def packed(self) -> bool:
         """Written with packed chunk rows (§2.3): large indexes, or one read packed."""
         return PACKED_CHUNKS in self.required_features or \
-            sum(len(t.chunks) for t in self.tensors.values()) >= PACK_MIN_CHUNKS
+            packs(sum(len(t.chunks) for t in self.tensors.values()))
 
     def to_dict(self) -> dict[str, Json]:
         """The JSON object, members in the order ckptfs writes them (formats/README.md §2.2);

@@ -43,6 +43,7 @@ class SafetensorsChunksBackend(Backend):
     name: ClassVar[str] = "safetensors_chunks"
     version: ClassVar[int] = 1
     default_options: ClassVar[dict[str, Any]] = {"max_file_bytes": 1 << 30}
+    implied_extra: ClassVar[frozenset[str]] = frozenset({"name"})  # always <key>@<offsets>
 
     def write_rank(self, job: RankWriteJob) -> RankWrite:
         """Files are filled with the rank's chunks in (key, offsets) order, a new file starting
@@ -86,10 +87,10 @@ class SafetensorsChunksBackend(Backend):
         parts: list[Any] = [struct.pack("<Q", len(raw)), raw]
         for c, (start, n) in zip(ordered, spans, strict=True):
             parts.append(tensor_bytes(c.data))
-            # the chunk's name in the file is tensor_name(key, offsets): not repeated in the index
             entries.append((c.key, ChunkEntry(
                 offsets=c.box.offsets, shape=c.box.shape, file=path,
-                byte_offset=base + start, byte_length=n)))
+                byte_offset=base + start, byte_length=n,
+                extra={"name": tensor_name(c.key, c.box.offsets)})))
         files.append(FileWrite(path, tuple(parts)))
 
     async def chunk_sources(self, items, reader: ByteReader) -> list[ChunkSource]:
