@@ -152,6 +152,8 @@ def validation(rank: int, world: int, root: str) -> dict:
     refused("hole", {"w": ckptfs.ShardedTensor(torch.ones(1, 2), (8, 2), (2 * rank, 0))})
     # dtypes disagree
     refused("dtype", {"a": torch.ones(2, dtype=torch.float64 if rank == 3 else torch.float32)})
+    # shapes disagree
+    refused("shape", {"a": torch.ones(3 if rank == 1 else 2)})
     # a DTensor one rank of its mesh does not save
     mesh = init_device_mesh("cpu", (world,))
     d = distribute_tensor(torch.ones(8, 2), mesh, [Shard(0)])
@@ -260,6 +262,15 @@ def exchange(rank: int, world: int, root: str, endpoint: str) -> dict:
         assert torch.equal(tgt["w"].full_tensor(), full), name
         results[name] = {"read": gather(res.bytes_read), "got": gather(res.exchanged_bytes)}
     results["mesh_bytes"] = full.numel() * 4
+    # 5. a DTensor Replicate()d over a 1-D mesh of all ranks: read once, broadcast
+    line = init_device_mesh("cpu", (world,))
+    rep = torch.arange(48 * 32, dtype=torch.float32).reshape(48, 32)
+    ckptfs.save({"r": distribute_tensor(rep, line, [Replicate()])}, os.path.join(root, "xrep"))
+    tgt = {"r": distribute_tensor(torch.zeros(48, 32), line, [Replicate()])}
+    res = ckptfs.load(tgt, os.path.join(root, "xrep"), exchange=True)
+    assert torch.equal(tgt["r"].to_local(), rep)
+    results["replicate"] = {"read": gather(res.bytes_read), "got": gather(res.exchanged_bytes),
+                            "bytes": rep.numel() * 4}
     save_plan.MIN_SLICE_BYTES = 1 << 20
     # read once per group: storage bytes summed over ranks are the unique bytes, not 4x
     assert sum(results["exchange"]["read"]) == results["unique"], results["exchange"]
@@ -319,6 +330,7 @@ def test_validation_messages_name_key_region_and_ranks(outcomes):
             and "rank 0" in m["overlap"] and "rank 1" in m["overlap"], m["overlap"]
         assert "'w'" in m["hole"] and "[1:2, 0:2]" in m["hole"] and "held by no rank" in m["hole"]
         assert "'a'" in m["dtype"] and "disagree" in m["dtype"] and "rank 3" in m["dtype"]
+        assert "'a'" in m["shape"] and "rank 1" in m["shape"], m["shape"]
         assert "'d'" in m["dtensor_missing"] and "rank 2" in m["dtensor_missing"]
         assert "'rng'" in m["rng"] and "differs" in m["rng"] and "PerRank" in m["rng"]
         assert "'seed'" in m["seed"] and "rank 2" in m["seed"], m["seed"]
@@ -347,6 +359,11 @@ def test_object_stores_exchange_by_default(outcomes):
 def test_exchange_composes_with_pre_download(outcomes):
     x = outcomes[0]["exchange"]
     assert sum(x["pre_download"]) == x["unique"]
+
+
+def test_dtensor_replicate_is_read_once_and_broadcast(outcomes):
+    x = outcomes[0]["exchange"]["replicate"]
+    assert sum(x["read"]) == x["bytes"] and sum(x["got"]) == 3 * x["bytes"], x
 
 
 def test_2d_mesh_reads_each_row_block_once(outcomes):
