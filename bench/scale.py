@@ -267,7 +267,8 @@ def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") ->
         for key, box in items:
             n = box.volume * layouts[key].itemsize
             entries.append((key, ChunkEntry(box.offsets, box.shape, path, pos, n,
-                                            f"crc32c:{rng.getrandbits(32):08x}")))
+                                            f"crc32c:{rng.getrandbits(32):08x}",
+                                            {"name": tensor_name(key, box.offsets)})))
             pos += n
         nchunks += len(entries)
         ranks.append(WrittenRank(tuple(entries), {path: pos} if entries else {}))
