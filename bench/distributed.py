@@ -140,9 +140,10 @@ def exchange_rank(rank: int, world: int, urls: dict, opts: dict, mb: float, runs
         for rep in range(runs + 1):
             order = cases if rep % 2 == 0 else list(reversed(cases))
             for ex, warm in order:
-                if not warm:
-                    dist.barrier()
-                    if rank == 0 and not drop_caches():
+                if not warm:  # every rank skips the cold case when the caches cannot drop
+                    flag = [drop_caches() if rank == 0 else None]
+                    dist.broadcast_object_list(flag, src=0)
+                    if not flag[0]:
                         continue
                 target = replicated_state(mb, fill=False)
                 t, res = timed(lambda target=target, url=url, so=so, ex=ex: ckptfs.load(
