@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.commit import claim_target, commit
+from ckptfs.engine.commit import abandon, claim_target, commit
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.lock import Renewal
 from ckptfs.engine.stage import release, stage
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
@@ -69,11 +69,19 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         try:
             store = run_sync(open_store(url, storage_options, io_config))
             try:
-                replacing = claim_target(store, comm, overwrite)
-                save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
-                written = write(staged, be, store, comm, save_id, progress=progress,
-                                throttle_uploads=throttle_uploads)
-                total = commit(staged, written, be, store, comm, replacing=replacing)
+                claim = claim_target(store, comm, overwrite, be)
+                renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
+                try:
+                    written = write(staged, be, store, comm, claim.save_id, progress=progress,
+                                    throttle_uploads=throttle_uploads)
+                    total = commit(staged, written, be, store, comm, replacing=claim.replacing)
+                except BaseException:
+                    if comm.is_coordinator:
+                        run_sync(abandon(store))
+                    raise
+                finally:
+                    if renewal is not None:
+                        renewal.stop()
             finally:
                 run_sync(store.close())
         finally:

@@ -146,6 +146,7 @@ def test_verify_reports_every_problem(ckpts, capsys, tmp_path):
     t["t4"]["chunks"].append(dict(t["t4"]["chunks"][0], offsets=[4], shape=[4]))  # t4: overlap
     t["t5"]["chunks"] = []  # t5: a hole
     doc["writer"]["world_size"] = 0  # against the schema (minimum 1), harmless to readers
+    del doc["index_checksum"]  # edited by hand: no longer sealed
     (root / ckptfs.INDEX_FILE).write_text(json.dumps(doc))
 
     report = ckptfs.verify(root)

@@ -2,15 +2,16 @@
 
 The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
-computing each chunk's crc32c while the I/O threads write. With ``throttle_uploads=K`` at most
-K ranks of a node write at once. The outcomes (index entries, file sizes) come back from every
-rank; a failure anywhere raises on every rank.
+computing each chunk's crc32c and each file's (formats/README.md §6) while the I/O threads write;
+a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading them again. With
+``throttle_uploads=K`` at most K ranks of a node write at once. The outcomes (index entries, file
+sizes and checksums) come back from every rank; a failure anywhere raises on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.stage import StagedSave
@@ -19,7 +20,7 @@ from ckptfs.io.loop import submit
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
-from ckptfs.layout.checksum import checksum
+from ckptfs.layout.checksum import crc_of, crc_of_parts, memo, render
 from ckptfs.layout.index import ChunkEntry
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
@@ -30,6 +31,7 @@ class WrittenRank:
 
     entries: tuple[tuple[str, ChunkEntry], ...]  #: (key, entry)
     files: Mapping[str, int]  #: path -> bytes
+    sums: Mapping[str, str] = field(default_factory=dict)  #: path -> crc32c of the whole file
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,8 @@ class Written:
 
     prepared: tuple[str, ...]  #: files ``Backend.prepare`` wrote (known to the coordinator)
     ranks: tuple[WrittenRank, ...]  #: indexed by rank
+    #: size and crc32c of each file ``Backend.prepare`` wrote (coordinator)
+    prepared_sums: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
     def paths(self) -> set[str]:
         return set(self.prepared) | {p for r in self.ranks for p in r.files}
@@ -56,7 +60,13 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     ranks = comm.agree("save: writing data", lambda: run_throttled(
         throttle_uploads, comm,
         lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)))
-    return Written(tuple(f.path for f in prep), tuple(ranks))
+    return Written(tuple(f.path for f in prep), tuple(ranks), file_sums(prep))
+
+
+def file_sums(files: Sequence[FileWrite],
+              known: dict[tuple[int, int], int] | None = None) -> dict[str, tuple[int, str]]:
+    """Size and crc32c of each file (``known``: CRCs of buffers already summed, by address)."""
+    return {f.path: (f.nbytes, render(crc_of_parts(f.parts, known))) for f in files}
 
 
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
@@ -68,15 +78,18 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     rw = backend.write_rank(job)
     writing = submit(write_files(store, rw.files, progress))
     try:
-        sums = {(c.key, c.box.offsets, c.box.shape): checksum(tensor_bytes(c.data))
-                for c in staged.chunks}
+        crcs = [(c, tensor_bytes(c.data)) for c in staged.chunks]
+        crcs = [(c, data, crc_of(data)) for c, data in crcs]
+        sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
+        whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
     finally:
         writing.result()
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
-    return WrittenRank(entries, {f.path: f.nbytes for f in rw.files})
+    return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
+                       {p: crc for p, (_, crc) in whole.items()})
 
 
 def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:

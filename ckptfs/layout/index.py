@@ -15,15 +15,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfs.errors import FormatVersionError, MalformedIndexError
+from ckptfs.errors import FormatVersionError, IntegrityError, MalformedIndexError
+from ckptfs.layout.checksum import PATTERN as CHECKSUM_PATTERN
+from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.keys import check_key
 
 INDEX_FILE = "ckptfs.index.json"
+#: held by a save while it runs (formats/README.md §8); never part of a checkpoint
+LOCK_FILE = "ckptfs.lock"
 FORMAT_NAME = "ckptfs"
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
 #: Required features this reader implements (formats/README.md §Compatibility).
 KNOWN_FEATURES: frozenset[str] = frozenset()
+#: dimensions, offsets and element counts beyond this are refused (formats/README.md §2.1): no
+#: real tensor comes near it, and products of such numbers stay exact in every int64 reader
+MAX_DIM = 2**62
 
 Json = Any
 
@@ -62,8 +69,8 @@ class ChunkEntry:
             offsets=offsets,
             shape=shape,
             file=file,
-            byte_offset=_opt(d, "byte_offset", int, where),
-            byte_length=_opt(d, "byte_length", int, where),
+            byte_offset=_size(d, "byte_offset", where),
+            byte_length=_size(d, "byte_length", where),
             checksum=_opt(d, "checksum", str, where),
             extra=_opt(d, "extra", dict, where) or {},
         )
@@ -97,10 +104,13 @@ class TensorEntry:
     def from_dict(cls, key: str, d: Mapping[str, Json]) -> TensorEntry:
         where = f"tensors[{key!r}]"
         chunks = _req(d, "chunks", list, where)
+        shape = _int_tuple(d, "shape", where)
+        if math.prod(shape) > MAX_DIM:
+            raise MalformedIndexError(f"{where}: shape {list(shape)} has more than 2**62 elements")
         return cls(
             key=key,
             dtype=_req(d, "dtype", str, where),
-            shape=_int_tuple(d, "shape", where),
+            shape=shape,
             chunks=tuple(
                 ChunkEntry.from_dict(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)
             ),
@@ -126,6 +136,25 @@ class Index:
     #: every key of containers, values and tensors in the saved dicts' insertion order
     #: (formats/README.md §3.2); None for indexes written without it (order unspecified)
     order: tuple[str, ...] | None = None
+    #: the backend's files written before or after the data (zarr metadata, DCP .metadata), with
+    #: their sizes: with ``files``, every file of the checkpoint (formats/README.md §2)
+    backend_files: Mapping[str, int] = field(default_factory=dict)
+    #: CRC-32C of every byte of every file of ``files`` and ``backend_files`` (§6.1); empty for
+    #: indexes written before whole-file checksums
+    file_checksums: Mapping[str, str] = field(default_factory=dict)
+    #: the index's own checksum as read (§6.2); ``dumps`` always writes a fresh one
+    index_checksum: str | None = None
+
+    @property
+    def all_files(self) -> dict[str, int]:
+        """Every file of the checkpoint but the index, with its size (data and backend files)."""
+        return {**self.files, **self.backend_files}
+
+    @property
+    def complete_manifest(self) -> bool:
+        """True when the index lists every file of the checkpoint with a checksum (written by a
+        ckptfs with whole-file checksums): anything else under the root is not part of it."""
+        return bool(self.file_checksums) or (not self.files and self.index_checksum is not None)
 
     @property
     def total_bytes(self) -> int:
@@ -152,11 +181,16 @@ class Index:
         d["values"] = _in_order(self.values, self.order)
         d["tensors"] = {k: t.to_dict() for k, t in _in_order(self.tensors, self.order).items()}
         d["files"] = dict(self.files)
+        if self.backend_files:
+            d["backend_files"] = dict(sorted(self.backend_files.items()))
+        if self.file_checksums:
+            d["file_checksums"] = dict(sorted(self.file_checksums.items()))
         return d
 
     def dumps(self) -> bytes:
-        """The index as UTF-8 JSON bytes, one line (no NaN literals: values are pre-encoded)."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode()
+        """The index as UTF-8 JSON bytes, one line (no NaN literals: values are pre-encoded),
+        ending with its own checksum (formats/README.md §6.2)."""
+        return seal(json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
@@ -184,18 +218,31 @@ class Index:
                 f"known features: {sorted(KNOWN_FEATURES)}"
             )
         be = _req(d, "backend", dict, source)
-        files = _opt(d, "files", dict, source) or {}
-        for path, size in files.items():
-            check_relative_path(path, f"{source}: files")
-            if _check(size, path, int, f"{source}: files") < 0:
-                raise MalformedIndexError(f"{source}: files[{path!r}] is negative: {size}")
+        files = _file_sizes(d, "files", source)
+        backend_files = _file_sizes(d, "backend_files", source)
+        both = sorted(files.keys() & backend_files.keys())
+        if both:
+            raise MalformedIndexError(f"{source}: {both[0]!r} is in both 'files' and 'backend_files'")
+        sums = _opt(d, "file_checksums", dict, source) or {}
+        for path, value in sums.items():
+            if path not in files and path not in backend_files:
+                raise MalformedIndexError(f"{source}: file_checksums[{path!r}]: the file is in "
+                                          f"neither 'files' nor 'backend_files'")
+            if not isinstance(value, str) or not CHECKSUM_PATTERN.fullmatch(value):
+                raise MalformedIndexError(f"{source}: file_checksums[{path!r}] is {value!r}, not "
+                                          f"'crc32c:' and 8 lowercase hex digits")
+        own = _opt(d, "index_checksum", str, source)
+        if own is not None and not CHECKSUM_PATTERN.fullmatch(own):
+            raise MalformedIndexError(f"{source}: index_checksum is {own!r}, not 'crc32c:' and 8 "
+                                      f"lowercase hex digits")
         tensors = _req(d, "tensors", dict, source)
         values = _opt(d, "values", dict, source) or {}
         containers = _opt(d, "containers", dict, source) or {}
         _check_keys(source, tensors, values, containers)
         order = _opt(d, "order", list, source)
         known = {"format", "format_version", "required_features", "backend", "writer", "order",
-                 "containers", "values", "tensors", "files"}
+                 "containers", "values", "tensors", "files", "backend_files", "file_checksums",
+                 "index_checksum"}
         return cls(
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
@@ -209,12 +256,51 @@ class Index:
             format_version=ver,
             extra={k: v for k, v in d.items() if k not in known},
             order=None if order is None else _check_order(source, order, tensors, values, containers),
+            backend_files=backend_files,
+            file_checksums=sums,
+            index_checksum=own,
         )
 
     @classmethod
-    def loads(cls, data: bytes, source: str = INDEX_FILE) -> Index:
-        """Parse the index file's bytes (formats/README.md §2.2, then §7)."""
-        return cls.from_dict(parse_json(data, source), source)
+    def loads(cls, data: bytes, source: str = INDEX_FILE, *, check: bool = True) -> Index:
+        """Parse the index file's bytes (formats/README.md §2.2, then §7). With ``check`` (the
+        default) an index carrying its own checksum (§6.2) must match it: IntegrityError
+        otherwise, before anything else is looked at."""
+        data = bytes(data)
+        want = sealed_checksum(data)
+        if check and want is not None:
+            got = render(extend(crc_of(memoryview(data)[:want[1]]), b"}"))
+            if got != want[0]:
+                raise IntegrityError(f"{source}: the index fails its own checksum (index_checksum "
+                                     f"says {want[0]}, its bytes give {got}): it was damaged or "
+                                     f"edited after it was written")
+        index = cls.from_dict(parse_json(data, source), source)
+        if index.index_checksum is not None and (want is None or want[0] != index.index_checksum):
+            raise MalformedIndexError(f"{source}: index_checksum must be the last member of the "
+                                      f"index (formats/README.md §6.2)")
+        return index
+
+
+# -- the index's own checksum (formats/README.md §6.2) -------------------------------------------
+
+#: the last member of a sealed index: ``, "index_checksum": "crc32c:<8 hex>"}`` and JSON space
+_SEAL = re.compile(rb',[ \t\n\r]*"index_checksum"[ \t\n\r]*:[ \t\n\r]*'
+                   rb'"(crc32c:[0-9a-f]{8})"[ \t\n\r]*\}[ \t\n\r]*\Z')
+
+
+def sealed_checksum(data: bytes) -> tuple[str, int] | None:
+    """(the checksum a sealed index records, where its last member starts), or None."""
+    start = max(0, len(data) - 256)  # the member and some trailing space
+    m = _SEAL.search(data, start)
+    return None if m is None else (m.group(1).decode(), m.start())
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (a non-empty JSON object without ``index_checksum``, ending with its closing
+    brace) with its checksum, the CRC-32C of ``body`` itself, inserted as the last member."""
+    if not body.endswith(b"}"):
+        raise ValueError("seal: the index must end with '}'")
+    return body[:-1] + b', "index_checksum": "' + checksum(body).encode() + b'"}'
 
 
 # -- JSON (formats/README.md §2.2) -----------------------------------------------------------------
@@ -236,10 +322,15 @@ def parse_json(data: bytes, source: str = INDEX_FILE) -> Any:
                          parse_float=_finite_float)
     except _JsonRuleError as e:
         raise MalformedIndexError(f"{source}: {e}") from None
+    except RecursionError:
+        raise MalformedIndexError(f"{source}: nested too deeply to be an index") from None
     except ValueError as e:  # JSONDecodeError, and ints beyond Python's int <-> str limit
         raise MalformedIndexError(f"{source}: not valid JSON ({e})") from None
     if _SURROGATE_ESCAPE.search(text):
-        where = _lone_surrogate(doc, "")
+        try:
+            where = _lone_surrogate(doc, "")
+        except RecursionError:
+            raise MalformedIndexError(f"{source}: nested too deeply to be an index") from None
         if where is not None:
             raise MalformedIndexError(f"{source}: the string at {where or '/'} holds a lone "
                                       f"surrogate escape: not valid Unicode")
@@ -347,6 +438,23 @@ def check_relative_path(path: str, where: str) -> str:
     return path
 
 
+def _file_sizes(d: Mapping[str, Json], name: str, source: str) -> dict[str, int]:
+    """A map of relative paths to sizes (``files``, ``backend_files``)."""
+    out = _opt(d, name, dict, source) or {}
+    for path, size in out.items():
+        check_relative_path(path, f"{source}: {name}")
+        if not 0 <= _check(size, path, int, f"{source}: {name}") <= MAX_DIM:
+            raise MalformedIndexError(f"{source}: {name}[{path!r}] is not a size: {size}")
+    return out
+
+
+def _size(d: Mapping[str, Json], name: str, where: str) -> int | None:
+    v = _opt(d, name, int, where)
+    if v is not None and not 0 <= v <= MAX_DIM:
+        raise MalformedIndexError(f"{where}: field {name!r} is {v}, not in [0, 2**62]")
+    return v
+
+
 def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
     if name not in d:
         raise MalformedIndexError(f"{where}: required field {name!r} is missing")
@@ -370,6 +478,12 @@ def _check(v: Any, name: str, typ: type, where: str) -> Any:
 
 def _int_tuple(d: Mapping[str, Json], name: str, where: str) -> tuple[int, ...]:
     v = _req(d, name, list, where)
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise MalformedIndexError(f"{where}: field {name!r} must be a list of ints >= 0: {v!r}")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM for x in v):
+        raise MalformedIndexError(f"{where}: field {name!r} must be a list of ints in [0, 2**62]: "
+                                  f"{_short(v)}")
     return tuple(v)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + " ..."
