@@ -43,7 +43,8 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True,
          verify: bool = True, io_config: IOConfig | None = None, pre_download: bool = False,
-         work_dir: str | os.PathLike | None = None) -> LoadResult:
+         work_dir: str | os.PathLike | None = None,
+         collective_timeout: float | None = None) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
@@ -51,11 +52,12 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     MissingKeysError naming it. ``verify`` checks crc32c of every chunk read whole.
     ``pre_download=True`` first copies the files each node needs into the node-local
     ``work_dir`` (one rank per node downloads; reused by later loads), then reads locally.
+    ``collective_timeout`` bounds every wait for the other ranks, as in ``save``.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        comm = Comm(process_group)
+        comm = Comm(process_group, timeout=collective_timeout)
         store = run_sync(open_store(url, storage_options, io_config))
         try:
             if pre_download:

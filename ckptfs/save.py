@@ -51,18 +51,22 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
          io_config: IOConfig | None = None, progress: bool = False,
-         throttle_uploads: int | None = None) -> SaveResult:
+         throttle_uploads: int | None = None,
+         collective_timeout: float | None = None) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
     create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
     existing checkpoint is refused and left intact. ``throttle_uploads=K`` lets at most K ranks
     of a node (hostname, or ``$CKPTFS_NODE_ID``) write their files at once.
+    ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
+    wait for the other ranks: a rank that dies, hangs or never calls save makes the others raise
+    CollectiveError naming the step, and nothing is committed.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        comm = Comm(process_group)
+        comm = Comm(process_group, timeout=collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
         pool = BufferPool()  # staging copies only what is not CPU-contiguous: unbounded
         staged = stage(state_dict, comm, be, pool, copy=False)

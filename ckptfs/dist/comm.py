@@ -2,18 +2,22 @@
 
 Every phase that can fail on one rank ends in ``agree`` (or ``decide``): all ranks exchange their
 outcome, so a failure anywhere raises everywhere instead of leaving the others waiting in a
-collective. This module and the DTensor code in state/ are the only places that call
-``torch.distributed``.
+collective. The collectives run on a gloo group of ckptfs's own with a timeout (dist/guard.py):
+a rank that dies, hangs or never arrives makes every other rank raise ``CollectiveError`` naming
+the phase, at once or within the timeout. This module and the DTensor code in state/ are the
+only places that call ``torch.distributed``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ckptfs.dist.guard import collective_timeout, drop, own_group, translate
 from ckptfs.errors import ConfigError, RankError
 
 T = TypeVar("T")
@@ -22,54 +26,80 @@ ProcessGroup = dist.ProcessGroup
 
 
 class Comm:
-    """Ranks of one process group (or a single process when none is initialised)."""
+    """Ranks of one process group (or a single process when none is initialised).
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    ``timeout`` (seconds; None: ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every wait for the
+    other ranks; collectives run on ckptfs's own gloo group over the same ranks.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 timeout: float | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
+        self.group = self._callers = group
+        self.timeout = collective_timeout(timeout)
         if self.distributed:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
+            if self.size > 1:
+                with self._guard("connecting the ranks"):
+                    own = own_group(group, self.timeout)
+                if dist.get_rank(own) == self.rank:  # same ranks, same order
+                    self.group = own
         else:
             if group is not None:
                 raise ConfigError("process_group given but torch.distributed is not initialised")
             self.rank, self.size = 0, 1
 
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """A collective of phase ``what``: a failure is a CollectiveError naming it."""
+        try:
+            yield
+        except RuntimeError as e:  # gloo's errors, DistStoreError, DistBackendError
+            if self.group is not None and self.group is not self._callers:
+                drop(self.group)
+            raise translate(e, what, self.timeout) from e
+
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "a barrier") -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            with self._guard(what):
+                dist.barrier(group=self.group)
 
-    def all_gather(self, obj: T) -> list[T]:
+    def all_gather(self, obj: T, what: str = "an all-gather") -> list[T]:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._guard(what):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def gather(self, obj: T) -> list[T] | None:
+    def gather(self, obj: T, what: str = "a gather") -> list[T] | None:
         """Every rank's ``obj`` on the coordinator (None elsewhere): what only rank 0 needs."""
         if self.size == 1:
             return [obj]
         out: list[Any] | None = [None] * self.size if self.is_coordinator else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        with self._guard(what):
+            dist.gather_object(obj, out, group=self.group, group_dst=0)
         return out
 
-    def broadcast(self, obj: T | None) -> T:
+    def broadcast(self, obj: T | None, what: str = "a broadcast") -> T:
         """Rank 0's ``obj`` on every rank."""
         if self.size == 1:
             return obj  # type: ignore[return-value]
         box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        with self._guard(what):
+            dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]  # type: ignore[return-value]
 
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int, what: str = "a broadcast") -> None:
         """Fill ``tensor`` on every rank with ``src``'s (group rank) ``tensor``, in place."""
         if self.size > 1:
-            dist.broadcast(tensor, group=self.group, group_src=src)
+            with self._guard(what):
+                dist.broadcast(tensor, group=self.group, group_src=src)
 
     def agree(self, what: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, exchange outcomes, and return every rank's result.
@@ -91,7 +121,7 @@ class Comm:
         except Exception as e:
             err = e
             outcome = (False, f"{type(e).__name__}: {e}")
-        outcomes = self.all_gather(outcome)
+        outcomes = self.all_gather(outcome, what)
         if err is not None:
             raise err
         failed = {r: msg for r, (ok, msg) in enumerate(outcomes) if not ok}
@@ -110,7 +140,7 @@ class Comm:
                 err = e
                 outcome = (False, f"{type(e).__name__}: {e}")
         # all_gather, not broadcast: every rank leaves only when all have the answer
-        outcome = self.all_gather(outcome)[0]
+        outcome = self.all_gather(outcome, what)[0]
         if err is not None:
             raise err
         ok, payload = outcome  # type: ignore[misc]

@@ -30,7 +30,7 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
     Every rank calls this with its own ``limit``; the smallest one given wins, and when no rank
     gives one (all None) ``fn`` runs at once after the one exchange.
     """
-    seen = comm.all_gather((node_id(), limit))
+    seen = comm.all_gather((node_id(), limit), "save: planning throttled upload rounds")
     limits = [k for _, k in seen if k is not None]
     if not limits:
         return fn()
@@ -47,7 +47,7 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
                 result = fn()
             except Exception as e:  # re-raised after the rounds: never skip a barrier
                 error = e
-        comm.all_gather(None)  # barrier: round r is over on every rank
+        comm.all_gather(None, f"save: upload round {r}")  # barrier: round r is over everywhere
     if error is not None:
         raise error
     return result
