@@ -30,6 +30,7 @@ async def read_index(store: Store) -> Index:
         if found is not None:
             return found
     raise CheckpointNotFoundError(
-        f"{store.full_path(INDEX_FILE)}: no committed ckptfs checkpoint here (no index), and no "
-        f"registered backend recognises the files as a foreign checkpoint"
+        f"{store.full_path(INDEX_FILE)}: no committed ckptfs checkpoint here (no index: nothing "
+        f"was saved, or a save did not finish and committed nothing; `ckptfs verify {store.url}` "
+        f"tells which), and no registered backend recognises the files as a foreign checkpoint"
     )
