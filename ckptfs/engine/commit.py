@@ -149,18 +149,22 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
     (``written`` = every file this save wrote), everything else under the root goes after."""
     final = backend.finalize(index, plans)
-    await write_files(store, final[:-1], False)
-    await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
-    finals = file_sums(final)
-    index = dataclasses.replace(
-        index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
-        file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
     try:
+        await write_files(store, final[:-1], False)
+        await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
+        finals = file_sums(final)
+        index = dataclasses.replace(
+            index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
+            file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
         await store.put_if_absent(INDEX_FILE, index.dumps())
     except FileExistsError:  # another save committed at this root after claim_target
         raise CheckpointExistsError(
             f"{store.full_path(INDEX_FILE)} appeared while this save was writing: another save "
             f"committed a checkpoint at {store.url} first; it is left as it is") from None
+    except BaseException:  # not committed: the final files must not pose as a checkpoint
+        with contextlib.suppress(Exception):  # (a DCP .metadata would read as a foreign one)
+            await store.delete([f.path for f in final])
+        raise
     await release(store)  # committed: the next save may come
     if written is not None:
         keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
