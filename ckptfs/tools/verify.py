@@ -26,14 +26,14 @@ import numpy as np
 import ckptfs.layout
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.errors import public_errors
-from ckptfs.errors import CheckpointNotFoundError, CkptfsError, IntegrityError
+from ckptfs.errors import CheckpointNotFoundError, CkptfsError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import checksum, extend, render
+from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index, TensorEntry
+from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index, TensorEntry, sealed_checksum
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.tools.clean import survey
@@ -149,10 +149,11 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
     raw = _read_raw_index(store)
     foreign = raw is None
     if raw is not None:
+        _own_checksum(store, raw, problems, skipped)
         _schema(raw, problems, skipped)
     try:
-        if raw is not None:
-            index = _own_checksum(store, raw, problems, skipped)
+        if raw is not None:  # read as it is, also when it failed its own checksum
+            index = Index.loads(raw, store.full_path(INDEX_FILE), check=False)
         else:
             index = run_sync(read_index(store))
     except (CkptfsError, OSError) as e:
@@ -193,18 +194,18 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
         tuple(skipped), time.perf_counter() - t0)
 
 
-def _own_checksum(store: Store, raw: bytes, problems: list[Problem], skipped: list[str]) -> Index:
-    """The index, parsed even when it fails its own checksum (reported, then read as it is)."""
-    source = store.full_path(INDEX_FILE)
-    try:
-        index = Index.loads(raw, source)
-    except IntegrityError as e:
-        problems.append(Problem("index-checksum", str(e), file=INDEX_FILE))
-        return Index.loads(raw, source, check=False)
-    if index.index_checksum is None:
+def _own_checksum(store: Store, raw: bytes, problems: list[Problem], skipped: list[str]) -> None:
+    """The index's own checksum (formats/README.md §6.2), before anything else."""
+    found = sealed_checksum(raw)
+    if found is None:
         skipped.append("index checksum: the index records none (written by a ckptfs before "
                        "whole-checkpoint checksums)")
-    return index
+        return
+    got = render(extend(crc_of(memoryview(raw)[:found[1]]), b"}"))
+    if got != found[0]:
+        problems.append(Problem("index-checksum", f"the index fails its own checksum "
+                                f"(index_checksum says {found[0]}, its bytes give {got}): it was "
+                                f"damaged or edited after it was written", file=INDEX_FILE))
 
 
 def _extra_files(store: Store, problems: list[Problem], skipped: list[str]) -> None:
@@ -240,8 +241,9 @@ def _file_checksums(store: Store, index: Index, missing: set[str], problems: lis
             value = extend(value, await store.get_range(path, start, min(size, start + piece)))
         return value
 
+    sized = {p.file for p in problems if p.kind == "file-size"}  # their checksum cannot match
     for path, want in sorted(index.file_checksums.items()):
-        if path in missing:
+        if path in missing or path in sized:
             continue
         try:
             got = render(run_sync(crc(path)))
