@@ -8,7 +8,10 @@
 - **interrupted** (no index): with a save lock (``ckptfs.lock``) everything under the root is
   what that save wrote; without one, ``data/<save_id>/`` directories, index temp files and a
   zarr hierarchy whose root group carries ckptfs's attributes are;
-- **foreign** (no index, but a backend recognises another tool's checkpoint): nothing is touched.
+- **foreign** (no index, but a backend recognises another tool's checkpoint, e.g. DCP's
+  ``.metadata``, which also marks a ckptfs ``torch_dist`` checkpoint whose index was removed by
+  an overwriting save that then died): only a save lock, index temp files and ``data/<save_id>/``
+  directories its metadata does not use are leftovers.
 
 Files of a checkpoint nested below the root (a directory holding its own index or lock) are
 never touched, nor files that none of the rules recognise (listed as unknown). A save lock that
@@ -113,10 +116,17 @@ def survey(store: Store) -> Survey:
         found = None
     except CkptfsError:
         found = None  # a foreign layout that fails to parse is no ckptfs leftover either
-    if found is not None and not present:
-        return Survey("foreign", files, (), (), nested, index=found,
-                      note=f"a checkpoint written by another tool ({found.backend}-"
-                           f"{found.backend_version} layout, no {INDEX_FILE}); nothing to clean")
+    if found is not None:  # loadable through another tool's metadata: keep what it uses
+        used = {m.group(1) for p in [*found.all_files, *(c.file for t in found.tensors.values()
+                                                         for c in t.chunks if c.file)]
+                if (m := _SAVE_DIR.match(p))}
+        left = temps | ({LOCK_FILE} if present else set())
+        left |= {f for f in own if (m := _SAVE_DIR.match(f)) and m.group(1) not in used}
+        return Survey("foreign", files, tuple(sorted(left)), (), nested, lock, present, found,
+                      _ids(left), note=f"a checkpoint readable through another tool's metadata "
+                                       f"({found.backend}-{found.backend_version} layout, no "
+                                       f"{INDEX_FILE}); only files it does not use count as "
+                                       f"leftovers")
     whole = present or _ckptfs_zarr(store, own)  # the root belongs to the save that died
     left = set(own) if whole else {f for f in own if _SAVE_DIR.match(f)} | temps
     unknown = sorted(set(own) - left)
