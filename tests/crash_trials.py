@@ -113,7 +113,7 @@ def child(spec: dict) -> None:
     if spec.get("barrier") is not None:
         spec["barrier"].wait()
     import ckptfs
-    import ckptfs.save  # noqa: F401  (the module, for _count_mutations)
+    import ckptfs.save  # the module, for _count_mutations
 
     _count_mutations(spec.get("kill_at"), spec.get("when", "before"), spec["out"])
     t0 = time.perf_counter()
@@ -217,7 +217,7 @@ class Trials:
     def calibrate(self) -> tuple[float, int]:
         """(seconds a whole save takes in a child, its number of mutating storage calls)."""
         spec = self._spec(3, self.c.url(f"cal-{uuid.uuid4().hex[:6]}"), False)
-        took, code, outcome = self.run_child(spec)
+        took, _, outcome = self.run_child(spec)
         if not outcome or not outcome["ok"]:
             raise RuntimeError(f"{self.c.name}: the calibration save failed: {outcome}")
         ops = int(Path(spec["out"] + ".ops").read_text())
