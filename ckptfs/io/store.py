@@ -7,13 +7,36 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptfs.errors import ConfigError
+from ckptfs.errors import ConfigError, MalformedIndexError
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.retry import RetryPolicy
 from ckptfs.io.tasks import gather_all
 
 Buffer = bytes | bytearray | memoryview
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` is not a relative path inside a checkpoint root (formats/README.md §1:
+    '/'-separated non-empty components, none '.' or '..', no backslash, not absolute), or None."""
+    if not path:
+        return "it is empty"
+    if path.startswith("/"):
+        return "it is absolute"
+    if "\\" in path:
+        return "it holds a backslash"
+    if any(p in ("", ".", "..") for p in path.split("/")):
+        return "it has an empty, '.' or '..' component"
+    return None
+
+
+def inside_root(path: str, root: str) -> str:
+    """``path``, if it cannot leave the root (the stores' last line of defence: index, foreign
+    metadata and backends are checked before, this holds whatever reached the store)."""
+    if path and (path.startswith("/") or "\\" in path or ".." in path.split("/")):
+        raise MalformedIndexError(f"{path!r} is not a path inside the checkpoint root {root} "
+                                  f"({path_problem(path)}); refused before any request")
+    return path
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import FormatVersionError, IntegrityError, MalformedIndexError
+from ckptfs.io.store import path_problem
 from ckptfs.layout.checksum import PATTERN as CHECKSUM_PATTERN
 from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.keys import check_key
@@ -432,9 +433,9 @@ def _in_order(d: Mapping[str, Any], order: Sequence[str] | None) -> dict[str, An
 
 def check_relative_path(path: str, where: str) -> str:
     """Paths in an index stay under the checkpoint root: relative, '/'-separated, no '..'."""
-    parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
-        raise MalformedIndexError(f"{where}: {path!r} is not a relative path inside the checkpoint")
+    if not isinstance(path, str) or path_problem(path) is not None:
+        raise MalformedIndexError(f"{where}: {_short(path)} is not a relative path inside the "
+                                  f"checkpoint")
     return path
 
 

@@ -25,7 +25,7 @@ from ckptfs.layout.backends.zarr_codecs import Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid
 from ckptfs.layout.backends.zarr_meta import V2_DTYPES
 from ckptfs.layout.backends.zarr_paths import chunk_key, join
-from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.index import MAX_DIM, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.keys import encode_component
 
 MARKER = mc.CONFIG
@@ -62,7 +62,8 @@ async def sniff_megatron(reader: ByteReader) -> Index | None:
         except ValueError as e:
             raise MalformedIndexError(f"{join(path, '.zarray')}: not valid JSON ({e})") from None
         # Megatron keys are flat strings: the directory path is one key component
-        entry = tensor_from_zarray(encode_component(path), path, doc)
+        stored = sum(1 for f in listing if f.startswith(path + "/") and "/." not in f[len(path):])
+        entry = tensor_from_zarray(encode_component(path), path, doc, max_chunks=stored)
         tensors[entry.key] = entry
     values: dict[str, Any] = {}
     containers: dict[str, str] = {}
@@ -105,8 +106,11 @@ def _where(reader: ByteReader, path: str) -> str:
     return full(path) if callable(full) else path
 
 
-def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEntry:
-    """The TensorEntry of the zarr v2 array at ``path`` described by ``doc`` (its .zarray)."""
+def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any],
+                       max_chunks: int | None = None) -> TensorEntry:
+    """The TensorEntry of the zarr v2 array at ``path`` described by ``doc`` (its .zarray).
+    A grid of more than ``max_chunks`` cells (Megatron writes every chunk: the files there) is
+    refused before one entry is made: a hostile document cannot make millions of them."""
     where = join(path, ".zarray")
     if not isinstance(doc, Mapping) or doc.get("zarr_format") != 2:
         raise MalformedIndexError(f"{where}: not a zarr v2 array document")
@@ -121,8 +125,15 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEnt
         chunks = tuple(int(n) for n in doc["chunks"])
     except (KeyError, TypeError, ValueError):
         raise MalformedIndexError(f"{where}: fields 'shape' and 'chunks' must be int lists") from None
+    if len(chunks) != len(shape) or any(c < 1 for c in chunks) or any(
+            n < 0 or n > MAX_DIM for n in shape):
+        raise MalformedIndexError(f"{where}: shape {_short(shape)} and chunks {_short(chunks)} do "
+                                  f"not make a chunk grid")
     sep = doc.get("dimension_separator") or "."
     grid = Grid(shape, chunks)
+    if max_chunks is not None and grid.ncells > max(max_chunks, 1):
+        raise MalformedIndexError(f"{where}: a grid of {grid.ncells} chunks, but {max_chunks} "
+                                  f"file(s) in {path}/")
     entries = []
     for cell in grid.cells():
         extra = {"stored_shape": list(chunks)} if cell.shape != chunks else {}
@@ -134,3 +145,8 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEnt
     if codecs:
         extra["codecs"] = codecs
     return TensorEntry(key, dtype, shape, tuple(entries), extra=extra)
+
+
+def _short(v: Any) -> str:
+    text = repr(list(v))
+    return text if len(text) <= 80 else text[:80] + " ...]"
