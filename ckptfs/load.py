@@ -14,7 +14,7 @@ from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.read import TensorRead, read_tensors
-from ckptfs.engine.targets import files_of, plan_targets
+from ckptfs.engine.targets import check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.boxes import full_box
@@ -104,6 +104,7 @@ def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None,
             chosen, prefixes = _select(index, keys, os.fspath(url))
             leaves: dict[str, Any] = {}
             jobs = []
+            check_allocation([index.tensors[k] for k in chosen if k in index.tensors])
             for k in chosen:
                 if k in index.tensors:
                     e = index.tensors[k]

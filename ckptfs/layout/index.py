@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfs.errors import FormatVersionError, IntegrityError, MalformedIndexError
+from ckptfs.errors import ConfigError, FormatVersionError, IntegrityError, MalformedIndexError
 from ckptfs.io.store import path_problem
 from ckptfs.layout.checksum import PATTERN as CHECKSUM_PATTERN
 from ckptfs.layout.checksum import checksum, crc_of, extend, render
+from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.keys import check_key
 
 INDEX_FILE = "ckptfs.index.json"
@@ -32,6 +34,9 @@ KNOWN_FEATURES: frozenset[str] = frozenset()
 #: dimensions, offsets and element counts beyond this are refused (formats/README.md §2.1): no
 #: real tensor comes near it, and products of such numbers stay exact in every int64 reader
 MAX_DIM = 2**62
+#: an index file above this many bytes is refused before it is parsed (parsing takes several times
+#: its size in memory); ``$CKPTFS_MAX_INDEX_BYTES`` raises it for a truly huge checkpoint
+MAX_INDEX_BYTES = 1 << 30
 
 Json = Any
 
@@ -108,9 +113,11 @@ class TensorEntry:
         shape = _int_tuple(d, "shape", where)
         if math.prod(shape) > MAX_DIM:
             raise MalformedIndexError(f"{where}: shape {list(shape)} has more than 2**62 elements")
+        dtype = _req(d, "dtype", str, where)
+        from_name(dtype, key)  # one of the names of §5
         return cls(
             key=key,
-            dtype=_req(d, "dtype", str, where),
+            dtype=dtype,
             shape=shape,
             chunks=tuple(
                 ChunkEntry.from_dict(c, f"{where}.chunks[{i}]") for i, c in enumerate(chunks)
@@ -244,11 +251,13 @@ class Index:
         known = {"format", "format_version", "required_features", "backend", "writer", "order",
                  "containers", "values", "tensors", "files", "backend_files", "file_checksums",
                  "index_checksum"}
+        entries = {k: TensorEntry.from_dict(k, t) for k, t in tensors.items()}
+        _check_ranges(entries, {**files, **backend_files}, source)
         return cls(
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
             backend_options=_opt(be, "options", dict, f"{source}: backend") or {},
-            tensors={k: TensorEntry.from_dict(k, t) for k, t in tensors.items()},
+            tensors=entries,
             values=values,
             containers=containers,
             files=files,
@@ -268,6 +277,10 @@ class Index:
         default) an index carrying its own checksum (§6.2) must match it: IntegrityError
         otherwise, before anything else is looked at."""
         data = bytes(data)
+        limit = max_index_bytes()
+        if len(data) > limit:
+            raise MalformedIndexError(f"{source}: {len(data)} bytes, above the bound of {limit} "
+                                      f"for an index (set $CKPTFS_MAX_INDEX_BYTES to read it)")
         want = sealed_checksum(data)
         if check and want is not None:
             got = render(extend(crc_of(memoryview(data)[:want[1]]), b"}"))
@@ -280,6 +293,31 @@ class Index:
             raise MalformedIndexError(f"{source}: index_checksum must be the last member of the "
                                       f"index (formats/README.md §6.2)")
         return index
+
+
+def max_index_bytes() -> int:
+    """The largest index file a reader parses (MAX_INDEX_BYTES or $CKPTFS_MAX_INDEX_BYTES)."""
+    env = os.environ.get("CKPTFS_MAX_INDEX_BYTES")
+    if env is None:
+        return MAX_INDEX_BYTES
+    try:
+        return int(env)
+    except ValueError:
+        raise ConfigError(f"$CKPTFS_MAX_INDEX_BYTES is {env!r}, not a number of bytes") from None
+
+
+def _check_ranges(tensors: Mapping[str, TensorEntry], sizes: Mapping[str, int], source: str) -> None:
+    """Every chunk's byte range lies inside its file's recorded size (formats/README.md §2.1)."""
+    for key, t in tensors.items():
+        for i, c in enumerate(t.chunks):
+            size = sizes.get(c.file) if c.file is not None else None
+            if size is None or c.byte_offset is None or c.byte_length is None:
+                continue
+            if c.byte_offset + c.byte_length > size:
+                raise MalformedIndexError(
+                    f"{source}: tensors[{key!r}].chunks[{i}]: bytes [{c.byte_offset}, "
+                    f"{c.byte_offset + c.byte_length}) lie beyond the end of {c.file} "
+                    f"({size} bytes by the index)")
 
 
 # -- the index's own checksum (formats/README.md §6.2) -------------------------------------------
@@ -457,6 +495,7 @@ def _size(d: Mapping[str, Json], name: str, where: str) -> int | None:
 
 
 def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
+    _object(d, where)
     if name not in d:
         raise MalformedIndexError(f"{where}: required field {name!r} is missing")
     return _check(d[name], name, typ, where)
@@ -464,9 +503,15 @@ def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
 
 def _opt(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
     """An optional field: absent (None), or of type ``typ``; an explicit JSON null is refused."""
+    _object(d, where)
     if name not in d:
         return None
     return _check(d[name], name, typ, where)
+
+
+def _object(d: Any, where: str) -> None:
+    if not isinstance(d, Mapping):
+        raise MalformedIndexError(f"{where}: must be a JSON object, got {type(d).__name__}")
 
 
 def _check(v: Any, name: str, typ: type, where: str) -> Any:
