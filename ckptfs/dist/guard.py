@@ -15,6 +15,11 @@ job should restart.
 Creating the group is itself collective: over the default group every rank takes part (every
 rank calls save); over a subgroup only its members do (``use_local_synchronization``). It is
 bounded by the same timeout.
+
+Groups are keyed by (ranks, lane, timeout) with the lane ``FOREGROUND``, the same keys as the
+background lane of asynchronous saves (issue 10's ``dist/groups.py``): the two tables merge into
+one module owning ckptfs's groups, where this ``own_group(group, timeout)`` is
+``own_group(group, FOREGROUND, timeout)``, and the lanes never share a group.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ DEFAULT_TIMEOUT = 600.0
 TIMEOUT_ENV = "CKPTFS_COLLECTIVE_TIMEOUT"
 
 _lock = threading.Lock()
-_groups: dict[tuple[tuple[int, ...], float], dist.ProcessGroup] = {}
+FOREGROUND = "foreground"  #: the lane of ckptfs's blocking save and load collectives
+_groups: dict[tuple[tuple[int, ...], str, float], dist.ProcessGroup] = {}
 
 
 def collective_timeout(seconds: float | None = None) -> float:
@@ -55,16 +61,16 @@ def own_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGr
     ranks = (tuple(range(dist.get_world_size())) if whole
              else tuple(sorted(dist.get_process_group_ranks(group))))
     with _lock:
-        g = _groups.get((ranks, timeout))
+        g = _groups.get((ranks, FOREGROUND, timeout))
         if g is not None and _alive(g):
             return g
         t = timedelta(seconds=timeout)
         if whole:
-            g = dist.new_group(backend="gloo", timeout=t, group_desc="ckptfs")
+            g = dist.new_group(backend="gloo", timeout=t, group_desc=f"ckptfs_{FOREGROUND}")
         else:
             g = dist.new_group(list(ranks), backend="gloo", timeout=t,
-                               use_local_synchronization=True, group_desc="ckptfs")
-        _groups[(ranks, timeout)] = g
+                               use_local_synchronization=True, group_desc=f"ckptfs_{FOREGROUND}")
+        _groups[(ranks, FOREGROUND, timeout)] = g
         return g
 
 
