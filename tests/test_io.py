@@ -301,7 +301,7 @@ class ThreadGroup:
         self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n, timeout=20)
 
     def all_gather(self, rank: int):
-        def gather(obj):
+        def gather(obj, phase: str = ""):  # (Comm.all_gather names its phase)
             self.barrier.wait()
             self.slots[rank] = obj
             self.barrier.wait()
@@ -353,7 +353,7 @@ def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):
 
 
 def test_no_throttle_runs_at_once_single_process():
-    solo = SimpleNamespace(rank=0, all_gather=lambda x: [x])
+    solo = SimpleNamespace(rank=0, all_gather=lambda x, phase="": [x])
     assert run_throttled(None, solo, lambda: 7) == 7
     with pytest.raises(ValueError, match="throttle_uploads"):
         run_throttled(0, solo, lambda: 7)
