@@ -14,7 +14,7 @@ from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.commit import abandon, claim_target, commit
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.lock import Renewal
-from ckptfs.engine.stage import release, stage
+from ckptfs.engine.stage import release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
 from ckptfs.io import IOConfig, open_store, run_sync
@@ -68,7 +68,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     with public_errors(url):
         comm = Comm(process_group, timeout=collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
-        pool = BufferPool()  # staging copies only what is not CPU-contiguous: unbounded
+        # staging copies only what is not CPU-contiguous (unbounded); pinned for CUDA sources
+        pool = BufferPool(staging_allocator(state_dict))
         staged = stage(state_dict, comm, be, pool, copy=False)
         try:
             store = run_sync(open_store(url, storage_options, io_config))

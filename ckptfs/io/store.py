@@ -59,12 +59,19 @@ class IOConfig:
     retries: int = 5  #: extra attempts for a transient error (5xx, throttling, drops, timeouts)
     retry_delay: float = 0.2  #: first backoff cap in seconds; doubles per retry, full jitter
     retry_max_delay: float = 10.0  #: upper bound of one backoff
+    #: pinned host memory a load into CUDA targets reads through: ``ring_slots`` buffers of
+    #: ``ring_bytes // ring_slots`` (rounded down to a power of two, as torch pins) each
+    ring_bytes: int = 256 * 2**20
+    ring_slots: int = 4
+    #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can:
+    #: a local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning
+    gds: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency",
-                     "scratch_bytes"):
+                     "scratch_bytes", "ring_bytes", "ring_slots"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:

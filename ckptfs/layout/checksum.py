@@ -107,3 +107,22 @@ def memo(buffers: Iterable[tuple[memoryview | bytes, int]]) -> dict[tuple[int, i
         if arr.nbytes:
             out[(arr.ctypes.data, arr.nbytes)] = crc
     return out
+
+
+class RunningChecksum:
+    """The checksum of bytes given piece by piece, in order: equal to ``checksum`` of their
+    concatenation (a chunk read in several pieces is checked without joining them)."""
+
+    __slots__ = ("_crc",)
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
+        arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        self._crc = google_crc32c.extend(self._crc, arr)
+
+    @property
+    def value(self) -> str:
+        """The index form, as ``checksum`` writes it."""
+        return f"{ALGORITHM}:{self._crc:08x}"
