@@ -63,6 +63,11 @@ class Ring:
         self._cond: asyncio.Condition | None = None
         self.reuses = 0  #: leases served by a buffer that had been used before
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The slots' buffers leased so far (until ``close``)."""
+        return tuple(b.tensor for b in self._buffers)
+
     def accepts(self, target: torch.Tensor) -> bool:
         """Whether regions of ``target`` go through the ring."""
         return target.device.type == self.device_type
