@@ -56,6 +56,7 @@ class Ring:
         self.device_type = device_type
         self._on_close = on_close
         self._buffers: list[Lease] = []  # every buffer leased so far (at most ``slots``)
+        self._made = 0  # slots leased or being leased
         self._free: list[Lease] = []
         self._out: dict[int, Lease] = {}  # id(handed-out lease) -> its buffer
         self._waiters: set[asyncio.Task] = set()
@@ -82,6 +83,7 @@ class Ring:
         """A buffer of ``nbytes`` (a view of a free slot); waits until one is free."""
         if nbytes > self.slot_bytes:
             raise ValueError(f"{nbytes} bytes do not fit a ring slot of {self.slot_bytes}")
+        buf: Lease | None = None
         async with self.cond:
             while True:
                 self._raise()
@@ -89,11 +91,17 @@ class Ring:
                     buf = self._free.pop()
                     self.reuses += 1
                     break
-                if len(self._buffers) < self.slots:
-                    buf = await self.pool.lease(self.slot_bytes)
-                    self._buffers.append(buf)
+                if self._made < self.slots:
+                    self._made += 1  # a new slot, leased below (not holding the condition)
                     break
                 await self.cond.wait()
+        if buf is None:
+            try:
+                buf = await self.pool.lease(self.slot_bytes)
+            except BaseException:
+                self._made -= 1
+                raise
+            self._buffers.append(buf)
         out = Lease(buf.tensor[:nbytes], 0)
         self._out[id(out)] = buf
         return out
@@ -142,6 +150,7 @@ class Ring:
                 await self.pool.release(buf)
             self._buffers.clear()
             self._free.clear()
+            self._made = 0
         if not quiet:
             self._raise()
 
