@@ -20,6 +20,7 @@ recorded after it. It is written but UNTESTED: no GPU machine was available (REA
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -170,23 +171,26 @@ class CudaCopier:
     """UNTESTED (no GPU was available): host-to-device copies on a dedicated CUDA stream per
     target device.
 
-    Each copy waits for the work already queued on the target device's current stream (the
-    target may still be being written there), runs ``dst.copy_(src, non_blocking=True)`` on the
-    side stream and records an event. ``src`` must be pinned for the copy to be asynchronous.
-    A ``dst`` that is not contiguous gets a device-side temporary of the region's size from
-    torch (a slot at most), never a host copy. ``finish`` makes each current stream wait for
-    its side stream and synchronizes the side streams, so the targets are ready when the load
-    returns.
+    Each copy waits for the work already queued on the target device's current stream of the
+    calling thread (the engine's worker threads: the default stream; a target written on a
+    stream of the caller's own must be synchronized before the load), runs
+    ``dst.copy_(src, non_blocking=True)`` on the side stream and records an event. ``src``
+    must be pinned for the copy to be asynchronous. A ``dst`` that is not contiguous gets a
+    device-side temporary of the region's size from torch (a slot at most), never a host copy.
+    ``finish`` makes each current stream wait for its side stream and synchronizes the side
+    streams, so the targets are ready when the load returns.
     """
 
     def __init__(self) -> None:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()  # called from several worker threads at once
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
         device = dst.device
-        stream = self.streams.get(device)
-        if stream is None:
-            stream = self.streams[device] = torch.cuda.Stream(device)
+        with self._lock:
+            stream = self.streams.get(device)
+            if stream is None:
+                stream = self.streams[device] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
