@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench mutate clean interop megatron-venvs megatron-fixtures
+.PHONY: venv demo test lint bench mutate clean interop megatron-venvs megatron-fixtures crash-trials
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# SIGKILLed saves, full count (tests/crash_trials.py; make test runs a reduced count in
+# tests/test_crash.py): every writable backend, local files and moto S3
+CRASH_TRIALS ?= 40
+crash-trials: $(STAMP)
+	$(BIN)/python -m tests.crash_trials --trials $(CRASH_TRIALS)
 
 # Megatron-Core interop (tests/interop/megatron_live.py), outside `make test`: two venvs of their
 # own (megatron-core pins numpy/zarr differently from ckptfs). megatron-core 0.19.2 needs Python

@@ -2,6 +2,7 @@
 
     ckptfs inspect URL [--json] [--keys PATTERN]
     ckptfs verify URL [--json] [--no-checksums]
+    ckptfs clean URL [--dry-run] [--force] [--json]
     ckptfs convert SRC DST --backend NAME[:VERSION] [--backend-option K=V ...] [--overwrite]
     ckptfs unshard URL DIR [--format safetensors|torch|hf] [--strategy one_file|one_file_per_tensor|chunks]
                    [--chunk-size BYTES] [--keys KEY ...] [--overwrite] [--json]
@@ -175,6 +176,48 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
                    help="skip reading the data (index, files, sizes and tiling only)")
     _json(p, "the report")
     p.set_defaults(run=run_verify)
+
+
+# ---------------------------------------------------------------------------- clean
+
+
+def run_clean(args: argparse.Namespace, rest: list[str]) -> int:
+    from ckptfs.tools.clean import clean
+
+    result = clean(args.url, storage_options=storage_options(args), dry_run=args.dry_run,
+                   force=args.force)
+    if args.json:
+        _emit(result.to_dict())
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for f in result.removed:
+        print(f"{verb} {f}")
+    if not args.quiet:
+        for f in result.unknown:
+            print(f"left alone (not written by a ckptfs save): {f}", file=sys.stderr)
+        for d in result.nested:
+            print(f"left alone (a checkpoint of its own): {d}/", file=sys.stderr)
+        print(f"{result.url}: {result.state}; {verb} {len(result.removed)} file(s)"
+              f"{': ' + result.summary if result.removed else ''}")
+    return 0
+
+
+def add_clean(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "clean", parents=[_common(), _quiet()],
+        help="remove what interrupted or failed saves left at URL (never a committed checkpoint)",
+        description="Remove the files of saves that did not finish: with no index at URL, the "
+                    "files a ckptfs save writes (its data directories, its lock, a zarr group "
+                    "ckptfs made); beside a committed checkpoint, every file its index does not "
+                    "list. A committed checkpoint, checkpoints nested below URL and files no rule "
+                    "recognises are left alone. Refuses while a save may be running there (its "
+                    "lock is still renewed) unless --force. Run it when no save to URL runs.")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    p.add_argument("--force", action="store_true",
+                   help="remove a save's files even though its lock is fresh (no job saves there)")
+    _json(p, "what was removed")
+    p.set_defaults(run=run_clean)
 
 
 # ---------------------------------------------------------------------------- convert
@@ -368,7 +411,7 @@ def add_conformance(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_inspect, add_verify, add_convert, add_unshard, add_bench, add_conformance]
+    add_inspect, add_verify, add_clean, add_convert, add_unshard, add_bench, add_conformance]
 
 
 def build_parser() -> argparse.ArgumentParser:

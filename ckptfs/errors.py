@@ -15,6 +15,10 @@ class CheckpointExistsError(CkptfsError, FileExistsError):
     """A committed checkpoint already exists and overwrite was not requested."""
 
 
+class SaveInProgressError(CheckpointExistsError):
+    """Another save to the same URL holds its lock (it runs now, or died within the lease)."""
+
+
 class FormatVersionError(CkptfsError):
     """The index has a format version, feature or backend this reader does not know."""
 
@@ -87,3 +91,11 @@ class RankError(CkptfsError):
         self.errors = errors
         lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(errors.items()))
         super().__init__(f"{what} failed on {len(errors)} rank(s):\n{lines}")
+
+
+class CollectiveError(RankError):
+    """A collective of a phase failed: a rank died, hung, or never joined within the timeout."""
+
+    def __init__(self, what: str, cause: str) -> None:
+        self.errors = {}
+        CkptfsError.__init__(self, f"{what}: {cause}")

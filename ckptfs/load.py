@@ -15,7 +15,7 @@ from ckptfs.engine import exchange as xchg
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.read import TensorRead, read_tensors
-from ckptfs.engine.targets import TargetPlan, files_of, plan_targets
+from ckptfs.engine.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.layout.boxes import full_box
@@ -49,7 +49,8 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, strict: bool = True,
          verify: bool = True, io_config: IOConfig | None = None, pre_download: bool = False,
-         work_dir: str | os.PathLike | None = None, exchange: bool | None = None) -> LoadResult:
+         work_dir: str | os.PathLike | None = None, exchange: bool | None = None,
+         collective_timeout: float | None = None) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
@@ -61,11 +62,12 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     and sends it to the others over torch.distributed (``IOConfig.exchange_bytes`` in transit
     at once); the default (None) exchanges when the checkpoint is remote (an object store URL)
     and the group has more than one rank.
+    ``collective_timeout`` bounds every wait for the other ranks, as in ``save``.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        comm = Comm(process_group)
+        comm = Comm(process_group, timeout=collective_timeout)
         store = run_sync(open_store(url, storage_options, io_config))
         if exchange is None:
             exchange = comm.size > 1 and _remote(url)
@@ -130,6 +132,7 @@ def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None,
             chosen, prefixes = _select(index, keys, os.fspath(url))
             leaves: dict[str, Any] = {}
             jobs = []
+            check_allocation([index.tensors[k] for k in chosen if k in index.tensors])
             for k in chosen:
                 if k in index.tensors:
                     e = index.tensors[k]

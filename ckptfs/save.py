@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.commit import claim_target, commit
+from ckptfs.engine.commit import abandon, claim_target, commit
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.stage import release, stage
+from ckptfs.engine.lock import Renewal
+from ckptfs.engine.stage import release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
 from ckptfs.io import IOConfig, open_store, run_sync
@@ -55,29 +55,42 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
          io_config: IOConfig | None = None, progress: bool = False,
-         throttle_uploads: int | None = None) -> SaveResult:
+         throttle_uploads: int | None = None,
+         collective_timeout: float | None = None) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
     create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
     existing checkpoint is refused and left intact. ``throttle_uploads=K`` lets at most K ranks
     of a node (hostname, or ``$CKPTFS_NODE_ID``) write their files at once.
+    ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
+    wait for the other ranks: a rank that dies, hangs or never calls save makes the others raise
+    CollectiveError naming the step, and nothing is committed.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        comm = Comm(process_group)
+        comm = Comm(process_group, timeout=collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
-        pool = BufferPool()  # staging copies only what is not CPU-contiguous: unbounded
+        # staging copies only what is not CPU-contiguous (unbounded); pinned for CUDA sources
+        pool = BufferPool(staging_allocator(state_dict))
         staged = stage(state_dict, comm, be, pool, copy=False)
         try:
             store = run_sync(open_store(url, storage_options, io_config))
             try:
-                replacing = claim_target(store, comm, overwrite)
-                save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
-                written = write(staged, be, store, comm, save_id, progress=progress,
-                                throttle_uploads=throttle_uploads)
-                total = commit(staged, written, be, store, comm, replacing=replacing)
+                claim = claim_target(store, comm, overwrite, be)
+                renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
+                try:
+                    written = write(staged, be, store, comm, claim.save_id, progress=progress,
+                                    throttle_uploads=throttle_uploads)
+                    total = commit(staged, written, be, store, comm, replacing=claim.replacing)
+                except BaseException:
+                    if comm.is_coordinator:
+                        run_sync(abandon(store))
+                    raise
+                finally:
+                    if renewal is not None:
+                        renewal.stop()
             finally:
                 run_sync(store.close())
         finally:

@@ -193,8 +193,27 @@ class Index:
             self.norm = self.doc
 
 
+_SEALED = re.compile(rb',[ \t\n\r]*"index_checksum"[ \t\n\r]*:[ \t\n\r]*"(crc32c:[0-9a-f]{8})"'
+                     rb'[ \t\n\r]*\}[ \t\n\r]*(?![\s\S])')
+
+
+def check_seal(data: bytes) -> str | None:
+    """§6.2: the CRC-32C of the bytes before the last member's comma, plus '}', is what the
+    member says. Returns the checksum, or None for an unsealed index."""
+    data = bytes(data)
+    tail = max(0, len(data) - 200)  # the member is short: only the end of the file can hold it
+    m = _SEALED.search(data, tail)
+    if m is None:
+        return None
+    got = crc32c(data[:m.start()] + b"}")
+    if got != m.group(1).decode():
+        raise SpecError(f"index_checksum says {m.group(1).decode()}, the bytes give {got}")
+    return got
+
+
 def audit_index(data: bytes) -> Index:
-    """Parse and check an index's bytes against formats/README.md (§2.2, §7, §2, §3)."""
+    """Parse and check an index's bytes against formats/README.md (§6.2, §2.2, §7, §2, §3)."""
+    sealed = check_seal(data)
     d = parse_json(data)
     if not isinstance(d, dict):
         raise SpecError("the index is not a JSON object")
@@ -217,10 +236,22 @@ def audit_index(data: bytes) -> Index:
     values = _opt(d, "values", dict, "index") or {}
     containers = _opt(d, "containers", dict, "index") or {}
     files = _opt(norm, "files", dict, "index") or {}
-    for p, n in files.items():
-        check_path(p, "files")
-        if not _is_int(n) or n < 0:
-            raise SpecError(f"files[{p!r}] is not a size: {n!r}")
+    backend_files = _opt(d, "backend_files", dict, "index") or {}
+    for name, table in (("files", files), ("backend_files", backend_files)):
+        for p, n in table.items():
+            check_path(p, name)
+            if not _is_int(n) or not 0 <= n <= 2**62:
+                raise SpecError(f"{name}[{p!r}] is not a size: {n!r}")
+    if set(files) & set(backend_files):
+        raise SpecError(f"{sorted(set(files) & set(backend_files))[0]!r} is in files and backend_files")
+    for p, c in (_opt(d, "file_checksums", dict, "index") or {}).items():
+        if p not in files and p not in backend_files:
+            raise SpecError(f"file_checksums[{p!r}]: not a file of files or backend_files")
+        if not isinstance(c, str) or not re.fullmatch(r"crc32c:[0-9a-f]{8}", c):
+            raise SpecError(f"file_checksums[{p!r}] = {c!r}")
+    own = _opt(d, "index_checksum", str, "index")
+    if own is not None and own != sealed:
+        raise SpecError("index_checksum is not the index's last member (§6.2)")
     paths: dict[str, tuple] = {}
     for m in (containers, values, tensors):
         for k in m:
@@ -262,13 +293,16 @@ def _unpacked(d: dict) -> dict:
         raise SpecError("a packed index needs file_table {prefix, files}")
     if "files" in d:
         raise SpecError("a packed index lists its files in file_table, not files")
-    paths, files = [], {}
+    paths, files, seen = [], {}, set()
     for i, row in enumerate(table["files"]):
         if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and row[0]
-                and (row[1] is None or (_is_int(row[1]) and row[1] >= 0))):
+                and (row[1] is None or (_is_int(row[1]) and 0 <= row[1] <= 2**62))):
             raise SpecError(f"file_table.files[{i}] = {row!r}")
         path = table["prefix"] + row[0]
         check_path(path, f"file_table.files[{i}]")
+        if path in seen:
+            raise SpecError(f"file_table.files[{i}]: {path!r} is listed twice")
+        seen.add(path)
         paths.append(path)
         if row[1] is not None:
             files[path] = row[1]
@@ -363,7 +397,8 @@ def _tensor(key: str, t: Any, files: dict[str, int]) -> None:
 
 
 _TOP = ["format", "format_version", "required_features", "backend", "writer", "order", "containers",
-        "values", "tensors", "files", "file_table", "per_rank"]
+        "values", "tensors", "files", "file_table", "per_rank", "backend_files", "file_checksums",
+        "index_checksum"]
 
 
 def check_writer_spelling(data: bytes, index: Index) -> None:
@@ -378,12 +413,18 @@ def check_writer_spelling(data: bytes, index: Index) -> None:
         for m in ("containers", "values", "tensors"):
             if [pos[k] for k in d.get(m, {})] != sorted(pos[k] for k in d.get(m, {})):
                 raise SpecError(f"{m} is not listed in the order of 'order'")
-    if list(d.get("files", {})) != sorted(d.get("files", {})):
-        raise SpecError("files are not in code point order")
+    for name in ("files", "backend_files", "file_checksums"):
+        if list(d.get(name, {})) != sorted(d.get(name, {})):
+            raise SpecError(f"{name} are not in code point order")
     if "file_table" in d:
         names = [d["file_table"]["prefix"] + n for n, _ in d["file_table"]["files"]]
         if names != sorted(names):
             raise SpecError("file_table.files are not in code point order")
+    if "index_checksum" not in d:
+        raise SpecError("the writer seals every index (§6.2): index_checksum is missing")
+    files = index.norm.get("files", {})  # a packed index's come from its file_table
+    if set(d.get("file_checksums", {})) != set(files) | set(d.get("backend_files", {})):
+        raise SpecError("file_checksums does not cover every file of files and backend_files")
 
 
 # -- §3.2: the tree and its order -----------------------------------------------------------------
@@ -462,6 +503,7 @@ def audit_data(root: str, index: Index) -> dict[str, bytes]:
         size = os.path.getsize(os.path.join(root, *p.split("/")))
         if size != n:
             raise SpecError(f"files[{p!r}] = {n}, the file has {size} bytes")
+
     reader = {("safetensors_chunks", 1): _SafetensorsChunks, ("torch_dist", 1): _TorchDist,
               ("zarr", 2): _Zarr, ("zarr", 3): _Zarr}.get(be)
     if reader is None:
@@ -484,6 +526,13 @@ def audit_data(root: str, index: Index) -> dict[str, bytes]:
             whole[box] = np.frombuffer(raw, dtype=np.uint8).reshape(*c["shape"], itemsize)
         out[key] = whole.tobytes()
     r.finish()
+    for p, n in d.get("backend_files", {}).items():  # after the backend's own checks of them
+        size = os.path.getsize(os.path.join(root, *p.split("/")))
+        if size != n:
+            raise SpecError(f"backend_files[{p!r}] = {n}, the file has {size} bytes")
+    for p, c in d.get("file_checksums", {}).items():  # §6.1: every byte of every file
+        if crc32c(_read(root, p)) != c:
+            raise SpecError(f"file_checksums[{p!r}] = {c}, the file gives {crc32c(_read(root, p))}")
     return out
 
 

@@ -301,7 +301,7 @@ class ThreadGroup:
         self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n, timeout=20)
 
     def all_gather(self, rank: int):
-        def gather(obj):
+        def gather(obj, phase: str = ""):  # (Comm.all_gather names its phase)
             self.barrier.wait()
             self.slots[rank] = obj
             self.barrier.wait()
@@ -312,8 +312,9 @@ class ThreadGroup:
 
     def comm(self, rank: int) -> SimpleNamespace:
         gather = self.all_gather(rank)
-        return SimpleNamespace(rank=rank, all_gather=gather, barrier=lambda: gather(None),
-                               all_min=lambda vs: [min(x) for x in zip(*gather(list(vs)))])
+        return SimpleNamespace(rank=rank, all_gather=gather,
+                               barrier=lambda phase="": gather(None),
+                               all_min=lambda vs, phase="": [min(x) for x in zip(*gather(list(vs)))])
 
 
 def test_throttle_rounds_bound_per_node_and_survive_a_failure(monkeypatch):

@@ -324,6 +324,14 @@ PACKED_BAD = {
     "file size is a string": (("file_table", "files", 0, 1), "176"),
     "a chunk object in a packed index": ((*C0,), {"offsets": [0, 0], "shape": [4, 3]}),
     "files beside the file table": (("files",), {"data/x/r00000-000.safetensors": 176}),
+    # issue 14's hostile-input rules hold for packed rows too (§2.1 bounds, §2.3)
+    "byte range beyond the file": ((*C0,), [[0, 0], [4, 3], 0, 160, 48, "0123abcd"]),
+    "byte offset beyond 2**62": ((*C0,), [[0, 0], [4, 3], 0, 2**62 + 1, 48, "0123abcd"]),
+    "offset beyond 2**62": ((*C0,), [[2**62 + 1, 0], [4, 3], 0, 128, 48, "0123abcd"]),
+    "a file twice in the table": (("file_table", "files"), [["r00000-000.safetensors", 176]] * 2),
+    "file id is a bool": ((*C0,), [[0, 0], [4, 3], True, 128, 48, "0123abcd"]),
+    "a checksum of a file in no table": (("file_checksums",),
+                                         {"data/x/other.safetensors": "crc32c:0123abcd"}),
 }
 
 
@@ -339,11 +347,11 @@ def test_malformed_packed_rejected(case):
         del node[last]
     else:
         node[last] = value
-    assert not VALIDATOR.is_valid(d) or case in ("file id outside the table",
-                                                 "file escapes the root"), case  # reader's checks
-    if case != "files beside the file table":  # the schema's rule; ckptfs reads the table
-        with pytest.raises(MalformedIndexError):
-            Index.from_dict(d)
+    reader_only = ("file id outside the table", "file escapes the root", "byte range beyond the "
+                   "file", "a file twice in the table", "a checksum of a file in no table")
+    assert not VALIDATOR.is_valid(d) or case in reader_only, case  # the reader's checks
+    with pytest.raises(MalformedIndexError):
+        Index.from_dict(d)
 
 
 def test_packed_rows_need_the_feature():
@@ -378,6 +386,22 @@ def test_large_indexes_are_written_packed_and_read_back(tmp_path, monkeypatch):
         0.7 * len((tmp_path / "plain" / INDEX_FILE).read_bytes())
     back = ckptfs.load_keys(tmp_path / "packed")
     assert all(torch.equal(back[k], v) for k, v in sd.items())
+    # issue 14's members fit the packed form: file_checksums by full path (prefix + name) for
+    # every file of the table, the seal over the packed document, and verify checks them
+    raw = (tmp_path / "packed" / INDEX_FILE).read_bytes()
+    table = [packed["file_table"]["prefix"] + n for n, _ in packed["file_table"]["files"]]
+    assert set(packed["file_checksums"]) == set(table) | set(packed.get("backend_files", {}))
+    assert list(packed)[-1] == "index_checksum" and "files" not in packed
+    assert Index.loads(raw).index_checksum == packed["index_checksum"]
+    assert ckptfs.verify(tmp_path / "packed").ok
+    flipped = raw.replace(b'"t7"', b'"u7"', 1)  # still valid JSON, another key
+    assert flipped != raw
+    with pytest.raises(ckptfs.IntegrityError, match="fails its own checksum"):
+        Index.loads(flipped)
+    data = tmp_path / "packed" / table[0]
+    data.write_bytes(data.read_bytes()[:-1] + bytes([data.read_bytes()[-1] ^ 1]))
+    found = {(p.kind, p.file) for p in ckptfs.verify(tmp_path / "packed").problems}
+    assert ("file-checksum", table[0]) in found, found
     a = ckptfs.load_metadata(tmp_path / "plain").tensors["t7"].chunks[0]
     b = ckptfs.load_metadata(tmp_path / "packed").tensors["t7"].chunks[0]
     assert (a.offsets, a.shape, a.byte_length, a.checksum) == (b.offsets, b.shape, b.byte_length,

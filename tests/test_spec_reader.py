@@ -83,6 +83,7 @@ def _edit_index(root: Path, fn) -> None:
     p = root / "ckptfs.index.json"
     d = json.loads(p.read_bytes())
     fn(d)
+    d.pop("index_checksum", None)  # edited by hand: no longer sealed
     p.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
 
 
@@ -92,6 +93,8 @@ def _edit_index(root: Path, fn) -> None:
     ("order misses a key", "permutation"),
     ("chunks overlap", "overlap"),
     ("file not listed", "not listed in files"),
+    ("wrong file checksum", "file_checksums"),
+    ("index bytes changed", "index_checksum says"),
     ("zarr fill_value spelled 0", "fill_value"),
     ("safetensors header name", "extra.name"),
 ])
@@ -117,7 +120,13 @@ def test_spec_reader_notices_planted_faults(tmp_path, fault, words):
             chunks.append({**chunks[0], "offsets": [1, 0], "shape": [2, 3]})  # still 12 elements
         _edit_index(root, overlap)
     elif fault == "file not listed":
-        _edit_index(root, lambda d: d.update(files={}))
+        _edit_index(root, lambda d: d.update(files={}, file_checksums={}))
+    elif fault == "wrong file checksum":
+        _edit_index(root, lambda d: d["file_checksums"].update(
+            {p: "crc32c:00000000" for p in d["file_checksums"]}))
+    elif fault == "index bytes changed":  # same JSON, other bytes: the seal no longer matches
+        p = root / "ckptfs.index.json"
+        p.write_bytes(p.read_bytes().replace(b'"format_version": 1', b'"format_version":  1', 1))
     elif fault == "zarr fill_value spelled 0":
         p = root / "model" / "w" / ".zarray"
         p.write_text(p.read_text().replace('"fill_value": 0.0', '"fill_value": 0'))

@@ -146,6 +146,7 @@ def test_verify_reports_every_problem(ckpts, capsys, tmp_path):
     t["t4"]["chunks"].append(dict(t["t4"]["chunks"][0], offsets=[4], shape=[4]))  # t4: overlap
     t["t5"]["chunks"] = []  # t5: a hole
     doc["writer"]["world_size"] = 0  # against the schema (minimum 1), harmless to readers
+    del doc["index_checksum"]  # edited by hand: no longer sealed
     (root / ckptfs.INDEX_FILE).write_text(json.dumps(doc))
 
     report = ckptfs.verify(root)
@@ -158,11 +159,12 @@ def test_verify_reports_every_problem(ckpts, capsys, tmp_path):
     assert ("read", "t4", (4,), f["t4"]) in got  # the made-up chunk's byte_length is not its own
     assert ("hole", "t5", None, None) in got
     assert ("schema", None, None, ckptfs.INDEX_FILE) in got
-    assert len(report.problems) == 10 and not report.ok, report.problems
+    assert ("file-checksum", None, None, f["t0"]) in got  # the flipped bit, seen by the file too
+    assert len(report.problems) == 11 and not report.ok, report.problems
     assert "t1" in next(str(p) for p in report.problems if p.kind == "missing-file")
     assert "cover 0 of 8 elements" in next(p.message for p in report.problems if p.key == "t5")
     rc, out, _ = cli(capsys, "verify", root, "--quiet")
-    assert rc == 1 and out.count("\n") == 10 and "[checksum] key 't0', chunk [0]" in out
+    assert rc == 1 and out.count("\n") == 11 and "[checksum] key 't0', chunk [0]" in out
     rc, out, _ = cli(capsys, "verify", root, "--json", "--no-checksums", "--quiet")
     kinds = {p["kind"] for p in json.loads(out)["problems"]}
     assert rc == 1 and "checksum" not in kinds and "missing-file" in kinds

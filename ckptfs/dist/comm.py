@@ -2,26 +2,31 @@
 
 Every phase that can fail on one rank ends in a collective that settles the outcome (``check``,
 ``collect``, ``agree``, ``decide``): a failure anywhere raises everywhere instead of leaving the
-others waiting. On success the settling costs one small all-reduce (``check``, ``collect``);
+others waiting. On success the settling costs one small fixed-size all-gather (``all_min``:
+8 bytes per value and rank; ``check``, ``collect``);
 error messages travel only when something failed. What only the coordinator needs (index
 entries) is gathered, not all-gathered, and what every rank holds alike is exchanged once per
-distinct value (``distinct``). This module and the DTensor code in state/ are the only places
-that call ``torch.distributed``.
+distinct value (``distinct``). The collectives run on a gloo group of ckptfs's own with a
+timeout (dist/guard.py): a rank that dies, hangs or never arrives makes every other rank raise
+``CollectiveError`` naming the phase (``what``), at once or within the timeout. This module and
+the DTensor code in state/ are the only places that call ``torch.distributed``.
 
-Object collectives pickle into byte tensors on the group's device (CPU for gloo, the current
-CUDA device for NCCL) and count the bytes they move in ``Comm.stats``.
+Object collectives pickle into byte tensors on the group's device (CPU on ckptfs's gloo group)
+and count the bytes they move in ``Comm.stats``.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ckptfs.dist.guard import collective_timeout, drop, own_group, translate
 from ckptfs.errors import ConfigError, RankError
 
 T = TypeVar("T")
@@ -57,20 +62,41 @@ def _encode(obj: Any) -> bytes:
 
 
 class Comm:
-    """Ranks of one process group (or a single process when none is initialised)."""
+    """Ranks of one process group (or a single process when none is initialised).
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    ``timeout`` (seconds; None: ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every wait for the
+    other ranks; collectives run on ckptfs's own gloo group over the same ranks.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 timeout: float | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = group
+        self.group = self._callers = group
+        self.timeout = collective_timeout(timeout)
         self.stats = CommStats()
+        self._device: torch.device | None = None
         if self.distributed:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
+            if self.size > 1:
+                with self._guard("connecting the ranks"):
+                    own = own_group(group, self.timeout)
+                if dist.get_rank(own) == self.rank:  # same ranks, same order
+                    self.group = own
         else:
             if group is not None:
                 raise ConfigError("process_group given but torch.distributed is not initialised")
             self.rank, self.size = 0, 1
-        self._device: torch.device | None = None
+
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """A collective of phase ``what``: a failure is a CollectiveError naming it."""
+        try:
+            yield
+        except RuntimeError as e:  # gloo's errors, DistStoreError, DistBackendError
+            if self.group is not None and self.group is not self._callers:
+                drop(self.group)
+            raise translate(e, what, self.timeout) from e
 
     @property
     def is_coordinator(self) -> bool:
@@ -81,14 +107,14 @@ class Comm:
         """The group's ranks as global ranks (what identifies the group across Comm objects)."""
         if not self.distributed:
             return (0,)
-        if self.group is None:
+        if self._callers is None:
             return tuple(range(self.size))
-        return tuple(dist.get_process_group_ranks(self.group))
+        return tuple(dist.get_process_group_ranks(self._callers))
 
     @property
     def device(self) -> torch.device:
-        """Where tensor collectives take their tensors: CPU for gloo, the current CUDA device for
-        NCCL (and other accelerator-only backends)."""
+        """Where tensor collectives take their tensors: CPU for gloo (ckptfs's own group is
+        gloo), the current CUDA device for NCCL (and other accelerator-only backends)."""
         if self._device is None:
             backend = str(dist.get_backend(self.group)) if self.distributed else "gloo"
             if "gloo" in backend or not torch.cuda.is_available():
@@ -99,39 +125,48 @@ class Comm:
 
     # -- tensor collectives -------------------------------------------------------------------
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "a barrier") -> None:
         if self.size > 1:
             self.stats.collectives += 1
-            dist.barrier(group=self.group)
+            with self._guard(what):
+                dist.barrier(group=self.group)
 
-    def all_min(self, values: Sequence[int]) -> list[int]:
-        """Element-wise minimum of ``values`` (int64) over all ranks: O(1) bytes per rank."""
+    def all_min(self, values: Sequence[int], what: str = "a reduction") -> list[int]:
+        """Element-wise minimum of ``values`` (int64) over all ranks. An all-gather of the values
+        (8 bytes per value and rank), not an all-reduce: in gloo's ring all-reduce a rank may wait
+        on a neighbour that already failed on a dead peer, until the timeout; in its all-gather
+        every rank hears of a dead peer at once (tests/test_dead_ranks.py)."""
         if self.size == 1:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        self._count_tensor(t.numel() * 8 * 2)
-        return t.tolist()
+        out = torch.empty(self.size * t.numel(), dtype=torch.int64, device=self.device)
+        with self._guard(what):
+            dist.all_gather(list(out.split(t.numel())), t, group=self.group)
+        self._count_tensor(out.numel() * 8)
+        return out.view(self.size, -1).min(dim=0).values.tolist()
 
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+    def all_gather_bytes(self, data: bytes, what: str = "an all-gather") -> list[bytes]:
         """Every rank's ``data``; all ranks pass the same length (digests)."""
         if self.size == 1:
             return [bytes(data)]
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         out = torch.empty(self.size * len(data), dtype=torch.uint8, device=self.device)
-        dist.all_gather(list(out.split(len(data))), t, group=self.group)
+        with self._guard(what):
+            dist.all_gather(list(out.split(len(data))), t, group=self.group)
         self._count_tensor(out.numel())
         raw = out.cpu().numpy().tobytes()
         n = len(data)
         return [raw[i * n:(i + 1) * n] for i in range(self.size)]
 
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int, what: str = "a broadcast") -> None:
         """Fill ``tensor`` on every rank with ``src``'s (group rank) ``tensor``, in place."""
         if self.size > 1:
-            dist.broadcast(tensor, group=self.group, group_src=src)
+            with self._guard(what):
+                dist.broadcast(tensor, group=self.group, group_src=src)
             self._count_tensor(tensor.numel() * tensor.element_size())
 
-    def point_to_point(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> None:
+    def point_to_point(self, ops: Sequence[tuple[str, torch.Tensor, int, int]],
+                       what: str = "an exchange") -> None:
         """Run ``ops`` (("send" | "recv", tensor on ``device``, peer group rank, tag)) as one
         batch and wait for all of them; ranks post matching sends and receives in the same
         order."""
@@ -139,13 +174,14 @@ class Comm:
             return
         batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, group=self.group,
                             tag=tag, group_peer=peer) for kind, t, peer, tag in ops]
-        for work in dist.batch_isend_irecv(batch):
-            work.wait()
+        with self._guard(what):
+            for work in dist.batch_isend_irecv(batch):
+                work.wait()
         self.stats.tensor_bytes += sum(t.numel() * t.element_size() for _, t, _, _ in ops)
         self.stats.collectives += 1
 
     def all_to_all(self, send: torch.Tensor, send_sizes: Sequence[int],
-                   recv_sizes: Sequence[int]) -> torch.Tensor:
+                   recv_sizes: Sequence[int], what: str = "an exchange") -> torch.Tensor:
         """Bytes to and from every rank in one collective: ``send`` (uint8 on ``device``) holds
         ``send_sizes[r]`` bytes for rank r, in rank order; returns the bytes received, in rank
         order, ``recv_sizes[r]`` from rank r."""
@@ -153,8 +189,9 @@ class Comm:
         if self.size == 1:
             recv.copy_(send[: recv.numel()])
             return recv
-        dist.all_to_all_single(recv, send, output_split_sizes=list(recv_sizes),
-                               input_split_sizes=list(send_sizes), group=self.group)
+        with self._guard(what):
+            dist.all_to_all_single(recv, send, output_split_sizes=list(recv_sizes),
+                                   input_split_sizes=list(send_sizes), group=self.group)
         self._count_tensor(send.numel() + recv.numel())
         return recv
 
@@ -164,11 +201,11 @@ class Comm:
 
     # -- object collectives ----------------------------------------------------------------
 
-    def _framed(self, obj: Any) -> tuple[torch.Tensor, int]:
+    def _framed(self, obj: Any, what: str) -> tuple[torch.Tensor, int]:
         """``obj`` pickled behind its 8-byte length, padded to the group's longest: (buffer on
         ``device``, width)."""
         raw = _encode(obj)
-        width = -self.all_min([-(len(raw) + 8)])[0]
+        width = -self.all_min([-(len(raw) + 8)], what)[0]
         buf = bytearray(width)
         buf[:8] = len(raw).to_bytes(8, "little")
         buf[8:8 + len(raw)] = raw
@@ -180,26 +217,28 @@ class Comm:
         n = int.from_bytes(raw[:8], "little")
         return pickle.loads(raw[8:8 + n])
 
-    def all_gather(self, obj: T) -> list[T]:
+    def all_gather(self, obj: T, what: str = "an all-gather") -> list[T]:
         """Every rank's ``obj`` on every rank."""
         if self.size == 1:
             return [obj]
-        buf, width = self._framed(obj)
+        buf, width = self._framed(obj, what)
         out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
-        dist.all_gather(list(out.split(width)), buf, group=self.group)
+        with self._guard(what):
+            dist.all_gather(list(out.split(width)), buf, group=self.group)
         self.stats.object_bytes += width * self.size
         self.stats.collectives += 1
         return [self._decode(part) for part in out.split(width)]
 
-    def gather(self, obj: T, *, entries: bool = False) -> list[T] | None:
+    def gather(self, obj: T, what: str = "a gather", *, entries: bool = False) -> list[T] | None:
         """Every rank's ``obj`` on the coordinator (None elsewhere): what only rank 0 needs.
         ``entries`` counts the bytes as index entries (``CommStats.entry_bytes``)."""
         if self.size == 1:
             return [obj]
-        buf, width = self._framed(obj)
+        buf, width = self._framed(obj, what)
         parts = ([torch.empty(width, dtype=torch.uint8, device=self.device)
                   for _ in range(self.size)] if self.is_coordinator else None)
-        dist.gather(buf, parts, group=self.group, group_dst=0)
+        with self._guard(what):
+            dist.gather(buf, parts, group=self.group, group_dst=0)
         moved = width * (self.size - 1) if self.is_coordinator else width
         self.stats.object_bytes += moved
         if entries:
@@ -209,16 +248,17 @@ class Comm:
             return None
         return [self._decode(p) for p in parts]
 
-    def broadcast(self, obj: T | None, src: int = 0) -> T:
+    def broadcast(self, obj: T | None, what: str = "a broadcast", *, src: int = 0) -> T:
         """``src``'s ``obj`` on every rank."""
         if self.size == 1:
             return obj  # type: ignore[return-value]
         raw = _encode(obj) if self.rank == src else b""
-        n = -self.all_min([-len(raw)])[0]  # the size: a max-reduction (0 from all but src)
+        n = -self.all_min([-len(raw)], what)[0]  # the size: a max-reduction (0 from all but src)
         buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device)
                if self.rank == src else torch.empty(n, dtype=torch.uint8, device=self.device))
         if n:
-            dist.broadcast(buf, group=self.group, group_src=src)
+            with self._guard(what):
+                dist.broadcast(buf, group=self.group, group_src=src)
         self.stats.object_bytes += n
         self.stats.collectives += 1
         out = raw if self.rank == src else buf.cpu().numpy().tobytes()
@@ -228,20 +268,20 @@ class Comm:
 
     def settle(self, what: str, err: BaseException | None) -> None:
         """Collective: raise ``err`` here, or a RankError when only other ranks failed. Costs
-        one small all-reduce when nobody failed."""
+        one small ``all_min`` when nobody failed."""
         self.check_min(what, err, [])
 
     def check_min(self, what: str, err: BaseException | None, values: Sequence[int]) -> list[int]:
-        """``settle`` and ``all_min(values)`` in one all-reduce (``values`` of a failed rank are
+        """``settle`` and ``all_min(values)`` in one collective (``values`` of a failed rank are
         ignored)."""
         if self.size == 1:
             if err is not None:
                 raise err
             return list(values)
-        mins = self.all_min([0 if err is not None else 1, *values])
+        mins = self.all_min([0 if err is not None else 1, *values], what)
         if mins[0] == 1:
             return mins[1:]
-        msgs = self.all_gather(None if err is None else f"{type(err).__name__}: {err}")
+        msgs = self.all_gather(None if err is None else f"{type(err).__name__}: {err}", what)
         if err is not None:
             raise err
         raise RankError(what, {r: m for r, m in enumerate(msgs) if m is not None})
@@ -263,7 +303,7 @@ class Comm:
         """``check`` then gather ``share(result)`` on the coordinator: (this rank's result,
         every rank's shared part on rank 0 / None elsewhere)."""
         result = self.check(what, fn)
-        return result, self.gather(share(result), entries=entries)
+        return result, self.gather(share(result), what, entries=entries)
 
     def agree(self, what: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, exchange outcomes, and return every rank's result.
@@ -285,7 +325,7 @@ class Comm:
         except Exception as e:
             err = e
             outcome = (False, f"{type(e).__name__}: {e}")
-        outcomes = self.all_gather(outcome)
+        outcomes = self.all_gather(outcome, what)
         if err is not None:
             raise err
         failed = {r: msg for r, (ok, msg) in enumerate(outcomes) if not ok}
@@ -303,7 +343,8 @@ class Comm:
             except Exception as e:
                 err = e
                 outcome = (False, f"{type(e).__name__}: {e}")
-        outcome = self.broadcast(outcome)
+        # the broadcast's size (an all_min) is an all-gather: every rank is there before any leaves
+        outcome = self.broadcast(outcome, what)
         if err is not None:
             raise err
         ok, payload = outcome  # type: ignore[misc]
@@ -321,39 +362,41 @@ class Comm:
                 result = fn()
             except Exception as e:
                 err = e
-        verdict = self.broadcast(None if err is None else f"{type(err).__name__}: {err}")
+        verdict = self.broadcast(None if err is None else f"{type(err).__name__}: {err}", what)
         if err is not None:
             raise err
         if verdict is not None:
             raise RankError(what, {0: verdict})
         return result
 
-    def distinct(self, obj: T, digest: bytes) -> tuple[list[T], list[int]]:
+    def distinct(self, obj: T, digest: bytes,
+                 what: str = "exchanging descriptions") -> tuple[list[T], list[int]]:
         """Every distinct ``obj`` of the group, each sent once: (the distinct values, the index
         of each rank's value). ``digest`` (same length on every rank) must differ between
-        different values. When all ranks hold the same value nothing but one all-reduce moves."""
+        different values. When all ranks hold the same value nothing but one ``all_min`` moves."""
         if self.size == 1:
             return [obj], [0]
         h = int.from_bytes(digest[:8], "little") >> 1
-        lo, neg_hi = self.all_min([h, -h])
-        if lo == -neg_hi and self._same(digest):
+        lo, neg_hi = self.all_min([h, -h], what)
+        if lo == -neg_hi and self._same(digest, what):
             return [obj], [0] * self.size
-        digests = self.all_gather_bytes(digest)
+        digests = self.all_gather_bytes(digest, what)
         first: dict[bytes, int] = {}
         owners = [first.setdefault(d, len(first)) for d in digests]
         sources = sorted({d: r for r, d in reversed(list(enumerate(digests)))}.values())
         if len(sources) <= BROADCAST_DISTINCT:
-            values = [self.broadcast(obj if self.rank == src else None, src) for src in sources]
+            values = [self.broadcast(obj if self.rank == src else None, what, src=src)
+                      for src in sources]
         else:
-            everyone = self.all_gather(obj if self.rank in set(sources) else None)
+            everyone = self.all_gather(obj if self.rank in set(sources) else None, what)
             values = [everyone[src] for src in sources]
         return values, owners
 
-    def _same(self, digest: bytes) -> bool:
+    def _same(self, digest: bytes, what: str) -> bool:
         """All ranks' ``digest`` agree past the 63 bits ``distinct`` already compared."""
         rest = digest[8:]
         if not rest:
             return True
         h = int.from_bytes(rest[:8], "little") >> 1
-        lo, neg_hi = self.all_min([h, -h])
+        lo, neg_hi = self.all_min([h, -h], what)
         return lo == -neg_hi

@@ -28,13 +28,14 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
     """Run ``fn`` (this rank's uploads) in this rank's round; collective over ``comm``.
 
     Every rank calls this with its own ``limit``; the smallest one given wins, and when no rank
-    gives one (all None) ``fn`` runs at once after one small all-reduce.
+    gives one (all None) ``fn`` runs at once after one small ``all_min``.
     """
     none = 1 << 62
-    k = comm.all_min([none if limit is None else limit])[0]
+    what = "save: planning throttled upload rounds"
+    k = comm.all_min([none if limit is None else limit], what)[0]
     if k == none:
         return fn()
-    seen = comm.all_gather(node_id())
+    seen = comm.all_gather(node_id(), what)
     if k < 1:
         raise ConfigError(f"throttle_uploads must be at least 1, got {k}")
     layout = NodeLayout.from_ids(seen)
@@ -47,7 +48,7 @@ def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
                 result = fn()
             except Exception as e:  # re-raised after the rounds: never skip a barrier
                 error = e
-        comm.barrier()  # round r is over on every rank
+        comm.all_min([0], f"save: upload round {r}")  # barrier: round r is over everywhere
     if error is not None:
         raise error
     return result

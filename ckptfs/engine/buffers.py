@@ -3,8 +3,9 @@
 The read engine leases scratch buffers for regions it cannot read in place; the write engine
 leases staging buffers for chunks it must copy (non-contiguous or non-CPU data, or every chunk
 for an asynchronous save). Both go through a ``BufferPool`` over a ``BufferAllocator``: the
-allocator decides what memory is (pageable host memory here; pinned host memory for CUDA
-transfers plugs in behind the same interface), the pool bounds how much of it is held at once.
+allocator decides what memory is (pageable host memory, or pinned host memory where CUDA
+tensors take part: ``allocator_for``), the pool bounds how much of it is held at once. Loads
+into CUDA targets lease a fixed ring of pinned buffers from a pool (engine/ring.py).
 
 Call order: ``lease = await pool.lease(nbytes)`` (waits while the budget is held by others) ->
 fill or drain ``lease.tensor`` / ``lease.view`` -> ``await pool.release(lease)`` once the last
@@ -15,6 +16,7 @@ else is held, then runs alone.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +40,25 @@ class HostAllocator(BufferAllocator):
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class PinnedAllocator(BufferAllocator):
+    """Page-locked host memory (``torch.empty(..., pin_memory=True)``): the only host memory a
+    CUDA copy can use asynchronously. torch's caching host allocator keeps freed blocks for
+    the next pinned allocation and rounds sizes up to a power of two. Selected only where a
+    CUDA tensor takes part (``allocator_for``), since CPU-only torch cannot pin. UNTESTED: no
+    GPU machine was available (README, GPU)."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def allocator_for(tensors: Iterable[torch.Tensor]) -> BufferAllocator:
+    """``PinnedAllocator`` when one of ``tensors`` is on a CUDA device, else ``HostAllocator``
+    (CPU-only data, or a torch without CUDA, never pins)."""
+    if any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available():
+        return PinnedAllocator()
+    return HostAllocator()
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -1,28 +1,34 @@
 """Save, phase 3 of 3: commit. The coordinator builds the index, writes the backend's final
 files, and creates the index create-if-absent: from then on the checkpoint exists.
 
-Before the write phase, ``claim_target`` refuses a committed (or foreign) checkpoint at the URL
-unless ``overwrite``; when overwriting it un-commits the old index first, and ``commit`` removes
-every leftover of the replaced checkpoint once the new one is committed. A failed commit removes
-the data files this save wrote; nothing of a previous checkpoint is lost.
+Before the write phase, ``claim_target`` takes the save lock (engine/lock.py: one save at a time
+per root) and refuses a committed (or foreign) checkpoint at the URL unless ``overwrite``; when
+overwriting it un-commits the old index first, and ``commit`` removes every leftover of the
+replaced checkpoint once the new one is committed. The index records the size and crc32c of
+every file and its own checksum. A failed commit removes the data files this save wrote; nothing
+of a previous checkpoint is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import platform
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ckptfs._version import __version__
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.lock import LockInfo, acquire, release
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import Written, WrittenRank, write_files
+from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import run_sync
 from ckptfs.io.store import Store
@@ -32,12 +38,34 @@ from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry, pack
 from ckptfs.layout.plan import TensorPlan
 
 
-def claim_target(store: Store, comm: Comm, overwrite: bool) -> bool:
-    """Collective: True if a checkpoint is being replaced (overwrite)."""
-    return comm.decide("save: checking the target", lambda: run_sync(_claim(store, overwrite)))
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The target, claimed by the coordinator for this save (every rank gets a copy)."""
+
+    replacing: bool  #: a checkpoint (ckptfs's or a foreign one) is being replaced (overwrite)
+    save_id: str  #: 12 hex digits, unique per save (data file names)
+    lock: LockInfo  #: the save lock the coordinator holds (formats/README.md §8 step 2)
 
 
-async def _claim(store: Store, overwrite: bool) -> bool:
+def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend) -> Claim:
+    """Collective: take the save lock and check the target (see ``_claim``)."""
+    return comm.decide("save: checking the target",
+                       lambda: run_sync(_claim(store, overwrite, backend)))
+
+
+async def _claim(store: Store, overwrite: bool, backend: Backend) -> Claim:
+    save_id = uuid.uuid4().hex[:12]
+    lock = LockInfo.new(save_id, f"{backend.name}-{backend.version}")
+    await acquire(store, lock)  # from here no other save writes to this root
+    try:
+        return Claim(await _check_target(store, overwrite), save_id, lock)
+    except BaseException:
+        await release(store)
+        raise
+
+
+async def _check_target(store: Store, overwrite: bool) -> bool:
+    """True if a checkpoint is being replaced; refuses one unless ``overwrite``."""
     if not await store.exists(INDEX_FILE):
         try:  # a foreign checkpoint (DCP, Megatron, ...) a backend would write over
             await read_index(store)
@@ -58,6 +86,12 @@ async def _claim(store: Store, overwrite: bool) -> bool:
         )
     await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
     return True
+
+
+async def abandon(store: Store) -> None:
+    """After a failed save (coordinator): give the lock back, best effort."""
+    with contextlib.suppress(Exception):
+        await release(store)
 
 
 def commit(staged: StagedSave, written: Written, backend: Backend, store: Store, comm: Comm, *,
@@ -84,10 +118,12 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     by_key: dict[str, list[ChunkEntry]] = defaultdict(list)
     files: dict[str, int] = {}
     assert written.ranks is not None, "build_index runs on the coordinator"
+    sums: dict[str, str] = {p: crc for p, (_, crc) in written.prepared_sums.items()}
     for rank in written.ranks:
         for key, e in rank.entries:
             by_key[key].append(e)
         files.update(rank.files)
+        sums.update(rank.sums)
     check_replicas(written.ranks)
     tensors = {}
     # a packed index (§2.3) leaves out the extra members the backend's spec derives
@@ -112,7 +148,9 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     return Index(backend=backend.name, backend_version=backend.version, tensors=tensors,
                  values=staged.values, containers=staged.containers,
                  files=dict(sorted(files.items())), backend_options=backend.index_options(),
-                 writer=writer, order=staged.order or None, per_rank=staged.per_rank)
+                 writer=writer, order=staged.order or None, per_rank=staged.per_rank,
+                 backend_files={p: n for p, (n, _) in written.prepared_sums.items()},
+                 file_checksums=sums)
 
 
 def check_replicas(ranks: Sequence[WrittenRank]) -> None:
@@ -148,14 +186,23 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
     (``written`` = every file this save wrote), everything else under the root goes after."""
     final = backend.finalize(index, plans)
-    await write_files(store, final[:-1], False)
-    await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
     try:
+        await write_files(store, final[:-1], False)
+        await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
+        finals = file_sums(final)
+        index = dataclasses.replace(
+            index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
+            file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
         await store.put_if_absent(INDEX_FILE, index.dumps())
     except FileExistsError:  # another save committed at this root after claim_target
         raise CheckpointExistsError(
             f"{store.full_path(INDEX_FILE)} appeared while this save was writing: another save "
             f"committed a checkpoint at {store.url} first; it is left as it is") from None
+    except BaseException:  # not committed: the final files must not pose as a checkpoint
+        with contextlib.suppress(Exception):  # (a DCP .metadata would read as a foreign one)
+            await store.delete([f.path for f in final])
+        raise
+    await release(store)  # committed: the next save may come
     if written is not None:
         keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
         stale = [p for p in await store.list() if p not in keep]

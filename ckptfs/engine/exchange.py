@@ -57,7 +57,7 @@ def plan_load(comm: Comm, jobs: Sequence[TensorRead], budget: int) -> Exchange:
             needs.append((u, p.src.volume * dt.itemsize))
     needs.sort()
     lists, owners = comm.distinct(tuple(needs), hashlib.blake2b(
-        repr(needs).encode(), digest_size=16).digest())
+        repr(needs).encode(), digest_size=16).digest(), "load: planning the exchange")
     plan = plan_exchange(lists, owners, budget)
     mine = plan.reads_of(comm.rank)
     reads = []
@@ -86,7 +86,7 @@ def run(comm: Comm, ex: Exchange) -> int:
     me, world = comm.rank, comm.size
     received = 0
     error: BaseException | None = None
-    for rnd in ex.plan.rounds:
+    for rnd_no, rnd in enumerate(ex.plan.rounds):
         pending: list[tuple[Place, torch.Tensor]] = []  # staged receives to place after
         ops: list[tuple[str, torch.Tensor, int, int]] = []  # point-to-point ("send"/"recv")
         for i, t in enumerate(rnd):
@@ -101,7 +101,7 @@ def run(comm: Comm, ex: Exchange) -> int:
                 error = error or e
                 buf, staged = torch.empty(t.unit[2].shape, dtype=p.dtype, device=comm.device), True
             if len(t.dsts) + 1 == world:
-                comm.broadcast_tensor(buf, t.src)
+                comm.broadcast_tensor(buf, t.src, f"load: exchanging (round {rnd_no})")
             elif t.src == me:
                 ops.extend(("send", buf, d, i) for d in t.dsts)
             else:
@@ -110,7 +110,7 @@ def run(comm: Comm, ex: Exchange) -> int:
                 received += t.nbytes
                 if staged:
                     pending.append((p, buf))
-        comm.point_to_point(ops)
+        comm.point_to_point(ops, f"load: exchanging (round {rnd_no})")
         for p, buf in pending:
             try:
                 p.target[p.dst.slices()].copy_(buf)

@@ -28,8 +28,10 @@ async def read_index(store: Store) -> Index:
             continue
         found = await cls.sniff(store)
         if found is not None:
-            return found
+            # the same rules as for an index file: paths inside the root, bounds, keys
+            return Index.from_dict(found.to_dict(), f"{store.url} (read as {name}-{version})")
     raise CheckpointNotFoundError(
-        f"{store.full_path(INDEX_FILE)}: no committed ckptfs checkpoint here (no index), and no "
-        f"registered backend recognises the files as a foreign checkpoint"
+        f"{store.full_path(INDEX_FILE)}: no committed ckptfs checkpoint here (no index: nothing "
+        f"was saved, or a save did not finish and committed nothing; `ckptfs verify {store.url}` "
+        f"tells which), and no registered backend recognises the files as a foreign checkpoint"
     )

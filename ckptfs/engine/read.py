@@ -5,11 +5,18 @@ they land in scratch leased from the engine's buffer pool (engine/buffers.py) an
 once into the target. The pool bounds scratch held at once (``IOConfig.scratch_bytes``): each
 file's pieces are read in batches whose scratch fits the budget, so a load of any size needs
 at most that much extra memory.
+
+Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring.py,
+``IOConfig.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
+to the device asynchronously; a chunk cut into several pieces is still checked whole (a running
+crc32c). With ``IOConfig.gds`` chunks may go straight to the device (engine/gds.py). The CUDA
+copies and GDS reads are UNTESTED (no GPU machine was available; README, GPU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,12 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.gds import DirectReads, gds_reader
+from ckptfs.engine.ring import Completion, Ring, cuda_ring
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
-from ckptfs.layout.checksum import checksum
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.checksum import RunningChecksum, checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.geometry import c_strides, region_runs
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
@@ -46,6 +56,7 @@ class _FileWork:
 
     reads: list[ReadInto]
     after: list[Callable[[], None]]
+    pending: list[Completion]  #: copies started out of the batch's buffer (ring batches)
 
 
 #: (scratch bytes, fn(work, scratch view of exactly that many bytes)) for one piece
@@ -60,23 +71,38 @@ def _typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
 async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead], *,
                        verify: bool = True) -> tuple[int, int]:
     """Fill the jobs' targets from the checkpoint ``index`` describes, with the index's backend
-    and a scratch pool bounded by the store's ``IOConfig.scratch_bytes``; returns (bytes the
-    targets needed, peak scratch bytes held at once)."""
+    and a scratch pool bounded by the store's ``IOConfig.scratch_bytes`` (and, for CUDA targets,
+    a pinned ring of ``IOConfig.ring_bytes``); returns (bytes the targets needed, peak scratch
+    and ring bytes held at once)."""
     backend = get_backend(index.backend, index.backend_version)(index.backend_options)
     pool = BufferPool(limit=store.config.scratch_bytes)
-    needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify)
-    return needed, pool.peak
+    cfg = store.config
+    ring = cuda_ring((j.target for j in jobs), ring_bytes=cfg.ring_bytes, slots=cfg.ring_slots)
+    direct = gds_reader(store, verify) if ring is not None and cfg.gds else None
+    try:
+        needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify, ring=ring,
+                                     direct=direct)
+    except BaseException:
+        if ring is not None:
+            await ring.close(quiet=True)  # the first error is the one to raise
+        raise
+    if ring is not None:
+        await ring.close()
+    return needed, pool.peak + (ring.pool.peak if ring is not None else 0)
 
 
 async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
-                        pool: BufferPool, verify: bool = True) -> int:
+                        pool: BufferPool, verify: bool = True, ring: Ring | None = None,
+                        direct: DirectReads | None = None) -> int:
     """Run every read; returns the number of bytes the targets needed.
 
-    Reads into contiguous CPU targets need no scratch; the others lease it from ``pool``.
+    Reads into contiguous CPU targets need no scratch; the others lease it from ``pool``, or
+    from ``ring`` for the targets it accepts (``direct`` may read some of those in place).
     ``verify`` checks the crc32c of every chunk read whole. A missing or short data file is an
     IntegrityError naming the file and the keys read from it.
     """
     per_file: dict[str, list[_Planned]] = defaultdict(list)
+    ring_file: dict[str, list[_Planned]] = defaultdict(list)  # pieces through the ring
     encoded: list[tuple[TensorRead, ReadPiece, EncodedChunk]] = []
     keys_of: dict[str, set[str]] = defaultdict(set)  # file -> keys read from it (for errors)
     needed = 0
@@ -85,22 +111,30 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     it = iter(sources)
     for job in jobs:
         dt = from_name(job.entry.dtype, job.entry.key)
+        ringed = ring is not None and ring.accepts(job.target)
         for piece in job.pieces:
             src = next(it)
             needed += piece.src.volume * dt.itemsize
             if isinstance(src, RawChunk):
                 keys_of[src.file].add(job.entry.key)
+                if ringed and direct is not None and direct.add(job, piece, src, dt.itemsize):
+                    continue
+                if ringed:
+                    ring_file[src.file].extend(_plan_ring(job, piece, src, dt.torch, dt.itemsize,
+                                                          verify, ring))
+                    continue
+                check = _checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)
                 per_file[src.file].append(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
-                                                    store.config.max_gap, verify))
+                                                    store.config.max_gap, check))
             else:
                 encoded.append((job, piece, src))
     limit = pool.budget.limit
 
-    async def run_file(path: str, planned: list[_Planned]) -> None:
-        for cost, batch in _batches(planned, limit):
-            lease = await pool.lease(cost)
+    async def run_file(path: str, planned: list[_Planned], via: Ring | None = None) -> None:
+        for cost, batch in _batches(planned, limit if via is None else via.slot_bytes):
+            lease = await (pool if via is None else via).lease(cost)
+            work = _FileWork([], [], [])
             try:
-                work = _FileWork([], [])
                 scratch, pos = lease.view, 0
                 for c, materialize in batch:
                     materialize(work, scratch[pos : pos + c])
@@ -112,9 +146,12 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
                 except EOFError as e:
                     raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
                 if work.after:
-                    await asyncio.to_thread(_run_all, work.after)
+                    await _run_after(work.after)
             finally:
-                await pool.release(lease)
+                if via is None:
+                    await pool.release(lease)
+                else:  # reused once the copies out of it complete
+                    await via.release(lease, work.pending)
 
     async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
         cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
@@ -122,7 +159,9 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             await _run_encoded(store, job, piece, src, verify)
 
     await gather_all(*(run_file(p, w) for p, w in per_file.items()),  # a failure cancels the rest
-                     *(run_encoded(j, p, s) for j, p, s in encoded))
+                     *(run_file(p, w, ring) for p, w in ring_file.items()),
+                     *(run_encoded(j, p, s) for j, p, s in encoded),
+                     *((direct.run(store, _damaged, keys_of),) if direct is not None else ()))
     return needed
 
 
@@ -134,6 +173,17 @@ def _damaged(file: str, keys: set[str] | list[str], what: str) -> IntegrityError
 def _run_all(fns: list[Callable[[], None]]) -> None:
     for f in fns:
         f()
+
+
+async def _run_after(fns: list[Callable[[], None]]) -> None:
+    """Run ``fns`` in a worker thread; if cancelled, still wait for the thread, so that nothing
+    copies out of a buffer after it was given back."""
+    fut = asyncio.get_running_loop().run_in_executor(None, _run_all, fns)
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
 
 
 def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
@@ -172,16 +222,90 @@ def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
     return check
 
 
+def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
+               itemsize: int, verify: bool, ring: Ring) -> list[_Planned]:
+    """``piece`` cut to fit ``ring``'s slots, each part read compact into a slot and copied out
+    by ``ring.copier``; a chunk read whole is checked across its parts."""
+    parts = split_piece(piece, itemsize, ring.slot_bytes)
+    if len(parts) == 1:
+        checks = [_checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)]
+    else:
+        checks = _running_checkers(job.entry.key, piece.chunk, src.file, len(parts),
+                                   verify and piece.whole_chunk)
+    return [_plan_raw(job, p, src, dtype, itemsize, 0, c, ring.copier)
+            for p, c in zip(parts, checks, strict=True)]
+
+
+def split_piece(piece: ReadPiece, itemsize: int, limit: int) -> list[ReadPiece]:
+    """``piece`` cut into pieces of at most ``limit`` bytes, in the C order of its region: the
+    first dimension ``d`` whose rows fit is cut into blocks, the dimensions before it into single
+    indices, those after it stay whole, so the parts' bytes follow the region's C order."""
+    shape = piece.src.shape
+    if _nbytes(shape, itemsize) <= limit:
+        return [piece]
+    if itemsize > limit:
+        raise ValueError(f"a slot of {limit} bytes cannot hold one element of {itemsize} bytes")
+    d = 0
+    while _nbytes(shape[d + 1 :], itemsize) > limit:
+        d += 1
+    row = _nbytes(shape[d + 1 :], itemsize)
+    block = limit // row
+    out: list[ReadPiece] = []
+    for idx in itertools.product(*map(range, shape[:d])):
+        for b in range(0, shape[d], block):
+            off = (*idx, b, *(0,) * (len(shape) - d - 1))
+            sub = (*(1,) * d, min(block, shape[d] - b), *shape[d + 1 :])
+            out.append(ReadPiece(piece.chunk, Box(_add(piece.src.offsets, off), sub),
+                                 Box(_add(piece.dst.offsets, off), sub)))
+    return out
+
+
+def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+def _running_checkers(key: str, chunk: ChunkEntry, file: str, n: int,
+                      whole: bool) -> list[Callable[[memoryview | torch.Tensor], None] | None]:
+    """Checks for the ``n`` parts of one chunk, fed in order: the last one compares the crc32c
+    of all their bytes with the index's."""
+    if not (whole and chunk.checksum is not None):
+        return [None] * n
+    want, crc, seen = chunk.checksum, RunningChecksum(), [0]
+
+    def part(i: int) -> Callable[[memoryview | torch.Tensor], None]:
+        def check(data: memoryview | torch.Tensor) -> None:
+            if seen[0] != i:  # parts of a file run in order; anything else is a bug here
+                raise AssertionError(f"chunk part {i} checked after {seen[0]} parts")
+            seen[0] += 1
+            crc.update(tensor_bytes(data) if isinstance(data, torch.Tensor) else data)
+            if i == n - 1 and crc.value != want:
+                raise IntegrityError(f"key {key!r}: chunk at {list(chunk.offsets)} in {file} "
+                                     f"fails its checksum (index says {want}, data gives "
+                                     f"{crc.value})")
+
+        return check
+
+    return [part(i) for i in range(n)]
+
+
 def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
-              itemsize: int, max_gap: int, verify: bool) -> _Planned:
-    """(scratch bytes, a function adding this piece's reads and post-copies to a _FileWork)."""
+              itemsize: int, max_gap: int, check: Callable[[memoryview | torch.Tensor], None] | None,
+              copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None = None) -> _Planned:
+    """(scratch bytes, a function adding this piece's reads and post-copies to a _FileWork).
+    With ``copier`` (a ring piece) the region is read compact and copied out by it."""
     chunk = piece.chunk
     layout = src.stored_shape or chunk.shape  # padded chunks hold their elements in a corner
     dst = job.target[piece.dst.slices()]
     starts, run = region_runs(layout, itemsize, piece.src)
-    check = _checker(job.entry.key, chunk, src.file, verify, piece.whole_chunk)
 
-    if len(starts) == 1 and dst.device.type == "cpu" and dst.is_contiguous():
+    def put(work: _FileWork, region: torch.Tensor) -> None:
+        if copier is None:
+            dst.copy_(region)
+        else:
+            work.pending.append(copier(dst, region))
+
+    if (copier is None and len(starts) == 1 and dst.device.type == "cpu"
+            and dst.is_contiguous()):
         def direct(work: _FileWork, _: memoryview) -> None:
             mv = tensor_bytes(dst)
             work.reads.append(ReadInto(src.offset + int(starts[0]), mv))
@@ -196,14 +320,14 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
             def place() -> None:
                 if check is not None:
                     check(buf)
-                dst.copy_(_typed(buf, dtype, piece.src.shape))
+                put(work, _typed(buf, dtype, piece.src.shape))
 
             work.after.append(place)
 
         return run, compact
     span = int(starts[-1]) + run - int(starts[0])
     gaps = span - run * len(starts)
-    if gaps <= max_gap * (len(starts) - 1):
+    if copier is None and gaps <= max_gap * (len(starts) - 1):
         def spanned(work: _FileWork, buf: memoryview) -> None:
             # one read of the whole span, then one strided copy out of it
             work.reads.append(ReadInto(src.offset + int(starts[0]), buf))
@@ -228,7 +352,7 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
         def place() -> None:
             if check is not None:
                 check(buf)
-            dst.copy_(_typed(buf, dtype, piece.src.shape))
+            put(work, _typed(buf, dtype, piece.src.shape))
 
         work.after.append(place)
 

@@ -4,9 +4,10 @@ Every rank flattens its state dict and describes its tensors without data (plann
 one layout per tensor; a DTensor's mesh and placements stand for every rank's shard). The ranks
 then agree on one plan with as little traffic as the layouts allow:
 
-1. One all-reduce settles, at once, whether any rank failed, whether every rank may reuse its
-   cached plan (planning/plan_cache.py), whether all ranks' descriptions and all ranks' plain
-   values are equal, and whether any rank holds ``PerRank`` state.
+1. One small collective (``Comm.check_min``) settles, at once, whether any rank failed,
+   whether every rank may reuse its cached plan (planning/plan_cache.py), whether all ranks'
+   descriptions and all ranks' plain values are equal, and whether any rank holds ``PerRank``
+   state.
 2. On a cache miss the distinct descriptions are exchanged (``Comm.distinct``: nothing more when
    all are equal, e.g. SPMD training; one per pipeline stage otherwise), every rank checks them
    the same way and plans; each rank computes only its own writes (planning/save_plan.py).
@@ -17,8 +18,11 @@ Then each rank takes the bytes of the chunks it writes: with ``copy=True`` into 
 from the pool (the caller may change its tensors as soon as ``stage`` returns: what an
 asynchronous save needs), with ``copy=False`` as zero-copy views where the data is CPU and
 contiguous (a synchronous save, whose caller waits), copying only what must be (non-contiguous
-or non-CPU data). Each rank also checksums the slices of plain tensors that another rank writes,
-so the coordinator can tell replicas that differ (commit.py).
+or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a staging buffer; CUDA
+data is copied there by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
+queued on a side stream and waited for once. The CUDA copy is UNTESTED (no GPU machine was
+available; README, GPU). Each rank also checksums the slices of plain tensors that another rank
+writes, so the coordinator can tell replicas that differ (commit.py).
 
 The stage phase runs every collective on the ``Comm`` it is given (a background save gives it
 its own group's); the plan cache is keyed by the group's members, so saves over the same ranks
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 
 from ckptfs.dist import Comm
-from ckptfs.engine.buffers import BufferPool, Lease
+from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -181,7 +185,7 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     private_plans = {k: _own_plan(k, s, comm.rank) for k, s in d.own.items()}
     orders: list[tuple[str, ...]] = [d.order]
     if mins[3] != -mins[4] or mins[5] < 0:  # values differ between ranks, or PerRank state
-        parts = comm.gather((d.values, d.containers, d.private))
+        parts = comm.gather((d.values, d.containers, d.private), "save: merging plain values")
         merged = comm.lead("save: merging plain values",
                            lambda: merge_values(parts, plan))  # type: ignore[arg-type]
         if merged is not None:
@@ -207,7 +211,7 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
 
 def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePlan:
     """Exchange the distinct descriptions, check them, plan (collective)."""
-    descs, owners = comm.distinct(d.desc, d.digest)
+    descs, owners = comm.distinct(d.desc, d.digest, "save: exchanging shard descriptions")
     split = backend.split_chunks if type(backend).split_chunks is not Backend.split_chunks else None
 
     def agree() -> SavePlan:
@@ -323,19 +327,70 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
              for *_, data in views]
     wanted = [n for n in sizes if n > 0]
     got = iter(run_sync(_lease_all(pool, wanted)) if wanted else ())
+    d2h = DeviceToHost() if any(v[-1].device.type == "cuda" for v in views) else None
     chunks: list[ChunkData] = []
     leases: list[Lease] = []
     for (key, shape, box, data), n in zip(views, sizes, strict=True):
         if n > 0:
             lease = next(got)
             leases.append(lease)
-            buf = lease.tensor.view(data.dtype).view(data.shape)
-            buf.copy_(data)
-            data = buf
+            data = copy_chunk(data, lease, d2h)
         elif n == 0:
             data = torch.empty(data.shape, dtype=data.dtype)
         chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
+    if d2h is not None:
+        d2h.wait()  # the bytes are on the host before anyone reads them
     return tuple(chunks), tuple(leases)
+
+
+def copy_chunk(data: torch.Tensor, lease: Lease, d2h: DeviceToHost | None = None) -> torch.Tensor:
+    """``data`` copied into ``lease``'s buffer, as a tensor of its dtype and shape (CUDA data
+    by ``d2h``, complete only after ``d2h.wait()``)."""
+    buf = lease.tensor.view(data.dtype).view(data.shape)
+    if d2h is not None and data.device.type == "cuda":
+        d2h.copy(buf, data)
+    else:
+        buf.copy_(data)
+    return buf
+
+
+class DeviceToHost:
+    """UNTESTED (no GPU was available): device-to-host copies queued on a side stream per
+    device, after the work already queued on the device's current stream (which may still be
+    writing the source); ``wait`` synchronizes them. Into pinned buffers the copies run
+    asynchronously, back to back, at the D2H bandwidth."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy(self, buf: torch.Tensor, data: torch.Tensor) -> None:
+        stream = self.streams.get(data.device)
+        if stream is None:
+            stream = self.streams[data.device] = torch.cuda.Stream(data.device)
+            stream.wait_stream(torch.cuda.current_stream(data.device))
+        with torch.cuda.stream(stream):
+            buf.copy_(data, non_blocking=buf.is_pinned())
+
+    def wait(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+
+def staging_allocator(state_dict: Mapping[str, Any]) -> BufferAllocator:
+    """Pinned host memory when the state dict holds CUDA tensors (for asynchronous D2H
+    copies), pageable otherwise."""
+    return allocator_for(_tensors(state_dict))
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
 
 
 async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:

@@ -3,13 +3,16 @@ replaces, and the keys it lacks or does not ask for."""
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.engine.read import TensorRead
-from ckptfs.errors import MismatchError
-from ckptfs.layout.index import Index
+from ckptfs.errors import MalformedIndexError, MismatchError
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import Index, TensorEntry
 from ckptfs.layout.keys import Path, encode_key
 from ckptfs.layout.values import decode_value
 from ckptfs.planning.load_plan import plan_reads
@@ -85,6 +88,29 @@ def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> Targ
     unexpected = sorted(k for k in (*index.tensors, *index.values)
                         if k not in have and not (theirs and k.startswith(theirs)))
     return TargetPlan(tuple(reads), tuple(replace), tuple(sorted(missing)), tuple(unexpected))
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_allocation(entries: Sequence[TensorEntry]) -> None:
+    """Refuse to allocate whole tensors the index describes when together they need more than
+    this machine's memory: such an index is damaged or hostile (a shape of 2**31 x 2**31), and
+    torch would fail with an allocator error, or worse, overcommit and die later."""
+    limit = memory_bytes()
+    total = 0
+    for e in entries:
+        total += math.prod(e.shape) * from_name(e.dtype, e.key).itemsize
+        if limit and total > limit:
+            raise MalformedIndexError(
+                f"key {e.key!r}: {e.dtype} {list(e.shape)} and the tensors before it need {total} "
+                f"bytes, more than this machine's memory ({limit} bytes): the index is damaged, "
+                f"or load the keys you need with load_keys(keys=...) or ckptfs.load into targets")
 
 
 def files_of(reads: Sequence[TensorRead]) -> list[str | None]:

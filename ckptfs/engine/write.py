@@ -2,16 +2,18 @@
 
 The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
-computing each chunk's crc32c while the I/O threads write. With ``throttle_uploads=K`` at most
-K ranks of a node write at once. A failure anywhere raises on every rank (one all-reduce when
-none failed); the outcomes (index entries, file sizes, replica checksums) are gathered on the
-coordinator only, which alone needs them for the index.
+computing each chunk's crc32c and each file's (formats/README.md §6) while the I/O threads write;
+a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading them again. With
+``throttle_uploads=K`` at most K ranks of a node write at once. A failure anywhere raises on
+every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
+checksums, replica checksums) are gathered on the coordinator only, which alone needs them for
+the index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.stage import StagedSave
@@ -21,7 +23,7 @@ from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import checksum
+from ckptfs.layout.checksum import crc_of, crc_of_parts, memo, render
 from ckptfs.layout.index import ChunkEntry
 from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
@@ -33,6 +35,7 @@ class WrittenRank:
 
     entries: tuple[tuple[str, ChunkEntry], ...]  #: (key, entry)
     files: Mapping[str, int]  #: path -> bytes
+    sums: Mapping[str, str] = field(default_factory=dict)  #: path -> crc32c of the whole file
     #: (key, slice, checksum) of plain-tensor slices the rank holds and another rank wrote
     replica_sums: tuple[tuple[str, Box, str], ...] = ()
 
@@ -45,6 +48,8 @@ class Written:
     prepared: tuple[str, ...]  #: files ``Backend.prepare`` wrote (known to the coordinator)
     mine: WrittenRank  #: what this rank wrote
     ranks: tuple[WrittenRank, ...] | None  #: coordinator: every rank's, indexed by rank
+    #: size and crc32c of each file ``Backend.prepare`` wrote (coordinator)
+    prepared_sums: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
     def paths(self) -> set[str]:
         ranks = self.ranks if self.ranks is not None else (self.mine,)
@@ -65,7 +70,14 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
         throttle_uploads, comm,
         lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)),
         lambda w: w, entries=True)
-    return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks))
+    return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
+                   file_sums(prep))
+
+
+def file_sums(files: Sequence[FileWrite],
+              known: dict[tuple[int, int], int] | None = None) -> dict[str, tuple[int, str]]:
+    """Size and crc32c of each file (``known``: CRCs of buffers already summed, by address)."""
+    return {f.path: (f.nbytes, render(crc_of_parts(f.parts, known))) for f in files}
 
 
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
@@ -77,15 +89,18 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     rw = backend.write_rank(job)
     writing = submit(write_files(store, rw.files, progress))
     try:
-        sums = {(c.key, c.box.offsets, c.box.shape): checksum(tensor_bytes(c.data))
-                for c in staged.chunks}
+        crcs = [(c, tensor_bytes(c.data)) for c in staged.chunks]
+        crcs = [(c, data, crc_of(data)) for c, data in crcs]
+        sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
+        whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
     finally:
         writing.result()
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
-    return WrittenRank(entries, {f.path: f.nbytes for f in rw.files}, staged.replica_sums)
+    return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
+                       {p: crc for p, (_, crc) in whole.items()}, staged.replica_sums)
 
 
 class _Some(Mapping[str, TensorPlan]):

@@ -10,7 +10,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from ckptfs.io.retry import retrying
-from ckptfs.io.store import Buffer, IOConfig, Store
+from ckptfs.io.store import Buffer, IOConfig, Store, inside_root
 from ckptfs.io.tasks import gather_all
 
 T = TypeVar("T")
@@ -33,6 +33,7 @@ class FsspecStore(Store):
         self.root = root.rstrip("/")
 
     def _p(self, path: str) -> str:
+        inside_root(path, self.url)
         return f"{self.root}/{path}" if self.root else path
 
     async def get_range(self, path: str, start: int, end: int) -> Buffer:

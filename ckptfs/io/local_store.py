@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
-from ckptfs.io.store import Buffer, IOConfig, Store
+from ckptfs.io.store import Buffer, IOConfig, Store, inside_root
 
 
 class LocalStore(Store):
@@ -21,7 +21,7 @@ class LocalStore(Store):
         self.root = root
 
     def _p(self, path: str) -> str:
-        return os.path.join(self.root, *path.split("/"))
+        return os.path.join(self.root, *inside_root(path, self.root).split("/"))
 
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         def work() -> bytes:

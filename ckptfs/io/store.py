@@ -7,13 +7,36 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptfs.errors import ConfigError
+from ckptfs.errors import ConfigError, MalformedIndexError
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.retry import RetryPolicy
 from ckptfs.io.tasks import gather_all
 
 Buffer = bytes | bytearray | memoryview
+
+
+def path_problem(path: str) -> str | None:
+    """Why ``path`` is not a relative path inside a checkpoint root (formats/README.md §1:
+    '/'-separated non-empty components, none '.' or '..', no backslash, not absolute), or None."""
+    if not path:
+        return "it is empty"
+    if path.startswith("/"):
+        return "it is absolute"
+    if "\\" in path:
+        return "it holds a backslash"
+    if any(p in ("", ".", "..") for p in path.split("/")):
+        return "it has an empty, '.' or '..' component"
+    return None
+
+
+def inside_root(path: str, root: str) -> str:
+    """``path``, if it cannot leave the root (the stores' last line of defence: index, foreign
+    metadata and backends are checked before, this holds whatever reached the store)."""
+    if path and (path.startswith("/") or "\\" in path or ".." in path.split("/")):
+        raise MalformedIndexError(f"{path!r} is not a path inside the checkpoint root {root} "
+                                  f"({path_problem(path)}); refused before any request")
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +62,19 @@ class IOConfig:
     retries: int = 5  #: extra attempts for a transient error (5xx, throttling, drops, timeouts)
     retry_delay: float = 0.2  #: first backoff cap in seconds; doubles per retry, full jitter
     retry_max_delay: float = 10.0  #: upper bound of one backoff
+    #: pinned host memory a load into CUDA targets reads through: ``ring_slots`` buffers of
+    #: ``ring_bytes // ring_slots`` (rounded down to a power of two, as torch pins) each
+    ring_bytes: int = 256 * 2**20
+    ring_slots: int = 4
+    #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can:
+    #: a local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning
+    gds: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency",
-                     "scratch_bytes", "exchange_bytes"):
+                     "scratch_bytes", "exchange_bytes", "ring_bytes", "ring_slots"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:

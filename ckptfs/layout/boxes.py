@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -56,3 +58,45 @@ class Box:
 
 def full_box(shape: Sequence[int]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
+
+
+def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` (non-empty, same rank) that share an element, or None when they are
+    pairwise disjoint. Fast for the layouts checkpoints have: boxes stacked along one dimension
+    (one pass), or lying on a grid their boundaries define (each box mapped to its grid cells);
+    anything else is swept along one dimension."""
+    ordered = sorted(boxes)
+    if len(ordered) < 2:
+        return None
+    first = ordered[0]
+    vary = [d for d in range(len(first.shape))
+            if any(b.offsets[d] != first.offsets[d] or b.shape[d] != first.shape[d] for b in ordered)]
+    if len(vary) == 1:  # a stack: sorted by that dimension, each starts where the last ended
+        d = vary[0]
+        for a, b in itertools.pairwise(ordered):
+            if b.offsets[d] < a.ends[d]:
+                return a, b
+        return None
+    if not vary:
+        return ordered[0], ordered[1]
+    cuts = [sorted({*(b.offsets[d] for b in ordered), *(b.ends[d] for b in ordered)})
+            for d in range(len(first.shape))]
+    spans = [tuple((bisect.bisect_left(c, o), bisect.bisect_left(c, e))
+                   for c, o, e in zip(cuts, b.offsets, b.ends, strict=True)) for b in ordered]
+    if sum(math.prod(hi - lo for lo, hi in s) for s in spans) <= 4 * len(ordered) + 4096:
+        owner: dict[tuple[int, ...], Box] = {}
+        for b, span in zip(ordered, spans, strict=True):
+            for cell in itertools.product(*(range(lo, hi) for lo, hi in span)):
+                prev = owner.setdefault(cell, b)
+                if prev is not b:
+                    return prev, b
+        return None
+    d = max(range(len(first.shape)), key=lambda i: len(cuts[i]))
+    active: list[tuple[int, int, Box]] = []  # (end on d, order, box), sorted
+    for i, b in enumerate(sorted(ordered, key=lambda x: x.offsets[d])):
+        active = [a for a in active if a[0] > b.offsets[d]]
+        for _, _, other in active:
+            if other.intersect(b) is not None:
+                return other, b
+        bisect.insort(active, (b.ends[d], i, b))
+    return None

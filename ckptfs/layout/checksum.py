@@ -1,14 +1,128 @@
-"""Chunk checksums: crc32c of a chunk's raw C-order bytes, written as "crc32c:<8 hex digits>"."""
+"""Checksums (formats/README.md §6): CRC-32C, written as "crc32c:<8 hex digits>".
+
+Chunk checksums cover a chunk's raw C-order bytes; file checksums cover every byte of a file
+(§6.1). google-crc32c computes them; ``combine`` joins the CRCs of two byte strings into the CRC
+of their concatenation without reading the bytes again (the GF(2) method of zlib's
+``crc32_combine``), so a data file's checksum costs nothing extra for the chunk bytes whose CRC
+the engine already computed.
+"""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
 
 import google_crc32c
 import numpy as np
 
 ALGORITHM = "crc32c"
+PATTERN = re.compile(r"crc32c:[0-9a-f]{8}")
+_POLY = 0x82F63B78  #: CRC-32C polynomial, reflected
 
 
 def checksum(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     """The index form of the checksum of ``data``."""
+    return render(crc_of(data))
+
+
+def render(crc: int) -> str:
+    return f"{ALGORITHM}:{crc:08x}"
+
+
+def crc_of(data: bytes | bytearray | memoryview | np.ndarray) -> int:
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-    return f"{ALGORITHM}:{google_crc32c.value(arr):08x}"
+    return int(google_crc32c.value(arr)) if arr.nbytes else 0
+
+
+def extend(crc: int, data: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """The CRC of (the bytes of ``crc``) + ``data``."""
+    arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    return int(google_crc32c.extend(crc, arr)) if arr.nbytes else crc
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC polynomial (reflected bit order)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    p = 1 << 30  # x^1
+    table = [p]
+    for _ in range(1, 64):
+        p = _multmodp(p, p)
+        table.append(p)
+    return table
+
+
+_X2N = _x2n_table()  #: x^(2^k) modulo the polynomial
+
+
+def combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32C of A + B from crc(A), crc(B) and len(B) (zlib's crc32_combine method)."""
+    if len_b <= 0:
+        return crc_a
+    p = 1 << 31  # x^0
+    n, k = len_b, 3  # x^(8 * len_b)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 63], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc_a) ^ crc_b
+
+
+#: parts at least this large whose CRC is already known are combined instead of read again
+COMBINE_MIN = 1 << 20
+
+
+def crc_of_parts(parts: Sequence[bytes | bytearray | memoryview],
+                 known: dict[tuple[int, int], int] | None = None) -> int:
+    """The CRC of the concatenation of ``parts``. ``known`` maps (address, length) of buffers
+    whose CRC was computed already (chunk bytes) to that CRC: large ones are combined, not
+    read again."""
+    crc = 0
+    for part in parts:
+        arr = np.frombuffer(part, dtype=np.uint8)
+        n = arr.nbytes
+        if not n:
+            continue
+        have = known.get((arr.ctypes.data, n)) if known and n >= COMBINE_MIN else None
+        crc = combine(crc, have, n) if have is not None else extend(crc, arr)
+    return crc
+
+
+def memo(buffers: Iterable[tuple[memoryview | bytes, int]]) -> dict[tuple[int, int], int]:
+    """(address, length) -> CRC for buffers whose CRC is known (for ``crc_of_parts``)."""
+    out = {}
+    for buf, crc in buffers:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        if arr.nbytes:
+            out[(arr.ctypes.data, arr.nbytes)] = crc
+    return out
+
+
+class RunningChecksum:
+    """The checksum of bytes given piece by piece, in order: equal to ``checksum`` of their
+    concatenation (a chunk read in several pieces is checked without joining them)."""
+
+    __slots__ = ("_crc",)
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
+        arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        self._crc = google_crc32c.extend(self._crc, arr)
+
+    @property
+    def value(self) -> str:
+        """The index form, as ``checksum`` writes it."""
+        return f"{ALGORITHM}:{self._crc:08x}"

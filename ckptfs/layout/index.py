@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfs.errors import FormatVersionError, MalformedIndexError
+from ckptfs.errors import ConfigError, FormatVersionError, IntegrityError, MalformedIndexError
+from ckptfs.io.store import path_problem
+from ckptfs.layout.checksum import PATTERN as CHECKSUM_PATTERN
+from ckptfs.layout.checksum import checksum, crc_of, extend, render
+from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.keys import check_key
 
 INDEX_FILE = "ckptfs.index.json"
+#: held by a save while it runs (formats/README.md §8); never part of a checkpoint
+LOCK_FILE = "ckptfs.lock"
 FORMAT_NAME = "ckptfs"
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
@@ -30,6 +37,12 @@ KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS})
 #: by readers without the feature
 PACK_MIN_CHUNKS = 4096
 _CRC = "crc32c:"
+#: dimensions, offsets and element counts beyond this are refused (formats/README.md §2.1): no
+#: real tensor comes near it, and products of such numbers stay exact in every int64 reader
+MAX_DIM = 2**62
+#: an index file above this many bytes is refused before it is parsed (parsing takes several times
+#: its size in memory); ``$CKPTFS_MAX_INDEX_BYTES`` raises it for a truly huge checkpoint
+MAX_INDEX_BYTES = 1 << 30
 
 Json = Any
 
@@ -81,15 +94,20 @@ class ChunkEntry:
         offsets, shape, fid, off, length, crc = row[:6]
         for name, v in (("offsets", offsets), ("shape", shape)):
             if not isinstance(v, list) or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-                raise MalformedIndexError(f"{where}: {name} must be a list of ints >= 0: {v!r}")
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM
+                    for x in v):
+                raise MalformedIndexError(f"{where}: {name} must be a list of ints in "
+                                          f"[0, 2**62]: {_short(v)}")
         if len(offsets) != len(shape):
             raise MalformedIndexError(f"{where}: 'offsets' and 'shape' differ in length")
-        if fid is not None and not (isinstance(fid, int) and 0 <= fid < len(files)):
+        if fid is not None and not (isinstance(fid, int) and not isinstance(fid, bool)
+                                    and 0 <= fid < len(files)):
             raise MalformedIndexError(f"{where}: file id {fid!r} is not in file_table")
         for name, v in (("byte_offset", off), ("byte_length", length)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise MalformedIndexError(f"{where}: {name} must be an int >= 0, got {v!r}")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                                  or not 0 <= v <= MAX_DIM):
+                raise MalformedIndexError(f"{where}: {name} must be an int in [0, 2**62], "
+                                          f"got {_short(v)}")
         if crc is not None and not isinstance(crc, str):
             raise MalformedIndexError(f"{where}: checksum must be a string, got {crc!r}")
         extra = row[6] if len(row) == 7 else {}
@@ -110,8 +128,8 @@ class ChunkEntry:
             offsets=offsets,
             shape=shape,
             file=file,
-            byte_offset=_opt(d, "byte_offset", int, where),
-            byte_length=_opt(d, "byte_length", int, where),
+            byte_offset=_size(d, "byte_offset", where),
+            byte_length=_size(d, "byte_length", where),
             checksum=_opt(d, "checksum", str, where),
             extra=_opt(d, "extra", dict, where) or {},
         )
@@ -152,6 +170,11 @@ class TensorEntry:
         """``files``: the file table of a packed index (chunks are rows, §2.3)."""
         where = f"tensors[{key!r}]"
         chunks = _req(d, "chunks", list, where)
+        shape = _int_tuple(d, "shape", where)
+        if math.prod(shape) > MAX_DIM:
+            raise MalformedIndexError(f"{where}: shape {list(shape)} has more than 2**62 elements")
+        dtype = _req(d, "dtype", str, where)
+        from_name(dtype, key)  # one of the names of §5
         if files is None:
             parsed = tuple(ChunkEntry.from_dict(c, f"{where}.chunks[{i}]")
                            for i, c in enumerate(chunks))
@@ -160,8 +183,8 @@ class TensorEntry:
                            for i, c in enumerate(chunks))
         return cls(
             key=key,
-            dtype=_req(d, "dtype", str, where),
-            shape=_int_tuple(d, "shape", where),
+            dtype=dtype,
+            shape=shape,
             chunks=parsed,
             extra=_opt(d, "extra", dict, where) or {},
         )
@@ -187,6 +210,25 @@ class Index:
     order: tuple[str, ...] | None = None
     #: keys of ``PerRank`` state: dict containers holding one entry per saving rank (§3.4)
     per_rank: tuple[str, ...] = ()
+    #: the backend's files written before or after the data (zarr metadata, DCP .metadata), with
+    #: their sizes: with ``files``, every file of the checkpoint (formats/README.md §2)
+    backend_files: Mapping[str, int] = field(default_factory=dict)
+    #: CRC-32C of every byte of every file of ``files`` and ``backend_files`` (§6.1); empty for
+    #: indexes written before whole-file checksums
+    file_checksums: Mapping[str, str] = field(default_factory=dict)
+    #: the index's own checksum as read (§6.2); ``dumps`` always writes a fresh one
+    index_checksum: str | None = None
+
+    @property
+    def all_files(self) -> dict[str, int]:
+        """Every file of the checkpoint but the index, with its size (data and backend files)."""
+        return {**self.files, **self.backend_files}
+
+    @property
+    def complete_manifest(self) -> bool:
+        """True when the index lists every file of the checkpoint with a checksum (written by a
+        ckptfs with whole-file checksums): anything else under the root is not part of it."""
+        return bool(self.file_checksums) or (not self.files and self.index_checksum is not None)
 
     @property
     def total_bytes(self) -> int:
@@ -237,11 +279,16 @@ class Index:
             d["files"] = dict(self.files)
         if self.per_rank:
             d["per_rank"] = list(self.per_rank)
+        if self.backend_files:
+            d["backend_files"] = dict(sorted(self.backend_files.items()))
+        if self.file_checksums:
+            d["file_checksums"] = dict(sorted(self.file_checksums.items()))
         return d
 
     def dumps(self) -> bytes:
-        """The index as UTF-8 JSON bytes, one line (no NaN literals: values are pre-encoded)."""
-        return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode()
+        """The index as UTF-8 JSON bytes, one line (no NaN literals: values are pre-encoded),
+        ending with its own checksum (formats/README.md §6.2)."""
+        return seal(json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
@@ -269,32 +316,49 @@ class Index:
                 f"known features: {sorted(KNOWN_FEATURES)}"
             )
         be = _req(d, "backend", dict, source)
-        files = _opt(d, "files", dict, source) or {}
-        for path, size in files.items():
-            check_relative_path(path, f"{source}: files")
-            if _check(size, path, int, f"{source}: files") < 0:
-                raise MalformedIndexError(f"{source}: files[{path!r}] is negative: {size}")
+        files = _file_sizes(d, "files", source)
+        table: list[str] | None = None
+        if PACKED_CHUNKS in features:  # the data files come from the file table (§2.3)
+            if "files" in d:
+                raise MalformedIndexError(f"{source}: a packed index lists its data files in "
+                                          f"'file_table', not in 'files' (formats/README.md §2.3)")
+            table = _file_table(_req(d, "file_table", dict, source), files, source)
+        backend_files = _file_sizes(d, "backend_files", source)
+        both = sorted(files.keys() & backend_files.keys())
+        if both:
+            raise MalformedIndexError(f"{source}: {both[0]!r} is in both 'files' and 'backend_files'")
+        sums = _opt(d, "file_checksums", dict, source) or {}
+        for path, value in sums.items():
+            if path not in files and path not in backend_files:
+                raise MalformedIndexError(f"{source}: file_checksums[{path!r}]: the file is in "
+                                          f"neither 'files' nor 'backend_files'")
+            if not isinstance(value, str) or not CHECKSUM_PATTERN.fullmatch(value):
+                raise MalformedIndexError(f"{source}: file_checksums[{path!r}] is {value!r}, not "
+                                          f"'crc32c:' and 8 lowercase hex digits")
+        own = _opt(d, "index_checksum", str, source)
+        if own is not None and not CHECKSUM_PATTERN.fullmatch(own):
+            raise MalformedIndexError(f"{source}: index_checksum is {own!r}, not 'crc32c:' and 8 "
+                                      f"lowercase hex digits")
         tensors = _req(d, "tensors", dict, source)
         values = _opt(d, "values", dict, source) or {}
         containers = _opt(d, "containers", dict, source) or {}
         _check_keys(source, tensors, values, containers)
         order = _opt(d, "order", list, source)
         known = {"format", "format_version", "required_features", "backend", "writer", "order",
-                 "containers", "values", "tensors", "files", "per_rank", "file_table"}
-        table: list[str] | None = None
-        files = dict(files)
-        if PACKED_CHUNKS in features:
-            table = _file_table(_req(d, "file_table", dict, source), files, source)
+                 "containers", "values", "tensors", "files", "per_rank", "file_table",
+                 "backend_files", "file_checksums", "index_checksum"}
         per_rank = _opt(d, "per_rank", list, source) or []
         if not all(isinstance(k, str) and k in containers for k in per_rank):
             raise MalformedIndexError(f"{source}: field 'per_rank' must list container keys: "
                                       f"{per_rank!r}")
+        entries = {k: TensorEntry.from_dict(k, t, table)
+                   for k, t in tensors.items()}
+        _check_ranges(entries, {**files, **backend_files}, source)
         return cls(
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
             backend_options=_opt(be, "options", dict, f"{source}: backend") or {},
-            tensors={k: TensorEntry.from_dict(k, _check(t, k, dict, f"{source}: tensors"), table)
-                     for k, t in tensors.items()},
+            tensors=entries,
             values=values,
             containers=containers,
             files=files,
@@ -304,12 +368,80 @@ class Index:
             extra={k: v for k, v in d.items() if k not in known},
             order=None if order is None else _check_order(source, order, tensors, values, containers),
             per_rank=tuple(per_rank),
+            backend_files=backend_files,
+            file_checksums=sums,
+            index_checksum=own,
         )
 
     @classmethod
-    def loads(cls, data: bytes, source: str = INDEX_FILE) -> Index:
-        """Parse the index file's bytes (formats/README.md §2.2, then §7)."""
-        return cls.from_dict(parse_json(data, source), source)
+    def loads(cls, data: bytes, source: str = INDEX_FILE, *, check: bool = True) -> Index:
+        """Parse the index file's bytes (formats/README.md §2.2, then §7). With ``check`` (the
+        default) an index carrying its own checksum (§6.2) must match it: IntegrityError
+        otherwise, before anything else is looked at."""
+        data = bytes(data)
+        limit = max_index_bytes()
+        if len(data) > limit:
+            raise MalformedIndexError(f"{source}: {len(data)} bytes, above the bound of {limit} "
+                                      f"for an index (set $CKPTFS_MAX_INDEX_BYTES to read it)")
+        want = sealed_checksum(data)
+        if check and want is not None:
+            got = render(extend(crc_of(memoryview(data)[:want[1]]), b"}"))
+            if got != want[0]:
+                raise IntegrityError(f"{source}: the index fails its own checksum (index_checksum "
+                                     f"says {want[0]}, its bytes give {got}): it was damaged or "
+                                     f"edited after it was written")
+        index = cls.from_dict(parse_json(data, source), source)
+        if index.index_checksum is not None and (want is None or want[0] != index.index_checksum):
+            raise MalformedIndexError(f"{source}: index_checksum must be the last member of the "
+                                      f"index (formats/README.md §6.2)")
+        return index
+
+
+def max_index_bytes() -> int:
+    """The largest index file a reader parses (MAX_INDEX_BYTES or $CKPTFS_MAX_INDEX_BYTES)."""
+    env = os.environ.get("CKPTFS_MAX_INDEX_BYTES")
+    if env is None:
+        return MAX_INDEX_BYTES
+    try:
+        return int(env)
+    except ValueError:
+        raise ConfigError(f"$CKPTFS_MAX_INDEX_BYTES is {env!r}, not a number of bytes") from None
+
+
+def _check_ranges(tensors: Mapping[str, TensorEntry], sizes: Mapping[str, int], source: str) -> None:
+    """Every chunk's byte range lies inside its file's recorded size (formats/README.md §2.1)."""
+    for key, t in tensors.items():
+        for i, c in enumerate(t.chunks):
+            size = sizes.get(c.file) if c.file is not None else None
+            if size is None or c.byte_offset is None or c.byte_length is None:
+                continue
+            if c.byte_offset + c.byte_length > size:
+                raise MalformedIndexError(
+                    f"{source}: tensors[{key!r}].chunks[{i}]: bytes [{c.byte_offset}, "
+                    f"{c.byte_offset + c.byte_length}) lie beyond the end of {c.file} "
+                    f"({size} bytes by the index)")
+
+
+# -- the index's own checksum (formats/README.md §6.2) -------------------------------------------
+
+#: the last member of a sealed index: ``, "index_checksum": "crc32c:<8 hex>"}`` and JSON space
+_SEAL = re.compile(rb',[ \t\n\r]*"index_checksum"[ \t\n\r]*:[ \t\n\r]*'
+                   rb'"(crc32c:[0-9a-f]{8})"[ \t\n\r]*\}[ \t\n\r]*\Z')
+
+
+def sealed_checksum(data: bytes) -> tuple[str, int] | None:
+    """(the checksum a sealed index records, where its last member starts), or None."""
+    start = max(0, len(data) - 256)  # the member and some trailing space
+    m = _SEAL.search(data, start)
+    return None if m is None else (m.group(1).decode(), m.start())
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (a non-empty JSON object without ``index_checksum``, ending with its closing
+    brace) with its checksum, the CRC-32C of ``body`` itself, inserted as the last member."""
+    if not body.endswith(b"}"):
+        raise ValueError("seal: the index must end with '}'")
+    return body[:-1] + b', "index_checksum": "' + checksum(body).encode() + b'"}'
 
 
 # -- JSON (formats/README.md §2.2) -----------------------------------------------------------------
@@ -331,10 +463,15 @@ def parse_json(data: bytes, source: str = INDEX_FILE) -> Any:
                          parse_float=_finite_float)
     except _JsonRuleError as e:
         raise MalformedIndexError(f"{source}: {e}") from None
+    except RecursionError:
+        raise MalformedIndexError(f"{source}: nested too deeply to be an index") from None
     except ValueError as e:  # JSONDecodeError, and ints beyond Python's int <-> str limit
         raise MalformedIndexError(f"{source}: not valid JSON ({e})") from None
     if _SURROGATE_ESCAPE.search(text):
-        where = _lone_surrogate(doc, "")
+        try:
+            where = _lone_surrogate(doc, "")
+        except RecursionError:
+            raise MalformedIndexError(f"{source}: nested too deeply to be an index") from None
         if where is not None:
             raise MalformedIndexError(f"{source}: the string at {where or '/'} holds a lone "
                                       f"surrogate escape: not valid Unicode")
@@ -449,13 +586,19 @@ def _file_table(t: Mapping[str, Json], files: dict[str, int], source: str) -> li
     """The paths of a packed index's file table (§2.3); adds their sizes to ``files``."""
     where = f"{source}: file_table"
     prefix = _req(t, "prefix", str, where)
-    out = []
+    out: list[str] = []
+    seen: set[str] = set()
     for i, row in enumerate(_req(t, "files", list, where)):
         if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str)
                 or not (row[1] is None or (isinstance(row[1], int) and not isinstance(row[1], bool)
                                            and row[1] >= 0))):
             raise MalformedIndexError(f"{where}.files[{i}] must be [name, size or null]: {row!r}")
         path = check_relative_path(prefix + row[0], f"{where}.files[{i}]")
+        if row[1] is not None and row[1] > MAX_DIM:
+            raise MalformedIndexError(f"{where}.files[{i}]: {row[1]} is not a size")
+        if path in seen:
+            raise MalformedIndexError(f"{where}.files[{i}]: {path!r} is listed twice")
+        seen.add(path)
         if row[1] is not None:
             files[path] = row[1]
         out.append(path)
@@ -464,13 +607,31 @@ def _file_table(t: Mapping[str, Json], files: dict[str, int], source: str) -> li
 
 def check_relative_path(path: str, where: str) -> str:
     """Paths in an index stay under the checkpoint root: relative, '/'-separated, no '..'."""
-    parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
-        raise MalformedIndexError(f"{where}: {path!r} is not a relative path inside the checkpoint")
+    if not isinstance(path, str) or path_problem(path) is not None:
+        raise MalformedIndexError(f"{where}: {_short(path)} is not a relative path inside the "
+                                  f"checkpoint")
     return path
 
 
+def _file_sizes(d: Mapping[str, Json], name: str, source: str) -> dict[str, int]:
+    """A map of relative paths to sizes (``files``, ``backend_files``)."""
+    out = _opt(d, name, dict, source) or {}
+    for path, size in out.items():
+        check_relative_path(path, f"{source}: {name}")
+        if not 0 <= _check(size, path, int, f"{source}: {name}") <= MAX_DIM:
+            raise MalformedIndexError(f"{source}: {name}[{path!r}] is not a size: {size}")
+    return out
+
+
+def _size(d: Mapping[str, Json], name: str, where: str) -> int | None:
+    v = _opt(d, name, int, where)
+    if v is not None and not 0 <= v <= MAX_DIM:
+        raise MalformedIndexError(f"{where}: field {name!r} is {v}, not in [0, 2**62]")
+    return v
+
+
 def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
+    _object(d, where)
     if name not in d:
         raise MalformedIndexError(f"{where}: required field {name!r} is missing")
     return _check(d[name], name, typ, where)
@@ -478,9 +639,15 @@ def _req(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
 
 def _opt(d: Mapping[str, Json], name: str, typ: type, where: str) -> Any:
     """An optional field: absent (None), or of type ``typ``; an explicit JSON null is refused."""
+    _object(d, where)
     if name not in d:
         return None
     return _check(d[name], name, typ, where)
+
+
+def _object(d: Any, where: str) -> None:
+    if not isinstance(d, Mapping):
+        raise MalformedIndexError(f"{where}: must be a JSON object, got {type(d).__name__}")
 
 
 def _check(v: Any, name: str, typ: type, where: str) -> Any:
@@ -493,6 +660,12 @@ def _check(v: Any, name: str, typ: type, where: str) -> Any:
 
 def _int_tuple(d: Mapping[str, Json], name: str, where: str) -> tuple[int, ...]:
     v = _req(d, name, list, where)
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise MalformedIndexError(f"{where}: field {name!r} must be a list of ints >= 0: {v!r}")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM for x in v):
+        raise MalformedIndexError(f"{where}: field {name!r} must be a list of ints in [0, 2**62]: "
+                                  f"{_short(v)}")
     return tuple(v)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + " ..."

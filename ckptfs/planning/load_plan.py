@@ -7,8 +7,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptfs.errors import ShardingError
-from ckptfs.layout.boxes import Box
+from ckptfs.errors import MalformedIndexError, ShardingError
+from ckptfs.layout.boxes import Box, first_overlap
 from ckptfs.layout.index import ChunkEntry, TensorEntry
 
 
@@ -25,12 +25,24 @@ class ReadPiece:
         return self.src.shape == self.chunk.shape
 
 
+def _outside(entry: TensorEntry, c: ChunkEntry) -> MalformedIndexError:
+    return MalformedIndexError(f"key {entry.key!r}: chunk {Box(c.offsets, c.shape)} lies outside "
+                               f"the tensor's shape {list(entry.shape)}")
+
+
 def _candidates(entry: TensorEntry, local: Box) -> Sequence[ChunkEntry]:
     """The chunks that may meet ``local``: with many chunks, only those whose extent along the
-    first dimension can reach it (bisection on the chunks ordered by their first offset)."""
+    first dimension can reach it (bisection on the chunks ordered by their first offset). Every
+    chunk is checked for its number of dimensions and its extent along the first (a chunk
+    outside the tensor is refused even when it does not meet ``local``); ``plan_reads`` checks
+    the candidates' other dimensions."""
     chunks = entry.chunks
     if len(chunks) < 64 or not local.shape:
         return chunks
+    nd, n0 = len(entry.shape), entry.shape[0]
+    for c in chunks:
+        if len(c.offsets) != nd or len(c.shape) != nd or c.offsets[0] + c.shape[0] > n0:
+            raise _outside(entry, c)
     first = [c.offsets[0] for c in chunks]
     order: Sequence[ChunkEntry] = chunks
     if any(a > b for a, b in itertools.pairwise(first)):
@@ -43,11 +55,15 @@ def _candidates(entry: TensorEntry, local: Box) -> Sequence[ChunkEntry]:
 
 
 def plan_reads(entry: TensorEntry, local: Box) -> list[ReadPiece]:
-    """The pieces that fill ``local``; raises ShardingError if the chunks leave a hole."""
+    """The pieces that fill ``local``, each element exactly once (formats/README.md §2.1):
+    MalformedIndexError for a chunk outside the tensor's shape, ShardingError when the chunks
+    leave a hole in ``local`` or overlap in it, before anything is read."""
     pieces = []
     covered = 0
     for c in _candidates(entry, local):
         cbox = Box(c.offsets, c.shape)
+        if not cbox.in_bounds(entry.shape):
+            raise _outside(entry, c)
         common = cbox.intersect(local)
         if common is None:
             continue
@@ -58,4 +74,10 @@ def plan_reads(entry: TensorEntry, local: Box) -> list[ReadPiece]:
             f"key {entry.key!r}: the checkpoint's chunks cover {covered} of the {local.volume} "
             f"elements this rank needs ({local})"
         )
+    both = first_overlap([p.dst for p in pieces]) if len(pieces) > 1 else None
+    if both is not None:  # the volumes add up, so an overlap hides a hole
+        a, b = (Box(tuple(x + o for x, o in zip(q.offsets, local.offsets, strict=True)), q.shape)
+                for q in both)
+        raise ShardingError(f"key {entry.key!r}: the checkpoint's chunks overlap ({a} and {b}) "
+                            f"and leave a hole of the same size in {local}")
     return pieces

@@ -5,7 +5,7 @@ saves over the same ranks share it, whatever ``Comm`` or process group object th
 foreground save and a background save of the same structure). An entry records the digest of
 this rank's description (tensor layouts, the backend and its options, the slicing threshold)
 and a plan id that every rank of the planning save computed alike. A save reuses its entry
-only if, on every rank, the digest is unchanged and the plan ids are equal (one all-reduce);
+only if, on every rank, the digest is unchanged and the plan ids are equal (one ``all_min``);
 otherwise every rank plans afresh. So a change of shapes, dtypes, placements, keys, backend or
 world invalidates the entry, and two interleaved saves of different structures can never
 make ranks use plans from different saves. Entries are immutable; the newest

@@ -14,16 +14,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import build_index, claim_target, commit_index
+from ckptfs.engine.commit import Claim, abandon, build_index, claim_target, commit_index
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.lock import Renewal
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import Written, WrittenRank, write_files, write_rank
+from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files, write_rank
 from ckptfs.errors import UsageError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
@@ -103,9 +103,23 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
     index = source.index
     plans = _plans(index, be)
     comm = Comm(None)  # one process, no process group
-    replacing = claim_target(store, comm, overwrite)
-    save_id = uuid.uuid4().hex[:12]
+    claim = claim_target(store, comm, overwrite, be)
+    renewal = Renewal(store, claim.lock)
+    try:
+        return _write_and_commit(source, be, store, plans, claim, buffer_bytes, verify, progress)
+    except BaseException:
+        run_sync(abandon(store))
+        raise
+    finally:
+        renewal.stop()
+
+
+def _write_and_commit(source: Source, be: Backend, store: Store, plans: dict[str, TensorPlan],
+                      claim: Claim, buffer_bytes: int, verify: bool, progress: bool) -> Index:
+    index = source.index
+    save_id = claim.save_id
     prepared: list[str] = []
+    prepared_sums: dict[str, tuple[int, str]] = {}
     ranks = []
     regions = [Region(index.tensors[k], c.box) for k, p in plans.items() for c in p.chunks]
     bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs convert {source.url}", progress)
@@ -113,12 +127,13 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
         prep = be.prepare(plans)
         prepared += [f.path for f in prep]
         run_sync(write_files(store, prep, False))
+        prepared_sums.update(file_sums(prep))
         for batch_no, batch in enumerate(batches(regions, buffer_bytes)):
             ranks.append(_write_batch(source, be, store, plans, batch_no, batch, save_id,
                                       buffer_bytes, verify))
             bar.update(sum(r.nbytes for r in batch))
         written = Written(tuple(prepared), ranks[0] if ranks else WrittenRank((), {}),
-                          tuple(ranks))
+                          tuple(ranks), prepared_sums)
         staged = StagedSave(0, 1, plans, (), dict(index.values), dict(index.containers), (), False,
                             tuple(index.order or ()),
                             tensors={k: (p.dtype, p.shape) for k, p in plans.items()})
@@ -134,7 +149,7 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
     finally:
         bar.close()
     try:
-        run_sync(commit_index(store, be, new, plans, written.paths() if replacing else None))
+        run_sync(commit_index(store, be, new, plans, written.paths() if claim.replacing else None))
     except BaseException:
         if not run_sync(store.exists(INDEX_FILE)):
             run_sync(store.delete(sorted(written.paths())))

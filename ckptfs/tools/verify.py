@@ -1,11 +1,14 @@
 """``ckptfs.verify``: check a checkpoint end to end and report every problem, not just the first.
 
-Checks, in order: the index against formats/index.schema.json (when jsonschema is installed)
-and the format's compatibility policy; every data file present with its recorded size; every
+Checks, in order: the index's own checksum; the index against formats/index.schema.json (when
+jsonschema is installed) and the format's compatibility policy; every file of the checkpoint
+(data and backend files) present with its recorded size, and nothing else under the root; every
 tensor's chunks inside its shape, pairwise disjoint and covering it (geometry, not area sums);
-every chunk read whole and its crc32c compared with the index. A problem names its kind, key,
-chunk offsets and file. New kinds may be added (``KINDS``); consumers should treat an unknown
-kind as a problem like any other.
+every chunk read whole and its crc32c compared with the index; every file read whole and its
+crc32c compared (formats/README.md §6). A root without an index is surveyed: the files of a save
+that did not finish are reported as such (tools/clean.py). A problem names its kind, key, chunk
+offsets and file. New kinds may be added (``KINDS``); consumers should treat an unknown kind as
+a problem like any other.
 """
 
 from __future__ import annotations
@@ -23,16 +26,17 @@ import numpy as np
 import ckptfs.layout
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.errors import public_errors
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CheckpointNotFoundError, CkptfsError
 from ckptfs.io import IOConfig, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import checksum
+from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
+from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index, TensorEntry, sealed_checksum
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.tools.clean import survey
 from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, batches, progress_bar, read_regions
 
 SCHEMA_FILE = Path(ckptfs.layout.__file__).resolve().parent / "index.schema.json"
@@ -49,6 +53,10 @@ KINDS: dict[str, str] = {
     "dtype": "a tensor's dtype is unknown",
     "read": "a chunk's bytes cannot be read or decoded",
     "checksum": "a chunk's bytes do not match its crc32c",
+    "index-checksum": "the index's bytes do not match its own checksum (damaged or edited)",
+    "file-checksum": "a file's bytes do not match the crc32c the index records for it",
+    "extra-file": "a file under the root is not part of the checkpoint (a leftover)",
+    "interrupted": "no committed checkpoint, but the files of a save that did not finish",
 }
 
 
@@ -141,21 +149,34 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
     raw = _read_raw_index(store)
     foreign = raw is None
     if raw is not None:
+        _own_checksum(store, raw, problems, skipped)
         _schema(raw, problems, skipped)
     try:
-        index = run_sync(read_index(store))
+        if raw is not None:  # read as it is, also when it failed its own checksum
+            index = Index.loads(raw, store.full_path(INDEX_FILE), check=False)
+        else:
+            index = run_sync(read_index(store))
     except (CkptfsError, OSError) as e:
-        problems.append(Problem("index", f"{type(e).__name__}: {e}", file=INDEX_FILE))
+        where = survey(store) if isinstance(e, CheckpointNotFoundError) else None
+        if where is not None and where.state == "interrupted":
+            problems.append(Problem("interrupted", where.describe(), file=LOCK_FILE
+                                    if where.lock_present else None))
+        else:
+            problems.append(Problem("index", f"{type(e).__name__}: {e}", file=INDEX_FILE))
         return VerifyReport(url, tuple(problems), skipped=tuple(skipped),
                             seconds=time.perf_counter() - t0)
     if foreign:
         _schema(json.dumps(index.to_dict()).encode(), problems, skipped, sniffed=True)
+    else:
+        _extra_files(store, problems, skipped)
     chunks = sum(len(t.chunks) for t in index.tensors.values())
     missing = _files(store, index, problems)
     for entry in index.tensors.values():
         _tiling(entry, problems, skipped)
     summed = unsummed = 0
     before = store.stats.bytes_read
+    if checksums and not foreign:
+        _file_checksums(store, index, missing, problems, skipped, buffer_bytes)
     if checksums:
         try:
             backend = get_backend(index.backend, index.backend_version)(index.backend_options)
@@ -171,6 +192,72 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
         url, tuple(problems), index.backend, index.backend_version, foreign, len(index.tensors),
         chunks, summed, unsummed, len(_all_files(index)), store.stats.bytes_read - before,
         tuple(skipped), time.perf_counter() - t0)
+
+
+def _own_checksum(store: Store, raw: bytes, problems: list[Problem], skipped: list[str]) -> None:
+    """The index's own checksum (formats/README.md §6.2), before anything else."""
+    found = sealed_checksum(raw)
+    if found is None:
+        skipped.append("index checksum: the index records none (written by a ckptfs before "
+                       "whole-checkpoint checksums)")
+        return
+    got = render(extend(crc_of(memoryview(raw)[:found[1]]), b"}"))
+    if got != found[0]:
+        problems.append(Problem("index-checksum", f"the index fails its own checksum "
+                                f"(index_checksum says {found[0]}, its bytes give {got}): it was "
+                                f"damaged or edited after it was written", file=INDEX_FILE))
+
+
+def _extra_files(store: Store, problems: list[Problem], skipped: list[str]) -> None:
+    """Files under the root that are not part of the committed checkpoint."""
+    s = survey(store)
+    for f in s.leftovers:
+        what = ("the save lock of a save that did not finish or did not remove it"
+                if f == LOCK_FILE else "not part of the checkpoint: a leftover of a save that "
+                                       "did not finish (`ckptfs clean URL` removes it)")
+        problems.append(Problem("extra-file", what, file=f))
+    if s.index is not None and not s.index.complete_manifest:
+        skipped.append("extra files: the index does not list the backend's own files (written "
+                       "by a ckptfs before whole-checkpoint checksums); only other saves' data "
+                       "directories count as extra")
+    for d in s.nested:
+        skipped.append(f"{d}/: a checkpoint of its own below this one, not checked")
+
+
+def _file_checksums(store: Store, index: Index, missing: set[str], problems: list[Problem],
+                    skipped: list[str], buffer_bytes: int) -> None:
+    """Read every file whole (a piece at a time) and compare its crc32c with the index."""
+    if not index.file_checksums:
+        skipped.append("whole-file checksums: the index records none (written by a ckptfs before "
+                       "whole-checkpoint checksums); the chunks' checksums were checked")
+        return
+    piece = max(1, min(buffer_bytes, 64 << 20))
+    sizes = index.all_files
+
+    async def crc(path: str) -> int:
+        size = await store.size(path)
+        value = 0
+        for start in range(0, size, piece):
+            value = extend(value, await store.get_range(path, start, min(size, start + piece)))
+        return value
+
+    sized = {p.file for p in problems if p.kind == "file-size"}  # their checksum cannot match
+    for path, want in sorted(index.file_checksums.items()):
+        if path in missing or path in sized:
+            continue
+        try:
+            got = render(run_sync(crc(path)))
+        except (CkptfsError, OSError) as e:
+            problems.append(Problem("read", f"{type(e).__name__}: {e}", file=path))
+            continue
+        if got != want:
+            keys = sorted({t.key for t in index.tensors.values() for c in t.chunks if c.file == path})
+            holds = (f"holds {', '.join(map(repr, keys[:5]))}{' ...' if len(keys) > 5 else ''}"
+                     if keys else "a file of the backend" if path in index.backend_files
+                     else "no chunk")
+            problems.append(Problem("file-checksum", f"crc32c of the whole file is {got}, the "
+                                    f"index says {want} ({sizes.get(path, '?')} bytes; {holds})",
+                                    file=path))
 
 
 def _read_raw_index(store: Store) -> bytes | None:
@@ -201,8 +288,8 @@ def _schema(raw: bytes, problems: list[Problem], skipped: list[str], sniffed: bo
 
 
 def _all_files(index: Index) -> dict[str, int | None]:
-    """Every file the index names: its file table (with sizes) and every chunk's file."""
-    files: dict[str, int | None] = dict(index.files)
+    """Every file the index names: its file tables (with sizes) and every chunk's file."""
+    files: dict[str, int | None] = dict(index.all_files)
     for t in index.tensors.values():
         for c in t.chunks:
             if c.file is not None:
@@ -228,8 +315,9 @@ def _files(store: Store, index: Index, problems: list[Problem]) -> set[str]:
             missing.add(path)
             keys = sorted({t.key for t in index.tensors.values() for c in t.chunks if c.file == path})
             shown = ", ".join(map(repr, keys[:5])) + (" ..." if len(keys) > 5 else "")
-            problems.append(Problem("missing-file", f"data file is missing (holds {shown or 'no chunk'})",
-                                    file=path))
+            what = ("backend file is missing" if path in index.backend_files
+                    else f"data file is missing (holds {shown or 'no chunk'})")
+            problems.append(Problem("missing-file", what, file=path))
         elif want is not None and got != want:
             problems.append(Problem("file-size", f"{got} bytes, the index says {want}", file=path))
     return missing

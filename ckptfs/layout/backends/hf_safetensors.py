@@ -12,6 +12,7 @@ DTensors reads only the bytes each rank's shard overlaps. The files carry no che
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import struct
 from typing import Any, ClassVar
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 from ckptfs.errors import ConfigError, MalformedIndexError
 from ckptfs.layout.backend import Backend, ByteReader, ChunkSource, RankWrite, RankWriteJob, RawChunk
 from ckptfs.layout.dtypes import from_name, from_safetensors
-from ckptfs.layout.index import ChunkEntry, Index, TensorEntry, check_relative_path
+from ckptfs.layout.index import MAX_DIM, ChunkEntry, Index, TensorEntry, check_relative_path, parse_json
 from ckptfs.layout.keys import encode_component
 
 SINGLE_FILE = "model.safetensors"
@@ -44,11 +45,11 @@ async def read_header(reader: ByteReader, path: str) -> tuple[int, dict[str, Any
     if n > MAX_HEADER:
         raise MalformedIndexError(f"{where}: safetensors header length {n} exceeds {MAX_HEADER}")
     raw = bytes(await reader.get_range(path, 8, 8 + n))
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MalformedIndexError(f"{where}: the safetensors header is not valid JSON ({e})") from None
-    if len(raw) != n or not isinstance(header, dict):
+    if len(raw) != n:
+        raise MalformedIndexError(f"{where}: the safetensors header is truncated ({len(raw)} of "
+                                  f"{n} bytes)")
+    header = parse_json(raw, f"{where} (safetensors header)")
+    if not isinstance(header, dict):
         raise MalformedIndexError(f"{where}: the safetensors header is truncated or not an object")
     return 8 + n, header
 
@@ -60,10 +61,10 @@ def _tensor(name: str, meta: Any, path: str, base: int, where: str) -> tuple[Ten
         raise MalformedIndexError(f"{at}: needs 'dtype', 'shape' and 'data_offsets'")
     dt = from_safetensors(meta["dtype"], at)
     shape, offsets = meta["shape"], meta["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+    if not (isinstance(shape, list) and all(_uint(s) for s in shape)):
         raise MalformedIndexError(f"{at}: 'shape' must be a list of ints >= 0, got {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            and all(_uint(o) for o in offsets) and offsets[0] <= offsets[1]):
         raise MalformedIndexError(f"{at}: 'data_offsets' must be [begin, end], got {offsets!r}")
     nbytes = dt.itemsize
     for s in shape:
@@ -75,6 +76,18 @@ def _tensor(name: str, meta: Any, path: str, base: int, where: str) -> tuple[Ten
         offsets=(0,) * len(shape), shape=tuple(shape), file=path, byte_offset=base + offsets[0],
         byte_length=nbytes, extra={"name": name}),)
     return TensorEntry(encode_component(name), dt.name, tuple(shape), chunks), base + offsets[1]
+
+
+def _uint(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_DIM
+
+
+def _no_overlap(spans: list[tuple[int, int, str]], where: str) -> None:
+    """Tensors of one file own disjoint byte ranges (as the safetensors library requires)."""
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise MalformedIndexError(f"{where}: the bytes of tensors {a!r} and {b!r} overlap")
 
 
 class HfSafetensorsBackend(Backend):
@@ -123,6 +136,7 @@ class HfSafetensorsBackend(Backend):
         for path, (base, header) in zip(files, headers, strict=True):
             where = _where(reader, path)
             end = base
+            spans: list[tuple[int, int, str]] = []
             for name, m in header.items():
                 if name == "__metadata__":
                     if isinstance(m, dict) and not file_meta:
@@ -132,7 +146,11 @@ class HfSafetensorsBackend(Backend):
                 if entry.key in tensors:
                     raise MalformedIndexError(f"{where}: tensor {name!r} is also in another shard")
                 tensors[entry.key] = entry
+                if entry.chunks:
+                    c = entry.chunks[0]
+                    spans.append((c.byte_offset or 0, stop, name))
                 end = max(end, stop)
+            _no_overlap(spans, where)
             sizes[path] = end
         if weight_map is not None:
             for name, path in weight_map.items():

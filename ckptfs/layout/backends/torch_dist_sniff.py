@@ -6,7 +6,6 @@ items, Megatron's common state) only, never tensor data.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import warnings
 from typing import Any
@@ -28,7 +27,7 @@ from ckptfs.layout.backends.torch_dist_pickle import (
 )
 from ckptfs.layout.backends.torch_dist_zip import read_value_blob
 from ckptfs.layout.dtypes import from_torch
-from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry, parse_json
 
 METADATA = ".metadata"
 
@@ -66,10 +65,7 @@ async def _megatron_config(reader: ByteReader) -> dict[str, Any] | bool | None:
     if not await reader.exists(mc.CONFIG):
         return None
     where = _where(reader, mc.CONFIG)
-    try:
-        cfg = json.loads(bytes(await reader.get(mc.CONFIG)))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MalformedIndexError(f"{where}: not valid JSON ({e})") from None
+    cfg = parse_json(bytes(await reader.get(mc.CONFIG)), where)
     if not isinstance(cfg, dict) or "sharded_backend" not in cfg:
         return None  # some other tool's metadata.json
     if cfg["sharded_backend"] != "torch_dist":

@@ -197,7 +197,7 @@ def locate_tensor(blob_len: int) -> Steps:
         else:
             payloads[rec.name] = head[start : start + rec.compressed_size]
         if rec.method != 0:
-            payloads[rec.name] = zlib.decompress(payloads[rec.name], -15)
+            payloads[rec.name] = inflate(payloads[rec.name], rec)
     byteorder = payloads.get(prefix + "byteorder", b"little").decode("ascii", "replace")
     try:
         tensor: StoredTensor | None = read_tensor_pickle(payloads[pkl.name])
@@ -234,8 +234,34 @@ def read_value_blob(blob: bytes | memoryview, source: str) -> object:
         raise MalformedIndexError(f"{source}: record {pkl.name} exceeds the blob")
     data = bytes(mv[start : start + pkl.compressed_size])
     if pkl.method != 0:
-        data = zlib.decompress(data, -15)
+        try:
+            data = inflate(data, pkl)
+        except ZipFormatError as e:
+            raise MalformedIndexError(f"{source}: {e}") from None
     return read_value_pickle(data, source)
+
+
+#: a compressed record (torch.save never compresses) inflating beyond this is refused
+MAX_INFLATE = 256 << 20
+
+
+def inflate(data: bytes, rec: ZipRecord) -> bytes:
+    """A deflated record's bytes, never more than its recorded size (nor MAX_INFLATE): a zip
+    bomb is refused before it is inflated in memory."""
+    if rec.method != 8:
+        raise ZipFormatError(f"record {rec.name}: compression method {rec.method} is not deflate")
+    if rec.size > MAX_INFLATE:
+        raise ZipFormatError(f"record {rec.name}: {rec.size} bytes inflated, above "
+                             f"{MAX_INFLATE}")
+    d = zlib.decompressobj(-15)
+    try:
+        out = d.decompress(data, rec.size + 1)
+    except zlib.error as e:
+        raise ZipFormatError(f"record {rec.name}: not a deflate stream ({e})") from None
+    if len(out) != rec.size or not d.eof:
+        raise ZipFormatError(f"record {rec.name}: inflates to other than its recorded "
+                             f"{rec.size} bytes")
+    return out
 
 
 def run_on_bytes(steps: Generator[Request, bytes, object], data: bytes | memoryview) -> object:
@@ -251,6 +277,8 @@ def _run_sync(steps: Generator[Request, bytes, object], get: Callable[[int, int]
             start, end = steps.send(get(start, end))
     except StopIteration as stop:
         return stop.value
+    except struct.error as e:  # a record shorter than its fixed fields: truncated or damaged
+        raise ZipFormatError(f"a zip record is truncated ({e})") from None
 
 
 async def run_on_reader(steps: Generator[Request, bytes, object],
@@ -263,6 +291,8 @@ async def run_on_reader(steps: Generator[Request, bytes, object],
             start, end = steps.send(bytes(data))
     except StopIteration as stop:
         return stop.value
+    except struct.error as e:
+        raise ZipFormatError(f"a zip record is truncated ({e})") from None
 
 
 # -- writing --------------------------------------------------------------------------------------

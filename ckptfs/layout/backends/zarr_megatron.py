@@ -11,8 +11,8 @@ read with the restricted value unpickler (megatron_common, torch_dist_pickle).
 from __future__ import annotations
 
 import asyncio
-import json
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +25,7 @@ from ckptfs.layout.backends.zarr_codecs import Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid
 from ckptfs.layout.backends.zarr_meta import V2_DTYPES
 from ckptfs.layout.backends.zarr_paths import chunk_key, join
-from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.index import MAX_DIM, ChunkEntry, Index, TensorEntry, parse_json
 from ckptfs.layout.keys import encode_component
 
 MARKER = mc.CONFIG
@@ -37,9 +37,9 @@ async def sniff_megatron(reader: ByteReader) -> Index | None:
     if not await reader.exists(MARKER):
         return None
     try:
-        meta = json.loads(bytes(await reader.get(MARKER)))
-    except (OSError, ValueError):
-        return None
+        meta = parse_json(bytes(await reader.get(MARKER)), _where(reader, MARKER))
+    except (OSError, MalformedIndexError):
+        return None  # (the torch_dist sniffer reports a damaged metadata.json)
     if not isinstance(meta, dict) or meta.get("sharded_backend") != "zarr":
         return None
     if meta.get("sharded_backend_version") != 1:
@@ -56,13 +56,11 @@ async def sniff_megatron(reader: ByteReader) -> Index | None:
     paths = sorted(f[: -len("/.zarray")] for f in listing if f.endswith("/.zarray"))
     docs = await asyncio.gather(*(reader.get(join(p, ".zarray")) for p in paths))
     tensors = {}
+    stored = _files_per_array(listing, paths)
     for path, raw in zip(paths, docs, strict=True):
-        try:
-            doc = json.loads(bytes(raw))
-        except ValueError as e:
-            raise MalformedIndexError(f"{join(path, '.zarray')}: not valid JSON ({e})") from None
+        doc = parse_json(bytes(raw), _where(reader, join(path, ".zarray")))
         # Megatron keys are flat strings: the directory path is one key component
-        entry = tensor_from_zarray(encode_component(path), path, doc)
+        entry = tensor_from_zarray(encode_component(path), path, doc, max_chunks=stored[path])
         tensors[entry.key] = entry
     values: dict[str, Any] = {}
     containers: dict[str, str] = {}
@@ -100,29 +98,57 @@ async def _sharded_objects(reader: ByteReader, listing: list[str], values: dict[
                       f"Python values and are left out: {'; '.join(skipped[:10])}", stacklevel=3)
 
 
+def _files_per_array(listing: list[str], arrays: list[str]) -> Counter[str]:
+    """How many chunk files (not .zarray, .zattrs, ...) lie under each array's directory."""
+    wanted = set(arrays)
+    out: Counter[str] = Counter()
+    for f in listing:
+        parts = f.split("/")
+        if parts[-1].startswith("."):
+            continue
+        for i in range(len(parts) - 1, 0, -1):
+            if (p := "/".join(parts[:i])) in wanted:
+                out[p] += 1
+                break
+    return out
+
+
 def _where(reader: ByteReader, path: str) -> str:
     full = getattr(reader, "full_path", None)
     return full(path) if callable(full) else path
 
 
-def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEntry:
-    """The TensorEntry of the zarr v2 array at ``path`` described by ``doc`` (its .zarray)."""
+def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any],
+                       max_chunks: int | None = None) -> TensorEntry:
+    """The TensorEntry of the zarr v2 array at ``path`` described by ``doc`` (its .zarray).
+    A grid of far more cells than ``max_chunks`` (Megatron writes every chunk: the files there)
+    is refused before one entry is made: a hostile document cannot make millions of them."""
     where = join(path, ".zarray")
     if not isinstance(doc, Mapping) or doc.get("zarr_format") != 2:
         raise MalformedIndexError(f"{where}: not a zarr v2 array document")
-    dtype = V2_DTYPES.get(doc.get("dtype"))  # type: ignore[arg-type]
+    name = doc.get("dtype")
+    dtype = V2_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise UnsupportedValueError(
             f"{where}: dtype {doc.get('dtype')!r} is not supported; supported: {sorted(V2_DTYPES)}")
     if doc.get("order", "C") != "C":
         raise UnsupportedValueError(f"{where}: order {doc.get('order')!r}; only 'C' is supported")
-    try:
-        shape = tuple(int(n) for n in doc["shape"])
-        chunks = tuple(int(n) for n in doc["chunks"])
-    except (KeyError, TypeError, ValueError):
-        raise MalformedIndexError(f"{where}: fields 'shape' and 'chunks' must be int lists") from None
+    shape, chunks = doc.get("shape"), doc.get("chunks")
+    if not all(isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
+               for v in (shape, chunks)):
+        raise MalformedIndexError(f"{where}: fields 'shape' and 'chunks' must be int lists")
+    shape, chunks = tuple(shape), tuple(chunks)
+    if len(chunks) != len(shape) or any(c < 1 for c in chunks) or any(
+            n < 0 or n > MAX_DIM for n in shape):
+        raise MalformedIndexError(f"{where}: shape {_short(shape)} and chunks {_short(chunks)} do "
+                                  f"not make a chunk grid")
     sep = doc.get("dimension_separator") or "."
     grid = Grid(shape, chunks)
+    # a few missing chunks are the loader's to name (IntegrityError); a grid far larger than the
+    # files there is a hostile or damaged document
+    if max_chunks is not None and grid.ncells > 2 * max_chunks + 1024:
+        raise MalformedIndexError(f"{where}: a grid of {grid.ncells} chunks, but {max_chunks} "
+                                  f"file(s) in {path}/")
     entries = []
     for cell in grid.cells():
         extra = {"stored_shape": list(chunks)} if cell.shape != chunks else {}
@@ -134,3 +160,8 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any]) -> TensorEnt
     if codecs:
         extra["codecs"] = codecs
     return TensorEntry(key, dtype, shape, tuple(entries), extra=extra)
+
+
+def _short(v: Any) -> str:
+    text = repr(list(v))
+    return text if len(text) <= 80 else text[:80] + " ...]"

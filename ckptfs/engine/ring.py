@@ -1,0 +1,236 @@
+"""A ring of host buffers through which a load fills device tensors.
+
+Bytes read from storage land in one of ``slots`` host buffers of ``slot_bytes`` each (pinned
+memory for CUDA, leased once from the engine's ``BufferPool``); a ``Copier`` starts the copy
+from the buffer into the target and returns a ``Completion``. A buffer goes back into the ring
+only when every copy out of it has completed, so storage reads into the next buffer overlap the
+copies out of earlier ones, and the host memory held is the ring: ``slots * slot_bytes``, never
+a copy of the state. The read engine splits pieces larger than a slot (engine/read.py).
+
+Call order (one event loop, the ckptfs I/O loop): ``lease = await ring.lease(nbytes)`` (waits
+for a free buffer; ``nbytes <= slot_bytes``) -> fill ``lease.view`` -> ``ring.copier(dst, src)``
+for each region, collecting the completions -> ``await ring.release(lease, completions)``
+(returns at once; the buffer is reused once they complete) -> ``await ring.close()`` (waits for
+every copy, gives the buffers back to the pool, raises the first copy error).
+
+``CudaCopier`` is the CUDA copy: a ``non_blocking`` copy on a dedicated stream and an event
+recorded after it. It is written but UNTESTED: no GPU machine was available (README, GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from ckptfs.engine.buffers import BufferPool, Lease
+
+
+class Completion(Protocol):
+    """The end of one asynchronous copy."""
+
+    def wait(self) -> None:
+        """Block until the copy completed; raise its error if it failed."""
+
+
+#: Starts copying the host tensor ``src`` (a contiguous view of a ring buffer) into ``dst``
+#: (same dtype and shape) and returns its completion; a copy that fails at once raises.
+Copier = Callable[[torch.Tensor, torch.Tensor], Completion]
+
+
+class Ring:
+    """``slots`` reusable host buffers of ``slot_bytes`` each, leased from ``pool``, for targets
+    on ``device_type`` (e.g. "cuda"), whose copies ``copier`` makes."""
+
+    def __init__(self, pool: BufferPool, copier: Copier, *, slots: int, slot_bytes: int,
+                 device_type: str, on_close: Callable[[], None] | None = None) -> None:
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"a ring needs at least one slot of at least one byte, got "
+                             f"{slots} x {slot_bytes}")
+        self.pool = pool
+        self.copier = copier
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.device_type = device_type
+        self._on_close = on_close
+        self._buffers: list[Lease] = []  # every buffer leased so far (at most ``slots``)
+        self._made = 0  # slots leased or being leased
+        self._free: list[Lease] = []
+        self._out: dict[int, Lease] = {}  # id(handed-out lease) -> its buffer
+        self._waiters: set[asyncio.Task] = set()
+        self._error: BaseException | None = None
+        self._cond: asyncio.Condition | None = None
+        self.reuses = 0  #: leases served by a buffer that had been used before
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The slots' buffers leased so far (until ``close``)."""
+        return tuple(b.tensor for b in self._buffers)
+
+    def accepts(self, target: torch.Tensor) -> bool:
+        """Whether regions of ``target`` go through the ring."""
+        return target.device.type == self.device_type
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def lease(self, nbytes: int) -> Lease:
+        """A buffer of ``nbytes`` (a view of a free slot); waits until one is free."""
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit a ring slot of {self.slot_bytes}")
+        buf: Lease | None = None
+        async with self.cond:
+            while True:
+                self._raise()
+                if self._free:
+                    buf = self._free.pop()
+                    self.reuses += 1
+                    break
+                if self._made < self.slots:
+                    self._made += 1  # a new slot, leased below (not holding the condition)
+                    break
+                await self.cond.wait()
+        if buf is None:
+            try:
+                buf = await self.pool.lease(self.slot_bytes)
+            except BaseException:
+                self._made -= 1
+                raise
+            self._buffers.append(buf)
+        out = Lease(buf.tensor[:nbytes], 0)
+        self._out[id(out)] = buf
+        return out
+
+    async def release(self, lease: Lease, pending: Sequence[Completion] = ()) -> None:
+        """The buffer of ``lease`` returns to the ring once every copy in ``pending`` completed
+        (returns at once; a copy error is kept for ``close`` and the next ``lease``)."""
+        buf = self._out.pop(id(lease))
+        if not pending:
+            await self._put_back(buf)
+            return
+        task = asyncio.create_task(self._wait_then_put_back(buf, list(pending)))
+        self._waiters.add(task)
+        task.add_done_callback(self._waiters.discard)
+
+    async def _wait_then_put_back(self, buf: Lease, pending: list[Completion]) -> None:
+        try:
+            await asyncio.to_thread(_wait_all, pending)
+        except BaseException as e:
+            if self._error is None:
+                self._error = e
+        await self._put_back(buf)
+
+    async def _put_back(self, buf: Lease) -> None:
+        async with self.cond:
+            self._free.append(buf)
+            self.cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def close(self, *, quiet: bool = False) -> None:
+        """Wait for every copy, give the buffers back to the pool, raise the first copy error
+        (not with ``quiet``: the caller is already raising another)."""
+        try:
+            while self._waiters:
+                await asyncio.gather(*self._waiters, return_exceptions=True)
+            if self._on_close is not None:  # also after an error: nothing may be in flight
+                try:
+                    await asyncio.to_thread(self._on_close)
+                except BaseException as e:
+                    self._error = self._error or e
+        finally:
+            for buf in self._buffers:
+                await self.pool.release(buf)
+            self._buffers.clear()
+            self._free.clear()
+            self._made = 0
+        if not quiet:
+            self._raise()
+
+
+def _wait_all(pending: Iterable[Completion]) -> None:
+    first: BaseException | None = None
+    for c in pending:  # wait for all, even after a failure: the buffer must be idle
+        try:
+            c.wait()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+class CudaCopier:
+    """UNTESTED (no GPU was available): host-to-device copies on a dedicated CUDA stream per
+    target device.
+
+    Each copy waits for the work already queued on the target device's current stream of the
+    calling thread (the engine's worker threads: the default stream; a target written on a
+    stream of the caller's own must be synchronized before the load), runs
+    ``dst.copy_(src, non_blocking=True)`` on the side stream and records an event. ``src``
+    must be pinned for the copy to be asynchronous. A ``dst`` that is not contiguous gets a
+    device-side temporary of the region's size from torch (a slot at most), never a host copy.
+    ``finish`` makes each current stream wait for its side stream and synchronizes the side
+    streams, so the targets are ready when the load returns.
+    """
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()  # called from several worker threads at once
+
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
+        device = dst.device
+        with self._lock:
+            stream = self.streams.get(device)
+            if stream is None:
+                stream = self.streams[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _EventCompletion(event)
+
+    def finish(self) -> None:
+        for device, stream in self.streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+            stream.synchronize()
+
+
+class _EventCompletion:
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class Done:
+    """The completion of a copy that already finished (synchronous copiers)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+
+def cuda_ring(targets: Iterable[torch.Tensor], *, ring_bytes: int, slots: int) -> Ring | None:
+    """A pinned ring for the CUDA targets among ``targets``; None when there are none, so a
+    load into CPU tensors never touches CUDA (and never pins memory)."""
+    if not any(t.device.type == "cuda" for t in targets):
+        return None
+    from ckptfs.engine.buffers import PinnedAllocator
+
+    copier = CudaCopier()
+    slot = 1 << max(0, (ring_bytes // slots).bit_length() - 1)  # torch pins powers of two
+    return Ring(BufferPool(PinnedAllocator(), limit=slot * slots), copier, slots=slots,
+                slot_bytes=slot, device_type="cuda", on_close=copier.finish)

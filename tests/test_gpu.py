@@ -1,0 +1,115 @@
+"""Loads into and saves from CUDA tensors (issue 12). Marked ``cuda`` and skipped without a GPU:
+these have NOT run yet (no GPU machine was available when they were written); run them on one
+with ``pytest -m cuda tests/test_gpu.py``. The ring's logic is tested on CPU in test_ring.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.io import IOConfig
+from ckptfs.testing.ranks import run_ranks
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+RING = IOConfig(ring_bytes=1 << 16, ring_slots=4)  # 16 KiB slots: most chunks are cut in parts
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(96, 80, generator=g),  # 30 KiB: two slots
+            "b": torch.randn(9000, generator=g).to(torch.bfloat16),
+            "i": torch.randint(-5, 5, (7, 3, 11), generator=g),
+            "h": torch.randn(33, 17, generator=g).to(torch.float16)}
+
+
+def _pinned_in_use() -> tuple[int, int]:
+    """(current, peak) pinned bytes in use, from torch's caching host allocator."""
+    s = torch.cuda.host_memory_stats()
+    return s["active_bytes.current"], s["active_bytes.peak"]
+
+
+def test_load_into_cuda_tensors_is_bit_exact_through_the_ring(tmp_path):
+    sd = _state()
+    ckptfs.save(sd, tmp_path / "c")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    target = {"w": torch.zeros(80, 96, device=dev).t(),  # non-contiguous on the device
+              "b": torch.zeros(9000, dtype=torch.bfloat16, device=dev),
+              "i": torch.zeros(7, 3, 11, dtype=torch.int64, device=dev),
+              "h": torch.zeros(33, 17, dtype=torch.float16, device=dev)}
+    res = ckptfs.load(target, tmp_path / "c", io_config=RING)
+    for k, v in sd.items():
+        assert target[k].device == dev and torch.equal(target[k].cpu(), v), k
+    assert res.scratch_peak == RING.ring_bytes  # the ring, no pageable scratch
+
+
+def test_load_into_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
+    sd = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB, 16x the ring
+    ckptfs.save(sd, tmp_path / "c")
+    target = {k: torch.empty_like(v, device="cuda") for k, v in sd.items()}
+    torch.cuda.reset_peak_host_memory_stats()
+    before, _ = _pinned_in_use()
+    cfg = IOConfig(ring_bytes=1 << 19, ring_slots=4)
+    res = ckptfs.load(target, tmp_path / "c", io_config=cfg)
+    assert all(torch.equal(target[k].cpu(), v) for k, v in sd.items())
+    assert res.scratch_peak == cfg.ring_bytes
+    _, peak = _pinned_in_use()
+    assert peak - before <= cfg.ring_bytes  # pinned memory in use at once: the ring
+
+
+def test_a_corrupted_chunk_is_caught_on_the_way_to_the_device(tmp_path):
+    from ckptfs.errors import IntegrityError
+
+    sd = _state()
+    ckptfs.save(sd, tmp_path / "c")
+    files = sorted(p for p in (tmp_path / "c").rglob("*") if p.is_file() and p.suffix != ".json")
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(data)
+    target = {k: torch.zeros_like(v, device="cuda") for k, v in sd.items()}
+    with pytest.raises(IntegrityError, match="fails its checksum"):
+        ckptfs.load(target, tmp_path / "c", io_config=RING)
+
+
+def test_save_from_cuda_is_bit_exact(tmp_path):
+    sd = _state(1)
+    on_gpu = {k: v.to("cuda") for k, v in sd.items()}
+    on_gpu["w_t"] = on_gpu["w"].t()  # a non-contiguous CUDA source
+    ckptfs.save(on_gpu, tmp_path / "c")
+    back = ckptfs.load_keys(tmp_path / "c")
+    for k, v in on_gpu.items():
+        assert torch.equal(back[k], v.cpu()), k
+
+
+def _dtensor_ranks(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.cuda.set_device(0)  # one GPU is enough: both ranks place their shards on it
+    mesh = init_device_mesh("cuda", (world,))
+    full = _state(2)["w"]
+    cols = full.shape[1] // world
+    local = full[:, rank * cols:(rank + 1) * cols].contiguous().to("cuda")
+    ckptfs.save({"w": DTensor.from_local(local, mesh, [Shard(1)], run_check=False)},
+                f"{root}/by_cols")
+    rows = full.shape[0] // world
+    target = DTensor.from_local(torch.zeros(rows, full.shape[1], device="cuda"), mesh, [Shard(0)],
+                                run_check=False)
+    ckptfs.load({"w": target}, f"{root}/by_cols", io_config=RING)  # resharded, into CUDA
+    assert torch.equal(target.to_local().cpu(), full[rank * rows:(rank + 1) * rows])
+
+
+def test_dtensor_local_shards_on_cuda_save_and_reshard(tmp_path):
+    run_ranks(2, _dtensor_ranks, str(tmp_path))
+
+
+def test_gds_path_when_kvikio_is_installed(tmp_path):
+    pytest.importorskip("kvikio")
+    sd = _state(3)
+    ckptfs.save(sd, tmp_path / "c")
+    target = {k: torch.zeros_like(v, device="cuda") for k, v in sd.items()}
+    ckptfs.load(target, tmp_path / "c", io_config=IOConfig(gds=True), verify=False)
+    for k, v in sd.items():
+        assert torch.equal(target[k].cpu(), v), k

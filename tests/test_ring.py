@@ -1,0 +1,303 @@
+"""The pinned ring of loads into CUDA targets (engine/ring.py), the allocator choice and the GDS
+fall-back, on CPU: the ring runs with a stand-in copier that copies late in a worker thread, as
+a DMA engine would, so a buffer reused before its copy completed corrupts the target. The CUDA
+copier itself is tested in tests/test_gpu.py (GPU machines only)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.engine.buffers import (
+    BufferAllocator,
+    BufferPool,
+    HostAllocator,
+    PinnedAllocator,
+    allocator_for,
+)
+from ckptfs.engine.gds import GdsFallbackWarning, gds_reader, gds_unavailable
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.read import TensorRead, execute_reads, split_piece
+from ckptfs.engine.ring import Ring, cuda_ring
+from ckptfs.engine.stage import staging_allocator
+from ckptfs.errors import ConfigError, IntegrityError
+from ckptfs.io import IOConfig, open_store
+from ckptfs.layout.boxes import Box, full_box
+from ckptfs.layout.checksum import RunningChecksum, checksum
+from ckptfs.layout.registry import get_backend
+from ckptfs.planning.load_plan import ReadPiece, plan_reads
+
+
+class Gate:
+    """A completion that the test opens; the copy runs when it is opened (late, like a DMA)."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, fail: bool = False) -> None:
+        self.dst, self.src, self.fail = dst, src, fail
+        self.opened = threading.Event()
+
+    def open(self) -> None:
+        if not self.fail:
+            self.dst.copy_(self.src)
+        self.opened.set()
+
+    def wait(self) -> None:
+        if not self.opened.wait(5):  # a broken ring must fail the test, not hang it
+            raise TimeoutError("the test never opened this copy")
+        if self.fail:
+            raise RuntimeError("stand-in copy failed")
+
+
+class LateCopier:
+    """Copies in a worker thread a little later; records what it was given."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.pool = ThreadPoolExecutor(1)
+        self.given: list[torch.Tensor] = []
+        self.fail_on = fail_on
+        self.seen = lambda: None  # called at each copy (the ring's buffers are known then)
+
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor):
+        if self.fail_on is not None and len(self.given) == self.fail_on:
+            raise RuntimeError("stand-in copy refused")
+        self.given.append(src)
+        self.seen()
+
+        def work() -> None:
+            time.sleep(0.001)
+            dst.copy_(src)
+
+        fut = self.pool.submit(work)
+        return type("Done", (), {"wait": lambda self: fut.result()})()
+
+
+class Counting(BufferAllocator):
+    def __init__(self) -> None:
+        self.allocated = 0
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        self.allocated += 1
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+async def test_a_buffer_is_reused_only_after_its_copy_completed():
+    gates: list[Gate] = []
+
+    def copier(dst, src):
+        gates.append(Gate(dst, src))
+        return gates[-1]
+
+    alloc = Counting()
+    ring = Ring(BufferPool(alloc, limit=32), copier, slots=2, slot_bytes=16, device_type="cpu")
+    dsts = [torch.zeros(16, dtype=torch.uint8) for _ in range(3)]
+    for i in range(2):  # both slots filled, their copies pending
+        lease = await ring.lease(16)
+        lease.tensor.fill_(i + 1)
+        await ring.release(lease, [ring.copier(dsts[i], lease.tensor)])
+    third = asyncio.create_task(ring.lease(16))
+    await asyncio.sleep(0.05)
+    assert not third.done()  # the ring is full: no third buffer, no reuse of a busy one
+    threading.Thread(target=gates[0].open).start()
+    lease = await asyncio.wait_for(third, 5)
+    assert lease.tensor.data_ptr() == gates[0].src.data_ptr()  # slot 0, once its copy completed
+    lease.tensor.fill_(3)
+    await ring.release(lease, [ring.copier(dsts[2], lease.tensor)])
+    for g in gates[1:]:
+        g.open()
+    await ring.close()
+    for i, d in enumerate(dsts):
+        assert d.tolist() == [i + 1] * 16  # each copy saw its own bytes
+    assert (alloc.allocated, ring.pool.peak, ring.pool.budget.used) == (2, 32, 0)
+    assert ring.reuses == 1
+
+
+async def test_a_failed_copy_surfaces_and_releases_the_buffers():
+    gates: list[Gate] = []
+
+    def copier(dst, src):
+        gates.append(Gate(dst, src, fail=not gates))
+        return gates[-1]
+
+    ring = Ring(BufferPool(limit=32), copier, slots=2, slot_bytes=16, device_type="cpu")
+    for _ in range(2):
+        lease = await ring.lease(8)
+        await ring.release(lease, [ring.copier(torch.empty(8, dtype=torch.uint8), lease.tensor)])
+    for g in gates:
+        g.open()
+    await asyncio.sleep(0.05)
+    with pytest.raises(RuntimeError, match="stand-in copy failed"):
+        await ring.lease(8)  # the next lease already sees it
+    with pytest.raises(RuntimeError, match="stand-in copy failed"):
+        await ring.close()
+    assert ring.pool.budget.used == 0
+    with pytest.raises(ValueError, match="do not fit a ring slot"):
+        await Ring(BufferPool(), copier, slots=1, slot_bytes=4, device_type="cpu").lease(5)
+
+
+def test_split_piece_follows_the_region_c_order_within_the_limit():
+    chunk = type("C", (), {"shape": (6, 5, 4)})()
+    src = Box((1, 0, 1), (4, 5, 3))
+    piece = ReadPiece(chunk, src, Box((10, 0, 0), (4, 5, 3)))
+    region = np.arange(6 * 5 * 4).reshape(6, 5, 4)[1:5, 0:5, 1:4]
+    for limit in (4, 8, 12, 20, 40, 1000):
+        parts = split_piece(piece, 4, limit)
+        assert all(p.src.volume * 4 <= limit for p in parts)
+        got = np.concatenate([np.arange(6 * 5 * 4).reshape(6, 5, 4)[p.src.slices()].reshape(-1)
+                              for p in parts])
+        assert got.tolist() == region.reshape(-1).tolist()  # C order of the region, no overlap
+        for p in parts:  # dst moves with src
+            assert tuple(a - b for a, b in zip(p.dst.offsets, p.src.offsets, strict=True)) == (9, 0, -1)
+    assert len(split_piece(piece, 4, 1000)) == 1
+    with pytest.raises(ValueError, match="one element"):
+        split_piece(piece, 4, 3)
+
+
+def test_running_checksum_is_the_checksum_of_the_concatenation():
+    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
+    crc = RunningChecksum()
+    for a, b in itertools.pairwise((0, 1, 333, 334, 1000)):
+        crc.update(memoryview(data[a:b]))
+    assert crc.value == checksum(data)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    sd = {"w": torch.randn(16, 24, generator=g), "b": torch.randn(40, generator=g).to(torch.bfloat16),
+          "e": torch.randint(0, 100, (3, 2, 5), generator=g)}
+    url = tmp_path_factory.mktemp("ring") / "ckpt"
+    ckptfs.save(sd, url)
+    return url, sd
+
+
+async def _load(url, targets, ring, *, verify=True):
+    """Fill ``targets`` (key -> (tensor, box)) through ``ring``; returns the scratch pool."""
+    store = await open_store(str(url))
+    pool = BufferPool(limit=1 << 20)
+    try:
+        index = await read_index(store)
+        jobs = [TensorRead(index.tensors[k], t, tuple(plan_reads(index.tensors[k], box)))
+                for k, (t, box) in targets.items()]
+        backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+        try:
+            await execute_reads(store, backend, jobs, pool=pool, verify=verify, ring=ring)
+        finally:
+            await ring.close(quiet=True)
+        await ring.close()
+    finally:
+        await store.close()
+    return pool
+
+
+def _targets(sd):
+    box = Box((3, 5), (7, 9))  # a local shard: rows 3..9, columns 5..13
+    return {"w": (torch.zeros(9, 7).t(), box),  # non-contiguous (transposed) target
+            "b": (torch.zeros(40, dtype=torch.bfloat16), full_box((40,))),
+            "e": (torch.zeros(3, 5, 2, dtype=torch.int64).transpose(1, 2), full_box((3, 2, 5)))}
+
+
+async def test_load_through_the_ring_is_bit_exact_within_the_ring(saved):
+    url, sd = saved
+    copier = LateCopier()
+    # 128-byte slots: parts of several runs (3 rows of w's shard) and chunks cut in parts (e)
+    ring = Ring(BufferPool(limit=2 * 128), copier, slots=2, slot_bytes=128, device_type="cpu")
+    targets = _targets(sd)
+    slots: set[int] = set()
+    copier.seen = lambda: slots.update(b.data_ptr() for b in ring.buffers)
+    pool = await _load(url, targets, ring)
+    for k, (t, box) in targets.items():
+        assert torch.equal(t, sd[k][box.slices()]), k
+    assert pool.peak == 0  # nothing went through pageable scratch
+    assert ring.pool.peak == 256 and ring.reuses > 0  # peak = the ring, reused
+    # every copy came straight out of a ring buffer, contiguous: no host copy of a region
+    assert copier.given and all(s.is_contiguous() and s.numel() * s.element_size() <= 128
+                                for s in copier.given)
+    wanted = sum(box.volume * t.element_size() for t, box in targets.values())
+    assert sum(s.numel() * s.element_size() for s in copier.given) == wanted  # every byte
+    assert all(any(a <= s.data_ptr() < a + 128 for a in slots) for s in copier.given)
+
+
+async def test_a_chunk_cut_into_parts_is_still_checked_whole(saved, tmp_path):
+    url, sd = saved
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(url, bad)
+    store = await open_store(str(bad))
+    index = await read_index(store)
+    await store.close()
+    chunk = index.tensors["b"].chunks[0]
+    path = bad / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.byte_offset + 70] ^= 0xFF  # in the last 64-byte part of the 80-byte chunk
+    path.write_bytes(data)
+    ring = Ring(BufferPool(limit=128), LateCopier(), slots=2, slot_bytes=64, device_type="cpu")
+    with pytest.raises(IntegrityError, match=r"key 'b': chunk at \[0\].*fails its checksum"):
+        await _load(bad, {"b": (torch.zeros(40, dtype=torch.bfloat16), full_box((40,)))}, ring)
+    assert ring.pool.budget.used == 0
+    ring = Ring(BufferPool(limit=128), LateCopier(), slots=2, slot_bytes=64, device_type="cpu")
+    t = torch.zeros(40, dtype=torch.bfloat16)
+    await _load(bad, {"b": (t, full_box((40,)))}, ring, verify=False)  # unchecked: it loads
+    assert not torch.equal(t, sd["b"]) and torch.equal(t[:32], sd["b"][:32])
+
+
+async def test_a_copy_that_fails_at_once_surfaces_and_releases_the_ring(saved):
+    url, sd = saved
+    ring = Ring(BufferPool(limit=128), LateCopier(fail_on=3), slots=2, slot_bytes=64,
+                device_type="cpu")
+    with pytest.raises(RuntimeError, match="stand-in copy refused"):
+        await _load(url, _targets(sd), ring)
+    assert ring.pool.budget.used == 0
+
+
+def test_allocator_choice_falls_back_without_cuda():
+    cpu = [torch.zeros(3), torch.zeros(2, dtype=torch.bfloat16)]
+    assert type(allocator_for(cpu)) is HostAllocator
+    assert type(staging_allocator({"a": cpu[0], "b": [cpu[1], (cpu[0],)], "n": 3})) is HostAllocator
+    assert cuda_ring(cpu, ring_bytes=1 << 20, slots=4) is None  # a CPU load never pins
+    if not torch.cuda.is_available():
+        on_cuda = type("T", (), {"device": torch.device("cuda")})()  # a CUDA tensor's device
+        assert type(allocator_for([on_cuda])) is HostAllocator  # CPU-only torch: never pinned
+        with pytest.raises(RuntimeError):
+            PinnedAllocator().allocate(16)  # what pinning does on CPU-only torch
+
+
+def test_ring_settings_are_checked():
+    for field in ("ring_bytes", "ring_slots"):
+        with pytest.raises(ConfigError, match=f"IOConfig.{field}"):
+            IOConfig(**{field: 0})
+    assert IOConfig().gds is False
+
+
+async def test_gds_falls_back_with_a_reason(tmp_path, memfs):
+    local = await open_store(str(tmp_path))
+    remote = await open_store("memory://gds")
+    try:
+        assert "verify=False" in gds_unavailable(local, verify=True)
+        assert "not a local filesystem" in gds_unavailable(remote, verify=False)
+        try:
+            import kvikio  # noqa: F401
+        except ImportError:
+            assert "kvikio is not importable" in gds_unavailable(local, verify=False)
+            with pytest.warns(GdsFallbackWarning, match="kvikio is not importable.*pinned ring"):
+                assert gds_reader(local, verify=False) is None
+    finally:
+        await local.close()
+        await remote.close()
+
+
+def test_gds_setting_leaves_a_cpu_load_alone(saved):
+    url, sd = saved
+    t = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GdsFallbackWarning)  # no CUDA target: nothing to fall back
+        ckptfs.load(t, url, io_config=IOConfig(gds=True), verify=False)
+    assert all(torch.equal(t[k], sd[k]) for k in sd)
