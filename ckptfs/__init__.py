@@ -4,8 +4,8 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
   cli, demo, tools/         command-line tools: inspect, verify, convert, unshard, bench; the
                             model+optimizer helpers (re-exported here lazily)
   testing/                  spawned ranks for tests, the conformance suite (+ golden checkpoints)
-  save / load / metadata /  the public API: short compositions of the engine's phases
-    manage
+  save / async_save / load  the public API: short compositions of the engine's phases
+    / metadata / manage
   engine/                   how a save and a load run: stage -> write -> commit; the read engine;
                             the buffer allocator; index reading; pre-download; the error boundary
   state/                    what is saved: state-dict trees, tensors, DTensors, ShardedTensor
@@ -18,6 +18,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
 """
 
 from ckptfs._version import __version__
+from ckptfs.async_save import AsyncSave, async_save, close
 from ckptfs.errors import (
     AccessDeniedError,
     BackendOptionsError,
@@ -94,6 +95,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "INDEX_FILE",
     "AccessDeniedError",
+    "AsyncSave",
     "Backend",
     "BackendOptionsError",
     "CheckpointExistsError",
@@ -127,8 +129,10 @@ __all__ = [
     "UsageError",
     "VerifyReport",
     "__version__",
+    "async_save",
     "available_backends",
     "clean",
+    "close",
     "convert",
     "delete",
     "get_backend",

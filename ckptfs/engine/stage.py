@@ -9,12 +9,14 @@ views where the data is CPU and contiguous (a synchronous save, whose caller wai
 only what must be (non-contiguous or non-CPU data). ``copy_chunk`` is the one place a chunk is
 copied into a staging buffer; CUDA data is copied there by a ``DeviceToHost`` (pinned buffers:
 ``staging_allocator``), all copies queued on a side stream and waited for once. The CUDA copy
-is UNTESTED (no GPU machine was available; README, GPU).
+is UNTESTED (no GPU machine was available; README, GPU). The ranks agree on the outcome of the
+copies, so a rank that failed to stage fails the save everywhere instead of leaving the others
+in the next collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +98,11 @@ def merge_values(descriptions: Sequence[Description],
 
 
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
-          copy: bool) -> StagedSave:
-    """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``)."""
+          copy: bool, on_copied: Callable[[], None] | None = None) -> StagedSave:
+    """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
+
+    ``on_copied`` is called as soon as this rank has taken its bytes, before the ranks agree on
+    the outcome (an asynchronous save resolves its ``staged`` future there)."""
     (_, local), described = comm.exchange("save: describing the state dict",
                                           lambda: describe(state_dict, comm.rank), lambda r: r[0])
     plans = plan_save([d.shards for d in described], lambda d: from_name(d).itemsize,
@@ -109,7 +114,21 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
             if c.writer == comm.rank:
                 s = local[key]
                 views.append((key, plan, c.box, s.local.detach()[c.box.relative_to(s.box).slices()]))
-    chunks, leases = _take(views, {k: local[k] for k, *_ in views}, pool, copy)
+    shards = {k: local[k] for k, *_ in views}
+    taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
+
+    def take() -> None:
+        taken.append(_take(views, shards, pool, copy))
+        if on_copied is not None:
+            on_copied()
+
+    try:
+        comm.agree("save: copying the chunks", take)
+    except BaseException:
+        if taken:
+            _release(taken[0][1], pool)
+        raise
+    chunks, leases = taken[0]
     order = merge_order((d.order for d in described), [*containers, *values, *plans])
     return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy,
                       tuple(order))
@@ -126,20 +145,24 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
     sizes = [data.numel() * data.element_size() if copy or _needs_copy(data) else -1
              for *_, data in views]
     wanted = [n for n in sizes if n > 0]
-    got = iter(run_sync(_lease_all(pool, wanted)) if wanted else ())
+    leases = run_sync(_lease_all(pool, wanted)) if wanted else []
+    got = iter(leases)
     d2h = DeviceToHost() if any(v[-1].device.type == "cuda" for v in views) else None
     chunks: list[ChunkData] = []
-    leases: list[Lease] = []
-    for (key, plan, box, data), n in zip(views, sizes, strict=True):
-        if n > 0:
-            lease = next(got)
-            leases.append(lease)
-            data = copy_chunk(data, lease, d2h)
-        elif n == 0:
-            data = torch.empty(data.shape, dtype=data.dtype)
-        chunks.append(ChunkData(key, shards[key].dtype, plan.shape, box, data))
-    if d2h is not None:
-        d2h.wait()  # the bytes are on the host before anyone reads them
+    try:
+        for (key, plan, box, data), n in zip(views, sizes, strict=True):
+            if n > 0:
+                data = copy_chunk(data, next(got), d2h)
+            elif n == 0:
+                data = torch.empty(data.shape, dtype=data.dtype)
+            chunks.append(ChunkData(key, shards[key].dtype, plan.shape, box, data))
+        if d2h is not None:
+            d2h.wait()  # the bytes are on the host before anyone reads them (or ``staged``)
+    except BaseException:
+        if d2h is not None:
+            d2h.wait()  # no queued copy still writes into a buffer given back
+        _release(leases, pool)
+        raise
     return tuple(chunks), tuple(leases)
 
 
@@ -194,6 +217,7 @@ def _tensors(obj: Any):
 
 
 async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:
+    pool.expect(sizes)
     out: list[Lease] = []
     try:
         for n in sizes:
@@ -207,10 +231,13 @@ async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:
 
 def release(staged: StagedSave, pool: BufferPool) -> None:
     """Give the staging buffers back to the pool."""
+    _release(staged.leases, pool)
 
+
+def _release(leases: Sequence[Lease], pool: BufferPool) -> None:
     async def go() -> None:
-        for lease in staged.leases:
+        for lease in leases:
             await pool.release(lease)
 
-    if staged.leases:
+    if leases:
         run_sync(go())

@@ -1,0 +1,156 @@
+"""``ckptfs.async_save`` on 2 spawned gloo ranks (one spawn, every case in turn): snapshot
+semantics, errors from one rank on every rank, one save in flight, staging buffer reuse with
+flat RSS, and the caller's collectives running while the background save runs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptfs
+from ckptfs.engine import background
+from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
+from ckptfs.layout.registry import register_backend
+from ckptfs.testing.ranks import run_ranks
+
+RSS_STATE_MB = 48  #: per rank; the claim is proportional: growth < 5% of the state
+
+
+class FailingOnRank1(SafetensorsChunksBackend):
+    """Writes like safetensors_chunks, except that rank 1's storage fails."""
+
+    name = "test_failing_rank1"
+
+    def write_rank(self, job):
+        if job.rank == 1:
+            raise OSError("rank 1's disk is full")
+        return super().write_rank(job)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def state(rank: int, value: float, rows: int = 64) -> dict:
+    """A row-sharded weight, a replicated bias, nested optimizer-like state and a value."""
+    def shard(t: torch.Tensor) -> ckptfs.ShardedTensor:
+        return ckptfs.ShardedTensor(t, (2 * rows, 16), (rank * rows, 0))
+
+    want = expected(rank, value, rows)
+    return {"w": shard(want["w"]), "b": torch.arange(8, dtype=torch.float64) * value,
+            "opt": {"state": {0: {"exp_avg": shard(want["opt"]["state"][0]["exp_avg"])}}},
+            "step": int(value)}
+
+
+def expected(rank: int, value: float, rows: int = 64) -> dict:
+    return {"w": torch.full((rows, 16), value) + rank,
+            "opt": {"state": {0: {"exp_avg": torch.full((rows, 16), value + rank + 0.5)}}}}
+
+
+def check_loads(rank: int, url: str, value: float) -> None:
+    target = state(rank, 0.0)
+    ckptfs.load(target, url)
+    want = expected(rank, value)
+    assert torch.equal(target["w"].local_tensor, want["w"])
+    assert torch.equal(target["opt"]["state"][0]["exp_avg"].local_tensor, want["opt"]["state"][0]["exp_avg"])
+    assert torch.equal(target["b"], torch.arange(8, dtype=torch.float64) * value)
+    assert target["step"] == int(value)
+
+
+def scenarios(rank: int, world: int, root: str) -> None:
+    index = ckptfs.INDEX_FILE
+
+    # 1. values changed after `staged` do not leak into the checkpoint
+    sd = state(rank, 1.0)
+    h = ckptfs.async_save(sd, f"{root}/snap")
+    assert isinstance(h, ckptfs.AsyncSave)
+    h.wait_staged(timeout=60)
+    for t in (sd["w"].local_tensor, sd["b"], sd["opt"]["state"][0]["exp_avg"].local_tensor):
+        t.fill_(-5.0)
+    res = h.result(timeout=60)
+    assert res.url == f"{root}/snap" and res.bytes_written > 0
+    check_loads(rank, f"{root}/snap", 1.0)
+
+    # 2. a staging failure on rank 1 resolves `staged` and `done` on both ranks; nothing written
+    bad = state(rank, 2.0) | ({"x": object()} if rank == 1 else {})
+    h = ckptfs.async_save(bad, f"{root}/stagefail")
+    err = h.staged.exception(timeout=60)
+    want = ckptfs.UnsupportedValueError if rank == 1 else ckptfs.RankError
+    assert isinstance(err, want), repr(err)
+    assert "'x'" in str(err)
+    assert isinstance(h.done.exception(timeout=60), want)
+    assert not os.path.exists(f"{root}/stagefail/{index}")
+
+    # 3. a write failure on rank 1: `staged` succeeded, `done` fails on every rank, no index is
+    #    written and the previous checkpoint is untouched
+    register_backend(FailingOnRank1.name, 1, FailingOnRank1, replace=True)
+    ckptfs.async_save(state(rank, 3.0), f"{root}/step3").result(timeout=60)
+    h = ckptfs.async_save(state(rank, 4.0), f"{root}/step4", backend=FailingOnRank1.name)
+    h.wait_staged(timeout=60)
+    err = h.done.exception(timeout=60)
+    if rank == 1:
+        assert isinstance(err, ckptfs.StorageError) and "disk is full" in str(err), repr(err)
+    else:
+        assert isinstance(err, ckptfs.RankError) and "disk is full" in str(err), repr(err)
+    assert not os.path.exists(f"{root}/step4/{index}")
+    check_loads(rank, f"{root}/step3", 3.0)
+
+    # 4. one save in flight: a second async_save returns only after the first is done, and
+    #    save() starts reading its state dict only after the async save in flight is done
+    h1 = ckptfs.async_save(state(rank, 5.0, rows=4096), f"{root}/first")
+    h2 = ckptfs.async_save(state(rank, 6.0), f"{root}/second")
+    assert h1.done.done(), "async_save started while another save was in flight"
+    seen: list[bool] = []
+
+    class Probe(dict):
+        def items(self):
+            seen.append(h2.done.done())
+            return super().items()
+
+    ckptfs.save(Probe(state(rank, 7.0)), f"{root}/third")
+    assert seen and all(seen), "save() started while an async save was in flight"
+    check_loads(rank, f"{root}/second", 6.0)
+    check_loads(rank, f"{root}/third", 7.0)
+
+    # 5. the caller's collectives on the default group run during the background save
+    h = ckptfs.async_save(state(rank, 8.0, rows=4096), f"{root}/fg")
+    during = 0
+    while True:
+        running = torch.tensor([0 if h.done.done() else 1])
+        dist.all_reduce(running)
+        if running.item() == 0:
+            break
+        during += 1
+        assert dist.broadcast_object_list([rank], src=0) is None
+        dist.barrier()
+    h.result(timeout=60)
+    assert during >= 1, "no foreground collective ran while the background save ran"
+
+    # 6. buffer reuse: 10 saves of the same structure allocate once, RSS stays flat
+    rows = RSS_STATE_MB * 2**20 // (3 * 4 * 16 * 2)  # w + exp_avg (rows x 16 fp32) ~ state / 3
+    big = {f"layer{i}": state(rank, 9.0, rows=rows) for i in range(3)}
+    mine = sum(t.numel() * t.element_size() for lay in big.values()
+               for t in (lay["w"].local_tensor, lay["opt"]["state"][0]["exp_avg"].local_tensor))
+    alloc = background.staging_pool().allocator
+    fast = ckptfs.IOConfig(fsync=False)
+    sizes = []
+    for i in range(10):
+        ckptfs.async_save(big, f"{root}/rss", overwrite=True, io_config=fast).result(timeout=60)
+        if i == 0:
+            first_rss, first_allocs = rss(), alloc.allocations
+        sizes.append(alloc.cached_bytes)
+    growth = rss() - first_rss
+    assert alloc.allocations == first_allocs, "later saves of the same structure allocated"
+    assert min(sizes) == max(sizes) >= mine, sizes
+    assert growth < 0.05 * mine, f"RSS grew {growth / 2**20:.1f} MiB over 9 saves of {mine / 2**20:.0f} MiB"
+    ckptfs.close()
+    assert alloc.cached_bytes == 0
+
+
+@pytest.mark.timeout(240)
+def test_async_save_on_two_ranks(tmp_path):
+    run_ranks(2, scenarios, str(tmp_path), timeout=200)
