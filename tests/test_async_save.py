@@ -1,10 +1,13 @@
 """``ckptfs.async_save`` on 2 spawned gloo ranks (one spawn, every case in turn): snapshot
 semantics, errors from one rank on every rank, one save in flight, staging buffer reuse with
-flat RSS, and the caller's collectives running while the background save runs."""
+flat RSS, and the caller's collectives running while the background save runs. Then one plain
+subprocess that exits with a save in flight."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,3 +157,34 @@ def scenarios(rank: int, world: int, root: str) -> None:
 @pytest.mark.timeout(240)
 def test_async_save_on_two_ranks(tmp_path):
     run_ranks(2, scenarios, str(tmp_path), timeout=200)
+
+
+EXIT_SCRIPT = """
+import sys, torch, ckptfs
+sd = {"w": torch.full((8192, 1024), 3.0)}  # 32 MiB
+h = ckptfs.async_save(sd, sys.argv[1])
+h.wait_staged()
+sd["w"].zero_()
+print("in flight at exit:", not h.done.done())
+"""
+
+
+def test_exit_waits_for_the_save_in_flight(tmp_path):
+    url = str(tmp_path / "ckpt")
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, url], check=True, timeout=120,
+                         capture_output=True, text=True).stdout
+    assert "in flight at exit: True" in out, out
+    target = {"w": torch.zeros(8192, 1024)}
+    ckptfs.load(target, url)
+    assert torch.equal(target["w"], torch.full((8192, 1024), 3.0))
+
+
+def test_yielding_checksum_equals_one_shot():
+    """The background write's checksum (pieces, GIL offered between them) is the same crc32c."""
+    import numpy as np
+
+    from ckptfs.layout.checksum import PIECE, checksum
+
+    for n in (0, 5, PIECE, PIECE + 1, 3 * PIECE + 17):
+        data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        assert checksum(data, yielding=True) == checksum(data.tobytes())

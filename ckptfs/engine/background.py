@@ -6,14 +6,20 @@ Call order: ``with next_slot():`` (waits until the save in flight, if any, is do
 ``staged``, the job's return value resolves ``done``, an exception resolves both that are still
 pending) -> later ``wait_idle()`` (what a synchronous save does first) or ``close()``.
 
-The thread is not a daemon: an interpreter that exits with a save in flight waits for it, so
-the save commits or fails, never half-commits. Why a thread and not a writer process: the
-write is file I/O and crc32c, which release the GIL; see the README's "Asynchronous save".
+An interpreter that exits with a save in flight waits for it, so the save commits or fails,
+never half-commits: the wait is a ``threading`` exit hook, which runs before the thread pools
+behind the I/O layer's ``asyncio.to_thread`` stop taking work (a plain ``atexit`` handler or a
+non-daemon thread alone would run after them, and the save would fail writing).
+
+Why a thread and not a writer process: the background work is copies and file I/O (the GIL is
+released) and a crc32c computed in pieces that offer the GIL between them; measured in
+``bench/async_save.py`` and the README's "Asynchronous save".
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - imported before our exit hook is registered
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -109,8 +115,17 @@ def close() -> None:
         destroy_background_groups()
 
 
+def _wait_at_exit() -> None:
+    if _current is not None:
+        _current.exception()
+
+
+# threading's exit hooks run in reverse order of registration: ours before the thread pools'
+getattr(threading, "_register_atexit", atexit.register)(_wait_at_exit)
+
+
 @atexit.register
 def _at_exit() -> None:
-    # non-daemon save threads were joined before atexit runs; leave torch.distributed alone
+    # the save in flight was waited for above; leave torch.distributed alone
     if _pool is not None:
         _pool.allocator.clear()
