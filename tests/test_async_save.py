@@ -1,7 +1,7 @@
 """``ckptfs.async_save`` on 2 spawned gloo ranks (one spawn, every case in turn): snapshot
 semantics, errors from one rank on every rank, one save in flight, staging buffer reuse with
-flat RSS, and the caller's collectives running while the background save runs. Then one plain
-subprocess that exits with a save in flight."""
+flat RSS, the caller's collectives running while the background save runs, subgroups. Then one
+plain subprocess that exits with a save in flight."""
 
 from __future__ import annotations
 
@@ -152,6 +152,14 @@ def scenarios(rank: int, world: int, root: str) -> None:
     assert growth < 0.05 * mine, f"RSS grew {growth / 2**20:.1f} MiB over 9 saves of {mine / 2**20:.0f} MiB"
     ckptfs.close()
     assert alloc.cached_bytes == 0
+
+    # 7. a subgroup's background group is created by that subgroup's members alone
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    sd = {"v": torch.full((4,), float(rank))}
+    ckptfs.async_save(sd, f"{root}/sub{rank}", process_group=groups[rank]).result(timeout=60)
+    target = {"v": torch.zeros(4)}
+    ckptfs.load(target, f"{root}/sub{rank}", process_group=groups[rank])
+    assert torch.equal(target["v"], torch.full((4,), float(rank)))
 
 
 @pytest.mark.timeout(240)
