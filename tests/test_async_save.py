@@ -196,3 +196,23 @@ def test_yielding_checksum_equals_one_shot():
     for n in (0, 5, PIECE, PIECE + 1, 3 * PIECE + 17):
         data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
         assert checksum(data, yielding=True) == checksum(data.tobytes())
+
+
+def test_async_save_model_and_optim_state(tmp_path):
+    """The model+optimizer helper in the background (one process): the checkpoint holds the
+    parameters and optimizer state at the call, not the ones after the step that follows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h = ckptfs.async_save_model_and_optim_state(tmp_path / "ck", model, opt)
+    h.wait_staged()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # changes the parameters and the optimizer state under the running save
+    h.result()
+    ckptfs.load_model_and_optim_state(tmp_path / "ck", model, opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert opt.state_dict()["state"][0]["step"].item() == 1
