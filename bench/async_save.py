@@ -380,7 +380,7 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
              f"copy_ floor (buffers allocated beforehand): {f1:.3f} s on 1 thread, "
              f"{fn:.3f} s on {s['threads']} threads", ""]
     head = ["checkpointer", "first staged", "first done", "call", "staged", "staged range",
-            "done", "done range", "slowdown", "RSS growth"]
+            "done", "done range", "slowdown", "RSS added"]
     rows = []
     for lib, m in libs.items():
         rows.append([lib, f"{m['first']['staged']:.3f}", f"{m['first']['done']:.2f}",
