@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfs.dist import Comm, ProcessGroup, background_group
+from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.stage import release, stage, staging_allocator
@@ -56,9 +56,12 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                process_group: ProcessGroup | None = None,
                storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
                io_config: IOConfig | None = None, progress: bool = False,
-               throttle_uploads: int | None = None) -> AsyncSave:
+               throttle_uploads: int | None = None,
+               collective_timeout: float | None = None) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
-    ``process_group`` calls this. Options as for ``save``.
+    ``process_group`` calls this. Options as for ``save``; ``collective_timeout`` bounds every
+    wait of the background save for the other ranks (a dead rank fails ``done`` with
+    CollectiveError).
 
     Returns at once, unless a save is still in flight: then it first waits for that one's
     ``done``. Do not change the tensors until ``handle.staged`` resolves. Staging memory: one
@@ -68,11 +71,10 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     started = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        Comm(process_group)  # refuses a group without torch.distributed, here and now
         be = make_backend(backend, backend_version, backend_options)
     with background.next_slot():
-        with public_errors(url):
-            comm = Comm(background_group(process_group))
+        with public_errors(url):  # creates the background group on the first call
+            comm = Comm(process_group, timeout=collective_timeout, background=True)
         pool = background.staging_pool(staging_allocator(state_dict))
         held = [state_dict]  # let go of the caller's tensors once staged
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ckptfs
+from ckptfs.dist import Comm
 from ckptfs.engine import background
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
@@ -31,6 +34,32 @@ class FailingOnRank1(SafetensorsChunksBackend):
         if job.rank == 1:
             raise OSError("rank 1's disk is full")
         return super().write_rank(job)
+
+
+class FailingInCommit(SafetensorsChunksBackend):
+    """Writes like safetensors_chunks; the coordinator's commit fails (after every rank wrote)."""
+
+    name = "test_failing_commit"
+
+    def finalize(self, index, plans):
+        raise OSError("rank 0 lost the store while committing")
+
+
+class PausingInCommit(SafetensorsChunksBackend):
+    """Writes like safetensors_chunks; the coordinator's commit waits (inside the commit's
+    collective, while the other ranks wait in it) until the foreground lets it go on. It waits
+    while building the index, in the save's thread (``finalize`` runs on the I/O loop, which
+    the foreground's load needs too)."""
+
+    name = "test_pausing_commit"
+    in_commit = threading.Event()
+    go_on = threading.Event()
+
+    def index_options(self):
+        PausingInCommit.in_commit.set()
+        if not PausingInCommit.go_on.wait(60):
+            raise TimeoutError("the foreground never let the commit go on")
+        return super().index_options()
 
 
 def rss() -> int:
@@ -77,6 +106,11 @@ def scenarios(rank: int, world: int, root: str) -> None:
     res = h.result(timeout=60)
     assert res.url == f"{root}/snap" and res.bytes_written > 0
     check_loads(rank, f"{root}/snap", 1.0)
+    #    staging holds what this rank writes: its shards, and the replicated bias on one rank only
+    per_rank = [0] * world
+    dist.all_gather_object(per_rank, background.staging_pool().allocator.cached_bytes)
+    shards = 2 * 64 * 16 * 4  # w and exp_avg: 64 x 16 fp32 per rank
+    assert sorted(per_rank) == [shards, shards + 8 * 8], per_rank
 
     # 2. a staging failure on rank 1 resolves `staged` and `done` on both ranks; nothing written
     bad = state(rank, 2.0) | ({"x": object()} if rank == 1 else {})
@@ -101,6 +135,15 @@ def scenarios(rank: int, world: int, root: str) -> None:
         assert isinstance(err, ckptfs.RankError) and "disk is full" in str(err), repr(err)
     assert not os.path.exists(f"{root}/step4/{index}")
     check_loads(rank, f"{root}/step3", 3.0)
+    #    the same for a failure in rank 0's commit, once every rank has written its data
+    register_backend(FailingInCommit.name, 1, FailingInCommit, replace=True)
+    h = ckptfs.async_save(state(rank, 4.5), f"{root}/step4b", backend=FailingInCommit.name)
+    err = h.done.exception(timeout=60)
+    want = ckptfs.StorageError if rank == 0 else ckptfs.RankError
+    assert isinstance(err, want) and "committing" in str(err), repr(err)
+    assert h.staged.exception() is None
+    assert not os.path.exists(f"{root}/step4b/{index}")
+    check_loads(rank, f"{root}/step3", 3.0)
 
     # 4. one save in flight: a second async_save returns only after the first is done, and
     #    save() starts reading its state dict only after the async save in flight is done
@@ -119,19 +162,33 @@ def scenarios(rank: int, world: int, root: str) -> None:
     check_loads(rank, f"{root}/second", 6.0)
     check_loads(rank, f"{root}/third", 7.0)
 
-    # 5. the caller's collectives on the default group run during the background save
-    h = ckptfs.async_save(state(rank, 8.0, rows=4096), f"{root}/fg")
-    during = 0
-    while True:
-        running = torch.tensor([0 if h.done.done() else 1])
-        dist.all_reduce(running)
-        if running.item() == 0:
-            break
-        during += 1
-        assert dist.broadcast_object_list([rank], src=0) is None
-        dist.barrier()
+    # 5. the caller's collectives on the default group, and a ckptfs.load, run while the
+    #    background save sits in its commit collective (rank 0 paused inside it, rank 1 waiting)
+    register_backend(PausingInCommit.name, 1, PausingInCommit, replace=True)
+    h = ckptfs.async_save(state(rank, 8.0), f"{root}/fg", backend=PausingInCommit.name)
+    if rank == 0:
+        assert PausingInCommit.in_commit.wait(60), "the background save never reached its commit"
+    else:  # rank 1's background save reaches its commit collective meanwhile: on a shared
+        time.sleep(1.0)  # group, the foreground's first collective would be matched with it
+    dist.barrier()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    ranks = [None] * world
+    dist.all_gather_object(ranks, rank)
+    assert ranks == [0, 1]
+    check_loads(rank, f"{root}/snap", 1.0)  # ckptfs's own foreground collectives
+    assert not h.done.done(), "the commit went on before the foreground let it"
+    dist.barrier()
+    if rank == 0:
+        PausingInCommit.go_on.set()
     h.result(timeout=60)
-    assert during >= 1, "no foreground collective ran while the background save ran"
+    check_loads(rank, f"{root}/fg", 8.0)
+    #    gloo sometimes matches collectives issued from two threads on one group anyway, so the
+    #    above does not always fail on a shared group: the background's group is checked too
+    bg = Comm(None, background=True).group
+    assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
+    assert dist.get_backend(bg) == "gloo" and dist.get_process_group_ranks(bg) == [0, 1]
 
     # 6. buffer reuse: 10 saves of the same structure allocate once, RSS stays flat
     rows = RSS_STATE_MB * 2**20 // (3 * 4 * 16 * 2)  # w + exp_avg (rows x 16 fp32) ~ state / 3

@@ -3,9 +3,9 @@ rounds, the background groups asynchronous saves run on. Nothing else in ckptfs 
 ``torch.distributed`` (except DTensor placement in state/)."""
 
 from ckptfs.dist.comm import Comm, ProcessGroup
-from ckptfs.dist.groups import background_group, destroy_background_groups
+from ckptfs.dist.groups import destroy_background_groups
 from ckptfs.dist.nodes import NodeLayout, node_id
 from ckptfs.dist.throttle import run_throttled
 
-__all__ = ["Comm", "NodeLayout", "ProcessGroup", "background_group", "destroy_background_groups",
-           "node_id", "run_throttled"]
+__all__ = ["Comm", "NodeLayout", "ProcessGroup", "destroy_background_groups", "node_id",
+           "run_throttled"]
