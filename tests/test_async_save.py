@@ -184,8 +184,7 @@ def scenarios(rank: int, world: int, root: str) -> None:
         PausingInCommit.go_on.set()
     h.result(timeout=60)
     check_loads(rank, f"{root}/fg", 8.0)
-    #    gloo sometimes matches collectives issued from two threads on one group anyway, so the
-    #    above does not always fail on a shared group: the background's group is checked too
+    #    (on a shared group the above hangs); the background's group is gloo, whatever the caller's
     bg = Comm(None, background=True).group
     assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
     assert dist.get_backend(bg) == "gloo" and dist.get_process_group_ranks(bg) == [0, 1]
