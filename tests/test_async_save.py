@@ -163,7 +163,11 @@ def scenarios(rank: int, world: int, root: str) -> None:
     check_loads(rank, f"{root}/third", 7.0)
 
     # 5. the caller's collectives on the default group, and a ckptfs.load, run while the
-    #    background save sits in its commit collective (rank 0 paused inside it, rank 1 waiting)
+    #    background save sits in its commit collective (rank 0 paused inside it, rank 1 waiting;
+    #    on a shared group this hangs). First: the background's group is gloo, not the caller's
+    bg = Comm(None, background=True).group
+    assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
+    assert dist.get_backend(bg) == "gloo" and dist.get_process_group_ranks(bg) == [0, 1]
     register_backend(PausingInCommit.name, 1, PausingInCommit, replace=True)
     h = ckptfs.async_save(state(rank, 8.0), f"{root}/fg", backend=PausingInCommit.name)
     if rank == 0:
@@ -184,10 +188,6 @@ def scenarios(rank: int, world: int, root: str) -> None:
         PausingInCommit.go_on.set()
     h.result(timeout=60)
     check_loads(rank, f"{root}/fg", 8.0)
-    #    (on a shared group the above hangs); the background's group is gloo, whatever the caller's
-    bg = Comm(None, background=True).group
-    assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
-    assert dist.get_backend(bg) == "gloo" and dist.get_process_group_ranks(bg) == [0, 1]
 
     # 6. buffer reuse: 10 saves of the same structure allocate once, RSS stays flat
     rows = RSS_STATE_MB * 2**20 // (3 * 4 * 16 * 2)  # w + exp_avg (rows x 16 fp32) ~ state / 3
