@@ -164,9 +164,11 @@ def scenarios(rank: int, world: int, root: str) -> None:
 
     # 5. the caller's collectives on the default group, and a ckptfs.load, run while the
     #    background save sits in its commit collective (rank 0 paused inside it, rank 1 waiting;
-    #    on a shared group this hangs). First: the background's group is gloo, not the caller's
+    #    on a shared group this hangs). First: the background's group is gloo, neither the
+    #    caller's nor ckptfs's foreground group (a ckptfs.load runs on that)
     bg = Comm(None, background=True).group
     assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
+    assert bg is not Comm(None).group, "the background shares ckptfs's foreground group"
     assert dist.get_backend(bg) == "gloo" and dist.get_process_group_ranks(bg) == [0, 1]
     register_backend(PausingInCommit.name, 1, PausingInCommit, replace=True)
     h = ckptfs.async_save(state(rank, 8.0), f"{root}/fg", backend=PausingInCommit.name)
