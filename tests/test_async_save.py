@@ -274,3 +274,28 @@ def test_async_save_model_and_optim_state(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert opt.state_dict()["state"][0]["step"].item() == 1
+
+
+def test_staging_pool_follows_the_allocator_kind():
+    """The staging cache is kept for saves needing the same kind of memory (pageable, or pinned
+    for CUDA sources) and dropped, with its buffers, when the kind changes: a CPU-only save
+    after a CUDA one must not stage into the old pinned buffers, nor keep them. Another
+    allocator class stands in for the pinned one (CPU-only torch cannot pin)."""
+    from ckptfs.engine.buffers import HostAllocator
+    from ckptfs.io import run_sync
+
+    class Other(HostAllocator):
+        pass
+
+    async def cycle(pool, n):
+        await pool.release(await pool.lease(n))
+
+    host = background.staging_pool(HostAllocator())
+    assert background.staging_pool(HostAllocator()) is host  # same kind: the same cache
+    run_sync(cycle(host, 4096))
+    assert host.allocator.cached_bytes == 4096
+    other = background.staging_pool(Other())
+    assert other is not host and type(other.allocator.inner) is Other
+    assert host.allocator.cached_bytes == 0, "the old kind's buffers were kept"
+    assert background.staging_pool() is other  # no kind asked: the pool as it is
+    background.staging_pool(HostAllocator())  # leave the process's pool as the others expect
