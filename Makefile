@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench mutate clean interop megatron-venvs megatron-fixtures crash-trials
+.PHONY: venv demo test lint bench bench-async mutate clean interop megatron-venvs megatron-fixtures crash-trials
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+bench-async: $(STAMP)
+	$(BIN)/python -m bench.async_save
 
 # SIGKILLed saves, full count (tests/crash_trials.py; make test runs a reduced count in
 # tests/test_crash.py): every writable backend, local files and moto S3

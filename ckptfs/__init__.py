@@ -4,8 +4,8 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
   cli, demo, tools/         command-line tools: inspect, verify, convert, unshard, bench; the
                             model+optimizer helpers (re-exported here lazily)
   testing/                  spawned ranks for tests, the conformance suite (+ golden checkpoints)
-  save / load / metadata /  the public API: short compositions of the engine's phases
-    manage
+  save / async_save / load  the public API: short compositions of the engine's phases
+    / metadata / manage
   engine/                   how a save and a load run: stage -> write -> commit; the read engine;
                             the buffer allocator; index reading; pre-download; the error boundary
   state/                    what is saved: state-dict trees, tensors, DTensors, ShardedTensor
@@ -18,6 +18,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
 """
 
 from ckptfs._version import __version__
+from ckptfs.async_save import AsyncSave, async_save, close
 from ckptfs.errors import (
     AccessDeniedError,
     BackendOptionsError,
@@ -71,6 +72,7 @@ _TOOLS: dict[str, str] = {
     "unshard": "ckptfs.tools.unshard",
     "UnshardResult": "ckptfs.tools.unshard",
     "save_model_and_optim_state": "ckptfs.tools.model_state",
+    "async_save_model_and_optim_state": "ckptfs.tools.model_state",
     "load_model_and_optim_state": "ckptfs.tools.model_state",
     "clean": "ckptfs.tools.clean",
     "CleanResult": "ckptfs.tools.clean",
@@ -95,6 +97,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "INDEX_FILE",
     "AccessDeniedError",
+    "AsyncSave",
     "Backend",
     "BackendOptionsError",
     "CheckpointExistsError",
@@ -129,8 +132,11 @@ __all__ = [
     "UsageError",
     "VerifyReport",
     "__version__",
+    "async_save",
+    "async_save_model_and_optim_state",
     "available_backends",
     "clean",
+    "close",
     "convert",
     "delete",
     "get_backend",

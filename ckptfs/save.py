@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
+from ckptfs.engine.background import wait_idle
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.commit import abandon, claim_target, commit
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.lock import Renewal
-from ckptfs.engine.stage import release, stage, staging_allocator
+from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import IOConfig, Store, open_store, run_sync
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.registry import get_backend
 
@@ -65,10 +66,12 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     of a node (hostname, or ``$CKPTFS_NODE_ID``) write their files at once.
     ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
     wait for the other ranks: a rank that dies, hangs or never calls save makes the others raise
-    CollectiveError naming the step, and nothing is committed.
+    CollectiveError naming the step, and nothing is committed. An asynchronous save still in
+    flight (``ckptfs.async_save``) is waited for first.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
+    wait_idle()
     with public_errors(url):
         comm = Comm(process_group, timeout=collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
@@ -76,25 +79,43 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         pool = BufferPool(staging_allocator(state_dict))
         staged = stage(state_dict, comm, be, pool, copy=False)
         try:
-            store = run_sync(open_store(url, storage_options, io_config))
-            try:
-                claim = claim_target(store, comm, overwrite, be)
-                renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
-                try:
-                    written = write(staged, be, store, comm, claim.save_id, progress=progress,
-                                    throttle_uploads=throttle_uploads)
-                    total = commit(staged, written, be, store, comm, replacing=claim.replacing)
-                except BaseException:
-                    if comm.is_coordinator:
-                        run_sync(abandon(store))
-                    raise
-                finally:
-                    if renewal is not None:
-                        renewal.stop()
-            finally:
-                run_sync(store.close())
+            return write_and_commit(staged, be, url, comm, storage_options=storage_options,
+                                    io_config=io_config, overwrite=overwrite, progress=progress,
+                                    throttle_uploads=throttle_uploads, started=t0)
         finally:
             release(staged, pool)
-        mine = written.mine.files
-        return SaveResult(url, be.name, be.version, sum(mine.values()), total, tuple(mine),
-                          time.perf_counter() - t0, staged.cached, comm.stats.snapshot())
+
+
+def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,
+                     storage_options: Mapping[str, Any] | None, io_config: IOConfig | None,
+                     overwrite: bool, progress: bool, throttle_uploads: int | None,
+                     started: float) -> SaveResult:
+    """Phases 2 and 3 of a save (collective over ``comm``): claim the target, write, commit."""
+    opened: list[Store] = []
+    try:  # agreed: a rank that cannot open the store fails the save everywhere
+        comm.check("save: opening the store",
+                   lambda: opened.append(run_sync(open_store(url, storage_options, io_config))))
+    except BaseException:
+        for s in opened:
+            run_sync(s.close())
+        raise
+    store = opened[0]
+    try:
+        claim = claim_target(store, comm, overwrite, be)
+        renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
+        try:
+            written = write(staged, be, store, comm, claim.save_id, progress=progress,
+                            throttle_uploads=throttle_uploads)
+            total = commit(staged, written, be, store, comm, replacing=claim.replacing)
+        except BaseException:
+            if comm.is_coordinator:
+                run_sync(abandon(store))
+            raise
+        finally:
+            if renewal is not None:
+                renewal.stop()
+    finally:
+        run_sync(store.close())
+    mine = written.mine.files
+    return SaveResult(url, be.name, be.version, sum(mine.values()), total, tuple(mine),
+                      time.perf_counter() - started, staged.cached, comm.stats.snapshot())

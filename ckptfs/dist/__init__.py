@@ -1,8 +1,11 @@
 """The distributed runtime: collectives that never hang (``Comm``), node topology, throttled
-rounds. Nothing else in ckptfs calls ``torch.distributed`` (except DTensor placement in state/)."""
+rounds, the background groups asynchronous saves run on. Nothing else in ckptfs calls
+``torch.distributed`` (except DTensor placement in state/)."""
 
 from ckptfs.dist.comm import Comm, CommStats, ProcessGroup
+from ckptfs.dist.groups import destroy_background_groups
 from ckptfs.dist.nodes import NodeLayout, node_id
 from ckptfs.dist.throttle import run_throttled
 
-__all__ = ["Comm", "CommStats", "NodeLayout", "ProcessGroup", "node_id", "run_throttled"]
+__all__ = ["Comm", "CommStats", "NodeLayout", "ProcessGroup", "destroy_background_groups",
+           "node_id", "run_throttled"]

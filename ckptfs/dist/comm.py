@@ -7,9 +7,9 @@ others waiting. On success the settling costs one small fixed-size all-gather (`
 error messages travel only when something failed. What only the coordinator needs (index
 entries) is gathered, not all-gathered, and what every rank holds alike is exchanged once per
 distinct value (``distinct``). The collectives run on a gloo group of ckptfs's own with a
-timeout (dist/guard.py): a rank that dies, hangs or never arrives makes every other rank raise
-``CollectiveError`` naming the phase (``what``), at once or within the timeout. This module and
-the DTensor code in state/ are the only places that call ``torch.distributed``.
+timeout (dist/groups.py, dist/guard.py): a rank that dies, hangs or never arrives makes every
+other rank raise ``CollectiveError`` naming the phase (``what``), at once or within the timeout.
+This module and the DTensor code in state/ are the only places that call ``torch.distributed``.
 
 Object collectives pickle into byte tensors on the group's device (CPU on ckptfs's gloo group)
 and count the bytes they move in ``Comm.stats``.
@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ckptfs.dist.guard import collective_timeout, drop, own_group, translate
+from ckptfs.dist.groups import BACKGROUND, FOREGROUND, drop, own_group
+from ckptfs.dist.guard import collective_timeout, translate
 from ckptfs.errors import ConfigError, RankError
 
 T = TypeVar("T")
@@ -65,11 +66,14 @@ class Comm:
     """Ranks of one process group (or a single process when none is initialised).
 
     ``timeout`` (seconds; None: ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every wait for the
-    other ranks; collectives run on ckptfs's own gloo group over the same ranks.
+    other ranks; collectives run on ckptfs's own gloo group over the same ranks (dist/groups.py).
+    ``background=True``: on the background lane's group, never the foreground's or ``group``
+    itself, so the caller may run its own collectives (and ckptfs loads) meanwhile: what an
+    asynchronous save does. Creating a group the first time is collective over ``group``'s ranks.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, background: bool = False) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = self._callers = group
         self.timeout = collective_timeout(timeout)
@@ -79,10 +83,16 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             if self.size > 1:
+                lane = BACKGROUND if background else FOREGROUND
                 with self._guard("connecting the ranks"):
-                    own = own_group(group, self.timeout)
+                    own = own_group(group, lane, self.timeout)
                 if dist.get_rank(own) == self.rank:  # same ranks, same order
                     self.group = own
+                elif background:  # the caller's group would be shared with the caller
+                    raise ConfigError(
+                        "async_save needs a process group whose ranks are in ascending order "
+                        f"(rank {self.rank} of the group is rank {dist.get_rank(own)} of "
+                        "ckptfs's group over the same ranks)")
         else:
             if group is not None:
                 raise ConfigError("process_group given but torch.distributed is not initialised")

@@ -7,15 +7,22 @@ allocator decides what memory is (pageable host memory, or pinned host memory wh
 tensors take part: ``allocator_for``), the pool bounds how much of it is held at once. Loads
 into CUDA targets lease a fixed ring of pinned buffers from a pool (engine/ring.py).
 
-Call order: ``lease = await pool.lease(nbytes)`` (waits while the budget is held by others) ->
-fill or drain ``lease.tensor`` / ``lease.view`` -> ``await pool.release(lease)`` once the last
-copy into or out of it has completed. A lease larger than the whole budget waits until nothing
-else is held, then runs alone.
+Call order: ``pool.expect(sizes)`` (optional: the sizes of the leases about to be made, so a
+caching allocator drops what they will not reuse) -> ``lease = await pool.lease(nbytes)`` (waits
+while the budget is held by others) -> fill or drain ``lease.tensor`` / ``lease.view`` ->
+``await pool.release(lease)`` once the last copy into or out of it has completed. A lease larger
+than the whole budget waits until nothing else is held, then runs alone.
+
+Asynchronous saves stage through one long-lived pool over a ``CachingAllocator``: the first
+save allocates its staging buffers, every later save of the same structure gets the same
+buffers back (no allocation, no page faults), and ``clear()`` frees them (``ckptfs.close()``).
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,6 +40,13 @@ class BufferAllocator(ABC):
 
     def free(self, buffer: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Called when a pool drops ``buffer`` (a caching allocator may keep it)."""
+
+    def expect(self, sizes: Iterable[int]) -> None:  # noqa: B027 - optional hook
+        """The sizes of the allocations about to be made (a caching allocator drops the cached
+        buffers they will not reuse)."""
+
+    def clear(self) -> None:  # noqa: B027 - optional hook
+        """Free whatever the allocator keeps."""
 
 
 class HostAllocator(BufferAllocator):
@@ -59,6 +73,59 @@ def allocator_for(tensors: Iterable[torch.Tensor]) -> BufferAllocator:
     if any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available():
         return PinnedAllocator()
     return HostAllocator()
+
+
+class CachingAllocator(BufferAllocator):
+    """Keeps the buffers given back to it and hands them out again for allocations of the same
+    size: the staging buffers of one save are reused by the next save of the same structure.
+
+    Host memory is bounded by one save's worth: ``expect(sizes)`` (called before a save leases
+    its buffers) drops every cached buffer that the coming allocations will not reuse, so a save
+    whose structure changed never holds the old buffers beside the new ones. ``clear()`` frees
+    everything (thread-safe; the pool calls ``allocate``/``free`` on the I/O loop).
+    """
+
+    def __init__(self, inner: BufferAllocator | None = None) -> None:
+        self.inner = inner or HostAllocator()
+        self._cached: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self.allocations = 0  #: buffers obtained from ``inner`` (reuse keeps this flat)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes held in the cache (not leased out)."""
+        with self._lock:
+            return sum(n * len(bufs) for n, bufs in self._cached.items())
+
+    def expect(self, sizes: Iterable[int]) -> None:
+        want = Counter(sizes)
+        with self._lock:
+            for n in list(self._cached):
+                bufs = self._cached[n]
+                while len(bufs) > want[n]:
+                    self.inner.free(bufs.pop())
+                if not bufs:
+                    del self._cached[n]
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            bufs = self._cached.get(nbytes)
+            if bufs:
+                return bufs.pop()
+            self.allocations += 1
+        return self.inner.allocate(nbytes)
+
+    def free(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._cached[buffer.numel()].append(buffer)
+
+    def clear(self) -> None:
+        with self._lock:
+            bufs = [b for bs in self._cached.values() for b in bs]
+            self._cached.clear()
+        for b in bufs:
+            self.inner.free(b)
+        self.inner.clear()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -97,6 +164,10 @@ class BufferPool:
     def waits(self) -> int:
         """Leases that had to wait for others to be released."""
         return self.budget.waits
+
+    def expect(self, sizes: Iterable[int]) -> None:
+        """Announce the sizes of the leases about to be made (see ``BufferAllocator.expect``)."""
+        self.allocator.expect(sizes)
 
     async def lease(self, nbytes: int) -> Lease:
         held = await self.budget.acquire(nbytes)

@@ -22,7 +22,9 @@ or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a stagi
 data is copied there by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
 queued on a side stream and waited for once. The CUDA copy is UNTESTED (no GPU machine was
 available; README, GPU). Each rank also checksums the slices of plain tensors that another rank
-writes, so the coordinator can tell replicas that differ (commit.py).
+writes, so the coordinator can tell replicas that differ (commit.py). The ranks agree on the
+outcome of the copies, so a rank that failed to stage fails the save everywhere instead of
+leaving the others in the next collective.
 
 The stage phase runs every collective on the ``Comm`` it is given (a background save gives it
 its own group's); the plan cache is keyed by the group's members, so saves over the same ranks
@@ -32,7 +34,7 @@ share entries safely (plan_cache.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,10 +155,13 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
 
 
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
-          copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None) -> StagedSave:
+          copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
+          on_copied: Callable[[], None] | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
-    (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call)."""
+    (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
+    called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
+    asynchronous save resolves its ``staged`` future there)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     what = "save: describing the state dict"
@@ -201,7 +206,21 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
         if s.box.volume:
             views.append((key, s.global_shape, s.box, s.local.detach()))
     sums = comm.check("save: checksumming replicas", lambda: _replica_sums(d, plan))
-    chunks, leases = _take(views, {k: local[k] for k, *_ in views}, pool, copy)
+    shards = {k: local[k] for k, *_ in views}
+    taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
+
+    def take() -> None:
+        taken.append(_take(views, shards, pool, copy))
+        if on_copied is not None:
+            on_copied()
+
+    try:
+        comm.check("save: copying the chunks", take)
+    except BaseException:
+        if taken:
+            _release(taken[0][1], pool)
+        raise
+    chunks, leases = taken[0]
     tensors = {k: (lay.dtype, lay.shape) for k, lay in plan.layouts.items()}
     tensors.update((k, (p.dtype, p.shape)) for k, p in private_plans.items())
     order = merge_order(orders, [*containers, *values, *tensors]) if comm.is_coordinator else ()
@@ -326,20 +345,24 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
     sizes = [data.numel() * data.element_size() if copy or _needs_copy(data) else -1
              for *_, data in views]
     wanted = [n for n in sizes if n > 0]
-    got = iter(run_sync(_lease_all(pool, wanted)) if wanted else ())
+    leases = run_sync(_lease_all(pool, wanted)) if wanted else []
+    got = iter(leases)
     d2h = DeviceToHost() if any(v[-1].device.type == "cuda" for v in views) else None
     chunks: list[ChunkData] = []
-    leases: list[Lease] = []
-    for (key, shape, box, data), n in zip(views, sizes, strict=True):
-        if n > 0:
-            lease = next(got)
-            leases.append(lease)
-            data = copy_chunk(data, lease, d2h)
-        elif n == 0:
-            data = torch.empty(data.shape, dtype=data.dtype)
-        chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
-    if d2h is not None:
-        d2h.wait()  # the bytes are on the host before anyone reads them
+    try:
+        for (key, shape, box, data), n in zip(views, sizes, strict=True):
+            if n > 0:
+                data = copy_chunk(data, next(got), d2h)
+            elif n == 0:
+                data = torch.empty(data.shape, dtype=data.dtype)
+            chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
+        if d2h is not None:
+            d2h.wait()  # the bytes are on the host before anyone reads them (or ``staged``)
+    except BaseException:
+        if d2h is not None:
+            d2h.wait()  # no queued copy still writes into a buffer given back
+        _release(leases, pool)
+        raise
     return tuple(chunks), tuple(leases)
 
 
@@ -394,6 +417,7 @@ def _tensors(obj: Any):
 
 
 async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:
+    pool.expect(sizes)
     out: list[Lease] = []
     try:
         for n in sizes:
@@ -407,10 +431,13 @@ async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:
 
 def release(staged: StagedSave, pool: BufferPool) -> None:
     """Give the staging buffers back to the pool."""
+    _release(staged.leases, pool)
 
+
+def _release(leases: Sequence[Lease], pool: BufferPool) -> None:
     async def go() -> None:
-        for lease in staged.leases:
+        for lease in leases:
             await pool.release(lease)
 
-    if staged.leases:
+    if leases:
         run_sync(go())

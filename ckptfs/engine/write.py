@@ -90,7 +90,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     writing = submit(write_files(store, rw.files, progress))
     try:
         crcs = [(c, tensor_bytes(c.data)) for c in staged.chunks]
-        crcs = [(c, data, crc_of(data)) for c, data in crcs]
+        crcs = [(c, data, crc_of(data, yielding=True)) for c, data in crcs]
         sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
         whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
     finally:

@@ -10,6 +10,7 @@ the engine already computed.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Sequence
 
 import google_crc32c
@@ -18,20 +19,36 @@ import numpy as np
 ALGORITHM = "crc32c"
 PATTERN = re.compile(r"crc32c:[0-9a-f]{8}")
 _POLY = 0x82F63B78  #: CRC-32C polynomial, reflected
+PIECE = 1 << 20  #: bytes per GIL hold when a checksum yields
 
 
-def checksum(data: bytes | bytearray | memoryview | np.ndarray) -> str:
-    """The index form of the checksum of ``data``."""
-    return render(crc_of(data))
+def checksum(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool = False) -> str:
+    """The index form of the checksum of ``data`` (``yielding``: as for ``crc_of``)."""
+    return render(crc_of(data, yielding=yielding))
 
 
 def render(crc: int) -> str:
     return f"{ALGORITHM}:{crc:08x}"
 
 
-def crc_of(data: bytes | bytearray | memoryview | np.ndarray) -> int:
+def crc_of(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool = False) -> int:
+    """The CRC of ``data``.
+
+    google_crc32c holds the GIL while it computes (about 0.2 ms per MiB). With ``yielding`` the
+    CRC is computed in pieces of ``PIECE`` bytes and the GIL is offered to other threads between
+    them, so a training loop running beside a background save waits at most one piece.
+    """
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-    return int(google_crc32c.value(arr)) if arr.nbytes else 0
+    if not arr.nbytes:
+        return 0
+    if not yielding or arr.nbytes <= PIECE:
+        return int(google_crc32c.value(arr))
+    flat = arr.reshape(-1).view(np.uint8)
+    crc = 0
+    for start in range(0, flat.size, PIECE):
+        crc = google_crc32c.extend(crc, flat[start:start + PIECE])
+        time.sleep(0)  # releases the GIL: a waiting thread gets its turn now, not after 5 ms
+    return int(crc)
 
 
 def extend(crc: int, data: bytes | bytearray | memoryview | np.ndarray) -> int:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+import ckptfs
+
 
 class RanksFailed(AssertionError):
     """One or more spawned ranks failed; the message holds each failing rank's traceback."""
@@ -46,6 +48,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        ckptfs.close()  # an asynchronous save still in flight finishes on its own group first
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
         dist.destroy_process_group()
     except BaseException:

@@ -3,8 +3,8 @@
 tensor-parallel modules, optimizer state initialised), is saved as
 ``{"model": ..., "optim": ...}`` and loaded back in place on any world size and sharding.
 
-``async_save_model_and_optim_state`` waits for async save (it would stage these same state
-dicts and return a future).
+``async_save_model_and_optim_state`` saves the same state in the background
+(``ckptfs.async_save``): change the model or step the optimizer only after ``handle.staged``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ckptfs.async_save import AsyncSave, async_save
 from ckptfs.load import LoadResult, load
 from ckptfs.save import SaveResult, save
 
@@ -53,6 +54,17 @@ def save_model_and_optim_state(url: str | os.PathLike, model: torch.nn.Module,
     ``backend``, ``storage_options``, ``process_group``, ``throttle_uploads``, ...)."""
     state = model_and_optim_state(model, optim, flatten_optimizer_state=flatten_optimizer_state)
     return save(state, url, **save_options)
+
+
+@torch.no_grad()
+def async_save_model_and_optim_state(url: str | os.PathLike, model: torch.nn.Module,
+                                     optim: torch.optim.Optimizer | None = None, *,
+                                     flatten_optimizer_state: bool = False,
+                                     **save_options: Any) -> AsyncSave:
+    """``save_model_and_optim_state`` in the background: returns ``ckptfs.async_save``'s handle
+    at once. Do not step the optimizer (or change the model) before ``handle.staged``."""
+    state = model_and_optim_state(model, optim, flatten_optimizer_state=flatten_optimizer_state)
+    return async_save(state, url, **save_options)
 
 
 @torch.no_grad()

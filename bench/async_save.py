@@ -1,0 +1,479 @@
+"""``python -m bench.async_save`` (``make bench-async``): asynchronous save, ckptfs vs DCP.
+
+One spawned gloo rank (``--world`` for more) holds a state of fp32 DTensors (``--mb``, default
+500 MB) and saves it over and over with each checkpointer in turn, the order rotating every
+repetition, all in the same process:
+
+- ``ckptfs``: ``ckptfs.async_save`` (background thread, reused staging buffers);
+- ``ckptfs-proc``: the same stage, with the write and commit in a persistent spawned writer
+  process fed through shared-memory staging buffers (a prototype, here only to measure the
+  thread-vs-process choice; world 1 only);
+- ``DCP-stager``: ``dcp.async_save`` with one ``DefaultStager(use_async_staging=True)`` reused
+  by every save (its staging storages are cached across saves);
+- ``DCP-thread``: ``dcp.async_save`` without a stager (the call stages, then returns);
+- ``DCP-proc``: ``dcp.async_save(async_checkpointer_type=PROCESS)`` with a reused shared-memory
+  ``DefaultStager``.
+
+Each repetition first measures the floor three times: ``copy_`` of every local tensor into
+buffers allocated beforehand, with 1 torch thread and with all of them (median over all). Then
+each checkpointer saves twice: once idle (time-to-staged, time-to-done), once with a training
+loop running (a CPU matmul step on 1 torch thread). The slowdown compares the loop's median step
+time while the save writes in the background (from ``staged`` to ``done``) with its median step
+time in the windows just before and just after that save. RSS growth per checkpointer adds up
+the RSS change across each of its saves after its first (child processes not counted); after
+each save glibc's free memory is returned to the OS (``malloc_trim``), so what one checkpointer
+leaves behind does not weigh on the next. Steady
+state = the 3rd save of a checkpointer onward; its first save is reported apart. All data is
+fsynced (ckptfs ``IOConfig.fsync``, DCP ``sync_files=True``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ckptfs
+from ckptfs.testing.ranks import run_ranks
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TENSOR_MB = 25
+TARGETS = {"staged_vs_dcp": 0.5, "staged_vs_floor": 1.3, "done_vs_dcp": 0.5, "slowdown": 0.10,
+           "rss_growth": 0.05}
+
+
+# -- the state and the stand-in training step -----------------------------------------------------
+def make_state(mb: int, world: int) -> dict[str, Any]:
+    """``mb`` MB of fp32 in tensors of 25 MB (rows x 1024), row-sharded DTensors over ``world``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    rows = TENSOR_MB * 10**6 // (4 * 1024)
+    out = {}
+    for i in range(max(1, mb // TENSOR_MB)):
+        rank = mesh.get_local_rank()
+        per = -(-rows // world)
+        lo, hi = min(rank * per, rows), min(rank * per + per, rows)
+        local = torch.randn(hi - lo, 1024)
+        out[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                       shape=torch.Size((rows, 1024)),
+                                                       stride=(1024, 1))
+    return out
+
+
+class Trainer:
+    """A training step on 1 torch thread: 4 matmuls of 256x256 (compute) and 100 small ones
+    (Python and dispatcher bound, like a GPU step's kernel launches)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.randn(256, 256, generator=g) / 16
+        self.s = torch.randn(32, 32, generator=g) / 6
+
+    def step(self) -> None:
+        x = self.a
+        for _ in range(4):
+            x = torch.tanh(x @ self.a)
+        y = self.s
+        for _ in range(100):
+            y = torch.tanh(y @ self.s)
+
+    def run(self, until: Callable[[], bool], min_steps: int = 0) -> list[float]:
+        times = []
+        while len(times) < min_steps or not until():
+            t0 = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def trim() -> None:
+    """Give glibc's free heap memory back to the OS (``malloc_trim``), so one checkpointer's
+    leftovers (DCP's thread mode frees a full copy per save) do not slow the next one."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def local_tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
+    return [t.to_local() for t in sd.values()]
+
+
+# -- the checkpointers ----------------------------------------------------------------------------
+Waits = tuple[Callable[[], None], Callable[[], None]]  #: (wait staged, wait done)
+
+
+class Ckptfs:
+    name = "ckptfs"
+
+    def start(self, sd: dict[str, Any], path: str) -> Waits:
+        h = ckptfs.async_save(sd, path)
+        return h.wait_staged, lambda: h.result()
+
+    def close(self) -> None:
+        ckptfs.close()
+
+
+class CkptfsProcess:
+    """The writer-process alternative: stage here, write and commit in a spawned process."""
+
+    name = "ckptfs-proc"
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as mp
+
+        from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
+        from ckptfs.io import run_sync
+
+        class SharedAllocator(BufferAllocator):
+            def allocate(self, nbytes: int) -> torch.Tensor:
+                return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+        async def make() -> BufferPool:
+            return BufferPool(CachingAllocator(SharedAllocator()))
+
+        self.pool = run_sync(make())
+        ctx = mp.get_context("spawn")
+        self.requests, self.replies = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=writer_main, args=(self.requests, self.replies),
+                                name="ckptfs-writer", daemon=True)
+        self.proc.start()
+        assert self.replies.get(timeout=300) == "ready"
+
+    def start(self, sd: dict[str, Any], path: str) -> Waits:
+        from ckptfs.dist import Comm
+        from ckptfs.engine import background
+        from ckptfs.engine.stage import release, stage
+        from ckptfs.save import make_backend
+
+        be = make_backend("safetensors_chunks", None, None)
+
+        def job(on_copied: Callable[[], None]) -> None:
+            staged = stage(sd, Comm(None), be, self.pool, copy=True, on_copied=on_copied)
+            try:
+                self.requests.put((staged, path))
+                ok, msg = self.replies.get()
+                if not ok:
+                    raise RuntimeError(f"writer process: {msg}")
+            finally:
+                release(staged, self.pool)
+
+        with background.next_slot():
+            staged, done = background.launch(job)
+        return lambda: staged.result(), lambda: done.result()
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.proc.join(timeout=60)
+        self.pool.allocator.clear()
+
+
+def writer_main(requests: Any, replies: Any) -> None:
+    """The writer process: write and commit each staged save it is sent (world of one)."""
+    from ckptfs.dist import Comm
+    from ckptfs.save import make_backend, write_and_commit
+
+    be = make_backend("safetensors_chunks", None, None)
+    replies.put("ready")
+    while (req := requests.get()) is not None:
+        staged, path = req
+        try:
+            write_and_commit(staged, be, path, Comm(None), storage_options=None, io_config=None,
+                             overwrite=False, progress=False, throttle_uploads=None,
+                             started=time.perf_counter())
+            replies.put((True, ""))
+        except Exception as e:
+            replies.put((False, f"{type(e).__name__}: {e}"))
+        del staged, req
+
+
+class Dcp:
+    def __init__(self, mode: str) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.mode = mode
+        self.name = f"DCP-{mode}"
+        self.stager = None
+        if mode in ("stager", "proc"):
+            # pinned memory and non-blocking copies need CUDA; shared memory only for the process
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False,
+                                                       use_shared_memory=mode == "proc",
+                                                       use_async_staging=True,
+                                                       use_non_blocking_copy=False))
+
+    def start(self, sd: dict[str, Any], path: str) -> Waits:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        writer = dcp.FileSystemWriter(path, sync_files=True)
+        kind = AsyncCheckpointerType.PROCESS if self.mode == "proc" else AsyncCheckpointerType.THREAD
+        r = dcp.async_save(sd, storage_writer=writer, async_stager=self.stager,
+                           async_checkpointer_type=kind)
+        if self.stager is None:  # thread mode: the call staged; a plain future
+            return (lambda: None), (lambda: r.result())
+        return (lambda: r.staging_completion.result()), (lambda: r.upload_completion.result())
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+def make_checkpointers(names: list[str], world: int) -> list[Any]:
+    out: list[Any] = []
+    for n in names:
+        if n == "ckptfs":
+            out.append(Ckptfs())
+        elif n == "ckptfs-proc":
+            if world == 1:
+                out.append(CkptfsProcess())
+        else:
+            out.append(Dcp(n.removeprefix("DCP-")))
+    return out
+
+
+# -- one rank -------------------------------------------------------------------------------------
+def floor(srcs: list[torch.Tensor], bufs: list[torch.Tensor], threads: int) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        for s, b in zip(srcs, bufs, strict=True):
+            b.copy_(s)
+        return time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(before)
+
+
+def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    sd = make_state(cfg["mb"], world)
+    srcs = local_tensors(sd)
+    bufs = [torch.empty_like(t) for t in srcs]
+    floor(srcs, bufs, 1)  # fault the floor's buffers in
+    cks = make_checkpointers(cfg["libs"], world)
+    trainer = Trainer()
+    torch.set_num_threads(1)  # the training loop's setting, for every checkpointer alike
+    trainer.run(lambda: True, 20)  # warm
+    records: list[dict[str, Any]] = []
+    saves: dict[str, int] = defaultdict(int)
+
+    def record(**kw: Any) -> None:
+        records.append({"rank": rank, **kw})
+
+    def one_save(ck: Any, rep: int, train: bool) -> None:
+        path = os.path.join(cfg["root"], ck.name)
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        base: list[float] = []
+        if train:
+            end = time.perf_counter() + cfg["train_s"] / 2
+            base = trainer.run(lambda: time.perf_counter() > end, 5)
+        r0 = rss()
+        t0 = time.perf_counter()
+        wait_staged, wait_done = ck.start(sd, path)
+        t_call = time.perf_counter() - t0
+        wait_staged()
+        t_staged = time.perf_counter() - t0
+        during: list[float] = []
+        if train:
+            box: list[float] = []
+            waiter = threading.Thread(target=lambda: (wait_done(), box.append(time.perf_counter())))
+            waiter.start()
+            during = trainer.run(lambda: bool(box))
+            waiter.join()
+            t_done = box[0] - t0
+            end = time.perf_counter() + cfg["train_s"] / 2
+            base += trainer.run(lambda: time.perf_counter() > end, 5)
+        else:
+            wait_done()
+            t_done = time.perf_counter() - t0
+        n = saves[ck.name]
+        saves[ck.name] += 1
+        record(lib=ck.name, rep=rep, save=n, train=train, call=t_call, staged=t_staged,
+               done=t_done, rss_delta=rss() - r0,
+               base_step=statistics.median(base) if base else None,
+               during_step=statistics.median(during) if during else None,
+               during_steps=len(during))
+        trim()
+        dist.barrier()
+
+    for rep in range(cfg["reps"]):
+        for _ in range(3):
+            record(lib="floor", rep=rep, floor_1=floor(srcs, bufs, 1),
+                   floor_n=floor(srcs, bufs, threads), threads=threads)
+        k = rep % len(cks)
+        for ck in cks[k:] + cks[:k]:
+            one_save(ck, rep, train=False)
+            one_save(ck, rep, train=True)
+        if rank == 0:
+            print(f"  rep {rep + 1}/{cfg['reps']} done", flush=True)
+    for ck in cks:
+        ck.close()
+    if rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump(records, f)
+
+
+# -- the report -----------------------------------------------------------------------------------
+def summarize(records: list[dict[str, Any]], state_bytes: int) -> dict[str, Any]:
+    floors = [r for r in records if r["lib"] == "floor"]
+    out: dict[str, Any] = {
+        "floor_1": statistics.median(r["floor_1"] for r in floors),
+        "floor_n": statistics.median(r["floor_n"] for r in floors),
+        "threads": floors[0]["threads"], "libs": {}}
+    by_lib: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["lib"] != "floor":
+            by_lib[r["lib"]].append(r)
+    for lib, rs in by_lib.items():
+        rs.sort(key=lambda r: r["save"])
+        idle = [r for r in rs if not r["train"]]
+        steady = [r for r in idle if r["save"] >= 2]
+        trained = [r for r in rs if r["train"] and r["save"] >= 2 and r["during_steps"]]
+        med = statistics.median
+        out["libs"][lib] = {
+            "first": {k: rs[0][k] for k in ("call", "staged", "done")},
+            "staged": med(r["staged"] for r in steady),
+            "staged_range": [min(r["staged"] for r in steady), max(r["staged"] for r in steady)],
+            "call": med(r["call"] for r in steady),
+            "done": med(r["done"] for r in steady),
+            "done_range": [min(r["done"] for r in steady), max(r["done"] for r in steady)],
+            "slowdown": med(r["during_step"] / r["base_step"] - 1 for r in trained) if trained else None,
+            "slowdown_all": [round(r["during_step"] / r["base_step"] - 1, 3) for r in trained],
+            "rss_growth": sum(r["rss_delta"] for r in rs[1:]),
+            "saves": len(rs),
+            "state_bytes": state_bytes,
+        }
+    return out
+
+
+def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
+    libs = s["libs"]
+    f1, fn = s["floor_1"], s["floor_n"]
+    lines = ["", f"state {state_bytes / 1e6:.0f} MB fp32 per rank; load average at start "
+             f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}",
+             f"copy_ floor (buffers allocated beforehand): {f1:.3f} s on 1 thread, "
+             f"{fn:.3f} s on {s['threads']} threads", ""]
+    head = ["checkpointer", "first staged", "first done", "call", "staged", "staged range",
+            "done", "done range", "slowdown", "RSS added"]
+    rows = []
+    for lib, m in libs.items():
+        rows.append([lib, f"{m['first']['staged']:.3f}", f"{m['first']['done']:.2f}",
+                     f"{m['call']:.3f}", f"{m['staged']:.3f}",
+                     f"{m['staged_range'][0]:.3f}-{m['staged_range'][1]:.3f}",
+                     f"{m['done']:.2f}", f"{m['done_range'][0]:.2f}-{m['done_range'][1]:.2f}",
+                     "-" if m["slowdown"] is None else f"{100 * m['slowdown']:+.1f}%",
+                     f"{m['rss_growth'] / 2**20:+.1f} MiB ({m['saves'] - 1} saves)"])
+    lines += ["seconds; steady state = median from the 3rd save on; slowdown = training step time "
+              "during the background write vs just before", *_table(head, rows)]
+    ours, dcp = libs.get("ckptfs"), libs.get("DCP-stager")
+    if ours:
+        lines += ["", "targets (ckptfs):"]
+
+        def line(what: str, value: float, target: float, fmt: str = "{:.2f}x") -> str:
+            ok = "met" if value <= target else "NOT met"
+            return f"  {what}: {fmt.format(value)} (target <= {fmt.format(target)}) {ok}"
+
+        if dcp:
+            lines.append(line("time-to-staged / DCP-stager's", ours["staged"] / dcp["staged"],
+                              TARGETS["staged_vs_dcp"]))
+        lines.append(line("time-to-staged / 1-thread copy_ floor", ours["staged"] / f1,
+                          TARGETS["staged_vs_floor"]))
+        if dcp:
+            lines.append(line("time-to-done / DCP-stager's", ours["done"] / dcp["done"],
+                              TARGETS["done_vs_dcp"]))
+        if ours["slowdown"] is not None:
+            lines.append(line("training-loop slowdown", ours["slowdown"], TARGETS["slowdown"],
+                              "{:.1%}"))
+        lines.append(line("RSS growth / state", ours["rss_growth"] / state_bytes,
+                          TARGETS["rss_growth"], "{:.2%}"))
+    return "\n".join(lines)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return [fmt(head), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+
+
+ALL_LIBS = ["ckptfs", "ckptfs-proc", "DCP-stager", "DCP-thread", "DCP-proc"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.async_save", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, default=500, help="state size in MB per rank (default 500)")
+    p.add_argument("--reps", type=int, default=6,
+                   help="repetitions (2 saves per checkpointer each; default 6 -> 12 saves)")
+    p.add_argument("--world", type=int, default=1, help="spawned gloo ranks (default 1)")
+    p.add_argument("--libs", default=",".join(ALL_LIBS), help=f"comma list of {ALL_LIBS}")
+    p.add_argument("--train-s", type=float, default=1.0,
+                   help="seconds of baseline training steps around each trained save (default 1)")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    args = p.parse_args(argv)
+    libs = [x for x in args.libs.split(",") if x]
+    if unknown := set(libs) - set(ALL_LIBS):
+        sys.exit(f"unknown checkpointers {sorted(unknown)}; choose from {ALL_LIBS}")
+    root = tempfile.mkdtemp(prefix="ckptfs-async-", dir=args.dir)
+    out = os.path.join(root, "records.json")
+    cfg = {"mb": args.mb, "reps": args.reps, "libs": libs, "train_s": args.train_s,
+           "root": root, "out": out}
+    load = os.getloadavg()
+    state_bytes = max(1, args.mb // TENSOR_MB) * (TENSOR_MB * 10**6 // (4 * 1024)) * 4096
+    print(f"bench.async_save: {state_bytes / 1e6:.0f} MB fp32 per rank, world {args.world}, "
+          f"{args.reps} reps, {libs}; load average {load[0]:.2f}; dir {root}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        run_ranks(args.world, rank_main, cfg)
+        records = json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    per_rank = max(1, args.mb // TENSOR_MB) * (-(-(TENSOR_MB * 10**6 // (4 * 1024)) // args.world)) * 4096
+    summary = summarize(records, per_rank)
+    report = render(summary, per_rank, load)
+    print(report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = RESULTS / f"{stamp}-async-{args.mb}mb.json"
+    path.write_text(json.dumps({
+        "config": {k: v for k, v in cfg.items() if k not in ("root", "out")} | {"world": args.world},
+        "host": {"cpus": os.cpu_count(), "load_average_start": load,
+                 "load_average_end": os.getloadavg(), "platform": platform.platform(),
+                 "python": platform.python_version(), "torch": torch.__version__,
+                 "ckptfs": ckptfs.__version__},
+        "wall_seconds": time.perf_counter() - t0, "summary": summary, "records": records,
+        "report": report}, indent=1))
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

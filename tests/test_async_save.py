@@ -1,0 +1,302 @@
+"""``ckptfs.async_save`` on 2 spawned gloo ranks (one spawn, every case in turn): snapshot
+semantics, errors from one rank on every rank, one save in flight, staging buffer reuse with
+flat RSS, the caller's collectives running while the background save runs, subgroups. Then one
+plain subprocess that exits with a save in flight."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptfs
+from ckptfs.dist import Comm
+from ckptfs.engine import background
+from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
+from ckptfs.layout.registry import register_backend
+from ckptfs.testing.ranks import run_ranks
+
+RSS_STATE_MB = 48  #: per rank; the claim is proportional: growth < 5% of the state
+
+
+class FailingOnRank1(SafetensorsChunksBackend):
+    """Writes like safetensors_chunks, except that rank 1's storage fails."""
+
+    name = "test_failing_rank1"
+
+    def write_rank(self, job):
+        if job.rank == 1:
+            raise OSError("rank 1's disk is full")
+        return super().write_rank(job)
+
+
+class FailingInCommit(SafetensorsChunksBackend):
+    """Writes like safetensors_chunks; the coordinator's commit fails (after every rank wrote)."""
+
+    name = "test_failing_commit"
+
+    def finalize(self, index, plans):
+        raise OSError("rank 0 lost the store while committing")
+
+
+class PausingInCommit(SafetensorsChunksBackend):
+    """Writes like safetensors_chunks; the coordinator's commit waits (inside the commit's
+    collective, while the other ranks wait in it) until the foreground lets it go on. It waits
+    while building the index, in the save's thread (``finalize`` runs on the I/O loop, which
+    the foreground's load needs too)."""
+
+    name = "test_pausing_commit"
+    in_commit = threading.Event()
+    go_on = threading.Event()
+
+    def index_options(self):
+        PausingInCommit.in_commit.set()
+        if not PausingInCommit.go_on.wait(60):
+            raise TimeoutError("the foreground never let the commit go on")
+        return super().index_options()
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def state(rank: int, value: float, rows: int = 64) -> dict:
+    """A row-sharded weight, a replicated bias, nested optimizer-like state and a value."""
+    def shard(t: torch.Tensor) -> ckptfs.ShardedTensor:
+        return ckptfs.ShardedTensor(t, (2 * rows, 16), (rank * rows, 0))
+
+    want = expected(rank, value, rows)
+    return {"w": shard(want["w"]), "b": torch.arange(8, dtype=torch.float64) * value,
+            "opt": {"state": {0: {"exp_avg": shard(want["opt"]["state"][0]["exp_avg"])}}},
+            "step": int(value)}
+
+
+def expected(rank: int, value: float, rows: int = 64) -> dict:
+    return {"w": torch.full((rows, 16), value) + rank,
+            "opt": {"state": {0: {"exp_avg": torch.full((rows, 16), value + rank + 0.5)}}}}
+
+
+def check_loads(rank: int, url: str, value: float) -> None:
+    target = state(rank, 0.0)
+    ckptfs.load(target, url)
+    want = expected(rank, value)
+    assert torch.equal(target["w"].local_tensor, want["w"])
+    assert torch.equal(target["opt"]["state"][0]["exp_avg"].local_tensor, want["opt"]["state"][0]["exp_avg"])
+    assert torch.equal(target["b"], torch.arange(8, dtype=torch.float64) * value)
+    assert target["step"] == int(value)
+
+
+def scenarios(rank: int, world: int, root: str) -> None:
+    index = ckptfs.INDEX_FILE
+
+    # 1. values changed after `staged` do not leak into the checkpoint
+    sd = state(rank, 1.0)
+    h = ckptfs.async_save(sd, f"{root}/snap")
+    assert isinstance(h, ckptfs.AsyncSave)
+    h.wait_staged(timeout=60)
+    for t in (sd["w"].local_tensor, sd["b"], sd["opt"]["state"][0]["exp_avg"].local_tensor):
+        t.fill_(-5.0)
+    res = h.result(timeout=60)
+    assert res.url == f"{root}/snap" and res.bytes_written > 0
+    check_loads(rank, f"{root}/snap", 1.0)
+    #    staging holds what this rank writes: its shards, and the replicated bias on one rank only
+    per_rank = [0] * world
+    dist.all_gather_object(per_rank, background.staging_pool().allocator.cached_bytes)
+    shards = 2 * 64 * 16 * 4  # w and exp_avg: 64 x 16 fp32 per rank
+    assert sorted(per_rank) == [shards, shards + 8 * 8], per_rank
+
+    # 2. a staging failure on rank 1 resolves `staged` and `done` on both ranks; nothing written
+    bad = state(rank, 2.0) | ({"x": object()} if rank == 1 else {})
+    h = ckptfs.async_save(bad, f"{root}/stagefail")
+    err = h.staged.exception(timeout=60)
+    want = ckptfs.UnsupportedValueError if rank == 1 else ckptfs.RankError
+    assert isinstance(err, want), repr(err)
+    assert "'x'" in str(err)
+    assert isinstance(h.done.exception(timeout=60), want)
+    assert not os.path.exists(f"{root}/stagefail/{index}")
+
+    # 3. a write failure on rank 1: `staged` succeeded, `done` fails on every rank, no index is
+    #    written and the previous checkpoint is untouched
+    register_backend(FailingOnRank1.name, 1, FailingOnRank1, replace=True)
+    ckptfs.async_save(state(rank, 3.0), f"{root}/step3").result(timeout=60)
+    h = ckptfs.async_save(state(rank, 4.0), f"{root}/step4", backend=FailingOnRank1.name)
+    h.wait_staged(timeout=60)
+    err = h.done.exception(timeout=60)
+    if rank == 1:
+        assert isinstance(err, ckptfs.StorageError) and "disk is full" in str(err), repr(err)
+    else:
+        assert isinstance(err, ckptfs.RankError) and "disk is full" in str(err), repr(err)
+    assert not os.path.exists(f"{root}/step4/{index}")
+    check_loads(rank, f"{root}/step3", 3.0)
+    #    the same for a failure in rank 0's commit, once every rank has written its data
+    register_backend(FailingInCommit.name, 1, FailingInCommit, replace=True)
+    h = ckptfs.async_save(state(rank, 4.5), f"{root}/step4b", backend=FailingInCommit.name)
+    err = h.done.exception(timeout=60)
+    want = ckptfs.StorageError if rank == 0 else ckptfs.RankError
+    assert isinstance(err, want) and "committing" in str(err), repr(err)
+    assert h.staged.exception() is None
+    assert not os.path.exists(f"{root}/step4b/{index}")
+    check_loads(rank, f"{root}/step3", 3.0)
+
+    # 4. one save in flight: a second async_save returns only after the first is done, and
+    #    save() starts reading its state dict only after the async save in flight is done
+    h1 = ckptfs.async_save(state(rank, 5.0, rows=4096), f"{root}/first")
+    h2 = ckptfs.async_save(state(rank, 6.0), f"{root}/second")
+    assert h1.done.done(), "async_save started while another save was in flight"
+    seen: list[bool] = []
+
+    class Probe(dict):
+        def items(self):
+            seen.append(h2.done.done())
+            return super().items()
+
+    ckptfs.save(Probe(state(rank, 7.0)), f"{root}/third")
+    assert seen and all(seen), "save() started while an async save was in flight"
+    check_loads(rank, f"{root}/second", 6.0)
+    check_loads(rank, f"{root}/third", 7.0)
+
+    # 5. the caller's collectives on the default group, and a ckptfs.load, run while the
+    #    background save sits in its commit collective (rank 0 paused inside it, rank 1 waiting;
+    #    on a shared group this hangs). First: the background's group is gloo, neither the
+    #    caller's nor ckptfs's foreground group (a ckptfs.load runs on that)
+    bg = Comm(None, background=True).group
+    assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
+    assert bg is not Comm(None).group, "the background shares ckptfs's foreground group"
+    assert dist.get_backend(bg) == "gloo" and dist.get_process_group_ranks(bg) == [0, 1]
+    register_backend(PausingInCommit.name, 1, PausingInCommit, replace=True)
+    h = ckptfs.async_save(state(rank, 8.0), f"{root}/fg", backend=PausingInCommit.name)
+    if rank == 0:
+        assert PausingInCommit.in_commit.wait(60), "the background save never reached its commit"
+    else:  # rank 1's background save reaches its commit collective meanwhile: on a shared
+        time.sleep(1.0)  # group, the foreground's first collective would be matched with it
+    dist.barrier()
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    ranks = [None] * world
+    dist.all_gather_object(ranks, rank)
+    assert ranks == [0, 1]
+    check_loads(rank, f"{root}/snap", 1.0)  # ckptfs's own foreground collectives
+    assert not h.done.done(), "the commit went on before the foreground let it"
+    dist.barrier()
+    if rank == 0:
+        PausingInCommit.go_on.set()
+    h.result(timeout=60)
+    check_loads(rank, f"{root}/fg", 8.0)
+
+    # 6. buffer reuse: 10 saves of the same structure allocate once, RSS stays flat
+    rows = RSS_STATE_MB * 2**20 // (3 * 4 * 16 * 2)  # w + exp_avg (rows x 16 fp32) ~ state / 3
+    big = {f"layer{i}": state(rank, 9.0, rows=rows) for i in range(3)}
+    mine = sum(t.numel() * t.element_size() for lay in big.values()
+               for t in (lay["w"].local_tensor, lay["opt"]["state"][0]["exp_avg"].local_tensor))
+    alloc = background.staging_pool().allocator
+    fast = ckptfs.IOConfig(fsync=False)
+    sizes = []
+    for i in range(10):
+        ckptfs.async_save(big, f"{root}/rss", overwrite=True, io_config=fast).result(timeout=60)
+        if i == 0:
+            first_rss, first_allocs = rss(), alloc.allocations
+        sizes.append(alloc.cached_bytes)
+    growth = rss() - first_rss
+    assert alloc.allocations == first_allocs, "later saves of the same structure allocated"
+    assert min(sizes) == max(sizes) >= mine, sizes
+    assert growth < 0.05 * mine, f"RSS grew {growth / 2**20:.1f} MiB over 9 saves of {mine / 2**20:.0f} MiB"
+    ckptfs.close()
+    assert alloc.cached_bytes == 0
+
+    # 7. a subgroup's background group is created by that subgroup's members alone
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    sd = {"v": torch.full((4,), float(rank))}
+    ckptfs.async_save(sd, f"{root}/sub{rank}", process_group=groups[rank]).result(timeout=60)
+    target = {"v": torch.zeros(4)}
+    ckptfs.load(target, f"{root}/sub{rank}", process_group=groups[rank])
+    assert torch.equal(target["v"], torch.full((4,), float(rank)))
+
+
+@pytest.mark.timeout(240)
+def test_async_save_on_two_ranks(tmp_path):
+    run_ranks(2, scenarios, str(tmp_path), timeout=200)
+
+
+EXIT_SCRIPT = """
+import sys, torch, ckptfs
+sd = {"w": torch.full((8192, 1024), 3.0)}  # 32 MiB
+h = ckptfs.async_save(sd, sys.argv[1])
+h.wait_staged()
+sd["w"].zero_()
+print("in flight at exit:", not h.done.done())
+"""
+
+
+def test_exit_waits_for_the_save_in_flight(tmp_path):
+    url = str(tmp_path / "ckpt")
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, url], check=True, timeout=120,
+                         capture_output=True, text=True).stdout
+    assert "in flight at exit: True" in out, out
+    target = {"w": torch.zeros(8192, 1024)}
+    ckptfs.load(target, url)
+    assert torch.equal(target["w"], torch.full((8192, 1024), 3.0))
+
+
+def test_yielding_checksum_equals_one_shot():
+    """The background write's checksum (pieces, GIL offered between them) is the same crc32c."""
+    import numpy as np
+
+    from ckptfs.layout.checksum import PIECE, checksum
+
+    for n in (0, 5, PIECE, PIECE + 1, 3 * PIECE + 17):
+        data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+        assert checksum(data, yielding=True) == checksum(data.tobytes())
+
+
+def test_async_save_model_and_optim_state(tmp_path):
+    """The model+optimizer helper in the background (one process): the checkpoint holds the
+    parameters and optimizer state at the call, not the ones after the step that follows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h = ckptfs.async_save_model_and_optim_state(tmp_path / "ck", model, opt)
+    h.wait_staged()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()  # changes the parameters and the optimizer state under the running save
+    h.result()
+    ckptfs.load_model_and_optim_state(tmp_path / "ck", model, opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert opt.state_dict()["state"][0]["step"].item() == 1
+
+
+def test_staging_pool_follows_the_allocator_kind():
+    """The staging cache is kept for saves needing the same kind of memory (pageable, or pinned
+    for CUDA sources) and dropped, with its buffers, when the kind changes: a CPU-only save
+    after a CUDA one must not stage into the old pinned buffers, nor keep them. Another
+    allocator class stands in for the pinned one (CPU-only torch cannot pin)."""
+    from ckptfs.engine.buffers import HostAllocator
+    from ckptfs.io import run_sync
+
+    class Other(HostAllocator):
+        pass
+
+    async def cycle(pool, n):
+        await pool.release(await pool.lease(n))
+
+    host = background.staging_pool(HostAllocator())
+    assert background.staging_pool(HostAllocator()) is host  # same kind: the same cache
+    host.allocator.clear()  # what earlier saves in this process left there
+    run_sync(cycle(host, 4096))
+    assert host.allocator.cached_bytes == 4096
+    other = background.staging_pool(Other())
+    assert other is not host and type(other.allocator.inner) is Other
+    assert host.allocator.cached_bytes == 0, "the old kind's buffers were kept"
+    assert background.staging_pool() is other  # no kind asked: the pool as it is
+    background.staging_pool(HostAllocator())  # leave the process's pool as the others expect
