@@ -143,7 +143,7 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
     # what shapes the plan besides the layouts: the backend and the slicing threshold
     desc = Description(tuple(layouts), tuple(meshes.specs))
     digest = _digest(desc.digest(), comm.size, backend.name, backend.version,
-                     sorted(backend.index_options().items()), min_slice)
+                     sorted(backend.options.items()), min_slice)
     values = {k: v for k, v in flat.values.items() if k not in flat.private}
     mine = {k: v for k, v in flat.values.items() if k in flat.private}
     containers = dict(flat.containers)
@@ -236,7 +236,7 @@ def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePla
     def agree() -> SavePlan:
         layouts = agree_layouts(descs, owners, lambda n: from_name(n).itemsize)
         pid = _h63(_digest(owners, [x.digest() for x in descs], comm.size, backend.name,
-                           backend.version, sorted(backend.index_options().items()), min_slice))
+                           backend.version, sorted(backend.options.items()), min_slice))
         plan = SavePlan(layouts, comm.rank, comm.size, split, min_slice, descs=descs,
                         owners=owners, plan_id=pid)
         plan.writes()  # this rank's part of the plan, computed now (it is cached with it)
