@@ -16,7 +16,7 @@ from ckptfs.engine.index_io import read_index
 from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.engine.targets import check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import IOConfig, Store, open_store, run_sync
 from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
@@ -71,22 +71,30 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
                 index = comm.decide(f"load: reading the index of {url}",
                                     lambda: run_sync(read_index(store)))
 
-            def work() -> LoadResult:
-                plan = plan_targets(state_dict, index, comm.rank)
-                if strict and plan.missing:
-                    raise MissingKeysError(url, list(plan.missing))
-                before = (store.stats.bytes_read, store.stats.read_requests)
-                needed, peak = run_sync(read_tensors(store, index, plan.reads, verify=verify))
-                for path, value in plan.replace:
-                    set_path(state_dict, path, value)
-                st = store.stats
-                return LoadResult(list(plan.missing), list(plan.unexpected),
-                                  st.bytes_read - before[0], needed, st.read_requests - before[1],
-                                  time.perf_counter() - t0, peak)
-
-            return comm.agree(f"load from {url}", work)[comm.rank]
+            return fill(state_dict, store, index, comm, url, strict=strict, verify=verify,
+                        started=t0)
         finally:
             run_sync(store.close())
+
+
+def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url: str, *,
+         strict: bool, verify: bool, started: float) -> LoadResult:
+    """Collective: fill ``state_dict`` from the checkpoint ``index`` describes, reading through
+    ``store`` (load's second half; the manager's restore reads through a routed store)."""
+
+    def work() -> LoadResult:
+        plan = plan_targets(state_dict, index, comm.rank)
+        if strict and plan.missing:
+            raise MissingKeysError(url, list(plan.missing))
+        before = (store.stats.bytes_read, store.stats.read_requests)
+        needed, peak = run_sync(read_tensors(store, index, plan.reads, verify=verify))
+        for path, value in plan.replace:
+            set_path(state_dict, path, value)
+        st = store.stats
+        return LoadResult(list(plan.missing), list(plan.unexpected), st.bytes_read - before[0],
+                          needed, st.read_requests - before[1], time.perf_counter() - started, peak)
+
+    return comm.agree(f"load from {url}", work)[comm.rank]
 
 
 def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None, *,
