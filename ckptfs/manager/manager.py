@@ -282,15 +282,14 @@ class CheckpointManager:
             self._last.result()
 
     def close(self) -> None:
-        """Wait for the save in flight, put the previous signal handlers back and free the
-        staging buffers and background groups (``ckptfs.close()``). Raises the last save's
-        failure, after cleaning up."""
-        try:
-            self.wait()
-        finally:
-            if self._preemption is not None:
-                self._preemption.uninstall()
-            background.close()
+        """Wait for the save in flight (its failure stays on its handle; ``wait()`` raises it),
+        put the previous signal handlers back and free the staging buffers and background
+        groups (``ckptfs.close()``)."""
+        if self._last is not None:
+            self._last.done.exception()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        background.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
