@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,16 +22,17 @@ from ckptfs.async_save import AsyncSave
 from ckptfs.dist import Comm, ProcessGroup, background_group
 from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.index_io import read_index
 from ckptfs.engine.stage import release, stage
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import INDEX_FILE, Index
-from ckptfs.manage import delete
+from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.preemption import DEFAULT_SIGNALS, Preemption
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
-from ckptfs.metadata import load_metadata
-from ckptfs.save import SaveResult, make_backend, write_and_commit
+from ckptfs.save import SaveResult, make_backend, write_and_commit_to
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class CheckpointManager:
                             if preemption_signals else None)
         self._preempt_step: int | None = None
         self._last: AsyncSave | None = None
+        self._store: Store | None = None  # the URL's store, opened once, shared by every step
+        self._store_lock = threading.Lock()
         self.last_restore: RestoreResult | None = None  #: what this rank's last restore read
         self.preempted = False  #: the preemption save is committed (exit_on_preemption=False)
 
@@ -93,16 +97,25 @@ class CheckpointManager:
     def _local(self, name: str) -> str | None:
         return None if self.local_dir is None else os.path.join(self.local_dir, name)
 
-    def _listing(self) -> Listing:
-        async def go() -> list[str]:
-            store = await open_store(self.url, self.storage_options, self.io_config)
-            try:
-                return await store.list()
-            finally:
-                await store.close()
+    def _root(self) -> Store:
+        """The URL's store, opened on first use and kept until ``close()`` (one client and
+        connection pool for every step folder)."""
+        with self._store_lock:
+            if self._store is None:
+                self._store = run_sync(open_store(self.url, self.storage_options, self.io_config))
+            return self._store
 
+    def _open_agreed(self, comm: Comm, what: str) -> Store:
+        """``_root()`` on every rank of ``comm``; a rank that cannot open it fails all."""
+        comm.agree(what, lambda: self._root() and None)
+        return self._root()
+
+    def _at(self, name: str) -> PrefixedStore:
+        return PrefixedStore(self._root(), name)
+
+    def _listing(self) -> Listing:
         with public_errors(self.url):
-            return read_listing(run_sync(go()))
+            return read_listing(run_sync(self._root().list()))
 
     # -- what is there ---------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -119,8 +132,8 @@ class CheckpointManager:
         """The index of ``step`` (default: the latest committed step); reads no tensor data."""
         listing = self._listing()
         step = self._committed(listing, step)
-        return load_metadata(self._url(listing.dirs[step]), storage_options=self.storage_options,
-                             io_config=self.io_config)
+        with public_errors(self.url):
+            return run_sync(read_index(self._at(listing.dirs[step])))
 
     def _committed(self, listing: Listing, step: int | None) -> int:
         if step is None:
@@ -156,7 +169,7 @@ class CheckpointManager:
         url, local = self._url(name), self._local(name)
         with public_errors(url):
             Comm(self.process_group)
-        be, opts, io = self._backend, self.storage_options, self.io_config
+        be, io = self._backend, self.io_config
         with background.next_slot():
             with public_errors(url):
                 comm = Comm(background_group(self.process_group))
@@ -174,15 +187,16 @@ class CheckpointManager:
                             release(staged, pool)
 
                     try:
+                        store = self._open_agreed(comm, f"save: opening {self.url}")
+                        target = PrefixedStore(store, name)
                         comm.decide(f"save: clearing a dead save's files at {url}",
-                                    lambda: self._clear_dead(url))
+                                    lambda: run_sync(_clear_dead(target)))
                         if local is None:
-                            result = write_and_commit(staged, be, url, comm, storage_options=opts,
-                                                      io_config=io, overwrite=force,
-                                                      progress=False, throttle_uploads=None,
-                                                      started=started)
+                            result = write_and_commit_to(staged, be, target, url, comm,
+                                                         overwrite=force, progress=False,
+                                                         throttle_uploads=None, started=started)
                         else:
-                            result = save_tiered(staged, be, url, local, comm, storage_options=opts,
+                            result = save_tiered(staged, be, target, url, local, comm,
                                                  io_config=io, overwrite=force, started=started,
                                                  release=give_back)
                     finally:
@@ -211,24 +225,10 @@ class CheckpointManager:
             self.close()
             raise SystemExit(128 + signum)
 
-    def _clear_dead(self, url: str) -> None:
-        """Coordinator: files at ``url`` without an index are a killed save's; remove them."""
-        async def go() -> None:
-            store = await open_store(url, self.storage_options, self.io_config)
-            try:
-                if not await store.exists(INDEX_FILE):
-                    leftovers = await store.list()
-                    if leftovers:
-                        await store.delete(leftovers)
-            finally:
-                await store.close()
-
-        run_sync(go())
-
     def _retain(self, comm: Comm) -> None:
         """After a commit (collective over ``comm``): delete what retention lets go and dead
         saves' leftovers older than the newest committed step (coordinator, index first via
-        ``ckptfs.delete``), then prune every rank's local tier to the committed steps kept.
+        ``ckptfs.delete``'s order), then prune every rank's local tier to the committed steps kept.
         A failure here is logged; the step is committed either way."""
         def coordinator() -> list[int]:
             listing = self._listing()
@@ -236,8 +236,7 @@ class CheckpointManager:
             latest = listing.committed[-1] if listing.committed else -1
             dead = sorted(s for s in listing.present if s not in listing.committed and s < latest)
             for s in [*drop, *dead]:
-                delete(self._url(listing.dirs[s]), storage_options=self.storage_options,
-                       missing_ok=True, io_config=self.io_config)
+                run_sync(delete_checkpoint(self._at(listing.dirs[s]), missing_ok=True))
             return sorted(set(listing.committed) - set(drop))
 
         try:
@@ -262,17 +261,18 @@ class CheckpointManager:
         (size and every chunk's crc32c), from the URL otherwise (``last_restore`` says which).
         Collective over ``process_group``."""
         if self._last is not None:
-            self._last.staged.exception()  # a save still copying reads these tensors
+            self._last.done.exception()  # restore sees every save this manager started
         with public_errors(self.url):
             comm = Comm(self.process_group)
+            store = self._open_agreed(comm, f"restore: opening {self.url}")
             found = comm.decide(f"restore: listing the steps at {self.url}", self._listing)
             if step is None and not found.committed:
                 return None
             step = self._committed(found, step)
             name = found.dirs[step]
             self.last_restore = restore_tiered(
-                state_dict, step, self._url(name), self._local(name), comm,
-                storage_options=self.storage_options, io_config=self.io_config, strict=strict)
+                state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
+                comm, io_config=self.io_config, strict=strict)
         return step
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -290,9 +290,21 @@ class CheckpointManager:
         if self._preemption is not None:
             self._preemption.uninstall()
         background.close()
+        with self._store_lock:
+            store, self._store = self._store, None
+        if store is not None:
+            run_sync(store.close())
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _clear_dead(store: Store) -> None:
+    """Files in a step folder without an index are a killed save's: remove them."""
+    if not await store.exists(INDEX_FILE):
+        leftovers = await store.list()
+        if leftovers:
+            await store.delete(leftovers)

@@ -1,8 +1,8 @@
 """The local tier: a save's files go to node-local storage first, then to the persistent URL;
 a restore reads each file from the local copy when it is intact, from the URL otherwise.
 
-Save (collective over the background group, after ``stage``): open both stores (agreed) ->
-``claim_target`` at the URL -> ``write`` into the local tier (fsync off: restore checks every
+Save (collective over the background group, after ``stage``; the URL's store is open on every
+rank): ``claim_target`` at the URL -> ``write`` into the local tier (fsync off: restore checks every
 local file against the committed index anyway) -> the staging buffers go back to the pool ->
 every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) -> ``commit`` the
 index at the URL. Only then does the step exist.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,7 +29,7 @@ from ckptfs.engine.intact import intact_files
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.targets import files_of, plan_targets
 from ckptfs.engine.write import write
-from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io import IOConfig, Store, run_sync
 from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.routed import RoutedStore
@@ -58,69 +58,50 @@ def local_config(io_config: IOConfig | None) -> IOConfig:
     return replace(io_config or IOConfig(), fsync=False)
 
 
-def save_tiered(staged: StagedSave, be: Backend, url: str, local_root: str, comm: Comm, *,
-                storage_options: Mapping[str, Any] | None, io_config: IOConfig | None,
-                overwrite: bool, started: float, release: Callable[[], None]) -> SaveResult:
-    """Phases 2 and 3 of a save through the local tier (collective over ``comm``);
-    ``release()`` gives the staging buffers back once the local files are written."""
-    opened: list[Store] = []
-
-    def open_both() -> None:
-        opened.append(run_sync(open_store(url, storage_options, io_config)))
-        opened.append(LocalStore(local_root, local_config(io_config)))
-
-    try:
-        comm.agree("save: opening the stores", open_both)
-    except BaseException:
-        for s in opened:
-            run_sync(s.close())
-        raise
-    remote, local = opened
-    try:
-        replacing = claim_target(remote, comm, overwrite)
-        save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
-        written = write(staged, be, local, comm, save_id)
-        release()
-        mine = sorted(written.ranks[comm.rank].files)
-        if comm.is_coordinator:
-            mine = sorted({*mine, *written.prepared})
-        comm.agree(f"save: persisting the local tier to {url}",
-                   lambda: run_sync(copy_files(local, remote, mine)))
-        total = commit(staged, written, be, remote, comm, replacing=replacing)
-    finally:
-        run_sync(remote.close())
+def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_root: str,
+                comm: Comm, *, io_config: IOConfig | None, overwrite: bool, started: float,
+                release: Callable[[], None]) -> SaveResult:
+    """Phases 2 and 3 of a save through the local tier into ``remote`` (open on every rank;
+    collective over ``comm``); ``release()`` gives the staging buffers back once the local
+    files are written."""
+    local = LocalStore(local_root, local_config(io_config))
+    replacing = claim_target(remote, comm, overwrite)
+    save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
+    written = write(staged, be, local, comm, save_id)
+    release()
+    mine = sorted(written.ranks[comm.rank].files)
+    if comm.is_coordinator:
+        mine = sorted({*mine, *written.prepared})
+    comm.agree(f"save: persisting the local tier to {url}",
+               lambda: run_sync(copy_files(local, remote, mine)))
+    total = commit(staged, written, be, remote, comm, replacing=replacing)
     files = written.ranks[comm.rank].files
     return SaveResult(url, be.name, be.version, sum(files.values()), total, tuple(files),
                       time.perf_counter() - started)
 
 
-def restore_tiered(state_dict: dict[str, Any], step: int, url: str, local_root: str | None,
-                   comm: Comm, *, storage_options: Mapping[str, Any] | None,
-                   io_config: IOConfig | None, strict: bool) -> RestoreResult:
-    """Collective: fill ``state_dict`` from the committed checkpoint at ``url``, reading the
-    local tier's intact copies under ``local_root`` (None: no local tier)."""
+def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: str,
+                   local_root: str | None, comm: Comm, *, io_config: IOConfig | None,
+                   strict: bool) -> RestoreResult:
+    """Collective: fill ``state_dict`` from the committed checkpoint in ``remote`` (open on
+    every rank), reading the local tier's intact copies under ``local_root`` (None: none)."""
     t0 = time.perf_counter()
-    remote = run_sync(open_store(url, storage_options, io_config))
-    local = LocalStore(local_root if local_root is not None else os.devnull, local_config(io_config))
-    try:
-        index = comm.decide(f"restore: reading the index of {url}",
-                            lambda: run_sync(read_index(remote)))
+    index = comm.decide(f"restore: reading the index of {url}", lambda: run_sync(read_index(remote)))
+    local = LocalStore(local_root or os.curdir, local_config(io_config))
 
-        def check() -> tuple[set[str], set[str]]:
-            needed = {f for f in files_of(plan_targets(state_dict, index, comm.rank)) if f}
-            if local_root is None or not os.path.isdir(local_root):
-                return needed, set()
-            return needed, run_sync(intact_files(local, index, needed))
+    def check() -> tuple[set[str], set[str]]:
+        needed = {f for f in files_of(plan_targets(state_dict, index, comm.rank)) if f}
+        if local_root is None or not os.path.isdir(local_root):
+            return needed, set()
+        return needed, run_sync(intact_files(local, index, needed))
 
-        needed, good = comm.agree("restore: checking the local tier", check)[comm.rank]
-        checked = local.stats.bytes_read
-        routed = RoutedStore(local, remote, good)
-        far_before = remote.stats.bytes_read
-        result = fill(state_dict, routed, index, comm, url, strict=strict, verify=True, started=t0)
-        present = {f for f in needed - good if os.path.exists(local.local_path(f))}
-        return RestoreResult(step, result, tuple(sorted(good)), tuple(sorted(needed - good)),
-                             local.stats.bytes_read - checked, remote.stats.bytes_read - far_before,
-                             checked, time.perf_counter() - t0,
-                             tuple(sorted(present)) if local_root is not None else ())
-    finally:
-        run_sync(remote.close())
+    needed, good = comm.agree("restore: checking the local tier", check)[comm.rank]
+    checked = local.stats.bytes_read
+    far_before = remote.stats.bytes_read
+    result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url, strict=strict,
+                  verify=True, started=t0)
+    rejected = ({f for f in needed - good if os.path.exists(local.local_path(f))}
+                if local_root is not None else set())
+    return RestoreResult(step, result, tuple(sorted(good)), tuple(sorted(needed - good)),
+                         local.stats.bytes_read - checked, remote.stats.bytes_read - far_before,
+                         checked, time.perf_counter() - t0, tuple(sorted(rejected)))
