@@ -264,7 +264,8 @@ def test_killed_during_save_and_persistence_restarts_at_last_persisted(tmp_path,
         listed = _s3_list(s3, f"killed{step}/step-{step:08d}/")
         assert sorted(listed) == sorted([ckptfs.INDEX_FILE, *index.files]), listed
         assert mgr.steps() == [step - 1, step]  # keep_last=2
-        assert local_files(local, step) and not os.path.exists(f"{local}/step-{step - 2:08d}")
+        assert local_files(local, step) == sorted(index.files)  # the dead attempt's are gone
+        assert not os.path.exists(f"{local}/step-{step - 2:08d}")
         mgr.close()
 
 
@@ -274,6 +275,21 @@ def _s3_list(s3, prefix: str) -> list[str]:
     client = boto3.client("s3", endpoint_url=s3.direct, region_name="us-east-1")
     out = client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])
     return [o["Key"][len(prefix):] for o in out]
+
+
+def test_steps_are_numbers_and_retention_settings_are_checked():
+    from ckptfs.manager.steps import Retention, read_listing, step_dir
+
+    paths = [f"{step_dir(100_000_000)}/{ckptfs.INDEX_FILE}", f"step-9/{ckptfs.INDEX_FILE}",
+             "step-10/data/x", f"step-10/{ckptfs.INDEX_FILE}", "step-11/data/x", "notes/step-3",
+             f"step-x/{ckptfs.INDEX_FILE}", ckptfs.INDEX_FILE]
+    listing = read_listing(paths)
+    assert listing.committed == (9, 10, 100_000_000) and 11 in listing.present
+    assert listing.dirs[9] == "step-9" and step_dir(200) == "step-00000200"
+    assert Retention(2, 4).to_delete([1, 2, 4, 5, 8, 9, 10]) == [1, 2, 5]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ckptfs.ConfigError, match="keep_last"):
+            Retention(bad, None)
 
 
 def readme_example() -> str:

@@ -2,7 +2,8 @@
 a restore reads each file from the local copy when it is intact, from the URL otherwise.
 
 Save (collective over the background group, after ``stage``; the URL's store is open on every
-rank): ``claim_target`` at the URL -> ``write`` into the local tier (fsync off: restore checks every
+rank): the step's local folder is emptied (a killed attempt's files) -> ``claim_target`` at
+the URL -> ``write`` into the local tier (fsync off: restore checks every
 local file against the committed index anyway) -> the staging buffers go back to the pool ->
 every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) -> ``commit`` the
 index at the URL. Only then does the step exist.
@@ -16,6 +17,7 @@ files locally, the rest from the URL.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -65,6 +67,9 @@ def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_
     collective over ``comm``); ``release()`` gives the staging buffers back once the local
     files are written."""
     local = LocalStore(local_root, local_config(io_config))
+    # a killed attempt's local files (other names): gone before any rank writes this attempt's
+    comm.agree(f"save: clearing {local_root}",
+               lambda: shutil.rmtree(local_root, ignore_errors=True))
     replacing = claim_target(remote, comm, overwrite)
     save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
     written = write(staged, be, local, comm, save_id)
