@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptfs.async_save import AsyncSave
-from ckptfs.dist import Comm, ProcessGroup, background_group
+from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
@@ -171,8 +171,8 @@ class CheckpointManager:
             Comm(self.process_group)
         be, io = self._backend, self.io_config
         with background.next_slot():
-            with public_errors(url):
-                comm = Comm(background_group(self.process_group))
+            with public_errors(url):  # creates the background group on the first call
+                comm = Comm(self.process_group, background=True)
             pool = background.staging_pool()
             held = [state_dict]
 
