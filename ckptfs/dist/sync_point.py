@@ -41,14 +41,20 @@ class SyncPoint:
         self.notice_call: int | None = None
         self.target: int | None = None
         self.value: str | None = None  #: what the first notice carried (e.g. a signal number)
-        self.store: dist.Store | None = None
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
         self.rank, self.size = 0, 1
-        if dist.is_available() and dist.is_initialized():
+        if self.distributed:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-            base = (dist.distributed_c10d._get_default_store() if group is None
-                    else dist.distributed_c10d._get_process_group_store(group))
-            # the n-th agreement of this process: ranks create theirs in the same order
-            self.store = dist.PrefixStore(f"ckptfs/{name}/{_instances}/", base)
+        # the n-th agreement of this process: ranks create theirs in the same order
+        self.prefix = f"ckptfs/{name}/{_instances}/"
+
+    def _store(self) -> dist.Store:
+        """The group's store, looked up per call and never held: a store object kept past
+        ``destroy_process_group()`` can abort the process at exit (its client thread)."""
+        base = (dist.distributed_c10d._get_default_store() if self.group is None
+                else dist.distributed_c10d._get_process_group_store(self.group))
+        return dist.PrefixStore(self.prefix, base)
 
     def _keys(self) -> list[str]:
         return [f"noticed/{r}" for r in range(self.size)]
@@ -60,12 +66,12 @@ class SyncPoint:
         call = self.calls
         if self.target is not None:
             return call == self.target
-        if self.store is None:  # one process: act on this very call
+        if not self.distributed:  # one process: act on this very call
             if local_notice is None:
                 return False
             self.value, self.target = local_notice, call
             return True
-        st = self.store
+        st = self._store()
         if self.notice_call is None:
             if local_notice is not None:
                 st.compare_set("flag", "", local_notice)  # the first notice's value wins

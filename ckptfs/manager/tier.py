@@ -2,8 +2,8 @@
 a restore reads each file from the local copy when it is intact, from the URL otherwise.
 
 Save (collective over the background group, after ``stage``; the URL's store is open on every
-rank): the step's local folder is emptied (a killed attempt's files) -> ``claim_target`` at
-the URL -> ``write`` into the local tier (fsync off: restore checks every
+rank): ``claim_target`` at the URL -> the step's local folder is emptied (a killed attempt's
+files) -> ``write`` into the local tier (fsync off: restore checks every
 local file against the committed index anyway) -> the staging buffers go back to the pool ->
 every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) -> ``commit`` the
 index at the URL. Only then does the step exist.
@@ -67,10 +67,11 @@ def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_
     collective over ``comm``); ``release()`` gives the staging buffers back once the local
     files are written."""
     local = LocalStore(local_root, local_config(io_config))
-    # a killed attempt's local files (other names): gone before any rank writes this attempt's
+    replacing = claim_target(remote, comm, overwrite)
+    # the step is ours to write: a killed attempt's local files (other names) go first, on
+    # every rank before any rank writes (a refused save never gets here)
     comm.agree(f"save: clearing {local_root}",
                lambda: shutil.rmtree(local_root, ignore_errors=True))
-    replacing = claim_target(remote, comm, overwrite)
     save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
     written = write(staged, be, local, comm, save_id)
     release()
