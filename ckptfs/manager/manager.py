@@ -303,8 +303,16 @@ class CheckpointManager:
 
 
 async def _clear_dead(store: Store) -> None:
-    """Files in a step folder without an index are a killed save's: remove them."""
-    if not await store.exists(INDEX_FILE):
-        leftovers = await store.list()
-        if leftovers:
-            await store.delete(leftovers)
+    """Files in a step folder without an index are a killed save's: remove them. A checkpoint
+    another tool wrote there (a backend recognises it) stays, for ``claim_target`` to refuse."""
+    if await store.exists(INDEX_FILE):
+        return
+    leftovers = await store.list()
+    if not leftovers:
+        return
+    try:
+        await read_index(store)
+    except CheckpointNotFoundError:
+        await store.delete(leftovers)
+    except CkptfsError:
+        pass  # something a backend half recognises: not ours to delete
