@@ -12,7 +12,7 @@ from typing import Any
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.background import wait_idle
 from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.commit import claimed, commit
+from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
 from ckptfs.engine.write import write
@@ -96,21 +96,21 @@ def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,
         raise
     store = opened[0]
     try:
-        return write_and_commit_to(staged, be, store, url, comm, overwrite=overwrite,
-                                   progress=progress, throttle_uploads=throttle_uploads,
-                                   started=started)
+        with claimed(store, comm, overwrite, be) as claim:
+            return write_and_commit_to(staged, be, store, url, comm, claim, progress=progress,
+                                       throttle_uploads=throttle_uploads, started=started)
     finally:
         run_sync(store.close())
 
 
-def write_and_commit_to(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm, *,
-                        overwrite: bool, progress: bool, throttle_uploads: int | None,
+def write_and_commit_to(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm,
+                        claim: Claim, *, progress: bool, throttle_uploads: int | None,
                         started: float) -> SaveResult:
-    """``write_and_commit`` into a store every rank has open (the caller closes it)."""
-    with claimed(store, comm, overwrite, be) as claim:
-        written = write(staged, be, store, comm, claim.save_id, progress=progress,
-                        throttle_uploads=throttle_uploads)
-        total = commit(staged, written, be, store, comm, replacing=claim.replacing)
+    """Write and commit into a store every rank has open, under ``claim`` (``claimed``: the
+    caller holds the lock and closes the store; the manager clears a dead attempt first)."""
+    written = write(staged, be, store, comm, claim.save_id, progress=progress,
+                    throttle_uploads=throttle_uploads)
+    total = commit(staged, written, be, store, comm, replacing=claim.replacing)
     mine = written.ranks[comm.rank].files
     return SaveResult(url, be.name, be.version, sum(mine.values()), total, tuple(mine),
                       time.perf_counter() - started)

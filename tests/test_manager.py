@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 import ckptfs
+from ckptfs.engine.lock import LockInfo
+from ckptfs.layout.index import LOCK_FILE
 from ckptfs.testing.ranks import free_port, run_ranks
 
 ROWS = 8  #: rows of the weight per rank (tiny: these tests are about bookkeeping)
@@ -239,6 +241,14 @@ def test_killed_during_save_and_persistence_restarts_at_last_persisted(tmp_path,
     for step, wait_for_local in ((3, False), (4, True)):
         url, local = f"{s3.url}/killed{step}", str(tmp_path / f"local{step}")
         run_killed(url, local, s3, step, wait_for_local)
+        if wait_for_local:  # the killed save held the step's lock: the restart takes it over
+            assert LOCK_FILE in _s3_list(s3, f"killed{step}/step-{step:08d}/")
+        # another job's save in progress (a renewed lock) in an older and a newer step folder:
+        # neither the dead-attempt cleanup nor retention touches it, and a save there is refused
+        live = LockInfo.new("0" * 12, "safetensors_chunks-1").dumps()
+        for other in (0, step + 1):
+            for f, data in ((LOCK_FILE, live), ("data/x", b"x")):
+                _s3_put(s3, f"killed{step}/step-{other:08d}/{f}", data)
         mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
                                        keep_last=2, preemption_signals=())
         assert mgr.latest_step() == step - 1, mgr.steps()
@@ -255,7 +265,18 @@ def test_killed_during_save_and_persistence_restarts_at_last_persisted(tmp_path,
         assert mgr.steps() == [step - 1, step]  # keep_last=2
         assert local_files(local, step) == sorted(index.files)  # the dead attempt's are gone
         assert not os.path.exists(f"{local}/step-{step - 2:08d}")
+        with pytest.raises(ckptfs.SaveInProgressError, match=f"step-{step + 1:08d}"):
+            mgr.save_sync(step + 1, {"w": torch.zeros(4096), "step": step + 1})
+        for other in (0, step + 1):
+            assert sorted(_s3_list(s3, f"killed{step}/step-{other:08d}/")) == sorted([LOCK_FILE, "data/x"])
         mgr.close()
+
+
+def _s3_put(s3, key: str, data: bytes) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3.direct, region_name="us-east-1").put_object(
+        Bucket=s3.bucket, Key=key, Body=data)
 
 
 def _s3_list(s3, prefix: str) -> list[str]:

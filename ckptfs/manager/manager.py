@@ -21,13 +21,15 @@ from typing import Any
 from ckptfs.async_save import AsyncSave
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
+from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.lock import read_lock
 from ckptfs.engine.stage import release, stage
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
 from ckptfs.io import IOConfig, Store, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
-from ckptfs.layout.index import INDEX_FILE, Index
+from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.preemption import DEFAULT_SIGNALS, Preemption
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
@@ -189,16 +191,17 @@ class CheckpointManager:
                     try:
                         store = self._open_agreed(comm, f"save: opening {self.url}")
                         target = PrefixedStore(store, name)
-                        comm.decide(f"save: clearing a dead save's files at {url}",
-                                    lambda: run_sync(_clear_dead(target)))
-                        if local is None:
-                            result = write_and_commit_to(staged, be, target, url, comm,
-                                                         overwrite=force, progress=False,
-                                                         throttle_uploads=None, started=started)
-                        else:
-                            result = save_tiered(staged, be, target, url, local, comm,
-                                                 io_config=io, overwrite=force, started=started,
-                                                 release=give_back)
+                        with claimed(target, comm, force, be) as claim:
+                            comm.decide(f"save: clearing a dead save's files at {url}",
+                                        lambda: run_sync(_clear_dead(target, claim)))
+                            if local is None:
+                                result = write_and_commit_to(staged, be, target, url, comm, claim,
+                                                             progress=False, throttle_uploads=None,
+                                                             started=started)
+                            else:
+                                result = save_tiered(staged, be, target, url, local, comm, claim,
+                                                     io_config=io, started=started,
+                                                     release=give_back)
                     finally:
                         give_back()
                 self._retain(comm)
@@ -227,14 +230,16 @@ class CheckpointManager:
 
     def _retain(self, comm: Comm) -> None:
         """After a commit (collective over ``comm``): delete what retention lets go and dead
-        saves' leftovers older than the newest committed step (coordinator, index first via
-        ``ckptfs.delete``'s order), then prune every rank's local tier to the committed steps kept.
-        A failure here is logged; the step is committed either way."""
+        saves' leftovers older than the newest committed step, never one whose lock is still
+        renewed (coordinator, index first via ``ckptfs.delete``'s order), then prune every
+        rank's local tier to the committed steps kept. A failure here is logged; the step is
+        committed either way."""
         def coordinator() -> list[int]:
             listing = self._listing()
             drop = self.retention.to_delete(listing.committed)
             latest = listing.committed[-1] if listing.committed else -1
-            dead = sorted(s for s in listing.present if s not in listing.committed and s < latest)
+            dead = [s for s in sorted(listing.present)
+                    if s not in listing.committed and s < latest and not _saving(self._at(listing.dirs[s]))]
             for s in [*drop, *dead]:
                 run_sync(delete_checkpoint(self._at(listing.dirs[s]), missing_ok=True))
             return sorted(set(listing.committed) - set(drop))
@@ -302,17 +307,21 @@ class CheckpointManager:
         self.close()
 
 
-async def _clear_dead(store: Store) -> None:
-    """Files in a step folder without an index are a killed save's: remove them. A checkpoint
-    another tool wrote there (a backend recognises it) stays, for ``claim_target`` to refuse."""
-    if await store.exists(INDEX_FILE):
+def _saving(store: Store) -> bool:
+    """A save may be running in this step folder: its lock is there and still renewed (or
+    unreadable), as ``ckptfs clean`` judges it; a killed save's stale lock does not count."""
+    held = run_sync(read_lock(store))
+    return held is None or (held is not False and not held.stale())
+
+
+async def _clear_dead(store: Store, claim: Claim) -> None:
+    """Under this save's lock (coordinator): files in a step folder without an index are a
+    killed save's (whose stale lock ``claimed`` took over): remove them, never the lock. A
+    committed step being replaced (``force``) or a checkpoint another tool wrote there (a
+    backend recognises it; ``claim_target`` refused it without ``force``) is not touched:
+    ``commit`` removes what the replaced one leaves once the new one is committed."""
+    if claim.replacing:
         return
-    leftovers = await store.list()
-    if not leftovers:
-        return
-    try:
-        await read_index(store)
-    except CheckpointNotFoundError:
+    leftovers = [f for f in await store.list() if f != LOCK_FILE]
+    if leftovers:
         await store.delete(leftovers)
-    except CkptfsError:
-        pass  # something a backend half recognises: not ours to delete

@@ -2,9 +2,9 @@
 a restore reads each file from the local copy when it is intact, from the URL otherwise.
 
 Save (collective over the background group, after ``stage``; the URL's store is open on every
-rank): ``claim_target`` at the URL -> the step's local folder is emptied (a killed attempt's
-files) -> ``write`` into the local tier (fsync off: restore checks every
-local file against the committed index anyway) -> the staging buffers go back to the pool ->
+rank and the step is claimed there, ``engine.commit.claimed``): the step's local folder is
+emptied (a killed attempt's files) -> ``write`` into the local tier (fsync off: restore checks
+every local file against the committed index anyway) -> the staging buffers go back to the pool ->
 every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) -> ``commit`` the
 index at the URL. Only then does the step exist.
 
@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import claim_target, commit
+from ckptfs.engine.commit import Claim, commit
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.intact import intact_files
 from ckptfs.engine.stage import StagedSave
@@ -61,26 +60,24 @@ def local_config(io_config: IOConfig | None) -> IOConfig:
 
 
 def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_root: str,
-                comm: Comm, *, io_config: IOConfig | None, overwrite: bool, started: float,
+                comm: Comm, claim: Claim, *, io_config: IOConfig | None, started: float,
                 release: Callable[[], None]) -> SaveResult:
-    """Phases 2 and 3 of a save through the local tier into ``remote`` (open on every rank;
-    collective over ``comm``); ``release()`` gives the staging buffers back once the local
-    files are written."""
+    """Phases 2 and 3 of a save through the local tier into ``remote`` (open on every rank,
+    claimed: the caller holds the lock, ``claimed``; collective over ``comm``); ``release()``
+    gives the staging buffers back once the local files are written."""
     local = LocalStore(local_root, local_config(io_config))
-    replacing = claim_target(remote, comm, overwrite)
     # the step is ours to write: a killed attempt's local files (other names) go first, on
     # every rank before any rank writes (a refused save never gets here)
     comm.agree(f"save: clearing {local_root}",
                lambda: shutil.rmtree(local_root, ignore_errors=True))
-    save_id = comm.broadcast(uuid.uuid4().hex[:12] if comm.is_coordinator else None)
-    written = write(staged, be, local, comm, save_id)
+    written = write(staged, be, local, comm, claim.save_id)
     release()
     mine = sorted(written.ranks[comm.rank].files)
     if comm.is_coordinator:
         mine = sorted({*mine, *written.prepared})
     comm.agree(f"save: persisting the local tier to {url}",
                lambda: run_sync(copy_files(local, remote, mine)))
-    total = commit(staged, written, be, remote, comm, replacing=replacing)
+    total = commit(staged, written, be, remote, comm, replacing=claim.replacing)
     files = written.ranks[comm.rank].files
     return SaveResult(url, be.name, be.version, sum(files.values()), total, tuple(files),
                       time.perf_counter() - started)
