@@ -5,7 +5,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
                             model+optimizer helpers (re-exported here lazily)
   testing/                  spawned ranks for tests, the conformance suite (+ golden checkpoints)
   save / async_save / load  the public API: short compositions of the engine's phases
-    / metadata / manage
+    / metadata / manage       (manager/: CheckpointManager, steps, retention, local tier)
   engine/                   how a save and a load run: stage -> write -> commit; the read engine;
                             the buffer allocator; index reading; pre-download; the error boundary
   state/                    what is saved: state-dict trees, tensors, DTensors, ShardedTensor
@@ -47,6 +47,7 @@ from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import available_backends, get_backend, register_backend
 from ckptfs.load import LoadResult, load, load_keys
 from ckptfs.manage import delete
+from ckptfs.manager import CheckpointManager, RestoreResult
 from ckptfs.metadata import load_metadata
 from ckptfs.save import SaveResult, save
 from ckptfs.state.flatten import PerRank
@@ -101,6 +102,7 @@ __all__ = [
     "Backend",
     "BackendOptionsError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ChunkEntry",
     "CkptfsError",
@@ -120,6 +122,7 @@ __all__ = [
     "PerRank",
     "Problem",
     "RankError",
+    "RestoreResult",
     "SaveInProgressError",
     "SaveResult",
     "ShardedTensor",

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,7 +17,7 @@ from ckptfs.engine.index_io import read_index
 from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.engine.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import IOConfig, Store, open_store, run_sync
 from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
@@ -25,6 +25,9 @@ from ckptfs.layout.keys import encode_key
 from ckptfs.layout.values import decode_value
 from ckptfs.planning.load_plan import plan_reads
 from ckptfs.state.flatten import set_path, unflatten
+
+if TYPE_CHECKING:
+    from ckptfs.engine.pre_download import CachedIndex
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
         try:
             cached = None
             if pre_download:
-                from ckptfs.engine.pre_download import cached_index, fill_cache
+                from ckptfs.engine.pre_download import cached_index
 
                 cached = cached_index(comm, store, url, work_dir)
                 index = cached.index
@@ -82,39 +85,55 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
                 index = comm.decide(f"load: reading the index of {url}",
                                     lambda: run_sync(read_index(store)))
 
-            def match() -> TargetPlan:
-                plan = plan_targets(state_dict, index, comm.rank)
-                if strict and plan.missing:
-                    raise MissingKeysError(url, list(plan.missing))
-                return plan
-
-            plan = comm.check(f"load from {url}: matching the target", match)
-            reads = plan.reads
-            ex = None
-            if exchange:
-                ex = xchg.plan_load(comm, plan.reads, store.config.exchange_bytes)
-                reads = ex.reads
-            if cached is not None:
-                local = fill_cache(comm, store, cached, files_of(reads))
-                run_sync(store.close())
-                store = local
-
-            def read() -> tuple[int, int]:
-                return run_sync(read_tensors(store, index, reads, verify=verify))
-
-            before = (store.stats.bytes_read, store.stats.read_requests)
-            _, peak = comm.check(f"load from {url}", read)
-            got = comm.check(f"load from {url}: exchanging", lambda: xchg.run(comm, ex)) if ex else 0
-            for path, value in plan.replace:
-                set_path(state_dict, path, value)
-            st = store.stats
-            needed = sum(p.src.volume * from_name(r.entry.dtype).itemsize
-                         for r in plan.reads for p in r.pieces)
-            return LoadResult(list(plan.missing), list(plan.unexpected),
-                              st.bytes_read - before[0], needed, st.read_requests - before[1],
-                              time.perf_counter() - t0, peak, got)
+            return fill(state_dict, store, index, comm, url, strict=strict, verify=verify,
+                        started=t0, exchange=exchange, cached=cached)
         finally:
             run_sync(store.close())
+
+
+def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url: str, *,
+         strict: bool, verify: bool, started: float, exchange: bool = False,
+         cached: CachedIndex | None = None) -> LoadResult:
+    """Collective: fill ``state_dict`` from the checkpoint ``index`` describes, reading through
+    ``store`` (load's second half; the manager's restore reads through a routed store).
+    ``exchange``: read each replicated region once and send it to the others; ``cached``: the
+    pre-download cache, filled with the files this rank's reads touch and then read from."""
+
+    def match() -> TargetPlan:
+        plan = plan_targets(state_dict, index, comm.rank)
+        if strict and plan.missing:
+            raise MissingKeysError(url, list(plan.missing))
+        return plan
+
+    plan = comm.check(f"load from {url}: matching the target", match)
+    reads = plan.reads
+    ex = None
+    if exchange:
+        ex = xchg.plan_load(comm, plan.reads, store.config.exchange_bytes)
+        reads = ex.reads
+    source = store
+    if cached is not None:
+        from ckptfs.engine.pre_download import fill_cache
+
+        source = fill_cache(comm, store, cached, files_of(reads))
+    try:
+        def read() -> tuple[int, int]:
+            return run_sync(read_tensors(source, index, reads, verify=verify))
+
+        before = (source.stats.bytes_read, source.stats.read_requests)
+        _, peak = comm.check(f"load from {url}", read)
+        got = comm.check(f"load from {url}: exchanging", lambda: xchg.run(comm, ex)) if ex else 0
+        for path, value in plan.replace:
+            set_path(state_dict, path, value)
+        st = source.stats
+        needed = sum(p.src.volume * from_name(r.entry.dtype).itemsize
+                     for r in plan.reads for p in r.pieces)
+        return LoadResult(list(plan.missing), list(plan.unexpected),
+                          st.bytes_read - before[0], needed, st.read_requests - before[1],
+                          time.perf_counter() - started, peak, got)
+    finally:
+        if source is not store:
+            run_sync(source.close())
 
 
 def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None, *,

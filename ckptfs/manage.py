@@ -8,7 +8,7 @@ from typing import Any
 
 from ckptfs.engine.errors import public_errors
 from ckptfs.errors import CheckpointNotFoundError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import IOConfig, Store, open_store, run_sync
 from ckptfs.layout.index import INDEX_FILE
 
 
@@ -20,17 +20,23 @@ def delete(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None 
     async def go() -> int:
         store = await open_store(url, storage_options, io_config)
         try:
-            files = await store.list()
-            if not files:
-                if missing_ok:
-                    return 0
-                raise CheckpointNotFoundError(f"{store.url}: nothing to delete")
-            if INDEX_FILE in files:
-                await store.delete([INDEX_FILE])
-            await store.delete([f for f in files if f != INDEX_FILE])
-            return len(files)
+            return await delete_checkpoint(store, missing_ok=missing_ok)
         finally:
             await store.close()
 
     with public_errors(os.fspath(url)):
         return run_sync(go())
+
+
+async def delete_checkpoint(store: Store, *, missing_ok: bool) -> int:
+    """``delete`` in an open store: the index first (un-commit: a crash from here on leaves an
+    uncommitted folder, never a committed checkpoint with missing files), then the rest."""
+    files = await store.list()
+    if not files:
+        if missing_ok:
+            return 0
+        raise CheckpointNotFoundError(f"{store.url}: nothing to delete")
+    if INDEX_FILE in files:
+        await store.delete([INDEX_FILE])
+    await store.delete([f for f in files if f != INDEX_FILE])
+    return len(files)

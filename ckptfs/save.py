@@ -12,9 +12,8 @@ from typing import Any
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.background import wait_idle
 from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.commit import abandon, claim_target, commit
+from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.lock import Renewal
 from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
@@ -101,21 +100,21 @@ def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,
         raise
     store = opened[0]
     try:
-        claim = claim_target(store, comm, overwrite, be)
-        renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
-        try:
-            written = write(staged, be, store, comm, claim.save_id, progress=progress,
-                            throttle_uploads=throttle_uploads)
-            total = commit(staged, written, be, store, comm, replacing=claim.replacing)
-        except BaseException:
-            if comm.is_coordinator:
-                run_sync(abandon(store))
-            raise
-        finally:
-            if renewal is not None:
-                renewal.stop()
+        with claimed(store, comm, overwrite, be) as claim:
+            return write_and_commit_to(staged, be, store, url, comm, claim, progress=progress,
+                                       throttle_uploads=throttle_uploads, started=started)
     finally:
         run_sync(store.close())
+
+
+def write_and_commit_to(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm,
+                        claim: Claim, *, progress: bool, throttle_uploads: int | None,
+                        started: float) -> SaveResult:
+    """Write and commit into a store every rank has open, under ``claim`` (``claimed``: the
+    caller holds the lock and closes the store; the manager clears a dead attempt first)."""
+    written = write(staged, be, store, comm, claim.save_id, progress=progress,
+                    throttle_uploads=throttle_uploads)
+    total = commit(staged, written, be, store, comm, replacing=claim.replacing)
     mine = written.mine.files
     return SaveResult(url, be.name, be.version, sum(mine.values()), total, tuple(mine),
                       time.perf_counter() - started, staged.cached, comm.stats.snapshot())

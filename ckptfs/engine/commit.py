@@ -18,7 +18,7 @@ import platform
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ import torch
 from ckptfs._version import __version__
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.lock import LockInfo, acquire, release
+from ckptfs.engine.lock import LockInfo, Renewal, acquire, release
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
@@ -92,6 +92,26 @@ async def abandon(store: Store) -> None:
     """After a failed save (coordinator): give the lock back, best effort."""
     with contextlib.suppress(Exception):
         await release(store)
+
+
+@contextlib.contextmanager
+def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend) -> Iterator[Claim]:
+    """Collective: ``claim_target``, then the body (write and commit) with the lock held: the
+    coordinator renews it while the body runs and, if the body fails on it, stops renewing and
+    gives it back (``abandon``); a committed save has released it (``commit_index``)."""
+    claim = claim_target(store, comm, overwrite, backend)
+    renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
+    failed = False
+    try:
+        yield claim
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if renewal is not None:
+            renewal.stop()  # first: a stopped renewal never rewrites the released lock
+            if failed:
+                run_sync(abandon(store))
 
 
 def commit(staged: StagedSave, written: Written, backend: Backend, store: Store, comm: Comm, *,

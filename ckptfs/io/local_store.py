@@ -23,6 +23,10 @@ class LocalStore(Store):
     def _p(self, path: str) -> str:
         return os.path.join(self.root, *inside_root(path, self.root).split("/"))
 
+    def local_path(self, path: str) -> str:
+        """The filesystem path of ``path`` (for zero-copy maps of a file, io/copy.py)."""
+        return self._p(path)
+
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         def work() -> bytes:
             with self._open_read(path) as f:

@@ -1,0 +1,14 @@
+"""The checkpoint manager: numbered steps under one URL, retention, a node-local tier persisted
+in the background, preemption saves, restore that reshards (API layer, over the engine).
+
+  manager.py     ``CheckpointManager``: save / save_sync / should_save / steps / latest_step /
+                 restore / metadata / wait / close
+  steps.py       step folder names, listings, the retention policy
+  tier.py        the local tier: save through it, restore from its intact files
+  preemption.py  signal handlers and the store-agreed save step
+"""
+
+from ckptfs.manager.manager import CheckpointManager
+from ckptfs.manager.tier import RestoreResult
+
+__all__ = ["CheckpointManager", "RestoreResult"]

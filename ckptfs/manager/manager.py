@@ -1,0 +1,327 @@
+"""``ckptfs.CheckpointManager``: the training loop's checkpointer. Numbered steps under one URL,
+retention, a ``latest_step`` that only names committed checkpoints, an optional node-local tier
+written first and persisted in the background, preemption saves agreed across ranks, and a
+restore that reshards like ``load`` and reads intact local copies first.
+
+A save is ``async_save``'s composition (stage -> write -> commit on the background group, one
+save in flight per process) with two more steps in the same background job: the local tier
+(manager/tier.py) and, once the step is committed, retention (manager/steps.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ckptfs.async_save import AsyncSave
+from ckptfs.dist import Comm, ProcessGroup
+from ckptfs.engine import background
+from ckptfs.engine.commit import Claim, claimed
+from ckptfs.engine.errors import public_errors
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.lock import read_lock
+from ckptfs.engine.stage import release, stage
+from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
+from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io.prefixed import PrefixedStore
+from ckptfs.layout.index import LOCK_FILE, Index
+from ckptfs.manage import delete_checkpoint
+from ckptfs.manager.preemption import DEFAULT_SIGNALS, Preemption
+from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
+from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
+from ckptfs.save import SaveResult, make_backend, write_and_commit_to
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Checkpoints of one training run at ``url/step-<N>/`` (see the README's "Checkpoint
+    manager"). Every rank of ``process_group`` creates it with the same arguments, in the same
+    order as its other managers, and calls ``save``/``save_sync``/``restore``/``should_save``
+    together; ``steps``, ``latest_step`` and ``metadata`` read storage and may be called by any
+    rank alone.
+
+    - ``keep_last=K`` keeps the K newest committed steps (None: all), ``keep_every=N`` also
+      keeps every step divisible by N. Older steps are deleted (index first) by the save that
+      committed a newer one, never the newest committed one or one being written.
+    - ``local_dir`` (node-local disk or ``/dev/shm``): each rank's files are written there
+      first, then copied to ``url`` in the background; ``restore`` reads the local copies that
+      match the committed index and fetches the rest from ``url``. Ranks of a node may share it.
+    - ``save_interval_steps=N``: ``should_save(step)`` is True when N divides ``step``.
+    - ``preemption_signals``: handlers installed for these (default SIGTERM, SIGUSR1; ``()``
+      installs none). A notice on any rank makes ``should_save`` True on every rank at the same
+      step; ``save`` at that step is synchronous, then (``exit_on_preemption``) raises
+      ``SystemExit(128 + signal)`` on every rank.
+    """
+
+    def __init__(self, url: str | os.PathLike, *, local_dir: str | os.PathLike | None = None,
+                 keep_last: int | None = None, keep_every: int | None = None,
+                 backend: str = "safetensors_chunks", backend_version: int | None = None,
+                 backend_options: Mapping[str, Any] | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 process_group: ProcessGroup | None = None, io_config: IOConfig | None = None,
+                 save_interval_steps: int | None = None,
+                 preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
+                 preemption_timeout: float = 600.0, exit_on_preemption: bool = True) -> None:
+        self.url = os.fspath(url).rstrip("/")
+        self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
+        self.retention = Retention(keep_last, keep_every)
+        if save_interval_steps is not None and (not isinstance(save_interval_steps, int)
+                                                or save_interval_steps < 1):
+            raise ConfigError(f"CheckpointManager: save_interval_steps must be a positive int or "
+                              f"None, got {save_interval_steps!r}")
+        self.save_interval_steps = save_interval_steps
+        self.storage_options = storage_options
+        self.process_group = process_group
+        self.io_config = io_config
+        self.exit_on_preemption = exit_on_preemption
+        with public_errors(self.url):
+            Comm(process_group)  # refuses a group without torch.distributed
+            self._backend = make_backend(backend, backend_version, backend_options)
+        self._preemption = (Preemption(tuple(preemption_signals), process_group, preemption_timeout)
+                            if preemption_signals else None)
+        self._preempt_step: int | None = None
+        self._last: AsyncSave | None = None
+        self._store: Store | None = None  # the URL's store, opened once, shared by every step
+        self._store_lock = threading.Lock()
+        self.last_restore: RestoreResult | None = None  #: what this rank's last restore read
+        self.preempted = False  #: the preemption save is committed (exit_on_preemption=False)
+
+    # -- where things are ------------------------------------------------------------------
+    def _url(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _local(self, name: str) -> str | None:
+        return None if self.local_dir is None else os.path.join(self.local_dir, name)
+
+    def _root(self) -> Store:
+        """The URL's store, opened on first use and kept until ``close()`` (one client and
+        connection pool for every step folder)."""
+        with self._store_lock:
+            if self._store is None:
+                self._store = run_sync(open_store(self.url, self.storage_options, self.io_config))
+            return self._store
+
+    def _open_agreed(self, comm: Comm, what: str) -> Store:
+        """``_root()`` on every rank of ``comm``; a rank that cannot open it fails all."""
+        comm.agree(what, lambda: self._root() and None)
+        return self._root()
+
+    def _at(self, name: str) -> PrefixedStore:
+        return PrefixedStore(self._root(), name)
+
+    def _listing(self) -> Listing:
+        with public_errors(self.url):
+            return read_listing(run_sync(self._root().list()))
+
+    # -- what is there ---------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps (those with an index at the URL), ascending."""
+        return list(self._listing().committed)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None. With a local tier a step counts only once it is
+        committed at the URL: never ahead of durability."""
+        committed = self._listing().committed
+        return committed[-1] if committed else None
+
+    def metadata(self, step: int | None = None) -> Index:
+        """The index of ``step`` (default: the latest committed step); reads no tensor data."""
+        listing = self._listing()
+        step = self._committed(listing, step)
+        with public_errors(self.url):
+            return run_sync(read_index(self._at(listing.dirs[step])))
+
+    def _committed(self, listing: Listing, step: int | None) -> int:
+        if step is None:
+            if not listing.committed:
+                raise CheckpointNotFoundError(f"{self.url}: no committed step")
+            return listing.committed[-1]
+        if step not in listing.committed:
+            raise CheckpointNotFoundError(
+                f"{self._url(step_dir(step))}: step {step} is not committed (committed steps: "
+                f"{list(listing.committed)[-10:]})")
+        return step
+
+    # -- saving ----------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Call once per step on every rank: True at the save interval, or at the step every
+        rank agreed on after a preemption notice on any rank (one store round trip per call
+        while no notice is known; no collective)."""
+        if self._preemption is not None and self._preemption.reached():
+            self._preempt_step = step
+            return True
+        return self.save_interval_steps is not None and step % self.save_interval_steps == 0
+
+    def save(self, step: int, state_dict: Mapping[str, Any], *, force: bool = False) -> AsyncSave:
+        """Start saving ``state_dict`` as ``step``; returns once this rank's bytes are staged
+        (``staged``), like ``ckptfs.async_save``, and ``done`` resolves once the step is
+        committed at the URL and retention has run. A step already committed is refused
+        (CheckpointExistsError on ``done``) unless ``force`` (then it is replaced). Waits first
+        for this process's save in flight. The preemption step's save is synchronous."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"CheckpointManager.save: step must be an int >= 0, got {step!r}")
+        started = time.perf_counter()
+        name = step_dir(step)
+        url, local = self._url(name), self._local(name)
+        with public_errors(url):
+            Comm(self.process_group)
+        be, io = self._backend, self.io_config
+        with background.next_slot():
+            with public_errors(url):  # creates the background group on the first call
+                comm = Comm(self.process_group, background=True)
+            pool = background.staging_pool()
+            held = [state_dict]
+
+            def job(on_copied: Callable[[], None]) -> SaveResult:
+                with public_errors(url):
+                    staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied)
+                    done: list[bool] = []
+
+                    def give_back() -> None:
+                        if not done:
+                            done.append(True)
+                            release(staged, pool)
+
+                    try:
+                        store = self._open_agreed(comm, f"save: opening {self.url}")
+                        target = PrefixedStore(store, name)
+                        with claimed(target, comm, force, be) as claim:
+                            comm.decide(f"save: clearing a dead save's files at {url}",
+                                        lambda: run_sync(_clear_dead(target, claim)))
+                            if local is None:
+                                result = write_and_commit_to(staged, be, target, url, comm, claim,
+                                                             progress=False, throttle_uploads=None,
+                                                             started=started)
+                            else:
+                                result = save_tiered(staged, be, target, url, local, comm, claim,
+                                                     io_config=io, started=started,
+                                                     release=give_back)
+                    finally:
+                        give_back()
+                self._retain(comm)
+                return result
+
+            staged, done = background.launch(job)
+        handle = AsyncSave(url, staged, done)
+        self._last = handle
+        if self._preempt_step is not None and step == self._preempt_step:
+            handle.result()
+            self._preempted()
+        return handle
+
+    def save_sync(self, step: int, state_dict: Mapping[str, Any], *,
+                  force: bool = False) -> SaveResult:
+        """``save`` and wait until the step is committed."""
+        return self.save(step, state_dict, force=force).result()
+
+    def _preempted(self) -> None:
+        self.preempted = True
+        assert self._preemption is not None
+        signum = self._preemption.signum
+        if self.exit_on_preemption:
+            self.close()
+            raise SystemExit(128 + signum)
+
+    def _retain(self, comm: Comm) -> None:
+        """After a commit (collective over ``comm``): delete what retention lets go and dead
+        saves' leftovers older than the newest committed step, never one whose lock is still
+        renewed (coordinator, index first via ``ckptfs.delete``'s order), then prune every
+        rank's local tier to the committed steps kept. A failure here is logged; the step is
+        committed either way."""
+        def coordinator() -> list[int]:
+            listing = self._listing()
+            drop = self.retention.to_delete(listing.committed)
+            latest = listing.committed[-1] if listing.committed else -1
+            dead = [s for s in sorted(listing.present)
+                    if s not in listing.committed and s < latest and not _saving(self._at(listing.dirs[s]))]
+            for s in [*drop, *dead]:
+                run_sync(delete_checkpoint(self._at(listing.dirs[s]), missing_ok=True))
+            return sorted(set(listing.committed) - set(drop))
+
+        try:
+            kept = set(comm.decide(f"retention at {self.url}", coordinator))
+        except CkptfsError as e:
+            log.warning("ckptfs: retention at %s failed (retried after the next save): %s",
+                        self.url, e)
+            return
+        if self.local_dir is not None and os.path.isdir(self.local_dir):
+            for name in os.listdir(self.local_dir):
+                s = parse_step(name)
+                if s is not None and s not in kept:
+                    shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
+
+    # -- restoring -------------------------------------------------------------------------
+    def restore(self, state_dict: dict[str, Any], step: int | None = None, *,
+                strict: bool = True) -> int | None:
+        """Fill ``state_dict`` in place from ``step`` (default: the latest committed step),
+        resharding to this world and layout like ``ckptfs.load``; returns the step restored,
+        or None when no step is committed (and ``step`` was not given). With a local tier each
+        data file is read from its local copy when that copy matches the committed index
+        (size and every chunk's crc32c), from the URL otherwise (``last_restore`` says which).
+        Collective over ``process_group``."""
+        if self._last is not None:
+            self._last.done.exception()  # restore sees every save this manager started
+        with public_errors(self.url):
+            comm = Comm(self.process_group)
+            store = self._open_agreed(comm, f"restore: opening {self.url}")
+            found = comm.decide(f"restore: listing the steps at {self.url}", self._listing)
+            if step is None and not found.committed:
+                return None
+            step = self._committed(found, step)
+            name = found.dirs[step]
+            self.last_restore = restore_tiered(
+                state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
+                comm, io_config=self.io_config, strict=strict)
+        return step
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait until this manager's latest save is committed; raises its failure."""
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight (its failure stays on its handle; ``wait()`` raises it),
+        put the previous signal handlers back and free the staging buffers and background
+        groups (``ckptfs.close()``)."""
+        if self._last is not None:
+            self._last.done.exception()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+        background.close()
+        with self._store_lock:
+            store, self._store = self._store, None
+        if store is not None:
+            run_sync(store.close())
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _saving(store: Store) -> bool:
+    """A save may be running in this step folder: its lock is there and still renewed (or
+    unreadable), as ``ckptfs clean`` judges it; a killed save's stale lock does not count."""
+    held = run_sync(read_lock(store))
+    return held is None or (held is not False and not held.stale())
+
+
+async def _clear_dead(store: Store, claim: Claim) -> None:
+    """Under this save's lock (coordinator): files in a step folder without an index are a
+    killed save's (whose stale lock ``claimed`` took over): remove them, never the lock. A
+    committed step being replaced (``force``) or a checkpoint another tool wrote there (a
+    backend recognises it; ``claim_target`` refused it without ``force``) is not touched:
+    ``commit`` removes what the replaced one leaves once the new one is committed."""
+    if claim.replacing:
+        return
+    leftovers = [f for f in await store.list() if f != LOCK_FILE]
+    if leftovers:
+        await store.delete(leftovers)

@@ -1,0 +1,335 @@
+"""``ckptfs.CheckpointManager`` on spawned gloo ranks against the moto S3 endpoint (through the
+fault proxy) with a local tier on disk: retention over 20 steps, restore from the local tier
+(0 remote data bytes; per-file fallback for a corrupt and a missing copy), restore into one
+process (whole and a block of rows), a SIGTERM on one rank, a job SIGKILLed during a save and during background
+persistence, and the README's training-loop example run as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptfs
+from ckptfs.engine.lock import LockInfo
+from ckptfs.layout.index import LOCK_FILE
+from ckptfs.testing.ranks import free_port, run_ranks
+
+ROWS = 8  #: rows of the weight per rank (tiny: these tests are about bookkeeping)
+
+
+def expected_kept(saved: list[int], keep_last: int, keep_every: int) -> list[int]:
+    """Retention written out independently of manager/steps.py."""
+    newest = sorted(saved)[-keep_last:]
+    return sorted({s for s in saved if s % keep_every == 0} | set(newest))
+
+
+def state(rank: int, world: int, step: int) -> dict:
+    """A row-sharded weight, a replicated bias, a value; every element depends on the step."""
+    rows = 2 * ROWS // world
+    w = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4) + 1000 * step
+    return {"w": ckptfs.ShardedTensor(w[rank * rows:(rank + 1) * rows].clone(), (2 * ROWS, 4),
+                                      (rank * rows, 0)),
+            "b": torch.full((3,), float(step)), "step": step}
+
+
+def check(sd: dict, rank: int, world: int, step: int) -> None:
+    want = state(rank, world, step)
+    assert torch.equal(sd["w"].local_tensor, want["w"].local_tensor), (rank, step)
+    assert torch.equal(sd["b"], want["b"]) and sd["step"] == step
+
+
+def blank(rank: int, world: int) -> dict:
+    sd = state(rank, world, 0)
+    sd["w"].local_tensor.fill_(-1)
+    sd["b"].fill_(-1)
+    sd["step"] = -1
+    return sd
+
+
+def local_files(local: str, step: int) -> list[str]:
+    root = os.path.join(local, f"step-{step:08d}")
+    return sorted(os.path.relpath(os.path.join(d, f), root)
+                  for d, _, fs in os.walk(root) for f in fs)
+
+
+def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str) -> None:
+    # 1. retention over 20 steps: keep_last=3, keep_every=5; async saves, tensors changed
+    #    as soon as `staged`; after each commit the committed steps are exactly the kept ones
+    mgr = ckptfs.CheckpointManager(url, local_dir=local, keep_last=3, keep_every=5,
+                                   storage_options=opts, preemption_signals=())
+    assert mgr.latest_step() is None and mgr.restore(blank(rank, world)) is None
+    sd = state(rank, world, 1)
+    for step in range(1, 21):
+        for k, v in state(rank, world, step).items():
+            if k == "w":
+                sd["w"].local_tensor.copy_(v.local_tensor)
+            elif k == "b":
+                sd["b"].copy_(v)
+            else:
+                sd[k] = v
+        h = mgr.save(step, sd)
+        h.wait_staged(timeout=60)
+        sd["w"].local_tensor.fill_(-7)  # after `staged`: must not reach the checkpoint
+        h.result(timeout=60)
+        kept = expected_kept(list(range(1, step + 1)), 3, 5)
+        assert mgr.steps() == kept, (step, mgr.steps(), kept)
+        dist.barrier()  # every rank's local pruning of this step is over
+        on_disk = sorted(int(n[5:]) for n in os.listdir(local) if n.startswith("step-"))
+        assert on_disk == kept, (step, on_disk)
+    assert mgr.latest_step() == 20 and mgr.metadata(20).values["step"] == 20
+    with pytest.raises(ckptfs.CheckpointNotFoundError, match="step 4 is not committed"):
+        mgr.metadata(4)
+    # a committed step is refused without force (nothing lost), replaced with it
+    err = mgr.save(20, state(rank, world, 99)).done.exception(timeout=60)
+    assert isinstance(err, (ckptfs.CheckpointExistsError, ckptfs.RankError)), repr(err)
+    target = blank(rank, world)
+    assert mgr.restore(target) == 20
+    check(target, rank, world, 20)
+
+    # 2. restore from the local tier: every file local and intact -> 0 remote data bytes
+    target = blank(rank, world)
+    assert mgr.restore(target) == 20
+    check(target, rank, world, 20)
+    r = mgr.last_restore
+    assert r.remote_bytes == 0 and r.remote_files == () and r.local_bytes > 0, r
+    assert r.local_files and r.checked_bytes >= r.local_bytes, r
+
+    # 3. a corrupt local copy (rank 0's file, which also holds the replicated bias that both
+    #    ranks read), then a missing one (rank 1's file): each falls back alone, values exact
+    dist.barrier()
+    f0, f1 = local_files(local, 20)
+    assert "r00000" in f0 and "r00001" in f1, (f0, f1)
+    if rank == 0:
+        path = os.path.join(local, "step-00000020", f0)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 3)  # a data byte: the size stays right
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    dist.barrier()
+    target = blank(rank, world)
+    assert mgr.restore(target, 20) == 20
+    check(target, rank, world, 20)
+    r = mgr.last_restore
+    assert r.remote_files == (f0,) and r.rejected == (f0,) and r.remote_bytes > 0, r
+    assert r.local_files == ((f1,) if rank == 1 else ()), r
+    dist.barrier()
+    if rank == 1:
+        os.remove(os.path.join(local, "step-00000020", f1))
+    dist.barrier()
+    target = blank(rank, world)
+    mgr.restore(target, 20)
+    check(target, rank, world, 20)
+    r = mgr.last_restore
+    assert r.remote_files == ((f0, f1) if rank == 1 else (f0,)) and r.rejected == (f0,), r
+    mgr.close()
+
+    # 4. SIGTERM on rank 1 at a moment of its own: both ranks save the same step, synchronously,
+    #    then leave with SystemExit(128 + SIGTERM); the training loop runs a collective per step
+    mgr = ckptfs.CheckpointManager(url2, storage_options=opts, save_interval_steps=1000)
+    sd = state(rank, world, 0)
+    saved = None
+    try:
+        for step in range(1, 200):
+            sd = state(rank, world, step)
+            grad = torch.ones(1)
+            dist.all_reduce(grad)
+            if rank == 1 and step == 5:
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            if mgr.should_save(step):
+                saved = step
+                mgr.save(step, sd)
+                raise AssertionError("the preemption save returned instead of exiting")
+            time.sleep(0.01)
+        raise AssertionError("no preemption save in 200 steps")
+    except SystemExit as e:
+        assert e.code == 128 + signal.SIGTERM, e.code
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone again
+    both = [None, None]
+    dist.all_gather_object(both, saved)
+    assert both[0] == both[1] and both[0] >= 5, both
+    check_mgr = ckptfs.CheckpointManager(url2, storage_options=opts, preemption_signals=())
+    assert check_mgr.steps() == [saved]  # committed before SystemExit was raised
+    target = blank(rank, world)
+    assert check_mgr.restore(target) == saved
+    check(target, rank, world, saved)
+
+
+@pytest.mark.timeout(400)
+def test_manager_on_spawned_ranks(tmp_path, s3):
+    url, url2 = f"{s3.url}/run", f"{s3.url}/preempt"
+    local = str(tmp_path / "local")
+    run_ranks(2, two_ranks, url, local, s3.options, url2, timeout=240)
+    # another world size: one process (2 -> 1) takes the whole weight, then a block of rows
+    # that splits both saved shards (partial reads of local copies checked whole); every local
+    # copy but the two spoiled ones is intact: no GET of another data file
+    s3.proxy.reset()
+    mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
+                                   preemption_signals=())
+    full = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4) + 20000
+    target = {"w": torch.zeros(2 * ROWS, 4), "b": torch.zeros(3), "step": -1}
+    assert mgr.restore(target) == 20
+    assert torch.equal(target["w"], full) and target["step"] == 20
+    r = mgr.last_restore
+    gets = {rec.path.split("/step-00000020/")[1] for rec in s3.proxy.log()
+            if rec.method == "GET" and "/step-00000020/data/" in rec.path}
+    assert gets == set(r.remote_files) and len(gets) == 2, (gets, r)
+    part = {"w": ckptfs.ShardedTensor(torch.zeros(ROWS, 4), (2 * ROWS, 4), (ROWS // 2, 0))}
+    assert mgr.restore(part, strict=False) == 20
+    assert torch.equal(part["w"].local_tensor, full[ROWS // 2:ROWS // 2 + ROWS])
+    mgr.close()
+
+
+KILLED = """
+import sys, time, torch, ckptfs
+url, local, endpoint, step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"}}
+mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts, keep_last=2)
+sd = lambda s: {"w": torch.arange(4096.0) + s, "step": s}
+for s in range(1, step):
+    mgr.save_sync(s, sd(s))
+print("ready", flush=True)
+sys.stdin.readline()
+mgr.save(step, sd(step))
+print("staged", flush=True)
+time.sleep(600)
+"""
+
+
+LATENCY = 0.4  #: seconds the proxy holds each S3 request of the job to be killed
+
+
+def run_killed(url: str, local: str, s3, step: int, wait_for_local: bool) -> None:
+    """A job that saves steps 1..step-1, then is SIGKILLed while saving ``step``: right after
+    the save returned (staging done, nothing at the URL yet), or once its local files are
+    written and the upload to the URL is under way (every S3 request delayed)."""
+    p = subprocess.Popen([sys.executable, "-c", KILLED, url, local, s3.endpoint, str(step)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        s3.proxy.configure(latency=LATENCY)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "staged"
+        if wait_for_local:
+            deadline = time.monotonic() + 60
+            while not any(f.endswith(".safetensors") for f in local_files(local, step)):
+                assert time.monotonic() < deadline, "the local tier was never written"
+                time.sleep(0.05)
+            time.sleep(0.3)
+            uploads = [r for r in s3.proxy.log() if r.method == "PUT" and f"step-{step:08d}/" in r.path]
+            assert not any(r.path.endswith("index.json") for r in uploads)
+    finally:
+        p.kill()
+        p.wait()
+        time.sleep(2 * LATENCY)  # requests the dead job had sent land now (as they may on S3)
+        s3.proxy.configure()
+
+
+@pytest.mark.timeout(200)
+def test_killed_during_save_and_persistence_restarts_at_last_persisted(tmp_path, s3):
+    for step, wait_for_local in ((3, False), (4, True)):
+        url, local = f"{s3.url}/killed{step}", str(tmp_path / f"local{step}")
+        run_killed(url, local, s3, step, wait_for_local)
+        if wait_for_local:  # the killed save held the step's lock: the restart takes it over
+            assert LOCK_FILE in _s3_list(s3, f"killed{step}/step-{step:08d}/")
+        # another job's save in progress (a renewed lock) in an older and a newer step folder:
+        # neither the dead-attempt cleanup nor retention touches it, and a save there is refused
+        live = LockInfo.new("0" * 12, "safetensors_chunks-1").dumps()
+        for other in (0, step + 1):
+            for f, data in ((LOCK_FILE, live), ("data/x", b"x")):
+                _s3_put(s3, f"killed{step}/step-{other:08d}/{f}", data)
+        mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
+                                       keep_last=2, preemption_signals=())
+        assert mgr.latest_step() == step - 1, mgr.steps()
+        target = {"w": torch.zeros(4096), "step": -1}
+        assert mgr.restore(target) == step - 1
+        assert torch.equal(target["w"], torch.arange(4096.0) + step - 1)
+        assert target["step"] == step - 1
+        assert mgr.last_restore.remote_bytes == 0  # the persisted step's local copy is intact
+        # the restarted job saves the killed step again; the dead attempt leaves nothing behind
+        mgr.save_sync(step, {"w": torch.arange(4096.0) + step, "step": step})
+        index = mgr.metadata(step)
+        listed = _s3_list(s3, f"killed{step}/step-{step:08d}/")
+        assert sorted(listed) == sorted([ckptfs.INDEX_FILE, *index.files]), listed
+        assert mgr.steps() == [step - 1, step]  # keep_last=2
+        assert local_files(local, step) == sorted(index.files)  # the dead attempt's are gone
+        assert not os.path.exists(f"{local}/step-{step - 2:08d}")
+        with pytest.raises(ckptfs.SaveInProgressError, match=f"step-{step + 1:08d}"):
+            mgr.save_sync(step + 1, {"w": torch.zeros(4096), "step": step + 1})
+        for other in (0, step + 1):
+            assert sorted(_s3_list(s3, f"killed{step}/step-{other:08d}/")) == sorted([LOCK_FILE, "data/x"])
+        mgr.close()
+
+
+def _s3_put(s3, key: str, data: bytes) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3.direct, region_name="us-east-1").put_object(
+        Bucket=s3.bucket, Key=key, Body=data)
+
+
+def _s3_list(s3, prefix: str) -> list[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.direct, region_name="us-east-1")
+    out = client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])
+    return [o["Key"][len(prefix):] for o in out]
+
+
+def test_steps_are_numbers_and_retention_settings_are_checked():
+    from ckptfs.manager.steps import Retention, read_listing, step_dir
+
+    paths = [f"{step_dir(100_000_000)}/{ckptfs.INDEX_FILE}", f"step-9/{ckptfs.INDEX_FILE}",
+             "step-10/data/x", f"step-10/{ckptfs.INDEX_FILE}", "step-11/data/x", "notes/step-3",
+             f"step-x/{ckptfs.INDEX_FILE}", ckptfs.INDEX_FILE]
+    listing = read_listing(paths)
+    assert listing.committed == (9, 10, 100_000_000) and 11 in listing.present
+    assert listing.dirs[9] == "step-9" and step_dir(200) == "step-00000200"
+    assert Retention(2, 4).to_delete([1, 2, 4, 5, 8, 9, 10]) == [1, 2, 5]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ckptfs.ConfigError, match="keep_last"):
+            Retention(bad, None)
+
+
+def readme_example() -> str:
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    m = re.search(r"```python\n(# train\.py.*?)```", text, re.S)
+    assert m, "the README's manager example (a block starting with '# train.py') is gone"
+    return m.group(1)
+
+
+@pytest.mark.timeout(200)
+def test_readme_training_loop_example(tmp_path):
+    """The README's example as written, twice with 2 ranks (torchrun's environment): the first
+    run trains and saves, the second resumes from the last step and finds the same weights."""
+    (tmp_path / "train.py").write_text(readme_example())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(ckptfs.__file__)), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1")
+    outs = []
+    for _ in range(2):  # the variables torchrun sets, without its agent process
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                           LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=port)) for r in range(2)]
+        out = [p.communicate(timeout=150)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), out
+        outs.append("".join(out))
+    first = re.findall(r"rank 0: restored (\S+), weight sum (\S+), steps (\[.*\])", outs[0])
+    second = re.findall(r"rank 0: restored (\S+), weight sum (\S+), steps (\[.*\])", outs[1])
+    assert first and second, outs
+    assert first[0][0] == "None" and first[0][2] == "[20, 30, 40]", first
+    assert second[0][0] == "40" and second[0][1] == first[0][1], (first, second)
