@@ -72,15 +72,15 @@ def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_
                lambda: shutil.rmtree(local_root, ignore_errors=True))
     written = write(staged, be, local, comm, claim.save_id)
     release()
-    mine = sorted(written.ranks[comm.rank].files)
+    mine = sorted(written.mine.files)
     if comm.is_coordinator:
         mine = sorted({*mine, *written.prepared})
     comm.agree(f"save: persisting the local tier to {url}",
                lambda: run_sync(copy_files(local, remote, mine)))
     total = commit(staged, written, be, remote, comm, replacing=claim.replacing)
-    files = written.ranks[comm.rank].files
+    files = written.mine.files
     return SaveResult(url, be.name, be.version, sum(files.values()), total, tuple(files),
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, staged.cached, comm.stats.snapshot())
 
 
 def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: str,
@@ -93,7 +93,7 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
     local = LocalStore(local_root or os.curdir, local_config(io_config))
 
     def check() -> tuple[set[str], set[str]]:
-        needed = {f for f in files_of(plan_targets(state_dict, index, comm.rank)) if f}
+        needed = {f for f in files_of(plan_targets(state_dict, index, comm.rank).reads) if f}
         if local_root is None or not os.path.isdir(local_root):
             return needed, set()
         return needed, run_sync(intact_files(local, index, needed))
