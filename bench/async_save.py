@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 import ckptfs
+from bench.run import table
 from ckptfs.testing.ranks import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -390,7 +391,7 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
                      "-" if m["slowdown"] is None else f"{100 * m['slowdown']:+.1f}%",
                      f"{m['rss_growth'] / 2**20:+.1f} MiB ({m['saves'] - 1} saves)"])
     lines += ["seconds; steady state = median from the 3rd save on; slowdown = training step time "
-              "during the background write vs just before", *_table(head, rows)]
+              "during the background write vs just before", *table(head, rows)]
     ours, dcp = libs.get("ckptfs"), libs.get("DCP-stager")
     if ours:
         lines += ["", "targets (ckptfs):"]
@@ -415,13 +416,6 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-
-    def fmt(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    return [fmt(head), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
 ALL_LIBS = ["ckptfs", "ckptfs-proc", "DCP-stager", "DCP-thread", "DCP-proc"]

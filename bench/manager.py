@@ -56,9 +56,6 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
     proc, endpoint = start_moto()
     work = tempfile.mkdtemp(prefix="ckptfs-bench-manager-")
     try:

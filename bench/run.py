@@ -183,7 +183,7 @@ def render(summary: dict, state_bytes: int, args: argparse.Namespace) -> str:
     cold_title = "cold" if args.drop_caches else "cache NOT dropped"
     lines = ["", f"median of {args.reps} runs, {gb:.2f} GB state; 'x DCP' = DCP time / this time "
              f"(target {TARGET_SPEEDUP:g}x); loads: {cold_title}, then warm page cache",
-             *_table(["case", "library", "time", "GB/s", "x DCP", "min-max s",
+             *table(["case", "library", "time", "GB/s", "x DCP", "min-max s",
                       "warm", "GB/s", "x DCP"], rows)]
 
     rows = []
@@ -198,7 +198,7 @@ def render(summary: dict, state_bytes: int, args: argparse.Namespace) -> str:
         lines += ["", "bytes read / bytes needed, all ranks (target for resharded loads <= "
                   f"{TARGET_READ_RATIO}); 'disk' = /proc/self/io read_bytes after drop_caches "
                   "(page cache shared by ranks, readahead included)",
-                  *_table(["case", "library", "needed", "read", "read/needed", "disk/needed", "read counted"],
+                  *table(["case", "library", "needed", "read", "read/needed", "disk/needed", "read counted"],
                           rows)]
 
     lines += ["", "targets:"]
@@ -223,7 +223,8 @@ def render(summary: dict, state_bytes: int, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Aligned text rows: the first column left, the others right, a rule under the head."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     def fmt(r: list[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

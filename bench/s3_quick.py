@@ -62,6 +62,11 @@ def same(a: dict, b: dict) -> bool:
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto S3 server on a free local port with the bench bucket; moto's fake credentials
+    are set in this process's environment (where none are set) for the clients that follow."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -96,9 +101,6 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
 
     import fsspec
     import torch.distributed.checkpoint as dcp

@@ -136,10 +136,9 @@ class RunningChecksum:
         self._crc = 0
 
     def update(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
-        arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-        self._crc = google_crc32c.extend(self._crc, arr)
+        self._crc = extend(self._crc, data)
 
     @property
     def value(self) -> str:
         """The index form, as ``checksum`` writes it."""
-        return f"{ALGORITHM}:{self._crc:08x}"
+        return render(self._crc)

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import Claim, abandon, build_index, claim_target, commit_index
+from ckptfs.engine.commit import Claim, build_index, claimed, commit_index
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.lock import Renewal
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files, write_rank
 from ckptfs.errors import UsageError
@@ -103,15 +102,8 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
     index = source.index
     plans = _plans(index, be)
     comm = Comm(None)  # one process, no process group
-    claim = claim_target(store, comm, overwrite, be)
-    renewal = Renewal(store, claim.lock)
-    try:
+    with claimed(store, comm, overwrite, be) as claim:
         return _write_and_commit(source, be, store, plans, claim, buffer_bytes, verify, progress)
-    except BaseException:
-        run_sync(abandon(store))
-        raise
-    finally:
-        renewal.stop()
 
 
 def _write_and_commit(source: Source, be: Backend, store: Store, plans: dict[str, TensorPlan],
