@@ -160,7 +160,9 @@ class CheckpointManager:
 
     def save(self, step: int, state_dict: Mapping[str, Any], *, force: bool = False) -> AsyncSave:
         """Start saving ``state_dict`` as ``step``; returns once this rank's bytes are staged
-        (``staged``), like ``ckptfs.async_save``, and ``done`` resolves once the step is
+        (``staged`` has resolved: unlike ``ckptfs.async_save``, the call waits for it, so the
+        loop may change its tensors as soon as it returns; a staging failure is kept on the
+        handle, ``done`` and the next ``wait()`` raise it), and ``done`` resolves once the step is
         committed at the URL and retention has run. A step already committed is refused
         (CheckpointExistsError on ``done``) unless ``force`` (then it is replaced). Waits first
         for this process's save in flight. The preemption step's save is synchronous."""
@@ -208,6 +210,7 @@ class CheckpointManager:
                 return result
 
             staged, done = background.launch(job)
+        staged.exception()  # the caller's tensors are free again once staged (never raises)
         handle = AsyncSave(url, staged, done)
         self._last = handle
         if self._preempt_step is not None and step == self._preempt_step:
