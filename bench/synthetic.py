@@ -30,24 +30,30 @@ class TensorSpec:
         return n
 
 
-def layer_specs(layer: int) -> list[TensorSpec]:
-    """One transformer-like layer: ~157 MB (a 64 MiB fp32 matrix, an 86 MiB bf16 matrix, 2 vectors)."""
+def layer_specs(layer: int, shrink: int = 1) -> list[TensorSpec]:
+    """One transformer-like layer: ~157 MB (a 64 MiB fp32 matrix, an 86 MiB bf16 matrix, 2 vectors);
+    every dimension divided by ``shrink`` (a power of two: FFN rows still split unevenly over 3)."""
     p = f"layers.{layer}."
     base = 16 * layer
+    h, f = HIDDEN // shrink, FFN // shrink
     return [
-        TensorSpec(p + "attn.wq", torch.float32, (HIDDEN, HIDDEN), base + 1),
-        TensorSpec(p + "mlp.w_up", torch.bfloat16, (FFN, HIDDEN), base + 2),
-        TensorSpec(p + "attn.bias", torch.float32, (HIDDEN,), base + 3),
-        TensorSpec(p + "norm.weight", torch.bfloat16, (HIDDEN,), base + 4),
+        TensorSpec(p + "attn.wq", torch.float32, (h, h), base + 1),
+        TensorSpec(p + "mlp.w_up", torch.bfloat16, (f, h), base + 2),
+        TensorSpec(p + "attn.bias", torch.float32, (h,), base + 3),
+        TensorSpec(p + "norm.weight", torch.bfloat16, (h,), base + 4),
     ]
 
 
 def state_specs(gb: float) -> list[TensorSpec]:
-    """Layers until the state holds at least ``gb`` GB (1e9 bytes); at least one layer."""
+    """Layers until the state holds at least ``gb`` GB (1e9 bytes); at least one layer. Below one
+    full layer (~0.157 GB, quick checks) the layer shrinks, down to 1/64 of each dimension."""
+    shrink = 1
+    while shrink < 64 and sum(s.nbytes for s in layer_specs(0, shrink * 2)) >= gb * 1e9:
+        shrink *= 2
     specs: list[TensorSpec] = []
     layer = 0
     while not specs or sum(s.nbytes for s in specs) < gb * 1e9:
-        specs += layer_specs(layer)
+        specs += layer_specs(layer, shrink)
         layer += 1
     return specs
 
@@ -106,3 +112,14 @@ def check_state(specs: list[TensorSpec], state: dict[str, torch.Tensor], rank: i
         if not same_bits(state[s.key].to_local(), fill(s, lo, hi)):
             bad.append(s.key)
     return bad
+
+
+def small_specs(n: int) -> list[TensorSpec]:
+    """``n`` small 1-D fp32 tensors of 64 to 1023 elements (about 2 KB each on average), the
+    shape of per-parameter optimizer entries, biases and norms of a large model."""
+    return [TensorSpec(f"small.{i}", torch.float32, (64 + (i * 37) % 960,), 10_000 + i) for i in range(n)]
+
+
+def make_plain(specs: list[TensorSpec], *, zeros: bool) -> dict[str, torch.Tensor]:
+    """Whole (unsharded) tensors: zeros, or the contents ``fill`` gives them."""
+    return {s.key: torch.zeros(s.shape, dtype=s.dtype) if zeros else fill(s, 0, s.shape[0]) for s in specs}

@@ -1,0 +1,111 @@
+"""The physical floors a checkpoint case is measured against, taken inside the case's own world.
+
+Each rank of a spawned world writes, then reads back, the bytes of its own local shards with
+plain file calls, nothing else: one ``write`` per local tensor (the case's piece sizes) into
+``threads`` files per rank (tensors dealt round-robin), ``fsync`` each file, then
+``readinto`` each tensor's bytes straight into a pre-faulted buffer of its size. So the floors
+use the same number of writers/readers (the ranks, times ``threads``) and the same pieces as the
+checkpoint cases of that world. The rate is all ranks' bytes over the time between two barriers.
+
+- ``write``: write + fsync (a save's floor);
+- ``cold``: read after the page cache was dropped (a cold load's floor);
+- ``warm``: the same read again, from the page cache (a warm load's floor);
+- ``copy``: ``Tensor.copy_`` of every local tensor into an existing one (memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from bench.worker import drop_caches
+
+KINDS = ("write", "cold", "warm", "copy")
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _in_threads(jobs: list[Callable[[], None]]) -> None:
+    if len(jobs) == 1:
+        jobs[0]()
+        return
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def measure(sources: list[torch.Tensor], targets: list[torch.Tensor], folder: str, rank: int,
+            threads: int, drop: bool) -> dict[str, float]:
+    """Seconds of each floor kind for this world (every rank calls it; same on every rank)."""
+    os.makedirs(folder, exist_ok=True)
+    groups = [list(range(i, len(sources), threads)) for i in range(threads)]
+    groups = [g for g in groups if g]
+    paths = [os.path.join(folder, f"floor-r{rank}-t{i}.bin") for i in range(len(groups))]
+
+    def write(path: str, idx: list[int]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for i in idx:
+                mv = _bytes_of(sources[i])
+                done = 0
+                while done < len(mv):
+                    done += os.write(fd, mv[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(path: str, idx: list[int]) -> None:
+        with open(path, "rb", buffering=0) as f:
+            for i in idx:
+                mv = _bytes_of(targets[i])
+                done = 0
+                while done < len(mv):
+                    n = f.readinto(mv[done:])
+                    if not n:
+                        raise EOFError(f"{path}: short read")
+                    done += n
+
+    def copy() -> None:
+        for s, t in zip(sources, targets):
+            t.copy_(s)
+
+    def each(step: Callable[[str, list[int]], None]) -> Callable[[], None]:
+        return lambda: _in_threads([lambda p=p, g=g: step(p, g) for p, g in zip(paths, groups)])
+
+    out = {"write": _timed(each(write))}
+    dist.barrier()
+    if drop and rank == 0:
+        drop_caches()
+    out["cold"] = _timed(each(read))
+    out["warm"] = _timed(each(read))
+    out["copy"] = _timed(copy)
+    for p in paths:
+        os.remove(p)
+    return out

@@ -1,0 +1,191 @@
+"""One repetition of ``bench.perf`` for one world size and one venv: ``python -m bench.perf_world CFG``.
+
+``bench.perf`` starts this module in each venv (the main one: ckptfs backends and DCP; a peer's:
+OLMo-core or Megatron) with a JSON config, once per repetition and world size. It spawns
+``world`` gloo ranks; each builds the synthetic state (same seed, ``bench.synthetic``), measures
+the floors if asked (``bench.floors``), then runs this world's cases with each library, in the
+order given (``bench.perf`` reverses it every repetition). Rank 0 appends one JSON record per
+measurement to the results file. Every load is verified bit-exact against the expected shards
+(the targets are zeroed first, outside the timing).
+
+Worlds: 2 saves (W1, W5) and loads 2->2 (W1), warm (W6) and 10% of the keys (W3); 1 saves and
+loads 1->1 (W1, W5, W6), loads 2->1 (W2) and the 20,000 small tensors (W4); 3 loads 2->3 (W2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench import floors
+from bench.libs import Checkpointer, Ckptfs, Dcp
+from bench.synthetic import make_plain, make_state, same_bits, small_specs, state_specs
+from bench.worker import ckpt_path, drop_caches
+from ckptfs.testing.ranks import run_ranks
+
+SOURCE = 2  #: resharded and partial loads read the checkpoints this world size saved
+
+
+def make_libs(names: list[str]) -> list[Checkpointer]:
+    """'ckptfs:<backend>:<version>', 'DCP', 'OLMo-core', 'Megatron' (both strategies)."""
+    from bench.peers import PEERS
+
+    out: list[Checkpointer] = []
+    for n in names:
+        if n.startswith("ckptfs:"):
+            _, backend, version = n.split(":")
+            out.append(Ckptfs(backend, int(version)))
+        elif n == "DCP":
+            out.append(Dcp())
+        else:
+            out += PEERS[n]()
+    return out
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; returns that RSS in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def subset_keys(keys: list[str]) -> list[str]:
+    """W3's 10% of the keys: every tenth, in the state's order (at least one)."""
+    return keys[::10]
+
+
+class World:
+    def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.rep = cfg["rep"]
+        self.libs = make_libs(cfg["libs"])
+        self.runner = cfg["runner"]
+
+    def emit(self, **fields: Any) -> None:
+        """Gather every rank's fields; rank 0 appends one record (max of ``peak_rss``, sum of
+        ``bad``). Warm-up repetitions (rep < 0) are not recorded."""
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, fields)
+        if self.rank != 0 or self.rep < 0:
+            return
+        rec = {"rep": self.rep, "world": self.world, "runner": self.runner, **fields}
+        if "peak_rss" in fields:
+            rec["peak_rss"] = max(g["peak_rss"] for g in gathered)
+            rec["peak_rss_ranks"] = [g["peak_rss"] for g in gathered]
+        if "bad" in fields:
+            rec["bad"] = sum(g["bad"] for g in gathered)
+            rec["bad_keys"] = sorted({k for g in gathered for k in g["bad_keys"]})[:5]
+        with open(self.cfg["out"], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        t = f"{rec['seconds']:.3f} s" if "seconds" in rec else ""
+        print(f"    {rec['case']:<22} {rec.get('lib', ''):<30} {t}"
+              f"{'  peak +%.0f MiB' % (rec['peak_rss'] / 2**20) if 'peak_rss' in rec else ''}"
+              f"{'  NOT BIT-EXACT' if rec.get('bad') else ''}", flush=True)
+
+    def timed(self, fn) -> tuple[float, Any]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = fn()
+        dist.barrier()
+        return time.perf_counter() - t0, result
+
+    def save(self, case: str, ck: Checkpointer, state: dict, path: str, nbytes: int) -> None:
+        if self.rank == 0:
+            ck.remove(path)
+        dist.barrier()
+        base = reset_peak()
+        secs, _ = self.timed(lambda: ck.save(state, path))
+        self.emit(case=case, lib=ck.name, kind="save", seconds=secs, bytes=nbytes,
+                  peak_rss=_status("VmHWM") - base, local_bytes=_local_bytes(state))
+
+    def load(self, case: str, kind: str, ck: Checkpointer, target: dict, expected: dict, path: str,
+             nbytes: int) -> None:
+        for t in target.values():
+            _local(t).zero_()
+        if kind == "cold" and self.cfg["drop"]:
+            dist.barrier()
+            if self.rank == 0:
+                drop_caches()
+        secs, _ = self.timed(lambda: ck.load(target, path))
+        bad = [k for k, t in target.items() if not same_bits(_local(t), _local(expected[k]))]
+        self.emit(case=case, lib=ck.name, kind=kind, seconds=secs, bytes=nbytes, bad=len(bad), bad_keys=bad)
+
+    def run(self) -> None:
+        cfg, w, rank = self.cfg, self.world, self.rank
+        specs = state_specs(cfg["gb"])
+        total = sum(s.nbytes for s in specs)
+        saves = w in (1, 2)
+        expected = make_state(specs, rank, w, zeros=False)  # the source of this world's saves
+        target = make_state(specs, rank, w, zeros=True)
+        if cfg["floors"]:
+            folder = os.path.join(cfg["root"], f"floors-w{w}")
+            src = [_local(t) for t in expected.values()]
+            dst = [_local(t) for t in target.values()]
+            for threads in cfg["floor_threads"]:
+                secs = floors.measure(src, dst, folder, rank, threads, cfg["drop"])
+                for kind, s in secs.items():
+                    self.emit(case=f"floor {kind}", lib=f"floor x{threads}", kind=f"floor-{kind}",
+                              threads=threads, seconds=s, bytes=total)
+        root = cfg["root"]
+        if saves:
+            for ck in self.libs:
+                self.save(f"W1 save {w}", ck, expected, ckpt_path(root, ck, w), total)
+        for ck in self.libs:
+            if saves:
+                path = ckpt_path(root, ck, w)
+                self.load(f"W1 load {w}->{w}", "cold", ck, target, expected, path, total)
+                self.load(f"W6 warm load {w}->{w}", "warm", ck, target, expected, path, total)
+            if w != SOURCE:
+                self.load(f"W2 load {SOURCE}->{w}", "cold", ck, target, expected, ckpt_path(root, ck, SOURCE),
+                          total)
+            if w == SOURCE:
+                keys = subset_keys(list(target))
+                part = {k: target[k] for k in keys}
+                nbytes = sum(s.nbytes for s in specs if s.key in part)
+                self.load(f"W3 load 10% keys {w}->{w}", "cold", ck, part, expected, ckpt_path(root, ck, w),
+                          nbytes)
+        del target
+        if w == 1 and cfg["small"]:
+            sspecs = small_specs(cfg["small"])
+            src = make_plain(sspecs, zeros=False)
+            dst = make_plain(sspecs, zeros=True)
+            nbytes = sum(s.nbytes for s in sspecs)
+            for ck in self.libs:
+                path = ckpt_path(root, ck, w) + "-small"
+                self.save(f"W4 save {len(sspecs)} small", ck, src, path, nbytes)
+                self.load(f"W4 load {len(sspecs)} small", "cold", ck, dst, src, path, nbytes)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_bytes(state: dict) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in state.values())
+
+
+def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    World(rank, world, cfg).run()
+
+
+def main() -> int:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    run_ranks(cfg["world"], rank_main, cfg, timeout=cfg.get("timeout"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
