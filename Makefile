@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test lint bench bench-async mutate clean interop megatron-venvs megatron-fixtures crash-trials
+.PHONY: venv demo test lint bench bench-async bench-perf bench-venvs mutate clean interop megatron-venvs \
+	megatron-fixtures crash-trials
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -35,6 +36,19 @@ bench: $(STAMP)
 
 bench-async: $(STAMP)
 	$(BIN)/python -m bench.async_save
+
+# Issue 17's bench (bench/perf.py): every case against the floors measured in the same run and
+# every peer. DCP runs in .venv; OLMo-core and Megatron-Core run in their own venvs when they
+# exist (`make bench-venvs`), else they are skipped with a line. BENCH_ARGS: e.g. --gb 0.3 --reps 1
+BENCH_STAMP := $(VENV)/.ckptfs-bench-installed
+BENCH_ARGS ?=
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]" $(TORCH)
+	touch $(BENCH_STAMP)
+
+bench-perf: $(BENCH_STAMP)
+	MEGATRON_VENV=$(abspath $(MEGATRON_VENV)) OLMO_VENV=$(abspath $(OLMO_VENV)) \
+		$(BIN)/python -m bench.perf $(BENCH_ARGS)
 
 # SIGKILLed saves, full count (tests/crash_trials.py; make test runs a reduced count in
 # tests/test_crash.py): every writable backend, local files and moto S3
@@ -66,6 +80,16 @@ $(MEGATRON015_VENV)/.installed:
 	touch $@
 
 megatron-venvs: $(MEGATRON_VENV)/.installed $(MEGATRON015_VENV)/.installed
+
+# OLMo-core for the bench (torch pinned first, so pip keeps the CPU wheel); ckptfs from PYTHONPATH
+OLMO_VENV ?= .venv-olmo
+$(OLMO_VENV)/.installed:
+	$(PY) -m venv $(OLMO_VENV)
+	$(OLMO_VENV)/bin/pip install -q $(TORCH)
+	$(OLMO_VENV)/bin/pip install -q $(TORCH) ai2-olmo-core==3.0.0 $(CKPTFS_DEPS)
+	touch $@
+
+bench-venvs: $(MEGATRON_VENV)/.installed $(OLMO_VENV)/.installed
 
 interop: megatron-venvs
 	$(MEGATRON_VENV)/bin/python tests/interop/megatron_live.py \

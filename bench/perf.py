@@ -138,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
     p.add_argument("--results", default=str(RESULTS), help="where the JSON and the plot go")
     p.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--plot-from", default=None, metavar="JSON",
+                   help="only draw the plot of a results JSON of an earlier run (next to it, .png)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one spawned world may run")
     args = p.parse_args(argv)
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text()), Path(args.plot_from).with_suffix(".png"))
+        return 0
 
     backends = _backends(args.backends)
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
