@@ -15,7 +15,6 @@ CASES = {"W1 save 1", "W1 save 2", "W1 load 1->1", "W1 load 2->2", "W2 load 2->1
          "W6 warm load 2->2"}
 
 
-@pytest.mark.timeout(120)
 def test_perf_tiny(tmp_path, capsys):
     rc = perf.main(["--gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
                     "--backends", "safetensors_chunks", "--peers", "DCP,OLMo-core",
