@@ -114,8 +114,9 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
         cut = {f: partial[f] for f in good & partial.keys()}  # not checked in flight: now
         return read, good - (cut.keys() - run_sync(intact_files(local, index, cut, chunks=cut)))
 
-    routes = comm.agree("restore: routing reads to the local tier", route)
-    read, good = routes[comm.rank]
+    # every rank learns only whether any rank reads local copies (the chunk lists stay here)
+    (read, good), routed = comm.exchange("restore: routing reads to the local tier", route,
+                                         lambda r: bool(r[1]))
     checked = local.stats.bytes_read
     far_before = remote.stats.bytes_read
     try:
@@ -124,16 +125,17 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
     except CollectiveError:
         raise
     except Exception:
-        if not any(g for _, g in routes):
+        if not any(routed):
             raise  # nothing was read locally: the failure is not the local tier's
         # which local copies failed: their chunks read whole once more; the rest is not ours
         before = local.stats.bytes_read
-        bad = comm.agree("restore: checking the local copies after a failed read",
-                         lambda: good - run_sync(intact_files(local, index, good, chunks=read)))
+        bad, found = comm.exchange(
+            "restore: checking the local copies after a failed read",
+            lambda: good - run_sync(intact_files(local, index, good, chunks=read)), bool)
         checked += local.stats.bytes_read - before
-        if not any(bad):
+        if not any(found):
             raise
-        good -= bad[comm.rank]
+        good -= bad
         result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
                       strict=strict, verify=True, started=t0)
     needed = set(read)
