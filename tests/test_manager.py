@@ -61,6 +61,15 @@ def local_files(local: str, step: int) -> list[str]:
                   for d, _, fs in os.walk(root) for f in fs)
 
 
+def flip(path: str, at: int) -> None:
+    """Spoil the byte at offset ``at`` of the file."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str) -> None:
     # 1. retention over 20 steps: keep_last=3, keep_every=5; async saves, tensors changed
     #    as soon as `staged`; after each commit the committed steps are exactly the kept ones
@@ -101,27 +110,34 @@ def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str
     check(target, rank, world, 20)
     r = mgr.last_restore
     assert r.remote_bytes == 0 and r.remote_files == () and r.local_bytes > 0, r
-    assert r.local_files and r.checked_bytes >= r.local_bytes, r
+    # read once: every chunk checked as it lands, nothing read only to check it
+    assert r.local_files and r.checked_bytes == 0 and r.local_bytes == r.load.bytes_read, r
 
     # 3. a corrupt local copy (rank 0's file, which also holds the replicated bias that both
-    #    ranks read), then a missing one (rank 1's file): each falls back alone, values exact
+    #    ranks read), then a missing one (rank 1's file): each falls back alone, values exact.
+    #    First only rank 0's rows of the weight are spoiled: rank 1 reads nothing else from
+    #    that file (the bias) and keeps reading its copy; then the bias too: both fall back
     dist.barrier()
     f0, f1 = local_files(local, 20)
     assert "r00000" in f0 and "r00001" in f1, (f0, f1)
-    if rank == 0:
-        path = os.path.join(local, "step-00000020", f0)
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 3)  # a data byte: the size stays right
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0xFF]))
-    dist.barrier()
-    target = blank(rank, world)
-    assert mgr.restore(target, 20) == 20
-    check(target, rank, world, 20)
-    r = mgr.last_restore
-    assert r.remote_files == (f0,) and r.rejected == (f0,) and r.remote_bytes > 0, r
-    assert r.local_files == ((f1,) if rank == 1 else ()), r
+    index = mgr.metadata(20)
+    w0 = next(c for c in index.tensors["w"].chunks if c.offsets == (0, 0))
+    bias = index.tensors["b"].chunks[0]
+    assert w0.file == bias.file == f0, (w0, bias)
+    for spoiled, chunk in ((False, w0), (True, bias)):
+        dist.barrier()
+        if rank == 0:  # a data byte of the chunk: the size stays right
+            flip(os.path.join(local, "step-00000020", f0), chunk.byte_offset + chunk.byte_length - 3)
+        dist.barrier()
+        target = blank(rank, world)
+        assert mgr.restore(target, 20) == 20
+        check(target, rank, world, 20)
+        r = mgr.last_restore
+        if rank == 1 and not spoiled:
+            assert r.remote_files == () and r.local_files == (f0, f1) and r.rejected == (), r
+            continue
+        assert r.remote_files == (f0,) and r.rejected == (f0,) and r.remote_bytes > 0, r
+        assert r.local_files == ((f1,) if rank == 1 else ()), r
     dist.barrier()
     if rank == 1:
         os.remove(os.path.join(local, "step-00000020", f1))
@@ -186,6 +202,9 @@ def test_manager_on_spawned_ranks(tmp_path, s3):
     part = {"w": ckptfs.ShardedTensor(torch.zeros(ROWS, 4), (2 * ROWS, 4), (ROWS // 2, 0))}
     assert mgr.restore(part, strict=False) == 20
     assert torch.equal(part["w"].local_tensor, full[ROWS // 2:ROWS // 2 + ROWS])
+    f0, f1 = sorted(gets)  # rank 0's file (spoiled), rank 1's (gone)
+    r = mgr.last_restore  # both weight chunks read in part: checked whole before the read
+    assert r.remote_files == (f0, f1) and r.rejected == (f0,) and r.checked_bytes > 0, r
     mgr.close()
 
 

@@ -265,8 +265,9 @@ class CheckpointManager:
         """Fill ``state_dict`` in place from ``step`` (default: the latest committed step),
         resharding to this world and layout like ``ckptfs.load``; returns the step restored,
         or None when no step is committed (and ``step`` was not given). With a local tier each
-        data file is read from its local copy when that copy matches the committed index
-        (size and every chunk's crc32c), from the URL otherwise (``last_restore`` says which).
+        data file is read once from its local copy when that copy matches the committed index
+        (its size, and the crc32c of every chunk read, checked as it lands), from the URL
+        otherwise (``last_restore`` says which; manager/tier.py).
         Collective over ``process_group``."""
         if self._last is not None:
             self._last.done.exception()  # restore sees every save this manager started

@@ -1,17 +1,22 @@
 """The local tier: a save's files go to node-local storage first, then to the persistent URL;
-a restore reads each file from the local copy when it is intact, from the URL otherwise.
+a restore reads each file from its local copy when that holds what the committed index says,
+from the URL otherwise.
 
 Save (collective over the background group, after ``stage``; the URL's store is open on every
 rank and the step is claimed there, ``engine.commit.claimed``): the step's local folder is
-emptied (a killed attempt's files) -> ``write`` into the local tier (fsync off: restore checks
-every local file against the committed index anyway) -> the staging buffers go back to the pool ->
-every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) -> ``commit`` the
-index at the URL. Only then does the step exist.
+emptied (a killed attempt's files) -> ``write`` into the local tier (fsync off: a restore checks
+every chunk it reads there against the committed index anyway) -> the staging buffers go back
+to the pool -> every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) ->
+``commit`` the index at the URL. Only then does the step exist.
 
 Restore (collective over the caller's group): the coordinator reads the committed index from
-the URL; each rank checks the local copies of the files its reads touch (``engine/intact.py``:
-size and every chunk's crc32c against the index) and reads through a ``RoutedStore``: intact
-files locally, the rest from the URL.
+the URL; each rank routes to the local tier the files its reads touch whose local copy has the
+index's size and a checksum on every chunk read (``engine/intact.py``: a stat, no data read),
+and reads once through a ``RoutedStore``: those files locally, the rest from the URL. The read
+engine checks every chunk it reads whole against its crc32c as it lands; a chunk read only in
+part (another layout) is checked whole first. If the read fails anywhere, the local copies are
+checked chunk by chunk, and those at fault are read again from the URL in a second fill (the
+failure is raised when no local copy is at fault).
 """
 
 from __future__ import annotations
@@ -19,22 +24,26 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptfs.dist import Comm
 from ckptfs.engine.commit import Claim, commit
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.intact import intact_files
+from ckptfs.engine.intact import intact_files, usable_files
+from ckptfs.engine.read import TensorRead
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.targets import files_of, plan_targets
+from ckptfs.engine.targets import plan_targets
 from ckptfs.engine.write import write
+from ckptfs.errors import CollectiveError, MissingKeysError
 from ckptfs.io import IOConfig, Store, run_sync
 from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.routed import RoutedStore
 from ckptfs.layout.backend import Backend
+from ckptfs.layout.index import ChunkEntry, TensorEntry
 from ckptfs.load import LoadResult, fill
 from ckptfs.save import SaveResult
 
@@ -45,13 +54,13 @@ class RestoreResult:
 
     step: int
     load: LoadResult  #: as ``ckptfs.load`` reports it (bytes_read: both tiers)
-    local_files: tuple[str, ...] = ()  #: data files read from the local tier (found intact)
+    local_files: tuple[str, ...] = ()  #: data files read from the local tier (chunks matched)
     remote_files: tuple[str, ...] = ()  #: data files read from the URL
     local_bytes: int = 0  #: data bytes read from the local tier
     remote_bytes: int = 0  #: data bytes read from the URL (the index not counted)
-    checked_bytes: int = 0  #: local bytes read to check local copies against the index
+    checked_bytes: int = 0  #: local bytes read only to check them (chunks read in part; a failed read)
     seconds: float = 0.0
-    rejected: tuple[str, ...] = field(default=())  #: local copies present but not intact
+    rejected: tuple[str, ...] = field(default=())  #: local copies present but not used (size, crc32c)
 
 
 def local_config(io_config: IOConfig | None) -> IOConfig:
@@ -87,24 +96,73 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
                    local_root: str | None, comm: Comm, *, io_config: IOConfig | None,
                    strict: bool) -> RestoreResult:
     """Collective: fill ``state_dict`` from the committed checkpoint in ``remote`` (open on
-    every rank), reading the local tier's intact copies under ``local_root`` (None: none)."""
+    every rank), reading the local tier's copies under ``local_root`` (None: none) where they
+    hold what the index says (see the module doc)."""
     t0 = time.perf_counter()
     index = comm.decide(f"restore: reading the index of {url}", lambda: run_sync(read_index(remote)))
     local = LocalStore(local_root or os.curdir, local_config(io_config))
+    tiered = local_root is not None and os.path.isdir(local_root)
 
-    def check() -> tuple[set[str], set[str]]:
-        needed = {f for f in files_of(plan_targets(state_dict, index, comm.rank).reads) if f}
-        if local_root is None or not os.path.isdir(local_root):
-            return needed, set()
-        return needed, run_sync(intact_files(local, index, needed))
+    def route() -> tuple[dict[str, list[Chunk]], set[str]]:
+        plan = plan_targets(state_dict, index, comm.rank)
+        if strict and plan.missing:  # as fill would, before anything is read
+            raise MissingKeysError(url, list(plan.missing))
+        read, partial = chunks_read(plan.reads)
+        if not tiered:
+            return read, set()
+        good = run_sync(usable_files(local, index, read))
+        cut = {f: partial[f] for f in good & partial.keys()}  # not checked in flight: now
+        return read, good - (cut.keys() - run_sync(intact_files(local, index, cut, chunks=cut)))
 
-    needed, good = comm.agree("restore: checking the local tier", check)[comm.rank]
+    # every rank learns only whether any rank reads local copies (the chunk lists stay here)
+    (read, good), routed = comm.exchange("restore: routing reads to the local tier", route,
+                                         lambda r: bool(r[1]))
     checked = local.stats.bytes_read
     far_before = remote.stats.bytes_read
-    result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url, strict=strict,
-                  verify=True, started=t0)
+    try:
+        result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
+                      strict=strict, verify=True, started=t0)
+    except CollectiveError:
+        raise
+    except Exception:
+        if not any(routed):
+            raise  # nothing was read locally: the failure is not the local tier's
+        # which local copies failed: their chunks read whole once more; the rest is not ours
+        before = local.stats.bytes_read
+        bad, found = comm.exchange(
+            "restore: checking the local copies after a failed read",
+            lambda: good - run_sync(intact_files(local, index, good, chunks=read)), bool)
+        checked += local.stats.bytes_read - before
+        if not any(found):
+            raise
+        good -= bad
+        result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
+                      strict=strict, verify=True, started=t0)
+    needed = set(read)
     rejected = ({f for f in needed - good if os.path.exists(local.local_path(f))}
                 if local_root is not None else set())
     return RestoreResult(step, result, tuple(sorted(good)), tuple(sorted(needed - good)),
                          local.stats.bytes_read - checked, remote.stats.bytes_read - far_before,
                          checked, time.perf_counter() - t0, tuple(sorted(rejected)))
+
+
+#: a chunk some read of a restore touches, with its tensor
+Chunk = tuple[TensorEntry, ChunkEntry]
+
+
+def chunks_read(reads: Iterable[TensorRead]) -> tuple[dict[str, list[Chunk]], dict[str, list[Chunk]]]:
+    """(file -> the chunks ``reads`` touch in it, file -> those of them some piece reads only
+    part of): the read engine checks a chunk's crc32c only when it reads it whole."""
+    whole: dict[tuple[str, tuple[int, ...]], bool] = {}  # (key, chunk offsets) -> read whole
+    read: dict[str, list[Chunk]] = defaultdict(list)
+    for r in reads:
+        for p in r.pieces:
+            if p.chunk.file is None:
+                continue
+            at = (r.entry.key, p.chunk.offsets)
+            if at not in whole:
+                read[p.chunk.file].append((r.entry, p.chunk))
+            whole[at] = whole.get(at, True) and p.whole_chunk
+    partial = {f: [(e, c) for e, c in held if not whole[(e.key, c.offsets)]]
+               for f, held in read.items()}
+    return dict(read), {f: held for f, held in partial.items() if held}
