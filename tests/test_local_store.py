@@ -87,6 +87,37 @@ def test_short_file_is_an_error_naming_it(tmp_path):
         raise AssertionError("no EOFError")
 
 
+def test_a_failed_read_into_leaves_no_read_running(tmp_path, monkeypatch):
+    """When one piece fails, read_into raises only after the other pieces' threads are done:
+    the caller gives the buffers back (scratch is reused) as soon as it returns."""
+    import threading
+    import time
+
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    real, finished = local_store._preadv_all, threading.Event()
+
+    def preadv(fd, bufs, offset, full):
+        if offset == 0:
+            raise EOFError(f"{full}: failed at once")
+        time.sleep(0.3)
+        finished.set()
+        return real(fd, bufs, offset, full)
+
+    monkeypatch.setattr(local_store, "_preadv_all", preadv)
+    monkeypatch.setattr(local_store, "_READ_PIECE", 50)
+
+    async def go():
+        store = await open_store(str(tmp_path))
+        await store.read_into("f", [ReadInto(0, memoryview(bytearray(100)))])
+
+    try:
+        run_sync(go())
+    except EOFError:
+        assert finished.is_set(), "read_into returned while a read was still running"
+    else:
+        raise AssertionError("no EOFError")
+
+
 def test_put_writes_parts_and_put_if_absent_is_create_only(tmp_path):
     async def go():
         store = await open_store(str(tmp_path))

@@ -73,7 +73,11 @@ class LocalStore(Store):
             async with self.semaphore:
                 return await asyncio.to_thread(work, offset, bufs)
 
-        got = await asyncio.gather(*(one(o, b) for o, b in tasks))
+        got = await _settled(asyncio.gather(*(one(o, b) for o, b in tasks),
+                                            return_exceptions=True))
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
         self.stats.add_read(sum(got), len(groups))
         if overlapping:
             def rest() -> int:
@@ -82,7 +86,8 @@ class LocalStore(Store):
                         r.dest[:] = os.pread(f.fileno(), r.dest.nbytes, r.start)
                 return sum(r.dest.nbytes for r in overlapping)
 
-            self.stats.add_read(await asyncio.to_thread(rest), len(overlapping))
+            fut = asyncio.ensure_future(asyncio.to_thread(rest))
+            self.stats.add_read(await _settled(fut), len(overlapping))
 
     async def put(self, path: str, parts: Sequence[Buffer]) -> None:
         full = self._p(path)
@@ -221,6 +226,17 @@ def _write_all(fd: int, bufs: list[memoryview]) -> int:
 
 
 _READ_PIECE = 8 << 20
+
+
+async def _settled(fut: asyncio.Future):
+    """``fut``'s result; if the caller is cancelled, wait for ``fut`` (threads writing into the
+    destinations) before passing the cancellation on, so that no read lands in a buffer after
+    ``read_into`` gave it back (scratch is reused as soon as it returns)."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
 
 
 def _segments(g, overlapping: list[ReadInto]) -> list[memoryview]:
