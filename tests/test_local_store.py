@@ -87,6 +87,101 @@ def test_short_file_is_an_error_naming_it(tmp_path):
         raise AssertionError("no EOFError")
 
 
+def test_a_failed_read_into_leaves_no_read_running(tmp_path, monkeypatch):
+    """When one piece fails, read_into raises only after the other pieces' threads are done:
+    the caller gives the buffers back (scratch is reused) as soon as it returns."""
+    import threading
+    import time
+
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    real, finished = local_store._preadv_all, threading.Event()
+
+    def preadv(fd, bufs, offset, full):
+        if offset == 0:
+            raise EOFError(f"{full}: failed at once")
+        time.sleep(0.3)
+        finished.set()
+        return real(fd, bufs, offset, full)
+
+    monkeypatch.setattr(local_store, "_preadv_all", preadv)
+    monkeypatch.setattr(local_store, "_READ_PIECE", 50)
+
+    async def go():
+        store = await open_store(str(tmp_path))
+        await store.read_into("f", [ReadInto(0, memoryview(bytearray(100)))])
+
+    try:
+        run_sync(go())
+    except EOFError:
+        assert finished.is_set(), "read_into returned while a read was still running"
+    else:
+        raise AssertionError("no EOFError")
+
+
+def _evict(path) -> None:
+    """Drop a file's pages from the page cache (clean pages; no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_reads_of_uncached_data_go_around_the_page_cache(tmp_path, monkeypatch):
+    """With direct_reads, pieces not in the page cache are read with O_DIRECT (aligned, through
+    a bounce buffer) into unaligned destinations at unaligned offsets, up to an unaligned end of
+    file. Cached pieces, and direct_reads=False (the default), read buffered."""
+    blob = os.urandom(3 * (1 << 16) + 123)
+    (tmp_path / "f").write_bytes(blob)
+    monkeypatch.setattr(local_store, "_READ_PIECE", 1 << 16)  # several pieces, each its own read
+    reqs = [(0, 10), (4095, 4098), (5000, 70000), (len(blob) - 777, 777), (100, 150000)]
+    direct = []
+    real = local_store.LocalStore._read_direct
+
+    def spy(self, path, bufs, offset, full):
+        direct.append(offset)
+        return real(self, path, bufs, offset, full)
+
+    monkeypatch.setattr(local_store.LocalStore, "_read_direct", spy)
+
+    def read(cfg: IOConfig) -> list[bytes]:
+        async def go():
+            store = await open_store(str(tmp_path), config=cfg)
+            dests = [memoryview(bytearray(n + 3))[3:] for _, n in reqs]  # unaligned addresses
+            await store.read_into("f", [ReadInto(s, d) for (s, _), d in zip(reqs, dests)])
+            await store.close()
+            return [bytes(d) for d in dests]
+
+        return run_sync(go())
+
+    on, off = IOConfig(max_gap=0, direct_reads=True), IOConfig(max_gap=0)
+    for cfg, uses_direct in ((on, True), (off, False)):
+        _evict(tmp_path / "f")
+        fd = os.open(tmp_path / "f", os.O_RDONLY)
+        assert not local_store._cached(fd, 0, len(blob))
+        os.close(fd)
+        direct.clear()
+        assert read(cfg) == [blob[s : s + n] for s, n in reqs]
+        assert bool(direct) == uses_direct, direct
+    # the buffered read cached the file: read buffered now
+    direct.clear()
+    assert read(on) == [blob[s : s + n] for s, n in reqs] and not direct
+    # a read past the end is an error naming the file on the direct path too
+    _evict(tmp_path / "f")
+
+    async def past_end():
+        store = await open_store(str(tmp_path), config=on)
+        await store.read_into("f", [ReadInto(len(blob) - 5, memoryview(bytearray(10)))])
+
+    try:
+        run_sync(past_end())
+    except EOFError as e:
+        assert "/f" in str(e) and direct
+    else:
+        raise AssertionError("no EOFError")
+
+
 def test_put_writes_parts_and_put_if_absent_is_create_only(tmp_path):
     async def go():
         store = await open_store(str(tmp_path))

@@ -204,6 +204,31 @@ def test_corrupted_chunk_is_detected(tmp_path):
     assert not torch.equal(t["a"], torch.arange(100, dtype=torch.float32))
 
 
+def test_a_chunk_read_in_waves_is_checked_whole(tmp_path, monkeypatch):
+    """A chunk larger than a wave is read into its target in parts whose CRCs are combined as
+    they arrive: every part is read, a flipped byte in any part fails the whole chunk."""
+    from ckptfs.engine import read
+
+    monkeypatch.setattr(read, "_WAVE", 256)
+    url = tmp_path / "c"
+    src = {"a": torch.randn(1000), "b": torch.randn(10)}  # "a": 4000 bytes, 16 parts
+    ckptfs.save(src, url)
+    t = {"a": torch.zeros(1000), "b": torch.zeros(10)}
+    res = ckptfs.load(t, url)
+    assert torch.equal(t["a"], src["a"]) and torch.equal(t["b"], src["b"])
+    assert res.read_requests >= 16  # one request per wave at least
+    chunk = ckptfs.load_metadata(url).tensors["a"].chunks[0]
+    p = url / chunk.file
+    good = p.read_bytes()
+    for pos in (0, 1500, 3999):
+        raw = bytearray(good)
+        raw[chunk.byte_offset + pos] ^= 0x10
+        p.write_bytes(bytes(raw))
+        with pytest.raises(ckptfs.IntegrityError, match=r"key 'a'.*fails its checksum"):
+            ckptfs.load({"a": torch.zeros(1000), "b": torch.zeros(10)}, url)
+    p.write_bytes(good)
+
+
 def test_truncated_file_names_the_file(tmp_path):
     url = tmp_path / "c"
     ckptfs.save({"a": torch.arange(1000, dtype=torch.float32)}, url)

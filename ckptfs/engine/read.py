@@ -11,12 +11,18 @@ Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring
 to the device asynchronously; a chunk cut into several pieces is still checked whole (a running
 crc32c). With ``IOConfig.gds`` chunks may go straight to the device (engine/gds.py). The CUDA
 copies and GDS reads are UNTESTED (no GPU machine was available; README, GPU).
+
+A batch's reads go to the store in waves of about ``_WAVE`` bytes that run concurrently; each
+wave's checksums and copies start as soon as its own reads are done, so they overlap the later
+reads instead of following the last one (a chunk larger than a wave is read in parts whose
+CRCs are combined).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +38,7 @@ from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import RunningChecksum, checksum
+from ckptfs.layout.checksum import RunningChecksum, checksum, combine, crc_of, render
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.geometry import c_strides, region_runs
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
@@ -61,6 +67,9 @@ class _FileWork:
 
 #: (scratch bytes, fn(work, scratch view of exactly that many bytes)) for one piece
 _Planned = tuple[int, Callable[[_FileWork, memoryview], None]]
+
+#: bytes of reads per wave: a wave's checks and copies run while later waves are read
+_WAVE = 32 << 20
 
 
 def _typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -123,35 +132,43 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
                     ring_file[src.file].extend(_plan_ring(job, piece, src, dt.torch, dt.itemsize,
                                                           verify, ring))
                     continue
-                check = _checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)
-                per_file[src.file].append(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
-                                                    store.config.max_gap, check))
+                per_file[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
+                                                    store.config.max_gap, verify))
             else:
                 encoded.append((job, piece, src))
     limit = pool.budget.limit
 
+    async def run_wave(path: str, wave: _FileWork) -> None:
+        try:
+            await store.read_into(path, wave.reads)
+        except FileNotFoundError as e:
+            raise _damaged(path, keys_of[path], f"the data file is missing ({e})") from None
+        except EOFError as e:
+            raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
+        if wave.after:
+            await _run_after(wave.after)
+
     async def run_file(path: str, planned: list[_Planned], via: Ring | None = None) -> None:
         for cost, batch in _batches(planned, limit if via is None else via.slot_bytes):
             lease = await (pool if via is None else via).lease(cost)
-            work = _FileWork([], [], [])
+            pending: list[Completion] = []  # copies started out of the lease (ring batches)
             try:
-                scratch, pos = lease.view, 0
+                waves = [_FileWork([], [], pending)]
+                scratch, pos, size = lease.view, 0, 0
                 for c, materialize in batch:
-                    materialize(work, scratch[pos : pos + c])
+                    if size >= _WAVE:
+                        waves.append(_FileWork([], [], pending))
+                        size = 0
+                    n = len(waves[-1].reads)
+                    materialize(waves[-1], scratch[pos : pos + c])
+                    size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
                     pos += c
-                try:
-                    await store.read_into(path, work.reads)
-                except FileNotFoundError as e:
-                    raise _damaged(path, keys_of[path], f"the data file is missing ({e})") from None
-                except EOFError as e:
-                    raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
-                if work.after:
-                    await _run_after(work.after)
+                await gather_all(*(run_wave(path, w) for w in waves))
             finally:
                 if via is None:
                     await pool.release(lease)
                 else:  # reused once the copies out of it complete
-                    await via.release(lease, work.pending)
+                    await via.release(lease, pending)
 
     async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
         cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
@@ -216,10 +233,41 @@ def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
     def check(data: memoryview | torch.Tensor) -> None:
         got = checksum(tensor_bytes(data) if isinstance(data, torch.Tensor) else data)
         if got != want:
-            raise IntegrityError(f"key {key!r}: chunk at {list(chunk.offsets)} in {file} fails its "
-                                 f"checksum (index says {want}, data gives {got})")
+            raise _mismatch(key, chunk, file, got)
 
     return check
+
+
+def _mismatch(key: str, chunk: ChunkEntry, file: str, got: str) -> IntegrityError:
+    return IntegrityError(f"key {key!r}: chunk at {list(chunk.offsets)} in {file} fails its "
+                          f"checksum (index says {chunk.checksum}, data gives {got})")
+
+
+def _combined_checkers(key: str, chunk: ChunkEntry, file: str, sizes: list[int],
+                       whole: bool) -> list[Callable[[memoryview], None] | None]:
+    """Checks for the parts of one chunk (of ``sizes`` bytes, in C order), fed in any order
+    from any thread: the last one to run combines their CRCs and compares with the index's."""
+    if not (whole and chunk.checksum is not None):
+        return [None] * len(sizes)
+    crcs = [0] * len(sizes)
+    left, lock = [len(sizes)], threading.Lock()
+
+    def part(i: int) -> Callable[[memoryview], None]:
+        def check(data: memoryview) -> None:
+            crcs[i] = crc_of(data)
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            total = 0
+            for c, n in zip(crcs, sizes, strict=True):
+                total = combine(total, c, n)
+            if render(total) != chunk.checksum:
+                raise _mismatch(key, chunk, file, render(total))
+
+        return check
+
+    return [part(i) for i in range(len(sizes))]
 
 
 def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
@@ -232,7 +280,7 @@ def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dt
     else:
         checks = _running_checkers(job.entry.key, piece.chunk, src.file, len(parts),
                                    verify and piece.whole_chunk)
-    return [_plan_raw(job, p, src, dtype, itemsize, 0, c, ring.copier)
+    return [_plan_raw(job, p, src, dtype, itemsize, 0, c, ring.copier)[0]
             for p, c in zip(parts, checks, strict=True)]
 
 
@@ -279,9 +327,7 @@ def _running_checkers(key: str, chunk: ChunkEntry, file: str, n: int,
             seen[0] += 1
             crc.update(tensor_bytes(data) if isinstance(data, torch.Tensor) else data)
             if i == n - 1 and crc.value != want:
-                raise IntegrityError(f"key {key!r}: chunk at {list(chunk.offsets)} in {file} "
-                                     f"fails its checksum (index says {want}, data gives "
-                                     f"{crc.value})")
+                raise _mismatch(key, chunk, file, crc.value)
 
         return check
 
@@ -289,14 +335,51 @@ def _running_checkers(key: str, chunk: ChunkEntry, file: str, n: int,
 
 
 def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
-              itemsize: int, max_gap: int, check: Callable[[memoryview | torch.Tensor], None] | None,
-              copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None = None) -> _Planned:
-    """(scratch bytes, a function adding this piece's reads and post-copies to a _FileWork).
+              itemsize: int, max_gap: int,
+              check: bool | Callable[[memoryview | torch.Tensor], None] | None,
+              copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None = None,
+              ) -> list[_Planned]:
+    """(scratch bytes, a function adding reads and post-copies to a _FileWork) for ``piece``:
+    one, or for a region read in place, one per ``_WAVE`` bytes of it. ``check``: the checker
+    to run on the piece's bytes, or (True) that the engine verifies chunks read whole.
     With ``copier`` (a ring piece) the region is read compact and copied out by it."""
     chunk = piece.chunk
     layout = src.stored_shape or chunk.shape  # padded chunks hold their elements in a corner
     dst = job.target[piece.dst.slices()]
     starts, run = region_runs(layout, itemsize, piece.src)
+    if (copier is None and len(starts) == 1 and dst.device.type == "cpu"
+            and dst.is_contiguous()):
+        # straight into the target, in parts of a wave each, every part checked on arrival
+        mv = tensor_bytes(dst)
+        at = src.offset + int(starts[0])
+        cuts = range(0, mv.nbytes, _WAVE)
+        checks = _combined_checkers(job.entry.key, chunk, src.file,
+                                    [min(_WAVE, mv.nbytes - o) for o in cuts],
+                                    check is True and piece.whole_chunk)
+        return [(0, _direct(ReadInto(at + o, mv[o : o + _WAVE]), c))
+                for o, c in zip(cuts, checks, strict=True)]
+    if check is True:
+        check = _checker(job.entry.key, chunk, src.file, True, piece.whole_chunk)
+    return [_plan_copied(job, piece, dtype, itemsize, max_gap, check or None, copier, layout, dst,
+                         starts, run, src.offset)]
+
+
+def _direct(read: ReadInto, check: Callable[[memoryview], None] | None,
+            ) -> Callable[[_FileWork, memoryview], None]:
+    def direct(work: _FileWork, _: memoryview) -> None:
+        work.reads.append(read)
+        if check is not None:
+            work.after.append(lambda: check(read.dest))
+
+    return direct
+
+
+def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize: int,
+                 max_gap: int, check: Callable[[memoryview | torch.Tensor], None] | None,
+                 copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None,
+                 layout: tuple[int, ...], dst: torch.Tensor, starts, run: int,
+                 offset: int) -> _Planned:
+    """A piece read into scratch, then checked and copied into ``dst`` (or by ``copier``)."""
 
     def put(work: _FileWork, region: torch.Tensor) -> None:
         if copier is None:
@@ -304,18 +387,9 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
         else:
             work.pending.append(copier(dst, region))
 
-    if (copier is None and len(starts) == 1 and dst.device.type == "cpu"
-            and dst.is_contiguous()):
-        def direct(work: _FileWork, _: memoryview) -> None:
-            mv = tensor_bytes(dst)
-            work.reads.append(ReadInto(src.offset + int(starts[0]), mv))
-            if check is not None:
-                work.after.append(lambda: check(mv))
-
-        return 0, direct
     if len(starts) == 1:
         def compact(work: _FileWork, buf: memoryview) -> None:
-            work.reads.append(ReadInto(src.offset + int(starts[0]), buf))
+            work.reads.append(ReadInto(offset + int(starts[0]), buf))
 
             def place() -> None:
                 if check is not None:
@@ -330,7 +404,7 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
     if copier is None and gaps <= max_gap * (len(starts) - 1):
         def spanned(work: _FileWork, buf: memoryview) -> None:
             # one read of the whole span, then one strided copy out of it
-            work.reads.append(ReadInto(src.offset + int(starts[0]), buf))
+            work.reads.append(ReadInto(offset + int(starts[0]), buf))
 
             def place() -> None:
                 flat = _typed(buf, dtype, (span // itemsize,))
@@ -347,7 +421,7 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
     def runs(work: _FileWork, buf: memoryview) -> None:
         # far-apart runs: read each into its slot of a compact buffer
         for i, s in enumerate(starts.tolist()):
-            work.reads.append(ReadInto(src.offset + s, buf[i * run : (i + 1) * run]))
+            work.reads.append(ReadInto(offset + s, buf[i * run : (i + 1) * run]))
 
         def place() -> None:
             if check is not None:
