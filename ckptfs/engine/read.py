@@ -20,6 +20,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ from ckptfs.layout.checksum import RunningChecksum, checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.geometry import c_strides, region_runs
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning.load_plan import ReadPiece
@@ -80,8 +82,9 @@ async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead], *
     ring = cuda_ring((j.target for j in jobs), ring_bytes=cfg.ring_bytes, slots=cfg.ring_slots)
     direct = gds_reader(store, verify) if ring is not None and cfg.gds else None
     try:
-        needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify, ring=ring,
-                                     direct=direct)
+        with paused_gc():  # a piece of planning per small tensor (layout/nogc.py)
+            needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify,
+                                         ring=ring, direct=direct)
     except BaseException:
         if ring is not None:
             await ring.close(quiet=True)  # the first error is the one to raise
@@ -295,8 +298,14 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
     With ``copier`` (a ring piece) the region is read compact and copied out by it."""
     chunk = piece.chunk
     layout = src.stored_shape or chunk.shape  # padded chunks hold their elements in a corner
-    dst = job.target[piece.dst.slices()]
-    starts, run = region_runs(layout, itemsize, piece.src)
+    starts: Any  # np.ndarray of run starts, or (0,)
+    if (src.stored_shape is None and piece.src.shape == chunk.shape
+            and piece.dst.shape == tuple(job.target.shape)):
+        # a whole unpadded chunk filling the whole target (small tensors): one run, no slicing
+        dst, starts, run = job.target, (0,), _nbytes(chunk.shape, itemsize)
+    else:
+        dst = job.target[piece.dst.slices()]
+        starts, run = region_runs(layout, itemsize, piece.src)
 
     def put(work: _FileWork, region: torch.Tensor) -> None:
         if copier is None:
