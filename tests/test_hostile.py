@@ -203,6 +203,16 @@ PACKED_CASES = [
     ("range-beyond-file", _row(2, byte_offset=2**40), MalformedIndexError, "beyond"),
     ("absurd-offset", _row(3, offsets=[2**70, 0]), MalformedIndexError, "offsets"),
     ("files-too", lambda d: d.update(files={}), MalformedIndexError, "file_table"),
+    # what the one-expression fast path of the parser must leave to the checked path
+    ("bool-offset", _row(4, offsets=[True, 0]), MalformedIndexError, "chunks[4]: offsets"),
+    ("file-id", _row(6, file=7), MalformedIndexError, "chunks[6]: file id 7"),
+    ("short-row", lambda d: d["tensors"]["w"]["chunks"].__setitem__(9, [[1, 1], [1, 1], 0]),
+     MalformedIndexError, "chunks[9]: a packed chunk"),
+    ("checksum-int", lambda d: d["tensors"]["w"]["chunks"][10].__setitem__(5, 5),
+     MalformedIndexError, "chunks[10]: checksum must be a string"),
+    ("extra-null", lambda d: d["tensors"]["w"].update(extra=None), MalformedIndexError, "'extra'"),
+    ("dtype-unknown", lambda d: d["tensors"]["w"].update(dtype="float7"), MalformedIndexError,
+     "float7"),
 ]
 
 

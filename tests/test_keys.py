@@ -71,3 +71,13 @@ def test_value_encoding_is_json_safe():
     assert decode_value({"$float": "-inf"}, "k") == -math.inf
     with pytest.raises(MalformedIndexError, match=r"values\['k'\]"):
         decode_value({"$weird": 1}, "k")
+
+
+@given(st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-5, 5)), trees, max_size=4))
+def test_flatten_keys_are_the_encoded_paths(sd):
+    """flatten builds each key from its parent's (and memoises components): the same keys as
+    encoding every path whole, also for the second of two equal walks (memo hits)."""
+    for _ in range(2):
+        flat = flatten(sd)
+        assert all(encode_key(path) == key for key, path in flat.paths.items())
+        assert all(encode_key(decode_key(key)) == key for key in flat.containers)

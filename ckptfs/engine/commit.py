@@ -35,6 +35,7 @@ from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry, packs
+from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import TensorPlan
 
 
@@ -119,7 +120,8 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
     """Collective: the coordinator commits the index; returns the checkpoint's data bytes."""
 
     def build_and_commit() -> int:
-        index = build_index(backend, staged, written)
+        with paused_gc():  # many small acyclic objects (layout/nogc.py)
+            index = build_index(backend, staged, written)
         run_sync(commit_index(store, backend, index, staged.plans,
                          written.paths() if replacing else None))
         return index.total_bytes

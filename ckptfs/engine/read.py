@@ -26,6 +26,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ from ckptfs.layout.checksum import RunningChecksum, checksum, combine, crc_of, r
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.geometry import c_strides, region_runs
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning.load_plan import ReadPiece
@@ -89,8 +91,9 @@ async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead], *
     ring = cuda_ring((j.target for j in jobs), ring_bytes=cfg.ring_bytes, slots=cfg.ring_slots)
     direct = gds_reader(store, verify) if ring is not None and cfg.gds else None
     try:
-        needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify, ring=ring,
-                                     direct=direct)
+        with paused_gc():  # a piece of planning per small tensor (layout/nogc.py)
+            needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify,
+                                         ring=ring, direct=direct)
     except BaseException:
         if ring is not None:
             await ring.close(quiet=True)  # the first error is the one to raise
@@ -345,8 +348,14 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
     With ``copier`` (a ring piece) the region is read compact and copied out by it."""
     chunk = piece.chunk
     layout = src.stored_shape or chunk.shape  # padded chunks hold their elements in a corner
-    dst = job.target[piece.dst.slices()]
-    starts, run = region_runs(layout, itemsize, piece.src)
+    starts: Any  # np.ndarray of run starts, or (0,)
+    if (src.stored_shape is None and piece.src.shape == chunk.shape
+            and piece.dst.shape == tuple(job.target.shape)):
+        # a whole unpadded chunk filling the whole target (small tensors): one run, no slicing
+        dst, starts, run = job.target, (0,), _nbytes(chunk.shape, itemsize)
+    else:
+        dst = job.target[piece.dst.slices()]
+        starts, run = region_runs(layout, itemsize, piece.src)
     if (copier is None and len(starts) == 1 and dst.device.type == "cpu"
             and dst.is_contiguous()):
         # straight into the target, in parts of a wave each, every part checked on arrival

@@ -48,6 +48,7 @@ from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning import save_plan
@@ -161,7 +162,16 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
     called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
-    asynchronous save resolves its ``staged`` future there)."""
+    asynchronous save resolves its ``staged`` future there). The garbage collector is paused
+    meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py)."""
+    with paused_gc():
+        return _stage(state_dict, comm, backend, pool, copy=copy, cache=cache,
+                      min_slice=min_slice, on_copied=on_copied)
+
+
+def _stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
+           copy: bool, cache: PlanCache, min_slice: int | None,
+           on_copied: Callable[[], None] | None) -> StagedSave:
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     what = "save: describing the state dict"

@@ -14,6 +14,7 @@ from ckptfs.errors import MalformedIndexError, MismatchError
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index, TensorEntry
 from ckptfs.layout.keys import Path, encode_key
+from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.values import decode_value
 from ckptfs.planning.load_plan import plan_reads
 from ckptfs.state.flatten import flatten
@@ -39,6 +40,11 @@ def _stringified(path: tuple) -> str:
 def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
     """Match ``state_dict`` (this rank's view) against ``index``; raises MismatchError naming
     a key whose shape, dtype or kind (tensor or value) differs."""
+    with paused_gc():  # many small acyclic objects (layout/nogc.py)
+        return _plan_targets(state_dict, index, rank)
+
+
+def _plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
     flat = flatten(state_dict, rank)
     reads: list[TensorRead] = []
     replace: list[tuple[Path, Any]] = []

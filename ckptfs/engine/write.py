@@ -25,6 +25,7 @@ from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import crc_of, crc_of_parts, memo, render
 from ckptfs.layout.index import ChunkEntry
+from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
@@ -83,6 +84,12 @@ def file_sums(files: Sequence[FileWrite],
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                progress: bool) -> WrittenRank:
     """This rank's files; checksums are computed here while the I/O threads write."""
+    with paused_gc():  # many small acyclic objects (layout/nogc.py)
+        return _write_rank(staged, backend, store, save_id, progress)
+
+
+def _write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
+                progress: bool) -> WrittenRank:
     keys = {c.key for c in staged.chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
                        _Some(staged.plans, keys))

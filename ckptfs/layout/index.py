@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,9 @@ from ckptfs.errors import ConfigError, FormatVersionError, IntegrityError, Malfo
 from ckptfs.io.store import path_problem
 from ckptfs.layout.checksum import PATTERN as CHECKSUM_PATTERN
 from ckptfs.layout.checksum import checksum, crc_of, extend, render
-from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.dtypes import BY_NAME, from_name
 from ckptfs.layout.keys import check_key
+from ckptfs.layout.nogc import paused_gc
 
 INDEX_FILE = "ckptfs.index.json"
 #: held by a save while it runs (formats/README.md §8); never part of a checkpoint
@@ -88,7 +89,26 @@ class ChunkEntry:
         return row
 
     @classmethod
-    def from_row(cls, row: Json, files: list[str], where: str) -> ChunkEntry:
+    def from_row(cls, row: Json, files: list[str], where: str | Callable[[], str]) -> ChunkEntry:
+        """A packed row (§2.3); ``where`` names it in errors (a function: built only then)."""
+        # the common case, checked in one expression (JSON gives exact ints, lists, dicts)
+        if type(row) is list and 6 <= len(row) <= 7:
+            offsets, shape, fid, off, length, crc = row[:6]
+            extra = row[6] if len(row) == 7 else {}
+            if (type(offsets) is list and type(shape) is list and len(offsets) == len(shape)
+                    and all(type(x) is int and 0 <= x <= MAX_DIM for x in offsets)
+                    and all(type(x) is int and 0 <= x <= MAX_DIM for x in shape)
+                    and (fid is None or (type(fid) is int and 0 <= fid < len(files)))
+                    and (off is None or (type(off) is int and 0 <= off <= MAX_DIM))
+                    and (length is None or (type(length) is int and 0 <= length <= MAX_DIM))
+                    and (crc is None or type(crc) is str) and type(extra) is dict):
+                return cls(tuple(offsets), tuple(shape), None if fid is None else files[fid], off,
+                           length, None if crc is None else _CRC + crc, extra)
+        return cls._from_row_checked(row, files, where if isinstance(where, str) else where())
+
+    @classmethod
+    def _from_row_checked(cls, row: Json, files: list[str], where: str) -> ChunkEntry:
+        """``from_row`` checking each part in turn, to name what is wrong."""
         if not isinstance(row, list) or len(row) not in (6, 7):
             raise MalformedIndexError(f"{where}: a packed chunk must be a list of 6 or 7 items")
         offsets, shape, fid, off, length, crc = row[:6]
@@ -160,14 +180,33 @@ class TensorEntry:
         return d
 
     def to_packed(self, file_ids: Mapping[str, int]) -> dict[str, Json]:
-        d = self.to_dict()
-        d["chunks"] = [c.to_row(file_ids) for c in self.chunks]
+        """``to_dict`` with the chunks as packed rows (§2.3), members in the same order."""
+        d: dict[str, Json] = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunks": [c.to_row(file_ids) for c in self.chunks],
+        }
+        if self.extra:
+            d["extra"] = dict(self.extra)
         return d
 
     @classmethod
     def from_dict(cls, key: str, d: Mapping[str, Json],
                   files: list[str] | None = None) -> TensorEntry:
         """``files``: the file table of a packed index (chunks are rows, §2.3)."""
+        if files is not None and type(d) is dict:  # the common case, checked in one expression
+            chunks, shape, dtype, extra = d.get("chunks"), d.get("shape"), d.get("dtype"), \
+                d.get("extra", {})
+            if (type(chunks) is list and type(shape) is list and type(dtype) is str
+                    and dtype in BY_NAME and type(extra) is dict
+                    and all(type(x) is int and 0 <= x <= MAX_DIM for x in shape)
+                    and math.prod(shape) <= MAX_DIM):
+                def at(i: int) -> Callable[[], str]:
+                    return lambda: f"tensors[{key!r}].chunks[{i}]"
+
+                return cls(key, dtype, tuple(shape),
+                           tuple(ChunkEntry.from_row(c, files, at(i)) for i, c in enumerate(chunks)),
+                           extra)
         where = f"tensors[{key!r}]"
         chunks = _req(d, "chunks", list, where)
         shape = _int_tuple(d, "shape", where)
@@ -179,7 +218,7 @@ class TensorEntry:
             parsed = tuple(ChunkEntry.from_dict(c, f"{where}.chunks[{i}]")
                            for i, c in enumerate(chunks))
         else:
-            parsed = tuple(ChunkEntry.from_row(c, files, f"{where}.chunks[{i}]")
+            parsed = tuple(ChunkEntry.from_row(c, files, lambda i=i: f"{where}.chunks[{i}]")
                            for i, c in enumerate(chunks))
         return cls(
             key=key,
@@ -288,7 +327,9 @@ class Index:
     def dumps(self) -> bytes:
         """The index as UTF-8 JSON bytes, one line (no NaN literals: values are pre-encoded),
         ending with its own checksum (formats/README.md §6.2)."""
-        return seal(json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False).encode())
+        with paused_gc():
+            doc = self.to_dict()
+        return seal(json.dumps(doc, ensure_ascii=False, allow_nan=False).encode())
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
@@ -390,7 +431,8 @@ class Index:
                 raise IntegrityError(f"{source}: the index fails its own checksum (index_checksum "
                                      f"says {want[0]}, its bytes give {got}): it was damaged or "
                                      f"edited after it was written")
-        index = cls.from_dict(parse_json(data, source), source)
+        with paused_gc():  # hundreds of thousands of small acyclic objects (layout/nogc.py)
+            index = cls.from_dict(parse_json(data, source), source)
         if index.index_checksum is not None and (want is None or want[0] != index.index_checksum):
             raise MalformedIndexError(f"{source}: index_checksum must be the last member of the "
                                       f"index (formats/README.md §6.2)")

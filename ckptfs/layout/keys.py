@@ -37,10 +37,20 @@ KEY_PATTERN = rf"^{_COMPONENT}(?:/{_COMPONENT})*{_END}"
 _KEY = re.compile(KEY_PATTERN)
 
 
+#: encoded str components, memoised: a state dict repeats the same names ("weight",
+#: "exp_avg", "state") thousands of times; bounded so that unique names cannot grow it forever
+_ENCODED: dict[str, str] = {}
+_ENCODED_MAX = 1 << 16
+
+
 def encode_component(c: Component) -> str:
     """Encode one path component. A str that is not valid Unicode (a lone surrogate) cannot
     be written as UTF-8 and is refused (UnsupportedValueError)."""
-    if isinstance(c, bool) or not isinstance(c, int | str):
+    if type(c) is str:
+        got = _ENCODED.get(c)
+        if got is not None:
+            return got
+    elif isinstance(c, bool) or not isinstance(c, int | str):
         raise TypeError(f"key component {c!r} is a {type(c).__name__}; only str and int are allowed")
     if isinstance(c, int):
         return str(c)
@@ -49,7 +59,15 @@ def encode_component(c: Component) -> str:
     s = c.replace("%", "%25").replace("/", "%2F")
     if _INT.fullmatch(s):
         s = f"%{ord(s[0]):02X}{s[1:]}"
+    if type(c) is str and len(_ENCODED) < _ENCODED_MAX:
+        _ENCODED[c] = s
     return s
+
+
+def child_key(parent: str | None, c: Component) -> str:
+    """The key of component ``c`` under the container keyed ``parent`` (None: the root), i.e.
+    ``encode_key((*parent_path, c))`` without encoding the parent's path again."""
+    return encode_component(c) if parent is None else f"{parent}/{encode_component(c)}"
 
 
 def decode_component(s: str) -> Component:

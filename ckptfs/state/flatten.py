@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
-from ckptfs.layout.keys import Path, check_unicode, decode_key, encode_key
+from ckptfs.layout.keys import Path, check_unicode, child_key, decode_key, encode_key
 from ckptfs.layout.values import component_order, encode_value
 from ckptfs.state.shards import is_plain_tensor, is_tensor_like
 
@@ -56,13 +56,16 @@ def flatten(state_dict: Mapping[str, Any], rank: int | None = None) -> FlatState
             f"a state dict must be a dict, got {type(state_dict).__name__}"
         )
     flat = FlatState()
-    _walk(state_dict, (), flat, rank, False)
+    _walk(state_dict, (), None, flat, rank, False)
     return flat
 
 
-def _walk(obj: Any, path: Path, flat: FlatState, rank: int | None, private: bool) -> None:
+def _walk(obj: Any, path: Path, key: str | None, flat: FlatState, rank: int | None,
+          private: bool) -> None:
+    """``key``: the canonical key of ``path`` (None at the root), built one component at a
+    time instead of encoding the whole path again at every leaf."""
     if isinstance(obj, PerRank):
-        key = encode_key(path) if path else "<root>"
+        key = key if path else "<root>"
         if not path or private:
             raise UnsupportedValueError(f"key {key!r}: PerRank must wrap a value inside the "
                                         f"state dict, and cannot be nested in another PerRank")
@@ -72,10 +75,10 @@ def _walk(obj: Any, path: Path, flat: FlatState, rank: int | None, private: bool
         flat.containers[key] = "dict"
         flat.per_rank[key] = path
         flat.order.append(key)
-        _walk(obj.value, (*path, rank), flat, rank, True)
+        _walk(obj.value, (*path, rank), child_key(key, rank), flat, rank, True)
         return
     if is_tensor_like(obj):
-        key = encode_key(path)
+        assert key is not None
         if private and not is_plain_tensor(obj):
             raise UnsupportedValueError(f"key {key!r}: PerRank holds plain tensors and values, "
                                         f"not {type(obj).__name__}")
@@ -86,8 +89,7 @@ def _walk(obj: Any, path: Path, flat: FlatState, rank: int | None, private: bool
             flat.private.add(key)
         return
     if isinstance(obj, Mapping | list | tuple):
-        if path:
-            key = encode_key(path)
+        if key is not None:
             flat.containers[key] = (
                 "dict" if isinstance(obj, Mapping) else "list" if isinstance(obj, list) else "tuple"
             )
@@ -95,17 +97,17 @@ def _walk(obj: Any, path: Path, flat: FlatState, rank: int | None, private: bool
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
         for k, v in items:
             if isinstance(k, bool) or not isinstance(k, str | int):
-                where = encode_key(path) if path else "<root>"
+                where = key if key is not None else "<root>"
                 raise UnsupportedValueError(
                     f"key {k!r} under {where!r} is a {type(k).__name__}; dict keys must be str or int"
                 )
             if isinstance(k, str) and not k.isascii():
-                check_unicode(k, f"key {k!r} under {encode_key(path) if path else '<root>'!r}")
-            _walk(v, (*path, k), flat, rank, private)
+                check_unicode(k, f"key {k!r} under {key if key is not None else '<root>'!r}")
+            _walk(v, (*path, k), child_key(key, k), flat, rank, private)
         return
     if not path:
         raise UnsupportedValueError("a state dict must be a dict")
-    key = encode_key(path)
+    assert key is not None
     flat.values[key] = encode_value(obj, key)
     flat.paths[key] = path
     flat.order.append(key)
