@@ -309,3 +309,36 @@ def test_staging_pool_follows_the_allocator_kind():
     assert host.allocator.cached_bytes == 0, "the old kind's buffers were kept"
     assert background.staging_pool() is other  # no kind asked: the pool as it is
     background.staging_pool(HostAllocator())  # leave the process's pool as the others expect
+
+
+def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
+    """``IOConfig.background_nice``: an asynchronous save's data files are written by threads
+    of that nice value (Linux nice is per thread), a synchronous save's at the caller's; both
+    checkpoints load. Out-of-range values are refused naming the field."""
+    from ckptfs.io import IOConfig, local_store
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+    with pytest.raises(ckptfs.CkptfsError, match="background_nice"):
+        IOConfig(background_nice=20)
+    seen: list[tuple[str, int]] = []
+    real = local_store._write_all
+
+    def spy(fd, bufs):
+        seen.append((threading.current_thread().name,
+                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(fd, bufs)
+
+    monkeypatch.setattr(local_store, "_write_all", spy)
+    sd = {"w": torch.randn(256, 64), "b": torch.arange(10.0)}
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    cfg = IOConfig(background_nice=min(19, base + 7))
+    ckptfs.async_save(sd, tmp_path / "bg", io_config=cfg).result()
+    bg, seen[:] = list(seen), []
+    ckptfs.save(sd, tmp_path / "fg", io_config=cfg)
+    assert bg and all(n == cfg.background_nice for _, n in bg), bg
+    assert seen and all(n == base for _, n in seen), seen
+    for name in ("bg", "fg"):
+        out = {"w": torch.zeros(256, 64), "b": torch.zeros(10)}
+        ckptfs.load(out, tmp_path / name)
+        assert all(torch.equal(out[k], sd[k]) for k in sd)

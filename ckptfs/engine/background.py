@@ -29,6 +29,7 @@ from typing import TypeVar
 from ckptfs.dist import destroy_background_groups
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.io import run_sync
+from ckptfs.io.local_store import background_writes
 
 T = TypeVar("T")
 
@@ -91,7 +92,8 @@ def launch(job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future
 
     def run() -> None:
         try:
-            result = job(on_copied)
+            with background_writes():  # local data files: IOConfig.background_nice
+                result = job(on_copied)
         except BaseException as e:  # handed to the caller through the futures
             if not staged.done():
                 staged.set_exception(e)

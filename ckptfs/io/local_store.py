@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import os
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
@@ -104,8 +109,13 @@ class LocalStore(Store):
                 os.close(fd)
             return n
 
+        nice = self.config.background_nice if _in_background.get() else 0
         async with self.semaphore:
-            n = await asyncio.to_thread(work)
+            if nice:
+                n = await asyncio.get_running_loop().run_in_executor(
+                    _niced_writers(nice), contextvars.copy_context().run, work)
+            else:
+                n = await asyncio.to_thread(work)
         self.stats.write_requests += 1
         self.stats.bytes_written += n
 
@@ -180,6 +190,44 @@ class LocalStore(Store):
 
 _IOV_MAX = 1024
 _WRITE_PIECE = 64 << 20
+
+#: set while an asynchronous save runs (engine/background.py): its data files are written by
+#: threads of nice ``IOConfig.background_nice`` (the context follows the work onto the I/O loop)
+_in_background: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfs_in_background",
+                                                                      default=False)
+_writers: dict[int, ThreadPoolExecutor] = {}
+_writers_lock = threading.Lock()
+
+
+@contextmanager
+def background_writes() -> Iterator[None]:
+    """Mark the writes started inside as an asynchronous save's (see ``_in_background``)."""
+    token = _in_background.set(True)
+    try:
+        yield
+    finally:
+        _in_background.reset(token)
+
+
+def _niced_writers(nice: int) -> ThreadPoolExecutor:
+    """The write threads of nice value ``nice`` (made once; their nice never goes back down,
+    which an unprivileged process could not do)."""
+    with _writers_lock:
+        pool = _writers.get(nice)
+        if pool is None:
+            pool = _writers[nice] = ThreadPoolExecutor(8, f"ckptfsWriterNice{nice}",
+                                                       initializer=_renice, initargs=(nice,))
+        return pool
+
+
+def _renice(nice: int) -> None:
+    """Lower this thread's priority. Linux only: elsewhere ``setpriority`` on a thread id is
+    not per thread (it would renice the whole process), so the thread keeps its priority."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
 _SYNC_FILE_RANGE_WRITE = 2
 
 

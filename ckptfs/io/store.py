@@ -69,6 +69,10 @@ class IOConfig:
     #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can:
     #: a local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning
     gds: bool = False
+    #: OS nice value (0-19, Linux) of the threads that write an asynchronous save's local data
+    #: files, so that a busy CPU serves the training loop first; the write then takes longer
+    #: (README, "Asynchronous save": measured). 0: the same priority as the caller
+    background_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -79,6 +83,8 @@ class IOConfig:
                 raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:
             raise ConfigError(f"IOConfig.retries must be >= 0, got {self.retries}")
+        if not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"IOConfig.background_nice must be 0-19, got {self.background_nice}")
 
     @property
     def retry_policy(self) -> RetryPolicy:
