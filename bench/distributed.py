@@ -10,6 +10,12 @@
   - ``torch.distributed.checkpoint.save`` (FileSystemWriter, sync_files=True; DCP's dedup gives
     the tensor to one rank).
   Both libraries fsync. Times are the slowest rank's, between barriers.
+  Where: local disk, moto S3, and ``link://`` (``--link-mibs``): local files behind an emulated
+  per-rank network link, each process's writes paced to ``--link-mibs`` MiB/s (one token bucket
+  per process, shared by its threads; both libraries write through the same fsspec class,
+  ckptfs via its fsspec store, DCP via ``FsspecWriter``). On this machine every rank shares one
+  disk (and moto one process), so the first two show what splitting buys when storage is the
+  bottleneck; the link rows emulate what it is for: nodes with a link each.
 
 ``exchange``: the same ranks load a replicated state of ``--mb`` MiB (every rank needs every
 byte) from moto's S3 server (its own process, like bench/s3_quick.py) and from local disk,
@@ -47,6 +53,62 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
                "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+class PacedLink:
+    """A process-wide token bucket: ``spend(n)`` returns once ``n`` bytes fit the link's rate."""
+
+    rate = 100 * MB  #: bytes per second, set by ``link_filesystem``
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.free_at = 0.0
+
+    def spend(self, n: int) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            self.free_at = max(self.free_at, now) + n / self.rate
+            wait = self.free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def link_filesystem(mibs: float) -> None:
+    """Register ``link://``: the local filesystem whose writes cross this process's
+    ``PacedLink`` at ``mibs`` MiB/s (call in every rank before saving)."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
+    link = PacedLink()
+    link.rate = mibs * MB
+
+    class PacedFile(LocalFileOpener):
+        def write(self, data):
+            link.spend(memoryview(data).nbytes)
+            return super().write(data)
+
+    class LinkFileSystem(LocalFileSystem):
+        protocol = "link"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            path = str(path)
+            return super()._strip_protocol(path[len("link://"):] if path.startswith("link://")
+                                           else path)
+
+        def _open(self, path, mode="rb", block_size=None, **kwargs):
+            path = self._strip_protocol(path)
+            if self.auto_mkdir and "w" in mode:
+                self.makedirs(self._parent(path), exist_ok=True)
+            return PacedFile(path, mode, fs=self, **kwargs)
+
+        def pipe_file(self, path, value, mode="overwrite", **kwargs):
+            link.spend(len(value))
+            return super().pipe_file(path, value, mode=mode, **kwargs)
+
+    fsspec.register_implementation("link", LinkFileSystem, clobber=True)
+
+
 def replicated_state(mb: float, fill: bool = True) -> dict:
     """One plain fp32 tensor of ``mb`` MiB (rows of 1 MiB), 64 small tensors, a step."""
     g = torch.Generator().manual_seed(0)
@@ -74,12 +136,14 @@ def timed(fn) -> tuple[float, object]:
 
 
 def save_rank(rank: int, world: int, roots: dict, opts: dict, mb: float, runs: int,
-              out: str) -> None:
+              out: str, link_mibs: float = 0) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from ckptfs.planning import save_plan
 
+    if link_mibs:
+        link_filesystem(link_mibs)
     state = replicated_state(mb)
     default = save_plan.MIN_SLICE_BYTES
     records = []
@@ -99,7 +163,7 @@ def save_rank(rank: int, world: int, roots: dict, opts: dict, mb: float, runs: i
         return lambda: dcp.save(state, storage_writer=writer)
 
     for where, root in roots.items():
-        so = opts if where == "s3" else None
+        so = opts if where == "s3" else {"auto_mkdir": True} if where == "link" else None
         for rep in range(runs + 1):  # the first repetition warms up and is not recorded
             paths = {lib: f"{root}/{lib}-{rep}" for lib in ("ckptfs", "ckptfs-nosplit", "dcp")}
             libs = {"ckptfs": ck(True, paths["ckptfs"], so),
@@ -121,7 +185,7 @@ def save_rank(rank: int, world: int, roots: dict, opts: dict, mb: float, runs: i
                         fsspec.filesystem("s3", skip_instance_cache=True, **so).rm(
                             paths[lib], recursive=True)
                     else:
-                        shutil.rmtree(paths[lib], ignore_errors=True)
+                        shutil.rmtree(paths[lib].removeprefix("link://"), ignore_errors=True)
                 dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
@@ -166,6 +230,9 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--parts", default="save,exchange")
+    ap.add_argument("--link-mibs", type=float, default=100,
+                    help="save rows behind an emulated per-rank link of this many MiB/s "
+                         "(0: none)")
     ap.add_argument("--dir", default=None, help="local directory (default: a temp dir)")
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -185,21 +252,24 @@ def main() -> None:
         if "save" in parts:
             out = os.path.join(root, "save.json")
             roots = {"local": os.path.join(root, "saves"), "s3": f"s3://{BUCKET}/saves"}
-            run_ranks(WORLD, save_rank, roots, opts, args.mb, args.runs, out, timeout=3600,
-                      env=CREDENTIALS)
+            if args.link_mibs:
+                roots["link"] = "link://" + os.path.join(root, "link")
+            run_ranks(WORLD, save_rank, roots, opts, args.mb, args.runs, out, args.link_mibs,
+                      timeout=3600, env=CREDENTIALS)
             with open(out) as f:
                 recs = json.load(f)
             results += recs
             print("\n| save, 4 ranks | library | median s | MiB/s | bytes written per rank (MiB) |")
             print("|---|---|---|---|---|")
-            for where in ("local", "s3"):
+            for where in roots:
                 med = {lib: statistics.median(r["seconds"] for r in recs
                                               if r["lib"] == lib and r["where"] == where)
                        for lib in ("ckptfs", "ckptfs-nosplit", "dcp")}
                 for lib, t in med.items():
                     per = next(r["bytes_per_rank"] for r in recs if r["lib"] == lib)
                     shown = ", ".join(f"{b / MB:.0f}" for b in per) if per[0] >= 0 else "n/a"
-                    label = "local disk" if where == "local" else "moto S3"
+                    label = {"local": "local disk", "s3": "moto S3",
+                             "link": f"link {args.link_mibs:g} MiB/s per rank"}[where]
                     print(f"| {label} | {lib} | {t:.2f} | {size / MB / t:.0f} | {shown} |")
                 print(f"| | split vs no split {med['ckptfs-nosplit'] / med['ckptfs']:.2f}x, "
                       f"vs DCP {med['dcp'] / med['ckptfs']:.2f}x | | | |")
