@@ -228,6 +228,8 @@ def _renice(nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except OSError:
             pass
+
+
 _SYNC_FILE_RANGE_WRITE = 2
 
 
