@@ -312,9 +312,11 @@ def test_staging_pool_follows_the_allocator_kind():
 
 
 def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
-    """``IOConfig.background_nice``: an asynchronous save's data files are written by threads
-    of that nice value (Linux nice is per thread), a synchronous save's at the caller's; both
-    checkpoints load. Out-of-range values are refused naming the field."""
+    """``IOConfig.background_nice``: an asynchronous save's data files are written, and its
+    checksums computed, by threads of that nice value (Linux nice is per thread), a
+    synchronous save's at the caller's, whose own nice never changes; both checkpoints load.
+    Out-of-range values are refused naming the field."""
+    from ckptfs.engine import write as write_engine
     from ckptfs.io import IOConfig, local_store
 
     if not sys.platform.startswith("linux"):
@@ -330,14 +332,25 @@ def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
         return real(fd, bufs)
 
     monkeypatch.setattr(local_store, "_write_all", spy)
+    sums: list[int] = []
+    real_crc = write_engine.crc_of
+
+    def crc_spy(data, **kw):
+        sums.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_crc(data, **kw)
+
+    monkeypatch.setattr(write_engine, "crc_of", crc_spy)
     sd = {"w": torch.randn(256, 64), "b": torch.arange(10.0)}
     base = os.getpriority(os.PRIO_PROCESS, 0)
     cfg = IOConfig(background_nice=min(19, base + 7))
     ckptfs.async_save(sd, tmp_path / "bg", io_config=cfg).result()
-    bg, seen[:] = list(seen), []
+    bg, seen[:], bg_sums, sums[:] = list(seen), [], list(sums), []
     ckptfs.save(sd, tmp_path / "fg", io_config=cfg)
     assert bg and all(n == cfg.background_nice for _, n in bg), bg
+    assert bg_sums and all(n == cfg.background_nice for n in bg_sums), bg_sums
     assert seen and all(n == base for _, n in seen), seen
+    assert sums and all(n == base for n in sums), sums
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
     for name in ("bg", "fg"):
         out = {"w": torch.zeros(256, 64), "b": torch.zeros(10)}
         ckptfs.load(out, tmp_path / name)

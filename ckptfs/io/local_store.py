@@ -216,14 +216,16 @@ def _niced_writers(nice: int) -> ThreadPoolExecutor:
         pool = _writers.get(nice)
         if pool is None:
             pool = _writers[nice] = ThreadPoolExecutor(8, f"ckptfsWriterNice{nice}",
-                                                       initializer=_renice, initargs=(nice,))
+                                                       initializer=lower_priority,
+                                                       initargs=(nice,))
         return pool
 
 
-def _renice(nice: int) -> None:
-    """Lower this thread's priority. Linux only: elsewhere ``setpriority`` on a thread id is
-    not per thread (it would renice the whole process), so the thread keeps its priority."""
-    if sys.platform.startswith("linux"):
+def lower_priority(nice: int) -> None:
+    """Give the calling thread nice value ``nice`` (never raised back: an unprivileged process
+    cannot). Linux only: elsewhere ``setpriority`` on a thread id is not per thread (it would
+    renice the whole process), so the thread keeps its priority."""
+    if nice and sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except OSError:

@@ -69,10 +69,11 @@ class IOConfig:
     #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can:
     #: a local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning
     gds: bool = False
-    #: OS nice value (0-19, Linux) of the threads that write an asynchronous save's local data
-    #: files, so that a busy CPU serves the training loop first; the write then takes longer
-    #: (README, "Asynchronous save": measured). 0: the same priority as the caller
-    background_nice: int = 0
+    #: OS nice value (0-19, Linux) of an asynchronous save's thread once staged (checksums,
+    #: commit) and of the threads writing its local data files, so that a busy CPU serves the
+    #: training loop first and idle CPUs the save; the write takes longer only when CPUs are
+    #: busy (README, "Asynchronous save": measured). 0: the caller's priority
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
