@@ -23,6 +23,7 @@ from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.stage import release, stage, staging_allocator
 from ckptfs.io import IOConfig
+from ckptfs.io.local_store import lower_priority
 from ckptfs.save import SaveResult, make_backend, write_and_commit
 
 
@@ -81,6 +82,7 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         def job(on_copied: Callable[[], None]) -> SaveResult:
             with public_errors(url):
                 staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied)
+                lower_priority((io_config or IOConfig()).background_nice)  # the caller goes on
                 try:
                     return write_and_commit(staged, be, url, comm, storage_options=storage_options,
                                             io_config=io_config, overwrite=overwrite,

@@ -245,15 +245,24 @@ def test_exit_waits_for_the_save_in_flight(tmp_path):
     assert torch.equal(target["w"], torch.full((8192, 1024), 3.0))
 
 
-def test_yielding_checksum_equals_one_shot():
-    """The background write's checksum (pieces, GIL offered between them) is the same crc32c."""
+def test_yielding_checksum_equals_one_shot(monkeypatch):
+    """The background write's checksum (libcrc32c without the GIL, or pieces with the GIL
+    offered between them where that library is missing) is the same crc32c; and the GIL-free
+    call is there on this platform (the wheel ships libcrc32c): without it a background save
+    stalls the training loop for every MiB it checksums."""
     import numpy as np
 
-    from ckptfs.layout.checksum import PIECE, checksum
+    from ckptfs.layout import checksum as cs
 
-    for n in (0, 5, PIECE, PIECE + 1, 3 * PIECE + 17):
-        data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-        assert checksum(data, yielding=True) == checksum(data.tobytes())
+    assert cs._extend_nogil is not None, "google_crc32c's libcrc32c not found"
+    sizes = (0, 5, cs.PIECE, cs.PIECE + 1, 3 * cs.PIECE + 17)
+    datas = [np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    for data in datas:
+        assert cs.checksum(data, yielding=True) == cs.checksum(data.tobytes())
+        assert cs.checksum(data[1:], yielding=True) == cs.checksum(data[1:].tobytes())
+    monkeypatch.setattr(cs, "_extend_nogil", None)  # the fallback: pieces
+    for data in datas:
+        assert cs.checksum(data, yielding=True) == cs.checksum(data.tobytes())
 
 
 def test_async_save_model_and_optim_state(tmp_path):
@@ -300,3 +309,49 @@ def test_staging_pool_follows_the_allocator_kind():
     assert host.allocator.cached_bytes == 0, "the old kind's buffers were kept"
     assert background.staging_pool() is other  # no kind asked: the pool as it is
     background.staging_pool(HostAllocator())  # leave the process's pool as the others expect
+
+
+def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
+    """``IOConfig.background_nice``: an asynchronous save's data files are written, and its
+    checksums computed, by threads of that nice value (Linux nice is per thread), a
+    synchronous save's at the caller's, whose own nice never changes; both checkpoints load.
+    Out-of-range values are refused naming the field."""
+    from ckptfs.engine import write as write_engine
+    from ckptfs.io import IOConfig, local_store
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+    with pytest.raises(ckptfs.CkptfsError, match="background_nice"):
+        IOConfig(background_nice=20)
+    seen: list[tuple[str, int]] = []
+    real = local_store._write_all
+
+    def spy(fd, bufs):
+        seen.append((threading.current_thread().name,
+                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(fd, bufs)
+
+    monkeypatch.setattr(local_store, "_write_all", spy)
+    sums: list[int] = []
+    real_crc = write_engine.crc_of
+
+    def crc_spy(data, **kw):
+        sums.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_crc(data, **kw)
+
+    monkeypatch.setattr(write_engine, "crc_of", crc_spy)
+    sd = {"w": torch.randn(256, 64), "b": torch.arange(10.0)}
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    cfg = IOConfig(background_nice=min(19, base + 7))
+    ckptfs.async_save(sd, tmp_path / "bg", io_config=cfg).result()
+    bg, seen[:], bg_sums, sums[:] = list(seen), [], list(sums), []
+    ckptfs.save(sd, tmp_path / "fg", io_config=cfg)
+    assert bg and all(n == cfg.background_nice for _, n in bg), bg
+    assert bg_sums and all(n == cfg.background_nice for n in bg_sums), bg_sums
+    assert seen and all(n == base for _, n in seen), seen
+    assert sums and all(n == base for n in sums), sums
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    for name in ("bg", "fg"):
+        out = {"w": torch.zeros(256, 64), "b": torch.zeros(10)}
+        ckptfs.load(out, tmp_path / name)
+        assert all(torch.equal(out[k], sd[k]) for k in sd)

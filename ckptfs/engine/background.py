@@ -12,8 +12,9 @@ behind the I/O layer's ``asyncio.to_thread`` stop taking work (a plain ``atexit`
 non-daemon thread alone would run after them, and the save would fail writing).
 
 Why a thread and not a writer process: the background work is copies and file I/O (the GIL is
-released) and a crc32c computed in pieces that offer the GIL between them; measured in
-``bench/async_save.py`` and the README's "Asynchronous save".
+released) and a crc32c computed without the GIL; once staged, the save's threads run at
+``IOConfig.background_nice`` so a busy CPU serves the training loop first (async_save.py,
+io/local_store.py). Measured in ``bench/async_save.py`` and the README's "Asynchronous save".
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import TypeVar
 from ckptfs.dist import destroy_background_groups
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.io import run_sync
+from ckptfs.io.local_store import background_writes
 
 T = TypeVar("T")
 
@@ -91,7 +93,8 @@ def launch(job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future
 
     def run() -> None:
         try:
-            result = job(on_copied)
+            with background_writes():  # local data files: IOConfig.background_nice
+                result = job(on_copied)
         except BaseException as e:  # handed to the caller through the futures
             if not staged.done():
                 staged.set_exception(e)

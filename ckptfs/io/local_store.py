@@ -11,11 +11,15 @@ to buffered reads.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import mmap
 import os
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -187,8 +191,13 @@ class LocalStore(Store):
                 os.close(fd)
             return n
 
+        nice = self.config.background_nice if _in_background.get() else 0
         async with self.semaphore:
-            n = await asyncio.to_thread(work)
+            if nice:
+                n = await asyncio.get_running_loop().run_in_executor(
+                    _niced_writers(nice), contextvars.copy_context().run, work)
+            else:
+                n = await asyncio.to_thread(work)
         self.stats.write_requests += 1
         self.stats.bytes_written += n
 
@@ -263,6 +272,48 @@ class LocalStore(Store):
 
 _IOV_MAX = 1024
 _WRITE_PIECE = 64 << 20
+
+#: set while an asynchronous save runs (engine/background.py): its data files are written by
+#: threads of nice ``IOConfig.background_nice`` (the context follows the work onto the I/O loop)
+_in_background: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfs_in_background",
+                                                                      default=False)
+_writers: dict[int, ThreadPoolExecutor] = {}
+_writers_lock = threading.Lock()
+
+
+@contextmanager
+def background_writes() -> Iterator[None]:
+    """Mark the writes started inside as an asynchronous save's (see ``_in_background``)."""
+    token = _in_background.set(True)
+    try:
+        yield
+    finally:
+        _in_background.reset(token)
+
+
+def _niced_writers(nice: int) -> ThreadPoolExecutor:
+    """The write threads of nice value ``nice`` (made once; their nice never goes back down,
+    which an unprivileged process could not do)."""
+    with _writers_lock:
+        pool = _writers.get(nice)
+        if pool is None:
+            pool = _writers[nice] = ThreadPoolExecutor(8, f"ckptfsWriterNice{nice}",
+                                                       initializer=lower_priority,
+                                                       initargs=(nice,))
+        return pool
+
+
+def lower_priority(nice: int) -> None:
+    """Give the calling thread nice value ``nice`` (never raised back: an unprivileged process
+    cannot). Linux only: elsewhere ``setpriority`` on a thread id is not per thread (it would
+    renice the whole process), so the thread keeps its priority."""
+    if nice and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
+
+
 _SYNC_FILE_RANGE_WRITE = 2
 
 

@@ -75,6 +75,11 @@ class IOConfig:
     #: pieces already cached read as usual. Off by default: measured on a loaded 2-core VM it
     #: saved about 0.1 s of CPU per 1.5 GB (kernel time down 0.55 s, the copy up 0.45 s)
     direct_reads: bool = False
+    #: OS nice value (0-19, Linux) of an asynchronous save's thread once staged (checksums,
+    #: commit) and of the threads writing its local data files, so that a busy CPU serves the
+    #: training loop first and idle CPUs the save; the write takes longer only when CPUs are
+    #: busy (README, "Asynchronous save": measured). 0: the caller's priority
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -85,6 +90,8 @@ class IOConfig:
                 raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:
             raise ConfigError(f"IOConfig.retries must be >= 0, got {self.retries}")
+        if not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"IOConfig.background_nice must be 0-19, got {self.background_nice}")
 
     @property
     def retry_policy(self) -> RetryPolicy:

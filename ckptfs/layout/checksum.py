@@ -9,6 +9,9 @@ the engine already computed.
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -19,7 +22,33 @@ import numpy as np
 ALGORITHM = "crc32c"
 PATTERN = re.compile(r"crc32c:[0-9a-f]{8}")
 _POLY = 0x82F63B78  #: CRC-32C polynomial, reflected
-PIECE = 1 << 20  #: bytes per GIL hold when a checksum yields
+PIECE = 1 << 20  #: bytes per GIL hold when a checksum yields without the GIL-free call
+
+
+def _gil_free_extend():
+    """``crc32c_extend`` of the C library google_crc32c's wheel ships (libcrc32c, in
+    ``google_crc32c.libs``), called through ctypes, which releases the GIL for the call.
+    google_crc32c's own extension releases it only for ``bytes`` objects, never for the
+    buffers the engine checksums. None where the wheel has no such library (other platforms,
+    source builds): then ``crc_of`` falls back to pieces."""
+    try:
+        pkg = os.path.dirname(os.path.abspath(google_crc32c.__file__))
+        libs = sorted(glob.glob(os.path.join(os.path.dirname(pkg), "google_crc32c.libs",
+                                             "libcrc32c*.so*")))
+        if not libs:
+            return None
+        fn = ctypes.CDLL(libs[0]).crc32c_extend
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        probe = np.frombuffer(b"123456789", dtype=np.uint8)
+        if fn(0, probe.ctypes.data, probe.nbytes) != google_crc32c.value(b"123456789"):
+            return None
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_extend_nogil = _gil_free_extend()
 
 
 def checksum(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool = False) -> str:
@@ -34,13 +63,17 @@ def render(crc: int) -> str:
 def crc_of(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool = False) -> int:
     """The CRC of ``data``.
 
-    google_crc32c holds the GIL while it computes (about 0.2 ms per MiB). With ``yielding`` the
-    CRC is computed in pieces of ``PIECE`` bytes and the GIL is offered to other threads between
-    them, so a training loop running beside a background save waits at most one piece.
+    google_crc32c holds the GIL while it computes a buffer (about 0.2 ms per MiB): a training
+    loop running beside a background save stalls meanwhile. With ``yielding`` the CRC is
+    computed without holding the GIL (libcrc32c through ctypes, ``_extend_nogil``); where that
+    library is missing, in pieces of ``PIECE`` bytes with the GIL offered between them (each
+    hand-over costs the other thread a wake-up: measured in bench/async_save.py, far worse).
     """
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     if not arr.nbytes:
         return 0
+    if yielding and _extend_nogil is not None and arr.flags.c_contiguous:
+        return int(_extend_nogil(0, arr.ctypes.data, arr.nbytes))
     if not yielding or arr.nbytes <= PIECE:
         return int(google_crc32c.value(arr))
     flat = arr.reshape(-1).view(np.uint8)
