@@ -23,6 +23,10 @@ ALGORITHM = "crc32c"
 PATTERN = re.compile(r"crc32c:[0-9a-f]{8}")
 _POLY = 0x82F63B78  #: CRC-32C polynomial, reflected
 PIECE = 1 << 20  #: bytes per GIL hold when a checksum yields without the GIL-free call
+#: buffers at least this large are checksummed without the GIL even when not ``yielding`` (a
+#: load's checks beside its reads, a sync save's checksums beside its writes); below it the
+#: ctypes call costs more than the GIL hold (20,000 small tensors)
+NOGIL_MIN = 1 << 16
 
 
 def _gil_free_extend():
@@ -65,14 +69,16 @@ def crc_of(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool 
 
     google_crc32c holds the GIL while it computes a buffer (about 0.2 ms per MiB): a training
     loop running beside a background save stalls meanwhile. With ``yielding`` the CRC is
-    computed without holding the GIL (libcrc32c through ctypes, ``_extend_nogil``); where that
+    computed without holding the GIL (libcrc32c through ctypes, ``_extend_nogil``; also
+    without ``yielding`` for buffers of ``NOGIL_MIN`` bytes or more); where that
     library is missing, in pieces of ``PIECE`` bytes with the GIL offered between them (each
     hand-over costs the other thread a wake-up: measured in bench/async_save.py, far worse).
     """
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     if not arr.nbytes:
         return 0
-    if yielding and _extend_nogil is not None and arr.flags.c_contiguous:
+    if ((yielding or arr.nbytes >= NOGIL_MIN) and _extend_nogil is not None
+            and arr.flags.c_contiguous):
         return int(_extend_nogil(0, arr.ctypes.data, arr.nbytes))
     if not yielding or arr.nbytes <= PIECE:
         return int(google_crc32c.value(arr))
