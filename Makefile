@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 import ckptfs
-from bench.run import importable_backends, table
+from bench.run import exit_code, importable_backends, table
 from bench.synthetic import state_specs
 from bench.worker import drop_caches
 
@@ -214,12 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {json_path}")
     if args.plot:
         plot(result, results / f"perf-{stamp}-{args.gb:g}gb.png")
-    bad = [r for r in records if r.get("bad")]
-    if bad:
-        print(f"FAILED: {len(bad)} load(s) were not bit-exact: "
-              f"{[(r['case'], r['lib'], r['bad_keys']) for r in bad]}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_code(records)
 
 
 def _backends(spec: str) -> list[tuple[str, int]]:

@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": time.perf_counter() - t0,
         "summary": summary, "records": records, "report": report}, indent=1))
     print(f"results: {out}")
+    return exit_code(records)
+
+
+def exit_code(records: list[dict[str, Any]]) -> int:
+    """1 (after saying which) if any load was not bit-exact, else 0."""
     bad = [r for r in records if r.get("bad")]
     if bad:
         print(f"FAILED: {len(bad)} load(s) were not bit-exact: "

@@ -217,9 +217,10 @@ def _example() -> dict[str, Any]:
     }
 
 
-def _mutate(path: tuple | str, value: Any) -> dict[str, Any]:
-    """The example with the field at ``path`` set to ``value`` (or deleted)."""
-    d = copy.deepcopy(_example())
+def _mutate(path: tuple | str, value: Any, example: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``example`` (default: the example index) with the field at ``path`` set to
+    ``value`` (or deleted)."""
+    d = copy.deepcopy(_example() if example is None else example)
     *parents, last = (path,) if isinstance(path, str) else path
     node: Any = d
     for p in parents:
@@ -338,15 +339,7 @@ PACKED_BAD = {
 @pytest.mark.parametrize("case", list(PACKED_BAD))
 def test_malformed_packed_rejected(case):
     path, value = PACKED_BAD[case]
-    d = copy.deepcopy(_packed())
-    *parents, last = path
-    node: Any = d
-    for p in parents:
-        node = node[p]
-    if value is _DELETE:
-        del node[last]
-    else:
-        node[last] = value
+    d = _mutate(path, value, _packed())
     reader_only = ("file id outside the table", "file escapes the root", "byte range beyond the "
                    "file", "a file twice in the table", "a checksum of a file in no table")
     assert not VALIDATOR.is_valid(d) or case in reader_only, case  # the reader's checks
