@@ -49,8 +49,6 @@ from ckptfs.testing.ranks import run_ranks
 warnings.filterwarnings("ignore")
 MB = 1 << 20
 WORLD = 4
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class PacedLink:
@@ -241,13 +239,10 @@ def main() -> None:
     size = replicated_state(args.mb)["big"].numel() * 4
     print(f"# {WORLD} gloo ranks; torch {torch.__version__}; replicated tensor {size / MB:.0f} MiB "
           f"+ 64 x 4 KiB; load average {os.getloadavg()[0]:.1f}")
-    from bench.s3_quick import BUCKET, start_moto
+    from bench.s3_quick import BUCKET, CREDENTIALS, start_moto, storage_options
 
-    for k, v in CREDENTIALS.items():
-        os.environ.setdefault(k, v)
     proc, endpoint = start_moto()
-    opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"}}
+    opts = storage_options(endpoint)
     try:
         if "save" in parts:
             out = os.path.join(root, "save.json")

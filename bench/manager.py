@@ -32,7 +32,7 @@ import warnings
 import torch
 
 import ckptfs
-from bench.s3_quick import BUCKET, make_state, nbytes, same, start_moto
+from bench.s3_quick import BUCKET, make_state, nbytes, same, start_moto, storage_options
 
 warnings.filterwarnings("ignore")
 MB = 1 << 20
@@ -61,8 +61,7 @@ def main() -> None:
     proc, endpoint = start_moto()
     work = tempfile.mkdtemp(prefix="ckptfs-bench-manager-")
     try:
-        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
-                "client_kwargs": {"region_name": "us-east-1"}}
+        opts = storage_options(endpoint)
         state = make_state(args.mb)
         size = nbytes(state)
         print(f"# moto_server {endpoint}; torch {torch.__version__}; state {size / MB:.0f} MiB; "

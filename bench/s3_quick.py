@@ -61,11 +61,21 @@ def same(a: dict, b: dict) -> bool:
     return all(torch.equal(a[d][k], b[d][k]) for d in ("fp32", "bf16", "small") for k in a[d])
 
 
+#: moto's fake credentials, as environment variables (for spawned ranks too)
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def storage_options(endpoint: str) -> dict:
+    """fsspec/s3fs storage options for the moto server at ``endpoint``."""
+    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"}}
+
+
 def start_moto() -> tuple[subprocess.Popen, str]:
     """A moto S3 server on a free local port with the bench bucket; moto's fake credentials
     are set in this process's environment (where none are set) for the clients that follow."""
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in CREDENTIALS.items():
         os.environ.setdefault(k, v)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,8 +118,7 @@ def main() -> None:
 
     proc, endpoint = start_moto()
     try:
-        opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
-                "client_kwargs": {"region_name": "us-east-1"}}
+        opts = storage_options(endpoint)
         s3 = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
         state = make_state(args.mb)
         size = nbytes(state)
