@@ -1,7 +1,15 @@
-"""Any fsspec filesystem (memory://, s3://, gs://, ...) through its async interface."""
+"""Any fsspec filesystem (memory://, s3://, gs://, ...) through its async interface.
+
+Writes to a synchronous filesystem whose ``pipe_file`` is fsspec's generic one (open the file
+"wb", write the value: the local filesystem and most others) stream the file's parts through one
+open file in a worker thread: no joined copy of the file, as ``pipe_file`` would need. Every other
+filesystem gets one ``pipe_file`` call with the parts joined (one copy; none for a single bytes
+part).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -9,6 +17,8 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
+from ckptfs.errors import StorageError
+from ckptfs.io.parts import byte_view, total_bytes
 from ckptfs.io.retry import retrying
 from ckptfs.io.store import Buffer, IOConfig, Store, inside_root
 from ckptfs.io.tasks import gather_all
@@ -27,7 +37,11 @@ class FsspecStore(Store):
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str,
                  config: IOConfig | None = None) -> None:
         super().__init__(url, config)
+        #: the synchronous filesystem that writes parts through an open file (module docstring)
+        self.streaming: fsspec.AbstractFileSystem | None = None
         if not getattr(fs, "async_impl", False):
+            if type(fs).pipe_file is fsspec.AbstractFileSystem.pipe_file:
+                self.streaming = fs
             fs = AsyncFileSystemWrapper(fs, asynchronous=True)
         self.fs: AsyncFileSystem = fs
         self.root = root.rstrip("/")
@@ -51,10 +65,32 @@ class FsspecStore(Store):
         return data
 
     async def put(self, path: str, parts: Sequence[Buffer]) -> None:
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        async with self.semaphore:
-            await self._call(self.fs._pipe_file, path, bytes(data) if isinstance(data, memoryview) else data)
-        self._wrote(path, len(data))
+        """Write ``parts`` as ``path``: streamed through one open file where the filesystem
+        writes that way, else one ``pipe_file`` of the joined bytes; retried as a whole."""
+        try:
+            if self.streaming is not None:
+                async with self.semaphore:
+                    await self._call(self._stream, path, parts)
+            else:
+                data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else \
+                    b"".join(byte_view(p) for p in parts)
+                async with self.semaphore:
+                    await self._call(self.fs._pipe_file, path, data)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
+            raise
+        except OSError as e:  # a full disk, a quota, an I/O error: name the file
+            raise StorageError(f"{self.full_path(path)}: writing failed: "
+                               f"{type(e).__name__}: {e}") from e
+        self._wrote(path, total_bytes(parts))
+
+    async def _stream(self, full: str, parts: Sequence[Buffer]) -> None:
+        """What fsspec's generic ``pipe_file`` does, one part at a time (worker thread)."""
+        def write() -> None:
+            with self.streaming.open(full, "wb") as f:
+                for p in parts:
+                    f.write(byte_view(p))
+
+        await asyncio.to_thread(write)
 
     def _wrote(self, path: str, nbytes: int) -> None:
         self.stats.write_requests += 1

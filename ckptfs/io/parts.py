@@ -10,6 +10,12 @@ MIN_PART = 5 * 2**20  #: S3's smallest part (all but the last)
 MAX_PARTS = 10_000  #: S3's most parts per upload
 
 
+def byte_view(p: Buffer) -> memoryview:
+    """``p`` as a flat view of unsigned bytes (``len`` is its byte count), without copying."""
+    mv = memoryview(p)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 def total_bytes(parts: Sequence[Buffer]) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
@@ -26,7 +32,7 @@ def pieces(parts: Sequence[Buffer], size: int) -> Iterator[list[memoryview]]:
     cur: list[memoryview] = []
     have = 0
     for p in parts:
-        mv = memoryview(p).cast("B") if memoryview(p).format != "B" else memoryview(p)
+        mv = byte_view(p)
         while mv.nbytes:
             take = min(size - have, mv.nbytes)
             cur.append(mv[:take])
