@@ -22,7 +22,9 @@ or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a stagi
 data is copied there by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
 queued on a side stream and waited for once. The CUDA copy is UNTESTED (no GPU machine was
 available; README, GPU). Each rank also checksums the slices of plain tensors that another rank
-writes, so the coordinator can tell replicas that differ (commit.py). The ranks agree on the
+writes, so the coordinator can tell replicas that differ (commit.py): with ``copy=True`` here,
+before the caller changes its tensors; with ``copy=False`` the slices are handed to the write
+phase, which checksums them while this rank's files are written. The ranks agree on the
 outcome of the copies, so a rank that failed to stage fails the save everywhere instead of
 leaving the others in the next collective.
 
@@ -103,6 +105,9 @@ class StagedSave:
     order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
     #: (key, slice, checksum) of plain-tensor slices this rank holds and another rank writes
     replica_sums: tuple[tuple[str, Box, str], ...] = ()
+    #: (key, slice, view) of such slices still to checksum (``copy=False``: the write phase
+    #: checksums them, ``replica_sums``, while the files are written)
+    replicas: tuple[tuple[str, Box, torch.Tensor], ...] = ()
     per_rank: tuple[str, ...] = ()  #: coordinator: the PerRank keys of the checkpoint
     cached: bool = False  #: the plan came from the plan cache
     #: (dtype, global shape) of every tensor in ``plans``, without building the plans
@@ -215,7 +220,11 @@ def _stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Bu
         local[key] = s
         if s.box.volume:
             views.append((key, s.global_shape, s.box, s.local.detach()))
-    sums = comm.check("save: checksumming replicas", lambda: _replica_sums(d, plan))
+    replicas = _replica_views(d, plan)
+    sums: tuple[tuple[str, Box, str], ...] = ()
+    if copy:  # the caller may change its tensors once stage returns: checksum them now
+        sums = comm.check("save: checksumming replicas", lambda: replica_sums(replicas))
+        replicas = ()
     shards = {k: local[k] for k, *_ in views}
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
@@ -235,7 +244,7 @@ def _stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Bu
     tensors.update((k, (p.dtype, p.shape)) for k, p in private_plans.items())
     order = merge_order(orders, [*containers, *values, *tensors]) if comm.is_coordinator else ()
     return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy,
-                      tuple(order), sums, per_rank, cached, tensors)
+                      tuple(order), sums, replicas, per_rank, cached, tensors)
 
 
 def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePlan:
@@ -261,20 +270,28 @@ def _own_plan(key: str, s: LocalShard, rank: int) -> TensorPlan:
     return TensorPlan(key, s.dtype.name, s.global_shape, isz, chunks)
 
 
-def _replica_sums(d: Described, plan: SavePlan) -> tuple[tuple[str, Box, str], ...]:
-    """Checksums of the slices of plain tensors this rank holds but another rank writes."""
+def _replica_views(d: Described, plan: SavePlan) -> tuple[tuple[str, Box, torch.Tensor], ...]:
+    """The slices of plain tensors this rank holds but another rank writes (views)."""
     out = []
     for key, lay in plan.layouts.items():
         if lay.kind != "plain" or key not in d.shards:
             continue
         s = d.shards[key]
         for box, writer in plan.slices(key):
-            if writer == plan.rank:
-                continue
-            view = s.local.detach()[box.relative_to(s.box).slices()]
-            if view.device.type != "cpu" or not view.is_contiguous():
-                view = view.to("cpu").contiguous()
-            out.append((key, box, checksum(tensor_bytes(view))))
+            if writer != plan.rank:
+                out.append((key, box, s.local.detach()[box.relative_to(s.box).slices()]))
+    return tuple(out)
+
+
+def replica_sums(replicas: Sequence[tuple[str, Box, torch.Tensor]], *, yielding: bool = False
+                 ) -> tuple[tuple[str, Box, str], ...]:
+    """(key, slice, checksum) of each replica slice (``yielding``: as for ``crc_of``, so that
+    I/O threads writing meanwhile get the GIL)."""
+    out = []
+    for key, box, view in replicas:
+        if view.device.type != "cpu" or not view.is_contiguous():
+            view = view.to("cpu").contiguous()
+        out.append((key, box, checksum(tensor_bytes(view), yielding=yielding)))
     return tuple(out)
 
 

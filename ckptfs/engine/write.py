@@ -2,7 +2,8 @@
 
 The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
-computing each chunk's crc32c and each file's (formats/README.md §6) while the I/O threads write;
+computing each chunk's crc32c and each file's (formats/README.md §6), and the checksums of the
+replica slices a synchronous save left to this phase (stage.py), while the I/O threads write;
 a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading them again. With
 ``throttle_uploads=K`` at most K ranks of a node write at once. A failure anywhere raises on
 every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
@@ -16,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptfs.dist import Comm, run_throttled
-from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.io import run_sync
 from ckptfs.io.loop import submit
 from ckptfs.io.store import Store
@@ -100,6 +101,7 @@ def _write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str
         crcs = [(c, data, crc_of(data, yielding=True)) for c, data in crcs]
         sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
         whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
+        replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
     finally:
         writing.result()
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
@@ -107,7 +109,7 @@ def _write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
-                       {p: crc for p, (_, crc) in whole.items()}, staged.replica_sums)
+                       {p: crc for p, (_, crc) in whole.items()}, replicas)
 
 
 class _Some(Mapping[str, TensorPlan]):
