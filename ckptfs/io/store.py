@@ -80,6 +80,12 @@ class IOConfig:
     #: training loop first and idle CPUs the save; the write takes longer only when CPUs are
     #: busy (README, "Asynchronous save": measured). 0: the caller's priority
     background_nice: int = 10
+    #: threads that copy a save's chunks into staging buffers (``async_save``, and the copies a
+    #: save must make of non-contiguous data): copies of large tensors are cut into pieces of
+    #: ``engine.copies.PIECE`` bytes copied in parallel (``copy_`` of one thread does not reach
+    #: the memory bandwidth); small tensors are copied by the staging thread alone. None:
+    #: min(4, the CPUs this process may run on)
+    copy_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -90,6 +96,8 @@ class IOConfig:
                 raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.retries < 0:
             raise ConfigError(f"IOConfig.retries must be >= 0, got {self.retries}")
+        if self.copy_threads is not None and self.copy_threads < 1:
+            raise ConfigError(f"IOConfig.copy_threads must be at least 1, got {self.copy_threads}")
         if not 0 <= self.background_nice <= 19:
             raise ConfigError(f"IOConfig.background_nice must be 0-19, got {self.background_nice}")
 
