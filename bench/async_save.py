@@ -19,7 +19,11 @@ repetition, all in the same process:
   by every save (its staging storages are cached across saves);
 - ``DCP-thread``: ``dcp.async_save`` without a stager (the call stages, then returns);
 - ``DCP-proc``: ``dcp.async_save(async_checkpointer_type=PROCESS)`` with a reused shared-memory
-  ``DefaultStager``.
+  ``DefaultStager``;
+- ``plain-write``: no checkpointer, the floor of the background write: a thread at nice 10 (as
+  ckptfs's writers) writes the tensors' bytes into one file with ``os.write`` and fsyncs it
+  (staged at once: it copies nothing). Its slowdown is what writing these bytes through the
+  page cache costs the loop by itself (kernel copies, write-back, memory bandwidth).
 
 Each repetition first measures the floor three times: ``copy_`` of every local tensor into
 buffers allocated beforehand, with 1 torch thread and with all of them (median over all); and
@@ -261,11 +265,37 @@ class Dcp:
             self.stager.close()
 
 
-def make_checkpointers(names: list[str], world: int) -> list[Any]:
+class PlainWrite:
+    """The write floor as a background job (see the module docstring)."""
+
+    name = "plain-write"
+
+    def __init__(self, srcs: list[torch.Tensor]) -> None:
+        self.srcs = srcs
+
+    def start(self, sd: dict[str, Any], path: str) -> Waits:
+        from ckptfs.io.local_store import lower_priority
+
+        def go() -> None:
+            lower_priority(ckptfs.IOConfig().background_nice)
+            os.makedirs(path, exist_ok=True)
+            write_floor(self.srcs, os.path.join(path, "plain.bin"))
+
+        t = threading.Thread(target=go, name="plainWrite")
+        t.start()
+        return (lambda: None), t.join
+
+    def close(self) -> None:
+        pass
+
+
+def make_checkpointers(names: list[str], world: int, srcs: list[torch.Tensor]) -> list[Any]:
     out: list[Any] = []
     for n in names:
         if n in ("ckptfs", "ckptfs-gil", "ckptfs-nice0", "ckptfs-copy1"):
             out.append(Ckptfs(n))
+        elif n == "plain-write":
+            out.append(PlainWrite(srcs))
         elif n == "ckptfs-proc":
             if world == 1:
                 out.append(CkptfsProcess())
@@ -313,7 +343,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     srcs = local_tensors(sd)
     bufs = [torch.empty_like(t) for t in srcs]
     floor(srcs, bufs, 1)  # fault the floor's buffers in
-    cks = make_checkpointers(cfg["libs"], world)
+    cks = make_checkpointers(cfg["libs"], world, srcs)
     trainer = Trainer()
     torch.set_num_threads(1)  # the training loop's setting, for every checkpointer alike
     trainer.run(lambda: True, 20)  # warm
@@ -484,7 +514,7 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
 
 
 ALL_LIBS = ["ckptfs", "ckptfs-nice0", "ckptfs-copy1", "ckptfs-gil", "ckptfs-proc", "DCP-stager",
-            "DCP-thread", "DCP-proc"]
+            "DCP-thread", "DCP-proc", "plain-write"]
 
 
 def main(argv: list[str] | None = None) -> int:
