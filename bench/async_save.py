@@ -7,6 +7,8 @@ repetition, all in the same process:
 - ``ckptfs``: ``ckptfs.async_save`` (background thread, reused staging buffers, the default
   ``IOConfig.background_nice`` of 10: checksums and writes at nice 10 once staged);
 - ``ckptfs-nice0``: the same with ``background_nice=0`` (the caller's priority throughout);
+- ``ckptfs-copy1``: the default, but staging copies on one thread (``copy_threads=1``; the
+  default cuts large copies into pieces over min(4, CPUs) threads);
 - ``ckptfs-gil``: ``background_nice=0`` and the chunk checksums computed as before this option
   existed (google_crc32c in 1 MiB pieces holding the GIL, ``time.sleep(0)`` between them)
   instead of libcrc32c without the GIL;
@@ -17,10 +19,16 @@ repetition, all in the same process:
   by every save (its staging storages are cached across saves);
 - ``DCP-thread``: ``dcp.async_save`` without a stager (the call stages, then returns);
 - ``DCP-proc``: ``dcp.async_save(async_checkpointer_type=PROCESS)`` with a reused shared-memory
-  ``DefaultStager``.
+  ``DefaultStager``;
+- ``plain-write``: no checkpointer, the floor of the background write: a thread at nice 10 (as
+  ckptfs's writers) writes the tensors' bytes into one file with ``os.write`` and fsyncs it
+  (staged at once: it copies nothing). Its slowdown is what writing these bytes through the
+  page cache costs the loop by itself (kernel copies, write-back, memory bandwidth).
 
 Each repetition first measures the floor three times: ``copy_`` of every local tensor into
-buffers allocated beforehand, with 1 torch thread and with all of them (median over all). Then
+buffers allocated beforehand, with 1 torch thread and with all of them (median over all); and
+the write floor once: plain ``os.write`` of every local tensor into one file, then ``fsync``
+(what a save must at least do to be durable; time-to-done is also shown as a multiple of it). Then
 each checkpointer saves twice: once idle (time-to-staged, time-to-done), once with a training
 loop running (a CPU matmul step on 1 torch thread). The slowdown compares the loop's median step
 time while the save writes in the background (from ``staged`` to ``done``) with its median step
@@ -139,7 +147,8 @@ class Ckptfs:
 
         self.name = name
         self.nogil = checksum._extend_nogil if name != "ckptfs-gil" else None
-        self.io_config = None if name == "ckptfs" else ckptfs.IOConfig(background_nice=0)
+        self.io_config = {"ckptfs": None, "ckptfs-copy1": ckptfs.IOConfig(copy_threads=1)}.get(
+            name, ckptfs.IOConfig(background_nice=0))
 
     def start(self, sd: dict[str, Any], path: str) -> Waits:
         from ckptfs.layout import checksum
@@ -256,11 +265,37 @@ class Dcp:
             self.stager.close()
 
 
-def make_checkpointers(names: list[str], world: int) -> list[Any]:
+class PlainWrite:
+    """The write floor as a background job (see the module docstring)."""
+
+    name = "plain-write"
+
+    def __init__(self, srcs: list[torch.Tensor]) -> None:
+        self.srcs = srcs
+
+    def start(self, sd: dict[str, Any], path: str) -> Waits:
+        from ckptfs.io.local_store import lower_priority
+
+        def go() -> None:
+            lower_priority(ckptfs.IOConfig().background_nice)
+            os.makedirs(path, exist_ok=True)
+            write_floor(self.srcs, os.path.join(path, "plain.bin"))
+
+        t = threading.Thread(target=go, name="plainWrite")
+        t.start()
+        return (lambda: None), t.join
+
+    def close(self) -> None:
+        pass
+
+
+def make_checkpointers(names: list[str], world: int, srcs: list[torch.Tensor]) -> list[Any]:
     out: list[Any] = []
     for n in names:
-        if n in ("ckptfs", "ckptfs-gil", "ckptfs-nice0"):
+        if n in ("ckptfs", "ckptfs-gil", "ckptfs-nice0", "ckptfs-copy1"):
             out.append(Ckptfs(n))
+        elif n == "plain-write":
+            out.append(PlainWrite(srcs))
         elif n == "ckptfs-proc":
             if world == 1:
                 out.append(CkptfsProcess())
@@ -282,6 +317,24 @@ def floor(srcs: list[torch.Tensor], bufs: list[torch.Tensor], threads: int) -> f
         torch.set_num_threads(before)
 
 
+def write_floor(srcs: list[torch.Tensor], path: str) -> float:
+    """Seconds to write every tensor's bytes into one new file with ``os.write``, then fsync."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in srcs:
+            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            done = 0
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    took = time.perf_counter() - t0
+    os.unlink(path)
+    return took
+
+
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
@@ -290,7 +343,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     srcs = local_tensors(sd)
     bufs = [torch.empty_like(t) for t in srcs]
     floor(srcs, bufs, 1)  # fault the floor's buffers in
-    cks = make_checkpointers(cfg["libs"], world)
+    cks = make_checkpointers(cfg["libs"], world, srcs)
     trainer = Trainer()
     torch.set_num_threads(1)  # the training loop's setting, for every checkpointer alike
     trainer.run(lambda: True, 20)  # warm
@@ -344,6 +397,11 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         for _ in range(3):
             record(lib="floor", rep=rep, floor_1=floor(srcs, bufs, 1),
                    floor_n=floor(srcs, bufs, threads), threads=threads)
+        dist.barrier()
+        record(lib="write_floor", rep=rep,
+               write=write_floor(srcs, os.path.join(cfg["root"], f"floor-{rank}.bin")))
+        trim()
+        dist.barrier()
         k = rep % len(cks)
         for ck in cks[k:] + cks[:k]:
             one_save(ck, rep, train=False)
@@ -360,13 +418,16 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
 # -- the report -----------------------------------------------------------------------------------
 def summarize(records: list[dict[str, Any]], state_bytes: int) -> dict[str, Any]:
     floors = [r for r in records if r["lib"] == "floor"]
+    writes = [r["write"] for r in records if r["lib"] == "write_floor"]
     out: dict[str, Any] = {
         "floor_1": statistics.median(r["floor_1"] for r in floors),
         "floor_n": statistics.median(r["floor_n"] for r in floors),
+        "write_floor": statistics.median(writes) if writes else None,
+        "write_floor_range": [min(writes), max(writes)] if writes else None,
         "threads": floors[0]["threads"], "libs": {}}
     by_lib: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
-        if r["lib"] != "floor":
+        if r["lib"] not in ("floor", "write_floor"):
             by_lib[r["lib"]].append(r)
     for lib, rs in by_lib.items():
         rs.sort(key=lambda r: r["save"])
@@ -398,15 +459,21 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
     lines = ["", f"state {state_bytes / 1e6:.0f} MB fp32 per rank; load average at start "
              f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}",
              f"copy_ floor (buffers allocated beforehand): {f1:.3f} s on 1 thread, "
-             f"{fn:.3f} s on {s['threads']} threads", ""]
+             f"{fn:.3f} s on {s['threads']} threads"]
+    wf = s.get("write_floor")
+    if wf:
+        lines.append(f"write floor (os.write of the same bytes into one file + fsync): {wf:.2f} s "
+                     f"(range {s['write_floor_range'][0]:.2f}-{s['write_floor_range'][1]:.2f})")
+    lines.append("")
     head = ["checkpointer", "first staged", "first done", "call", "staged", "staged range",
-            "done", "done range", "slowdown", "slowdown mean", "RSS added"]
+            "done", "done range", "done/write floor", "slowdown", "slowdown mean", "RSS added"]
     rows = []
     for lib, m in libs.items():
         rows.append([lib, f"{m['first']['staged']:.3f}", f"{m['first']['done']:.2f}",
                      f"{m['call']:.3f}", f"{m['staged']:.3f}",
                      f"{m['staged_range'][0]:.3f}-{m['staged_range'][1]:.3f}",
                      f"{m['done']:.2f}", f"{m['done_range'][0]:.2f}-{m['done_range'][1]:.2f}",
+                     f"{m['done'] / wf:.2f}x" if wf else "-",
                      "-" if m["slowdown"] is None else f"{100 * m['slowdown']:+.1f}%",
                      "-" if m["slowdown_mean"] is None else f"{100 * m['slowdown_mean']:+.1f}%",
                      f"{m['rss_growth'] / 2**20:+.1f} MiB ({m['saves'] - 1} saves)"])
@@ -425,9 +492,15 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
                               TARGETS["staged_vs_dcp"]))
         lines.append(line("time-to-staged / 1-thread copy_ floor", ours["staged"] / f1,
                           TARGETS["staged_vs_floor"]))
+        lines.append(f"  (time-to-staged / {s['threads']}-thread copy_ floor: "
+                     f"{ours['staged'] / fn:.2f}x)")
         if dcp:
             lines.append(line("time-to-done / DCP-stager's", ours["done"] / dcp["done"],
                               TARGETS["done_vs_dcp"]))
+        if wf:
+            lines.append(f"  (time-to-done / write floor: {ours['done'] / wf:.2f}x; "
+                         f"DCP-stager's: {dcp['done'] / wf:.2f}x)" if dcp else
+                         f"  (time-to-done / write floor: {ours['done'] / wf:.2f}x)")
         if ours["slowdown"] is not None:
             lines.append(line("training-loop slowdown (median step)", ours["slowdown"],
                               TARGETS["slowdown"], "{:.1%}"))
@@ -440,7 +513,8 @@ def render(s: dict[str, Any], state_bytes: int, load: tuple[float, ...]) -> str:
 
 
 
-ALL_LIBS = ["ckptfs", "ckptfs-nice0", "ckptfs-gil", "ckptfs-proc", "DCP-stager", "DCP-thread", "DCP-proc"]
+ALL_LIBS = ["ckptfs", "ckptfs-nice0", "ckptfs-copy1", "ckptfs-gil", "ckptfs-proc", "DCP-stager",
+            "DCP-thread", "DCP-proc", "plain-write"]
 
 
 def main(argv: list[str] | None = None) -> int:

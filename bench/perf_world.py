@@ -9,7 +9,8 @@ measurement to the results file. Before anything is timed, each library saves an
 state once (its imports and first-call set-up are not measured). Every load is verified
 bit-exact against the expected shards (the targets are zeroed first, outside the timing).
 
-Worlds: 2 saves (W1, W5) and loads 2->2 (W1), warm (W6) and 10% of the keys (W3); 1 saves and
+Worlds: 2 saves (W1, W5) and loads 2->2 (W1), warm (W6) and 10% of the keys (W3, with a floor of
+its own: the cold read of only those keys' local bytes); 1 saves and
 loads 1->1 (W1, W5, W6), loads 2->1 (W2) and the 20,000 small tensors (W4); 3 loads 2->3 (W2).
 """
 
@@ -156,6 +157,16 @@ class World:
                 for kind, s in secs.items():
                     self.emit(case=f"floor {kind}", lib=f"floor x{threads}", kind=f"floor-{kind}",
                               threads=threads, seconds=s, bytes=total)
+            if w == SOURCE:  # W3's own floor: the cold read of only the bytes it loads
+                keys = set(subset_keys(list(target)))
+                part = [k for k in target if k in keys]
+                nbytes = sum(s.nbytes for s in specs if s.key in keys)
+                for threads in cfg["floor_threads"]:
+                    secs = floors.measure([_local(expected[k]) for k in part],
+                                          [_local(target[k]) for k in part],
+                                          folder + "-w3", rank, threads, cfg["drop"])
+                    self.emit(case="floor w3cold", lib=f"floor x{threads}", kind="floor-w3cold",
+                              threads=threads, seconds=secs["cold"], bytes=nbytes)
         root = cfg["root"]
         if saves:
             for ck in self.libs:

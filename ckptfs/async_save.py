@@ -79,10 +79,13 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         pool = background.staging_pool(staging_allocator(state_dict))
         held = [state_dict]  # let go of the caller's tensors once staged
 
+        cfg = io_config or IOConfig()
+
         def job(on_copied: Callable[[], None]) -> SaveResult:
             with public_errors(url):
-                staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied)
-                lower_priority((io_config or IOConfig()).background_nice)  # the caller goes on
+                staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
+                               threads=cfg.copy_threads)
+                lower_priority(cfg.background_nice)  # the caller goes on
                 try:
                     return write_and_commit(staged, be, url, comm, storage_options=storage_options,
                                             io_config=io_config, overwrite=overwrite,

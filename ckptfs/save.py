@@ -76,7 +76,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         be = make_backend(backend, backend_version, backend_options)
         # staging copies only what is not CPU-contiguous (unbounded); pinned for CUDA sources
         pool = BufferPool(staging_allocator(state_dict))
-        staged = stage(state_dict, comm, be, pool, copy=False)
+        staged = stage(state_dict, comm, be, pool, copy=False,
+                       threads=(io_config or IOConfig()).copy_threads)
         try:
             return write_and_commit(staged, be, url, comm, storage_options=storage_options,
                                     io_config=io_config, overwrite=overwrite, progress=progress,

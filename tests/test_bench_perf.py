@@ -34,7 +34,8 @@ def test_perf_tiny(tmp_path, capsys):
     for r in floor_recs:
         assert r["seconds"] > 0
         measured[f"{r['world']}:{r['kind'][6:]}"] = r["bytes"] / r["seconds"] / 1e9
-    assert set(measured) == {f"{w}:{k}" for w in (1, 2, 3) for k in ("write", "cold", "warm", "copy")}
+    assert set(measured) == {f"{w}:{k}" for w in (1, 2, 3)
+                             for k in ("write", "cold", "warm", "copy")} | {"2:w3cold"}
     assert res["floors"] == pytest.approx(measured)
     want_floor = {"save": "write", "cold": "cold", "warm": "warm"}
     for c in res["cases"]:
@@ -42,7 +43,8 @@ def test_perf_tiny(tmp_path, capsys):
         assert len(rec) == 1
         assert ("bad" in rec[0]) == (c["kind"] != "save") and not rec[0].get("bad"), rec
         assert c["seconds"] == rec[0]["seconds"]
-        floor = measured[f"{c['world']}:{want_floor[c['kind']]}"]
+        kind = "w3cold" if c["case"].startswith("W3") else want_floor[c["kind"]]
+        floor = measured[f"{c['world']}:{kind}"]
         assert c["fraction"] == pytest.approx(c["bytes"] / c["seconds"] / 1e9 / floor), c
         if c["case"].startswith("W1 save"):
             assert c["peak_rss"] >= 0 and c["local_bytes"] > 0
@@ -51,3 +53,5 @@ def test_perf_tiny(tmp_path, capsys):
         assert case in report
     targets = [ln for ln in report.splitlines() if ln.startswith("  ckptfs[")]
     assert len(targets) == 8 and all(ln.endswith(("-> met", "-> NOT met")) for ln in targets), targets
+    (w3,) = [ln for ln in targets if "W3" in ln]
+    assert "cold-read floor would be" in w3, w3

@@ -200,3 +200,56 @@ def test_put_writes_parts_and_put_if_absent_is_create_only(tmp_path):
     assert (tmp_path / "a/b/c.bin").read_bytes() == b"".join(parts)
     assert (tmp_path / "idx").read_bytes() == b"1"
     assert listing == ["a/b/c.bin", "idx"]
+
+
+def test_a_load_reads_each_stream_front_to_back(tmp_path, monkeypatch):
+    """``IOConfig.read_streams``: a load from a local store reads a file as that many runs, each
+    one ``read_into`` at a time in file order (without a preference: every wave at once); a
+    file cut short mid-run is an IntegrityError naming it, and the other runs stop."""
+    import pytest
+    import torch
+
+    import ckptfs
+    from ckptfs.engine import read as engine_read
+
+    monkeypatch.setattr(engine_read, "_WAVE", 64 << 10)  # ~80 waves from 5 MB
+    state = {"w": torch.randn(1 << 20), "v": torch.randn(300_000)}
+    ckptfs.save(state, tmp_path / "ck")
+    calls: list[int] = []
+    live, peak = [0], [0]
+    real = local_store.LocalStore.read_into
+
+    async def recording(self, path, reads):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        calls.append(min(r.start for r in reads))
+        try:
+            await real(self, path, reads)
+        finally:
+            live[0] -= 1
+
+    monkeypatch.setattr(local_store.LocalStore, "read_into", recording)
+
+    def load(streams: int) -> list[int]:
+        calls.clear()
+        peak[0] = 0
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        ckptfs.load(target, tmp_path / "ck", io_config=IOConfig(read_streams=streams))
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        return list(calls)
+
+    one = load(1)
+    assert len(one) > 40 and one == sorted(one) and peak[0] == 1
+    load(3)
+    assert peak[0] == 3
+    load(10**6)
+    assert peak[0] > 10
+
+    data = next((tmp_path / "ck" / "data").rglob("*.*"))
+    with open(data, "r+b") as f:
+        f.truncate(3 << 20)
+    with pytest.raises(ckptfs.IntegrityError, match="truncated"):
+        load(3)
+    assert live[0] == 0
+    with pytest.raises(ckptfs.ConfigError, match="read_streams"):
+        IOConfig(read_streams=0)

@@ -141,15 +141,30 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
                 encoded.append((job, piece, src))
     limit = pool.budget.limit
 
-    async def run_wave(path: str, wave: _FileWork) -> None:
+    async def read_wave(path: str, wave: _FileWork) -> None:
         try:
             await store.read_into(path, wave.reads)
         except FileNotFoundError as e:
             raise _damaged(path, keys_of[path], f"the data file is missing ({e})") from None
         except EOFError as e:
             raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
-        if wave.after:
-            await _run_after(wave.after)
+
+    async def run_stream(path: str, waves: list[_FileWork]) -> None:
+        """Read ``waves`` one after the other; each wave's checks and copies run while the
+        next waves are read."""
+        afters: list[asyncio.Future[None]] = []
+        try:
+            for wave in waves:
+                await read_wave(path, wave)
+                if wave.after:
+                    afters.append(asyncio.ensure_future(_run_after(wave.after)))
+        except BaseException:
+            for a in afters:
+                a.cancel()
+            if afters:
+                await asyncio.wait(afters)  # nothing copies out of the lease once it is back
+            raise
+        await gather_all(*afters)
 
     async def run_file(path: str, planned: list[_Planned], via: Ring | None = None) -> None:
         for cost, batch in _batches(planned, limit if via is None else via.slot_bytes):
@@ -166,7 +181,8 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
                     materialize(waves[-1], scratch[pos : pos + c])
                     size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
                     pos += c
-                await gather_all(*(run_wave(path, w) for w in waves))
+                await gather_all(*(run_stream(path, s)
+                                   for s in _streams(waves, store.read_streams(path))))
             finally:
                 if via is None:
                     await pool.release(lease)
@@ -210,6 +226,16 @@ def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
     for n in shape:
         itemsize *= n
     return itemsize
+
+
+def _streams(waves: list[_FileWork], streams: int | None) -> list[list[_FileWork]]:
+    """``waves`` (in file order) as ``streams`` runs of consecutive waves, each read in order;
+    one wave per run when the store has no preference."""
+    if streams is None or len(waves) <= streams:
+        return [[w] for w in waves]
+    waves = sorted(waves, key=lambda w: min((r.start for r in w.reads), default=0))
+    n = len(waves)
+    return [waves[i * n // streams : (i + 1) * n // streams] for i in range(streams)]
 
 
 def _batches(planned: list[_Planned], budget: int | None):

@@ -18,8 +18,9 @@ Then each rank takes the bytes of the chunks it writes: with ``copy=True`` into 
 from the pool (the caller may change its tensors as soon as ``stage`` returns: what an
 asynchronous save needs), with ``copy=False`` as zero-copy views where the data is CPU and
 contiguous (a synchronous save, whose caller waits), copying only what must be (non-contiguous
-or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a staging buffer; CUDA
-data is copied there by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
+or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a staging buffer: CPU
+data by ``copies.copy_all`` (large tensors in pieces over a few threads), CUDA
+data by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
 queued on a side stream and waited for once. The CUDA copy is UNTESTED (no GPU machine was
 available; README, GPU). Each rank also checksums the slices of plain tensors that another rank
 writes, so the coordinator can tell replicas that differ (commit.py): with ``copy=True`` here,
@@ -44,6 +45,7 @@ import torch
 
 from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
+from ckptfs.engine.copies import copy_all, copy_threads
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -162,21 +164,23 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
 
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
           copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
-          on_copied: Callable[[], None] | None = None) -> StagedSave:
+          on_copied: Callable[[], None] | None = None,
+          threads: int | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
     called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
-    asynchronous save resolves its ``staged`` future there). The garbage collector is paused
+    asynchronous save resolves its ``staged`` future there). ``threads``: the threads copying
+    CPU data (``IOConfig.copy_threads``; engine/copies.py). The garbage collector is paused
     meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py)."""
     with paused_gc():
         return _stage(state_dict, comm, backend, pool, copy=copy, cache=cache,
-                      min_slice=min_slice, on_copied=on_copied)
+                      min_slice=min_slice, on_copied=on_copied, threads=threads)
 
 
 def _stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
            copy: bool, cache: PlanCache, min_slice: int | None,
-           on_copied: Callable[[], None] | None) -> StagedSave:
+           on_copied: Callable[[], None] | None, threads: int | None) -> StagedSave:
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     what = "save: describing the state dict"
@@ -229,7 +233,7 @@ def _stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Bu
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
     def take() -> None:
-        taken.append(_take(views, shards, pool, copy))
+        taken.append(_take(views, shards, pool, copy, copy_threads(threads)))
         if on_copied is not None:
             on_copied()
 
@@ -365,10 +369,10 @@ def _needs_copy(data: torch.Tensor) -> bool:
     return data.device.type != "cpu" or not data.is_contiguous()
 
 
-def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
-          copy: bool) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
+def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy: bool,
+          threads: int) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """ChunkData for every view: copied into leased buffers (all of them with ``copy``,
-    otherwise only those that are not CPU and contiguous)."""
+    otherwise only those that are not CPU and contiguous); CPU copies on ``threads`` threads."""
     sizes = [data.numel() * data.element_size() if copy or _needs_copy(data) else -1
              for *_, data in views]
     wanted = [n for n in sizes if n > 0]
@@ -376,13 +380,15 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
     got = iter(leases)
     d2h = DeviceToHost() if any(v[-1].device.type == "cuda" for v in views) else None
     chunks: list[ChunkData] = []
+    on_host: list[tuple[torch.Tensor, torch.Tensor]] = []  #: (buffer, source) of CPU data
     try:
         for (key, shape, box, data), n in zip(views, sizes, strict=True):
             if n > 0:
-                data = copy_chunk(data, next(got), d2h)
+                data = copy_chunk(data, next(got), d2h, on_host)
             elif n == 0:
                 data = torch.empty(data.shape, dtype=data.dtype)
             chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
+        copy_all(on_host, threads)
         if d2h is not None:
             d2h.wait()  # the bytes are on the host before anyone reads them (or ``staged``)
     except BaseException:
@@ -393,12 +399,16 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
     return tuple(chunks), tuple(leases)
 
 
-def copy_chunk(data: torch.Tensor, lease: Lease, d2h: DeviceToHost | None = None) -> torch.Tensor:
+def copy_chunk(data: torch.Tensor, lease: Lease, d2h: DeviceToHost | None = None,
+               on_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """``data`` copied into ``lease``'s buffer, as a tensor of its dtype and shape (CUDA data
-    by ``d2h``, complete only after ``d2h.wait()``)."""
+    by ``d2h``, complete only after ``d2h.wait()``; CPU data, with ``on_host``, only queued
+    there as (buffer, source) for ``copies.copy_all``)."""
     buf = lease.tensor.view(data.dtype).view(data.shape)
     if d2h is not None and data.device.type == "cuda":
         d2h.copy(buf, data)
+    elif on_host is not None and data.device.type == "cpu":
+        on_host.append((buf, data))
     else:
         buf.copy_(data)
     return buf

@@ -42,6 +42,9 @@ class LocalStore(Store):
     def _p(self, path: str) -> str:
         return os.path.join(self.root, *inside_root(path, self.root).split("/"))
 
+    def read_streams(self, path: str) -> int | None:
+        return self.config.read_streams
+
     def local_path(self, path: str) -> str:
         """The filesystem path of ``path`` (for zero-copy maps of a file, io/copy.py)."""
         return self._p(path)
@@ -74,8 +77,9 @@ class LocalStore(Store):
 
     async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
         """preadv straight into the destinations. Coalesced spans are cut into pieces of at most
-        ``read_piece`` bytes that run in parallel threads (cold reads scale with queue depth);
-        gap bytes go to scratch buffers."""
+        32 MiB that run in parallel threads; gap bytes go to scratch buffers. (The engine keeps
+        each of its ``read_streams`` to one such call at a time: runs read in order go faster
+        cold than the same pieces in any order.)"""
         groups = coalesce(reads, self.config.max_gap, self.config.max_span)
         full = self.full_path(path)
         tasks: list[tuple[int, list[memoryview]]] = []
@@ -354,7 +358,9 @@ def _write_all(fd: int, bufs: list[memoryview]) -> int:
     return total
 
 
-_READ_PIECE = 8 << 20
+#: largest preadv of a coalesced span; the engine's waves are this size, so each of its read
+#: streams issues one request at a time (bigger sequential requests read faster cold)
+_READ_PIECE = 32 << 20
 _ALIGN = 4096  #: O_DIRECT offsets, lengths and buffers are multiples of this (a page)
 
 

@@ -33,6 +33,9 @@ class PrefixedStore(Store):
     def budget(self):  # type: ignore[override]
         return self.base.budget
 
+    def read_streams(self, path: str) -> int | None:
+        return self.base.read_streams(self._p(path))
+
     def full_path(self, path: str) -> str:
         return self.base.full_path(self._p(path))
 

@@ -29,6 +29,9 @@ class RoutedStore(Store):
     def full_path(self, path: str) -> str:
         return self._for(path).full_path(path)
 
+    def read_streams(self, path: str) -> int | None:
+        return self._for(path).read_streams(path)
+
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         return await self._for(path).get_range(path, start, end)
 

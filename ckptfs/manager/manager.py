@@ -182,7 +182,8 @@ class CheckpointManager:
 
             def job(on_copied: Callable[[], None]) -> SaveResult:
                 with public_errors(url):
-                    staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied)
+                    staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
+                                   threads=(io or IOConfig()).copy_threads)
                     done: list[bool] = []
 
                     def give_back() -> None:
