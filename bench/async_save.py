@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 import ckptfs
+from bench.floors import write_fsync
 from bench.run import table
 from ckptfs.testing.ranks import run_ranks
 
@@ -320,16 +321,7 @@ def floor(srcs: list[torch.Tensor], bufs: list[torch.Tensor], threads: int) -> f
 def write_floor(srcs: list[torch.Tensor], path: str) -> float:
     """Seconds to write every tensor's bytes into one new file with ``os.write``, then fsync."""
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for t in srcs:
-            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            done = 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_fsync(path, srcs)
     took = time.perf_counter() - t0
     os.unlink(path)
     return took

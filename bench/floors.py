@@ -61,6 +61,20 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
+def write_fsync(path: str, tensors: list[torch.Tensor]) -> None:
+    """Write every tensor's bytes into a new file ``path`` with ``os.write``, then ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            mv = _bytes_of(t)
+            done = 0
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def measure(sources: list[torch.Tensor], targets: list[torch.Tensor], folder: str, rank: int,
             threads: int, drop: bool) -> dict[str, float]:
     """Seconds of each floor kind for this world (every rank calls it; same on every rank)."""
@@ -70,16 +84,7 @@ def measure(sources: list[torch.Tensor], targets: list[torch.Tensor], folder: st
     paths = [os.path.join(folder, f"floor-r{rank}-t{i}.bin") for i in range(len(groups))]
 
     def write(path: str, idx: list[int]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for i in idx:
-                mv = _bytes_of(sources[i])
-                done = 0
-                while done < len(mv):
-                    done += os.write(fd, mv[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_fsync(path, [sources[i] for i in idx])
 
     def read(path: str, idx: list[int]) -> None:
         with open(path, "rb", buffering=0) as f:

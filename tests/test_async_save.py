@@ -5,6 +5,7 @@ plain subprocess that exits with a save in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -61,6 +62,27 @@ class PausingInCommit(SafetensorsChunksBackend):
             raise TimeoutError("the foreground never let the commit go on")
         return super().index_options()
 
+
+
+@contextlib.contextmanager
+def spied_copies(piece: int = 4096):
+    """engine/copies.py with pieces of ``piece`` bytes, each copy slowed a little (so that
+    every thread gets some) and recording the threads that ran them: yields that set of names."""
+    from ckptfs.engine import copies
+
+    saved = copies.PIECE, copies._copy
+    by: set[str] = set()
+
+    def spy(buf, src):
+        by.add(threading.current_thread().name)
+        time.sleep(0.002)
+        saved[1](buf, src)
+
+    copies.PIECE, copies._copy = piece, spy
+    try:
+        yield by
+    finally:
+        copies.PIECE, copies._copy = saved
 
 def rss() -> int:
     with open("/proc/self/statm") as f:
@@ -217,19 +239,7 @@ def scenarios(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from ckptfs.engine import copies
-
-    copies.PIECE, piece = 4096, copies.PIECE
-    by: set[str] = set()
-    real_copy = copies._copy
-
-    def spy(buf, src):
-        by.add(threading.current_thread().name)
-        time.sleep(0.002)  # every thread gets pieces, however fast the copies
-        real_copy(buf, src)
-
-    copies._copy = spy
-    try:
+    with spied_copies() as by:
         mesh = init_device_mesh("cpu", (world,))
         g = torch.Generator().manual_seed(8)  # the same on both ranks: replicas agree
         full = {"rows": torch.randn(96, 80, generator=g),
@@ -245,8 +255,6 @@ def scenarios(rank: int, world: int, root: str) -> None:
         for t in (sd["rows"].to_local(), sd["cols"].to_local(), sd["t"], sd["small"]):
             t.fill_(7.0)
         h.result(timeout=60)
-    finally:
-        copies._copy, copies.PIECE = real_copy, piece
     assert any(n.startswith("ckptfsCopy") for n in by), f"the copies ran on {by} only"
     target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in full.items()}
     ckptfs.load(target, f"{root}/threads")
@@ -292,26 +300,19 @@ def test_threaded_copies_are_bit_exact(monkeypatch):
     0-dim sources lands in its buffer; the helpers take part; a failing piece raises."""
     from ckptfs.engine import copies
 
-    monkeypatch.setattr(copies, "PIECE", 4096)
-    by: set[str] = set()
     real_copy = copies._copy
-
-    def spy(buf, src):
-        by.add(threading.current_thread().name)
-        time.sleep(0.002)  # every thread gets pieces, however fast the copies
-        real_copy(buf, src)
-
-    monkeypatch.setattr(copies, "_copy", spy)
     g = torch.Generator().manual_seed(0)
     srcs = [torch.randn(1000, 33, generator=g), torch.randn(77, 129, generator=g).bfloat16(),
             torch.randn(300, 50, generator=g).t(), torch.randn(50, 40, 9, generator=g)[:, ::2],
             torch.randn(5, generator=g), torch.tensor(3.5), torch.empty(0, 4),
             torch.randint(0, 255, (40001,), dtype=torch.uint8, generator=g)]
     bufs = [torch.full(s.shape, -1).to(s.dtype) for s in srcs]
-    copies.copy_all(list(zip(bufs, srcs, strict=True)), 3)
+    with spied_copies() as by:
+        copies.copy_all(list(zip(bufs, srcs, strict=True)), 3)
     for b, s in zip(bufs, srcs, strict=True):
         assert torch.equal(b.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
     assert len(by) >= 2, f"the copies ran on {by} only"
+    monkeypatch.setattr(copies, "PIECE", 4096)
 
     def broken(buf, src):
         if src.data_ptr() == srcs[0].data_ptr() + 8192:
