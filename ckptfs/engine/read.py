@@ -36,7 +36,7 @@ from ckptfs.engine.ring import Completion, Ring, cuda_ring
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
 from ckptfs.io.store import Store
-from ckptfs.io.tasks import gather_all
+from ckptfs.io.tasks import gather_all, settled
 from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import RunningChecksum, checksum, combine, crc_of, render
@@ -214,12 +214,7 @@ def _run_all(fns: list[Callable[[], None]]) -> None:
 async def _run_after(fns: list[Callable[[], None]]) -> None:
     """Run ``fns`` in a worker thread; if cancelled, still wait for the thread, so that nothing
     copies out of a buffer after it was given back."""
-    fut = asyncio.get_running_loop().run_in_executor(None, _run_all, fns)
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait([fut])
-        raise
+    await settled(asyncio.get_running_loop().run_in_executor(None, _run_all, fns))
 
 
 def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:

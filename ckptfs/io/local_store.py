@@ -26,6 +26,7 @@ import numpy as np
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.store import Buffer, IOConfig, Store, inside_root
+from ckptfs.io.tasks import settled
 
 
 class LocalStore(Store):
@@ -100,7 +101,7 @@ class LocalStore(Store):
             async with self.semaphore:
                 return await asyncio.to_thread(work, offset, bufs)
 
-        got = await _settled(asyncio.gather(*(one(o, b) for o, b in tasks),
+        got = await settled(asyncio.gather(*(one(o, b) for o, b in tasks),
                                             return_exceptions=True))
         for g in got:
             if isinstance(g, BaseException):
@@ -114,7 +115,7 @@ class LocalStore(Store):
                 return sum(r.dest.nbytes for r in overlapping)
 
             fut = asyncio.ensure_future(asyncio.to_thread(rest))
-            self.stats.add_read(await _settled(fut), len(overlapping))
+            self.stats.add_read(await settled(fut), len(overlapping))
 
     def _read_direct(self, path: str, bufs: list[memoryview], offset: int, full: str) -> int | None:
         """Fill ``bufs`` from ``offset`` with O_DIRECT reads of the enclosing aligned range into
@@ -402,17 +403,6 @@ def _cached(fd: int, offset: int, nbytes: int) -> bool:
         return bool((np.frombuffer(vec, dtype=np.uint8) & 1).all())
     finally:
         mu(addr, length)
-
-
-async def _settled(fut: asyncio.Future):
-    """``fut``'s result; if the caller is cancelled, wait for ``fut`` (threads writing into the
-    destinations) before passing the cancellation on, so that no read lands in a buffer after
-    ``read_into`` gave it back (scratch is reused as soon as it returns)."""
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait([fut])
-        raise
 
 
 def _segments(g, overlapping: list[ReadInto]) -> list[memoryview]:

@@ -1,4 +1,5 @@
-"""``gather_all``: asyncio.gather that leaves nothing running behind a failure."""
+"""``gather_all``: asyncio.gather that leaves nothing running behind a failure; ``settled``:
+an await that, when cancelled, still waits for the work it awaited."""
 
 from __future__ import annotations
 
@@ -21,4 +22,15 @@ async def gather_all(*aws: Awaitable[Any]) -> list[Any]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def settled(fut: asyncio.Future[Any]) -> Any:
+    """``fut``'s result; if the caller is cancelled, wait for ``fut`` (threads writing into or
+    copying out of buffers) before passing the cancellation on, so that nothing touches a
+    buffer after its owner gave it back (scratch is reused as soon as the caller returns)."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
         raise
