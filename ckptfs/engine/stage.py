@@ -162,6 +162,7 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
                      _digest(sorted(values.items()), sorted(containers.items()), order))
 
 
+@paused_gc()
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
           copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
           on_copied: Callable[[], None] | None = None,
@@ -173,14 +174,6 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     asynchronous save resolves its ``staged`` future there). ``threads``: the threads copying
     CPU data (``IOConfig.copy_threads``; engine/copies.py). The garbage collector is paused
     meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py)."""
-    with paused_gc():
-        return _stage(state_dict, comm, backend, pool, copy=copy, cache=cache,
-                      min_slice=min_slice, on_copied=on_copied, threads=threads)
-
-
-def _stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
-           copy: bool, cache: PlanCache, min_slice: int | None,
-           on_copied: Callable[[], None] | None, threads: int | None) -> StagedSave:
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     what = "save: describing the state dict"

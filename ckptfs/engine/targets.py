@@ -37,14 +37,10 @@ def _stringified(path: tuple) -> str:
     return encode_key(tuple(str(c) for c in path))
 
 
+@paused_gc()  # many small acyclic objects (layout/nogc.py)
 def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
     """Match ``state_dict`` (this rank's view) against ``index``; raises MismatchError naming
     a key whose shape, dtype or kind (tensor or value) differs."""
-    with paused_gc():  # many small acyclic objects (layout/nogc.py)
-        return _plan_targets(state_dict, index, rank)
-
-
-def _plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
     flat = flatten(state_dict, rank)
     reads: list[TensorRead] = []
     replace: list[tuple[Path, Any]] = []

@@ -82,15 +82,10 @@ def file_sums(files: Sequence[FileWrite],
     return {f.path: (f.nbytes, render(crc_of_parts(f.parts, known))) for f in files}
 
 
+@paused_gc()  # many small acyclic objects (layout/nogc.py)
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                progress: bool) -> WrittenRank:
     """This rank's files; checksums are computed here while the I/O threads write."""
-    with paused_gc():  # many small acyclic objects (layout/nogc.py)
-        return _write_rank(staged, backend, store, save_id, progress)
-
-
-def _write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
-                progress: bool) -> WrittenRank:
     keys = {c.key for c in staged.chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
                        _Some(staged.plans, keys))

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
     """Disable the cyclic collector for the body; re-enable it after if it was enabled (another
-    thread pausing meanwhile sees it disabled and leaves it to this one)."""
+    thread pausing meanwhile sees it disabled and leaves it to this one). Also a decorator of a
+    plain function (``@paused_gc()``), not of a coroutine function."""
     was = gc.isenabled()
     gc.disable()
     try:
