@@ -225,6 +225,39 @@ async def test_load_through_the_ring_is_bit_exact_within_the_ring(saved):
     assert all(any(a <= s.data_ptr() < a + 128 for a in slots) for s in copier.given)
 
 
+class FencedCopier(LateCopier):
+    """Copies late in order (one worker); per-copy completions must not be waited for: the
+    ring asks ``fence()`` once per released buffer, as with CUDA's one event per buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.futures: list = []
+        self.fences = 0
+
+    def __call__(self, dst, src):
+        self.given.append(src)
+        self.futures.append(self.pool.submit(lambda: (time.sleep(0.001), dst.copy_(src))))
+        from ckptfs.engine.ring import _FENCED
+
+        return _FENCED  # raises if waited for
+
+    def fence(self):
+        self.fences += 1
+        upto = list(self.futures)
+        return type("Fence", (), {"wait": lambda self: [f.result() for f in upto]})()
+
+
+async def test_a_copier_with_a_fence_is_waited_for_once_per_buffer(saved):
+    url, sd = saved
+    copier = FencedCopier()
+    ring = Ring(BufferPool(limit=2 * 128), copier, slots=2, slot_bytes=128, device_type="cpu")
+    targets = _targets(sd)
+    await _load(url, targets, ring)
+    for k, (t, box) in targets.items():
+        assert torch.equal(t, sd[k][box.slices()]), k
+    assert ring.reuses > 0 and 0 < copier.fences < len(copier.given)
+
+
 async def test_a_chunk_cut_into_parts_is_still_checked_whole(saved, tmp_path):
     url, sd = saved
     import shutil

@@ -21,7 +21,6 @@ CRCs are combined).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -39,9 +38,9 @@ from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all, settled
 from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import RunningChecksum, checksum, combine, crc_of, render
+from ckptfs.layout.checksum import checksum, combine, crc_of, render
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.geometry import c_strides, region_runs
+from ckptfs.layout.geometry import c_order_cuts, c_strides, region_runs
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.registry import get_backend
@@ -72,6 +71,11 @@ _Planned = tuple[int, Callable[[_FileWork, memoryview], None]]
 
 #: bytes of reads per wave: a wave's checks and copies run while later waves are read
 _WAVE = 32 << 20
+#: bytes of each part of a region read through the ring (at most a slot), and of its waves:
+#: each part is read, checked and copied to the device on its own. Large parts measured fastest
+#: on an H100 host (bench/gpu.py; 4-16 MiB parts were 2-5x slower: each device copy costs
+#: about 0.2 ms to start there), so a slot of the default ring holds one part
+RING_PIECE = 64 << 20
 
 
 def _typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -166,28 +170,49 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             raise
         await gather_all(*afters)
 
-    async def run_file(path: str, planned: list[_Planned], via: Ring | None = None) -> None:
-        for cost, batch in _batches(planned, limit if via is None else via.slot_bytes):
-            lease = await (pool if via is None else via).lease(cost)
-            pending: list[Completion] = []  # copies started out of the lease (ring batches)
-            try:
-                waves = [_FileWork([], [], pending)]
-                scratch, pos, size = lease.view, 0, 0
-                for c, materialize in batch:
-                    if size >= _WAVE:
-                        waves.append(_FileWork([], [], pending))
-                        size = 0
-                    n = len(waves[-1].reads)
-                    materialize(waves[-1], scratch[pos : pos + c])
-                    size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
-                    pos += c
-                await gather_all(*(run_stream(path, s)
-                                   for s in _streams(waves, store.read_streams(path))))
-            finally:
-                if via is None:
-                    await pool.release(lease)
-                else:  # reused once the copies out of it complete
-                    await via.release(lease, pending)
+    async def run_batch(path: str, lease, batch, via: Ring | None) -> None:
+        pending: list[Completion] = []  # copies started out of the lease (ring batches)
+        wave = _WAVE if via is None else RING_PIECE
+        try:
+            waves = [_FileWork([], [], pending)]
+            scratch, pos, size = lease.view, 0, 0
+            for c, materialize in batch:
+                if size >= wave:
+                    waves.append(_FileWork([], [], pending))
+                    size = 0
+                n = len(waves[-1].reads)
+                materialize(waves[-1], scratch[pos : pos + c])
+                size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
+                pos += c
+            await gather_all(*(run_stream(path, s)
+                               for s in _streams(waves, store.read_streams(path))))
+        finally:
+            if via is None:
+                await pool.release(lease)
+            else:  # reused once the copies out of it complete
+                await via.release(lease, pending)
+
+    async def run_file(path: str, planned: list[_Planned]) -> None:
+        for cost, batch in _batches(planned, limit):
+            await run_batch(path, await pool.lease(cost), batch, None)
+
+    async def run_ring_file(path: str, planned: list[_Planned], via: Ring) -> None:
+        """The file's batches in file order, each in a slot of its own as soon as one is free:
+        the reads into one slot overlap the checks and device copies out of the others."""
+        started: list[asyncio.Future[None]] = []
+        try:
+            for cost, batch in _batches(planned, via.slot_bytes):
+                if any(t.done() and not t.cancelled() and t.exception() for t in started):
+                    break  # a batch failed: lease no more (gather_all below raises it)
+                started.append(asyncio.ensure_future(
+                    run_batch(path, await via.lease(cost), batch, via)))
+        except BaseException:
+            for t in started:
+                t.cancel()
+            if started:
+                await asyncio.wait(started)
+            raise
+        await gather_all(*started)
 
     async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
         cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
@@ -195,7 +220,7 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             await _run_encoded(store, job, piece, src, verify)
 
     await gather_all(*(run_file(p, w) for p, w in per_file.items()),  # a failure cancels the rest
-                     *(run_file(p, w, ring) for p, w in ring_file.items()),
+                     *(run_ring_file(p, w, ring) for p, w in ring_file.items()),  # type: ignore[arg-type]
                      *(run_encoded(j, p, s) for j, p, s in encoded),
                      *((direct.run(store, _damaged, keys_of),) if direct is not None else ()))
     return needed
@@ -297,65 +322,31 @@ def _combined_checkers(key: str, chunk: ChunkEntry, file: str, sizes: list[int],
 def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
                itemsize: int, verify: bool, ring: Ring) -> list[_Planned]:
     """``piece`` cut to fit ``ring``'s slots, each part read compact into a slot and copied out
-    by ``ring.copier``; a chunk read whole is checked across its parts."""
-    parts = split_piece(piece, itemsize, ring.slot_bytes)
+    by ``ring.copier``; a chunk read whole is checked across its parts (their CRCs computed in
+    any order, on any thread, and combined by the last)."""
+    parts = split_piece(piece, itemsize, min(ring.slot_bytes, RING_PIECE))
     if len(parts) == 1:
         checks = [_checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)]
     else:
-        checks = _running_checkers(job.entry.key, piece.chunk, src.file, len(parts),
-                                   verify and piece.whole_chunk)
+        checks = _combined_checkers(job.entry.key, piece.chunk, src.file,
+                                    [p.src.volume * itemsize for p in parts],
+                                    verify and piece.whole_chunk)
     return [_plan_raw(job, p, src, dtype, itemsize, 0, c, ring.copier)[0]
             for p, c in zip(parts, checks, strict=True)]
 
 
 def split_piece(piece: ReadPiece, itemsize: int, limit: int) -> list[ReadPiece]:
-    """``piece`` cut into pieces of at most ``limit`` bytes, in the C order of its region: the
-    first dimension ``d`` whose rows fit is cut into blocks, the dimensions before it into single
-    indices, those after it stay whole, so the parts' bytes follow the region's C order."""
-    shape = piece.src.shape
-    if _nbytes(shape, itemsize) <= limit:
+    """``piece`` cut into pieces of at most ``limit`` bytes, in the C order of its region
+    (``geometry.c_order_cuts``)."""
+    cuts = c_order_cuts(piece.src.shape, itemsize, limit)
+    if len(cuts) == 1:
         return [piece]
-    if itemsize > limit:
-        raise ValueError(f"a slot of {limit} bytes cannot hold one element of {itemsize} bytes")
-    d = 0
-    while _nbytes(shape[d + 1 :], itemsize) > limit:
-        d += 1
-    row = _nbytes(shape[d + 1 :], itemsize)
-    block = limit // row
-    out: list[ReadPiece] = []
-    for idx in itertools.product(*map(range, shape[:d])):
-        for b in range(0, shape[d], block):
-            off = (*idx, b, *(0,) * (len(shape) - d - 1))
-            sub = (*(1,) * d, min(block, shape[d] - b), *shape[d + 1 :])
-            out.append(ReadPiece(piece.chunk, Box(_add(piece.src.offsets, off), sub),
-                                 Box(_add(piece.dst.offsets, off), sub)))
-    return out
+    return [ReadPiece(piece.chunk, Box(_add(piece.src.offsets, c.offsets), c.shape),
+                      Box(_add(piece.dst.offsets, c.offsets), c.shape)) for c in cuts]
 
 
 def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(x + y for x, y in zip(a, b, strict=True))
-
-
-def _running_checkers(key: str, chunk: ChunkEntry, file: str, n: int,
-                      whole: bool) -> list[Callable[[memoryview | torch.Tensor], None] | None]:
-    """Checks for the ``n`` parts of one chunk, fed in order: the last one compares the crc32c
-    of all their bytes with the index's."""
-    if not (whole and chunk.checksum is not None):
-        return [None] * n
-    want, crc, seen = chunk.checksum, RunningChecksum(), [0]
-
-    def part(i: int) -> Callable[[memoryview | torch.Tensor], None]:
-        def check(data: memoryview | torch.Tensor) -> None:
-            if seen[0] != i:  # parts of a file run in order; anything else is a bug here
-                raise AssertionError(f"chunk part {i} checked after {seen[0]} parts")
-            seen[0] += 1
-            crc.update(tensor_bytes(data) if isinstance(data, torch.Tensor) else data)
-            if i == n - 1 and crc.value != want:
-                raise _mismatch(key, chunk, file, crc.value)
-
-        return check
-
-    return [part(i) for i in range(n)]
 
 
 def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,

@@ -13,8 +13,10 @@ for each region, collecting the completions -> ``await ring.release(lease, compl
 (returns at once; the buffer is reused once they complete) -> ``await ring.close()`` (waits for
 every copy, gives the buffers back to the pool, raises the first copy error).
 
-``CudaCopier`` is the CUDA copy: a ``non_blocking`` copy on a dedicated stream and an event
-recorded after it. It is written but UNTESTED: no GPU machine was available (README, GPU).
+``CudaCopier`` is the CUDA copy: a ``non_blocking`` copy on a dedicated stream per device. A
+copier may offer ``fence()``: a completion of every copy it started so far; the ring then waits
+for one fence per released buffer instead of one completion per copy (on CUDA, one event per
+buffer: creating and recording an event per copy costs more than a small copy).
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ class Ring:
         if not pending:
             await self._put_back(buf)
             return
+        fence = getattr(self.copier, "fence", None)
+        if fence is not None:  # the copies out of the buffer were started before now
+            pending = [fence()]
         task = asyncio.create_task(self._wait_then_put_back(buf, list(pending)))
         self._waiters.add(task)
         task.add_done_callback(self._waiters.discard)
@@ -168,17 +173,17 @@ def _wait_all(pending: Iterable[Completion]) -> None:
 
 
 class CudaCopier:
-    """UNTESTED (no GPU was available): host-to-device copies on a dedicated CUDA stream per
-    target device.
+    """Host-to-device copies on a dedicated CUDA stream per target device.
 
-    Each copy waits for the work already queued on the target device's current stream of the
-    calling thread (the engine's worker threads: the default stream; a target written on a
-    stream of the caller's own must be synchronized before the load), runs
-    ``dst.copy_(src, non_blocking=True)`` on the side stream and records an event. ``src``
-    must be pinned for the copy to be asynchronous. A ``dst`` that is not contiguous gets a
+    A side stream, made at the first copy to its device, first waits for the work already
+    queued on the device's current stream of the engine's worker threads (the default stream;
+    a target written on a stream of the caller's own must be synchronized before the load).
+    Each copy is ``dst.copy_(src, non_blocking=True)`` on it; ``src`` is a view of a pinned
+    ring buffer, so the copy is asynchronous. A ``dst`` that is not contiguous gets a
     device-side temporary of the region's size from torch (a slot at most), never a host copy.
-    ``finish`` makes each current stream wait for its side stream and synchronizes the side
-    streams, so the targets are ready when the load returns.
+    ``fence`` records one event per side stream (the ring asks once per buffer). ``finish``
+    makes each current stream wait for its side stream and synchronizes the side streams, so
+    the targets are ready when the load returns.
     """
 
     def __init__(self) -> None:
@@ -191,12 +196,21 @@ class CudaCopier:
             stream = self.streams.get(device)
             if stream is None:
                 stream = self.streams[device] = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+                stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+        return _FENCED
+
+    def fence(self) -> Completion:
+        """Completes once every copy started so far completed."""
+        with self._lock:
+            streams = list(self.streams.values())
+        events = []
+        for stream in streams:
             event = torch.cuda.Event()
             event.record(stream)
-        return _EventCompletion(event)
+            events.append(event)
+        return _Events(events)
 
     def finish(self) -> None:
         for device, stream in self.streams.items():
@@ -204,14 +218,27 @@ class CudaCopier:
             stream.synchronize()
 
 
-class _EventCompletion:
-    __slots__ = ("event",)
+class _Events:
+    __slots__ = ("events",)
 
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
+    def __init__(self, events: list[torch.cuda.Event]) -> None:
+        self.events = events
 
     def wait(self) -> None:
-        self.event.synchronize()
+        for e in self.events:
+            e.synchronize()
+
+
+class _Fenced:
+    """The completion of a copy whose copier offers ``fence`` (waited for through it)."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        raise RuntimeError("wait for a fenced copy through its copier's fence()")
+
+
+_FENCED = _Fenced()
 
 
 class Done:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -35,3 +36,25 @@ def region_runs(shape: tuple[int, ...], itemsize: int, region: Box) -> tuple[np.
         starts = (idx[:, None] + starts[None, :]).reshape(-1)
     assert starts.size == math.prod(region.shape[:k])
     return starts, run
+
+
+def c_order_cuts(shape: tuple[int, ...], itemsize: int, limit: int) -> list[Box]:
+    """Boxes (relative to a region of ``shape``) of at most ``limit`` bytes each, whose bytes
+    follow the region's C order one after the other: the first dimension ``d`` whose rows fit
+    is cut into blocks, the dimensions before it into single indices, those after it stay
+    whole. A region that fits is one box."""
+    whole = math.prod(shape) * itemsize
+    if whole <= limit or not shape:
+        return [Box((0,) * len(shape), tuple(shape))]
+    if itemsize > limit:
+        raise ValueError(f"a buffer of {limit} bytes cannot hold one element of {itemsize} bytes")
+    d = 0
+    while math.prod(shape[d + 1 :]) * itemsize > limit:
+        d += 1
+    block = limit // (math.prod(shape[d + 1 :]) * itemsize)
+    out: list[Box] = []
+    for idx in itertools.product(*map(range, shape[:d])):
+        for b in range(0, shape[d], block):
+            out.append(Box((*idx, b, *(0,) * (len(shape) - d - 1)),
+                           (*(1,) * d, min(block, shape[d] - b), *shape[d + 1 :])))
+    return out
