@@ -11,10 +11,11 @@ from typing import Any
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.background import wait_idle
-from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
+from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
+from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
 from ckptfs.io import IOConfig, Store, open_store, run_sync
@@ -49,6 +50,15 @@ def make_backend(name: str, version: int | None, options: Mapping[str, Any] | No
     return be
 
 
+def device_parts(state_dict: Mapping[str, Any], be: Backend, cfg: IOConfig) -> DeviceParts | None:
+    """The pinned ring through which a synchronous save streams its CUDA chunks while writing
+    them (``IOConfig.ring_bytes`` in ``ring_slots``); None for a state without CUDA tensors or
+    a backend that needs the chunk bytes themselves (it gets a staged host copy)."""
+    if not be.streams_device_chunks:
+        return None
+    return cuda_device_parts(has_cuda(state_dict), ring_bytes=cfg.ring_bytes, slots=cfg.ring_slots)
+
+
 def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          backend: str = "safetensors_chunks", backend_version: int | None = None,
          backend_options: Mapping[str, Any] | None = None,
@@ -74,16 +84,25 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     with public_errors(url):
         comm = Comm(process_group, timeout=collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
-        # staging copies only what is not CPU-contiguous (unbounded); pinned for CUDA sources
-        pool = BufferPool(staging_allocator(state_dict))
-        staged = stage(state_dict, comm, be, pool, copy=False,
-                       threads=(io_config or IOConfig()).copy_threads)
+        cfg = io_config or IOConfig()
+        # CUDA chunks stream off the device through a pinned ring while they are written
+        # (backends that pass chunk bytes through); staging copies only what is not
+        # CPU-contiguous and not streamed (unbounded; pinned for CUDA sources staged whole)
+        device = device_parts(state_dict, be, cfg)
+        pool = BufferPool(HostAllocator() if device is not None else staging_allocator(state_dict))
         try:
-            return write_and_commit(staged, be, url, comm, storage_options=storage_options,
-                                    io_config=io_config, overwrite=overwrite, progress=progress,
-                                    throttle_uploads=throttle_uploads, started=t0)
+            staged = stage(state_dict, comm, be, pool, copy=False, threads=cfg.copy_threads,
+                           device=device)
+            try:
+                return write_and_commit(staged, be, url, comm, storage_options=storage_options,
+                                        io_config=io_config, overwrite=overwrite,
+                                        progress=progress, throttle_uploads=throttle_uploads,
+                                        started=t0)
+            finally:
+                release(staged, pool)
         finally:
-            release(staged, pool)
+            if device is not None:
+                device.close()
 
 
 def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,

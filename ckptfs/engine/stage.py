@@ -46,6 +46,7 @@ import torch
 from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
 from ckptfs.engine.copies import copy_all, copy_threads
+from ckptfs.engine.device_parts import DeviceParts
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -166,14 +167,16 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
           copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
           on_copied: Callable[[], None] | None = None,
-          threads: int | None = None) -> StagedSave:
+          threads: int | None = None, device: DeviceParts | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
     called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
     asynchronous save resolves its ``staged`` future there). ``threads``: the threads copying
     CPU data (``IOConfig.copy_threads``; engine/copies.py). The garbage collector is paused
-    meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py)."""
+    meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py).
+    ``device`` (a synchronous save, ``copy=False``): the chunks it accepts are not copied but
+    streamed off their device while they are written (engine/device_parts.py)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     what = "save: describing the state dict"
@@ -226,7 +229,8 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
     def take() -> None:
-        taken.append(_take(views, shards, pool, copy, copy_threads(threads)))
+        taken.append(_take(views, shards, pool, copy, copy_threads(threads),
+                           None if copy else device))
         if on_copied is not None:
             on_copied()
 
@@ -363,19 +367,27 @@ def _needs_copy(data: torch.Tensor) -> bool:
 
 
 def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy: bool,
-          threads: int) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
+          threads: int, device: DeviceParts | None = None
+          ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """ChunkData for every view: copied into leased buffers (all of them with ``copy``,
-    otherwise only those that are not CPU and contiguous); CPU copies on ``threads`` threads."""
-    sizes = [data.numel() * data.element_size() if copy or _needs_copy(data) else -1
-             for *_, data in views]
+    otherwise only those that are not CPU and contiguous, and not streamed by ``device``); CPU
+    copies on ``threads`` threads."""
+    streamed = [device is not None and device.accepts(data) for *_, data in views]
+    sizes = [-2 if s else data.numel() * data.element_size() if copy or _needs_copy(data) else -1
+             for s, (*_, data) in zip(streamed, views, strict=True)]
     wanted = [n for n in sizes if n > 0]
     leases = run_sync(_lease_all(pool, wanted)) if wanted else []
     got = iter(leases)
-    d2h = DeviceToHost() if any(v[-1].device.type == "cuda" for v in views) else None
+    d2h = DeviceToHost() if any(n > 0 and v[-1].device.type == "cuda"
+                                for v, n in zip(views, sizes, strict=True)) else None
     chunks: list[ChunkData] = []
     on_host: list[tuple[torch.Tensor, torch.Tensor]] = []  #: (buffer, source) of CPU data
     try:
         for (key, shape, box, data), n in zip(views, sizes, strict=True):
+            if n == -2:
+                chunks.append(ChunkData(key, shards[key].dtype, shape, box, data,
+                                        device.part(data)))  # type: ignore[union-attr]
+                continue
             if n > 0:
                 data = copy_chunk(data, next(got), d2h, on_host)
             elif n == 0:
@@ -433,6 +445,11 @@ def staging_allocator(state_dict: Mapping[str, Any]) -> BufferAllocator:
     """Pinned host memory when the state dict holds CUDA tensors (for asynchronous D2H
     copies), pageable otherwise."""
     return allocator_for(_tensors(state_dict))
+
+
+def has_cuda(state_dict: Mapping[str, Any]) -> bool:
+    """Whether the state dict holds a tensor on a CUDA device."""
+    return any(t.device.type == "cuda" for t in _tensors(state_dict))
 
 
 def _tensors(obj: Any):

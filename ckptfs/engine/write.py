@@ -13,6 +13,7 @@ the index.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,9 @@ from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.io import run_sync
 from ckptfs.io.loop import submit
+from ckptfs.io.parts import materialized
 from ckptfs.io.store import Store
+from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
 from ckptfs.layout.boxes import Box
@@ -91,14 +94,16 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                        _Some(staged.plans, keys))
     rw = backend.write_rank(job)
     writing = submit(write_files(store, rw.files, progress))
-    try:
-        crcs = [(c, tensor_bytes(c.data)) for c in staged.chunks]
+    try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
+        crcs = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
         crcs = [(c, data, crc_of(data, yielding=True)) for c, data in crcs]
-        sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
-        whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
     finally:
         writing.result()
+    sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
+    sums.update(((c.key, c.box.offsets, c.box.shape), render(c.source.crc))  # type: ignore[arg-type]
+                for c in staged.chunks if c.source is not None)
+    whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
@@ -141,7 +146,10 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
                    desc=f"ckptfs save {store.url}", leave=False)
 
     async def one(f: FileWrite) -> None:
-        await store.put(f.path, f.parts)
+        parts = f.parts
+        if not store.streams_parts and any(isinstance(p, StreamedPart) for p in parts):
+            parts = await asyncio.to_thread(materialized, parts)  # host bytes, one file at once
+        await store.put(f.path, parts)
         if bar is not None:
             bar.update(f.nbytes)
 

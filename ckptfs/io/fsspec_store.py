@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import closing
 from typing import Any, TypeVar
 
 import fsspec
@@ -18,9 +19,9 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from ckptfs.errors import StorageError
-from ckptfs.io.parts import byte_view, total_bytes
+from ckptfs.io.parts import byte_view, materialized, total_bytes, views
 from ckptfs.io.retry import retrying
-from ckptfs.io.store import Buffer, IOConfig, Store, inside_root
+from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
 from ckptfs.io.tasks import gather_all
 
 T = TypeVar("T")
@@ -64,7 +65,9 @@ class FsspecStore(Store):
         self.stats.add_read(len(data))
         return data
 
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    streams_parts = True
+
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         """Write ``parts`` as ``path``: streamed through one open file where the filesystem
         writes that way, else one ``pipe_file`` of the joined bytes; retried as a whole."""
         try:
@@ -73,7 +76,7 @@ class FsspecStore(Store):
                     await self._call(self._stream, path, parts)
             else:
                 data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else \
-                    b"".join(byte_view(p) for p in parts)
+                    b"".join(byte_view(p) for p in materialized(parts))
                 async with self.semaphore:
                     await self._call(self.fs._pipe_file, path, data)
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):
@@ -83,12 +86,12 @@ class FsspecStore(Store):
                                f"{type(e).__name__}: {e}") from e
         self._wrote(path, total_bytes(parts))
 
-    async def _stream(self, full: str, parts: Sequence[Buffer]) -> None:
+    async def _stream(self, full: str, parts: Sequence[Part]) -> None:
         """What fsspec's generic ``pipe_file`` does, one part at a time (worker thread)."""
         def write() -> None:
-            with self.streaming.open(full, "wb") as f:
-                for p in parts:
-                    f.write(byte_view(p))
+            with self.streaming.open(full, "wb") as f, closing(views(parts)) as todo:
+                for v in todo:
+                    f.write(v)
 
         await asyncio.to_thread(write)
 

@@ -19,13 +19,13 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 import numpy as np
 
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
-from ckptfs.io.store import Buffer, IOConfig, Store, inside_root
+from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
 from ckptfs.io.tasks import settled
 
 
@@ -176,20 +176,22 @@ class LocalStore(Store):
             self._bounce.clear()
         await super().close()
 
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    streams_parts = True
+
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         full = self._p(path)
 
         def work() -> int:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                bufs = [memoryview(p).cast("B") for p in parts]
                 n = 0
-                for piece in pieces(bufs, _WRITE_PIECE):
-                    size = _write_all(fd, piece)
-                    if self.config.fsync:  # start write-back now; fsync below only waits
-                        _start_writeback(fd, n, size)
-                    n += size
+                with closing(pieces(parts, _WRITE_PIECE)) as todo:  # streamed parts: as they come
+                    for piece in todo:
+                        size = _write_all(fd, piece)
+                        if self.config.fsync:  # start write-back now; fsync below only waits
+                            _start_writeback(fd, n, size)
+                        n += size
                 if self.config.fsync:
                     os.fsync(fd)
             finally:

@@ -25,9 +25,9 @@ from obstore.exceptions import (
 )
 
 from ckptfs.errors import StorageError
-from ckptfs.io.parts import join, part_size_for, pieces, total_bytes
+from ckptfs.io.parts import joined, part_size_for, pieces_async, total_bytes
 from ckptfs.io.retry import RetryPolicy, is_transient, retrying
-from ckptfs.io.store import Buffer, IOConfig, Store
+from ckptfs.io.store import Buffer, IOConfig, Part, Store
 
 T = TypeVar("T")
 
@@ -125,22 +125,25 @@ class ObstoreStore(Store):
         self.stats.add_read(len(out))
         return out
 
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    streams_parts = True
+
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         """One PUT up to ``part_size``; above, obstore's streaming multipart upload fed with
         zero-copy views (at most ``upload_concurrency`` parts buffered)."""
         total = total_bytes(parts)
         size = part_size_for(total, self.config.part_size)
         if total <= size:
             async with self.budget.hold(total), self.semaphore:
-                data = join(next(pieces(parts, size), [memoryview(b"")]))
+                data = await joined(parts)
                 await self._call(path, lambda: obstore.put_async(self.store, path, data,
                                                                   use_multipart=False))
         else:
             held = min(total, size * self.config.upload_concurrency)
 
-            def views():
-                for piece in pieces(parts, size):
-                    yield from piece
+            async def views():
+                async for piece in pieces_async(parts, size):
+                    for v in piece:
+                        yield v
 
             try:
                 async with self.budget.hold(held), self.semaphore:

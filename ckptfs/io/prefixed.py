@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptfs.io.ranges import ReadInto
-from ckptfs.io.store import Buffer, Store
+from ckptfs.io.store import Buffer, Part, Store
 
 
 class PrefixedStore(Store):
@@ -48,7 +48,11 @@ class PrefixedStore(Store):
     async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
         await self.base.read_into(self._p(path), reads)
 
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    @property
+    def streams_parts(self) -> bool:  # type: ignore[override]
+        return self.base.streams_parts
+
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         await self.base.put(self._p(path), parts)
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:

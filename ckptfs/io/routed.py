@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from ckptfs.io.ranges import ReadInto
-from ckptfs.io.store import Buffer, IOStats, Store
+from ckptfs.io.store import Buffer, IOStats, Part, Store
 
 
 class RoutedStore(Store):
@@ -41,7 +41,7 @@ class RoutedStore(Store):
     async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
         await self._for(path).read_into(path, reads)
 
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         raise PermissionError(f"{self.full_path(path)}: a routed store is read-only")
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 from ckptfs.errors import StorageError
 from ckptfs.io.fsspec_store import FsspecStore
-from ckptfs.io.parts import join, part_size_for, pieces, total_bytes
-from ckptfs.io.store import Buffer, IOConfig
+from ckptfs.io.parts import join, joined, part_size_for, pieces_async, total_bytes
+from ckptfs.io.store import Buffer, IOConfig, Part
 from ckptfs.io.tasks import gather_all
 
 #: botocore's pool is 10 by default; keep a few connections beyond the request semaphore
@@ -73,21 +73,23 @@ class S3FsStore(FsspecStore):
         self.stats.add_read(len(data))
         return data
 
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    streams_parts = True
+
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         """One PUT up to ``part_size`` bytes; above, a multipart upload that copies one part at a
         time (``upload_concurrency`` per file, all within the store's byte budget)."""
         total = total_bytes(parts)
         size = part_size_for(total, self.config.part_size)
         if total <= size:
             async with self.budget.hold(total):
-                data = join(next(pieces(parts, size), [memoryview(b"")]))
+                data = await joined(parts)
                 async with self.semaphore:
                     await self._call(self.fs._pipe_file, path, data, chunksize=max(total, 1))
         else:
             await self._multipart(path, parts, size)
         self._wrote(path, total)
 
-    async def _multipart(self, path: str, parts: Sequence[Buffer], size: int) -> None:
+    async def _multipart(self, path: str, parts: Sequence[Part], size: int) -> None:
         bucket, key = self._split(path)
         mpu = await self._s3("create_multipart_upload", path, Bucket=bucket, Key=key)
         upload_id = mpu["UploadId"]
@@ -107,7 +109,9 @@ class S3FsStore(FsspecStore):
 
         tasks: list[asyncio.Task] = []
         try:
-            for number, piece in enumerate(pieces(parts, size), start=1):
+            number = 0
+            async for piece in pieces_async(parts, size):
+                number += 1
                 await slots.acquire()  # at most upload_concurrency pieces exist at once
                 if any(t.done() and t.exception() for t in tasks):
                     break

@@ -11,9 +11,13 @@ from ckptfs.errors import ConfigError, MalformedIndexError
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.retry import RetryPolicy
+from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import gather_all
 
 Buffer = bytes | bytearray | memoryview
+#: a part of a file ``Store.put`` writes: host bytes, or (stores with ``streams_parts``)
+#: bytes produced while they are written (io/streamed.py)
+Part = Buffer | StreamedPart
 
 
 def path_problem(path: str) -> str | None:
@@ -64,8 +68,8 @@ class IOConfig:
     retry_max_delay: float = 10.0  #: upper bound of one backoff
     #: pinned host memory a load into CUDA targets reads through: ``ring_slots`` buffers of
     #: ``ring_bytes // ring_slots`` (rounded down to a power of two, as torch pins) each
-    ring_bytes: int = 256 * 2**20
-    ring_slots: int = 4
+    ring_bytes: int = 512 * 2**20
+    ring_slots: int = 8
     #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can:
     #: a local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning
     gds: bool = False
@@ -193,8 +197,12 @@ class Store(ABC):
         await gather_all(*(one(g) for g in groups))
 
     # -- writing ---------------------------------------------------------------------------
+    #: whether ``put`` takes ``StreamedPart``s (writing each view before asking for the next);
+    #: the engine gives other stores host bytes only
+    streams_parts: bool = False
+
     @abstractmethod
-    async def put(self, path: str, parts: Sequence[Buffer]) -> None:
+    async def put(self, path: str, parts: Sequence[Part]) -> None:
         """Write the concatenation of ``parts`` as ``path`` (overwriting)."""
 
     @abstractmethod

@@ -17,12 +17,16 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from ckptfs.errors import BackendOptionsError
+from ckptfs.io.parts import total_bytes
+from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.layout.plan import TensorPlan
+from ckptfs.layout.tensor_bytes import tensor_bytes
 
 Buffer = bytes | bytearray | memoryview
+Part = Buffer | StreamedPart  #: a part of a file: host bytes, or bytes streamed as written
 
 
 class ByteReader(Protocol):
@@ -36,13 +40,21 @@ class ByteReader(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ChunkData:
-    """A chunk a rank writes: its place in the global tensor and its CPU, C-contiguous data."""
+    """A chunk a rank writes: its place in the global tensor and its CPU, C-contiguous data,
+    or, where ``source`` is set (a backend with ``streams_device_chunks``), its data on a device
+    (a CUDA tensor, any strides) whose bytes ``source`` streams while the file is written."""
 
     key: str
     dtype: DType
     global_shape: tuple[int, ...]
     box: Box
     data: torch.Tensor
+    source: StreamedPart | None = None
+
+    def part(self) -> Buffer | StreamedPart:
+        """The chunk's raw C-order bytes as a part of a ``FileWrite``, never read by the
+        backend: a view of the CPU data, or the streamed source."""
+        return self.source if self.source is not None else tensor_bytes(self.data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +73,11 @@ class FileWrite:
     """Write the concatenation of ``parts`` as ``path`` (relative to the checkpoint root)."""
 
     path: str
-    parts: tuple[Buffer, ...]
+    parts: tuple[Part, ...]
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(p).nbytes for p in self.parts)
+        return total_bytes(self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +155,11 @@ class Backend(ABC):
     #: offsets: written in chunk objects, left out of a packed index's rows (formats/README.md
     #: §2.3), which only readers that know the feature read
     implied_extra: ClassVar[frozenset[str]] = frozenset()
+    #: True when ``write_rank`` puts each chunk's bytes into its files only as
+    #: ``ChunkData.part()`` (never reading them, nor their CRC-32 or a codec's output): a
+    #: synchronous save from CUDA then streams the chunks off the device while they are
+    #: written, through a bounded pinned ring, instead of staging a host copy of the state
+    streams_device_chunks: ClassVar[bool] = False
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         options = dict(options or {})

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 import google_crc32c
 import numpy as np
 
+from ckptfs.io.streamed import StreamedPart
+
 ALGORITHM = "crc32c"
 PATTERN = re.compile(r"crc32c:[0-9a-f]{8}")
 _POLY = 0x82F63B78  #: CRC-32C polynomial, reflected
@@ -139,13 +141,18 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
 COMBINE_MIN = 1 << 20
 
 
-def crc_of_parts(parts: Sequence[bytes | bytearray | memoryview],
+def crc_of_parts(parts: Sequence[bytes | bytearray | memoryview | StreamedPart],
                  known: dict[tuple[int, int], int] | None = None) -> int:
     """The CRC of the concatenation of ``parts``. ``known`` maps (address, length) of buffers
     whose CRC was computed already (chunk bytes) to that CRC: large ones are combined, not
-    read again."""
+    read again. A ``StreamedPart`` must have streamed already: its ``crc`` is combined."""
     crc = 0
     for part in parts:
+        if isinstance(part, StreamedPart):
+            if part.crc is None:
+                raise ValueError("a streamed part's CRC is asked for before it was streamed")
+            crc = combine(crc, part.crc, part.nbytes)
+            continue
         arr = np.frombuffer(part, dtype=np.uint8)
         n = arr.nbytes
         if not n:

@@ -24,7 +24,6 @@ from ckptfs.layout.backend import (
 )
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import ChunkEntry, TensorEntry
-from ckptfs.layout.tensor_bytes import tensor_bytes
 
 EXT = ".safetensors"
 
@@ -42,6 +41,7 @@ def tensor_name(key: str, offsets: tuple[int, ...]) -> str:
 class SafetensorsChunksBackend(Backend):
     name: ClassVar[str] = "safetensors_chunks"
     version: ClassVar[int] = 1
+    streams_device_chunks: ClassVar[bool] = True
     default_options: ClassVar[dict[str, Any]] = {"max_file_bytes": 1 << 30}
     implied_extra: ClassVar[frozenset[str]] = frozenset({"name"})  # always <key>@<offsets>
 
@@ -86,7 +86,7 @@ class SafetensorsChunksBackend(Backend):
         base = 8 + len(raw)
         parts: list[Any] = [struct.pack("<Q", len(raw)), raw]
         for c, (start, n) in zip(ordered, spans, strict=True):
-            parts.append(tensor_bytes(c.data))
+            parts.append(c.part())
             entries.append((c.key, ChunkEntry(
                 offsets=c.box.offsets, shape=c.box.shape, file=path,
                 byte_offset=base + start, byte_length=n,

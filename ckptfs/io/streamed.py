@@ -1,0 +1,35 @@
+"""``StreamedPart``: a part of a file whose bytes are produced only while the store writes it.
+
+A save from CUDA tensors does not copy the state to host memory first: each chunk's bytes come
+off the device through a few pinned buffers, one buffer's worth at a time, as the store writes
+them (engine/device_parts.py). A store that declares ``Store.streams_parts`` takes such parts
+in ``put``; for any other store the engine joins a file's parts into host bytes first.
+
+Call order: ``nbytes`` at any time -> ``stream()`` from the thread or task that writes (more
+than once if the write is retried: each call streams from the start) -> each yielded view is
+valid only until the next one is asked for (or the generator is closed): write or copy it
+before asking -> after a stream ran to its end, ``crc`` is the crc32c of its bytes when the
+part computes one (the engine's file checksum combines it instead of reading the bytes again).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+
+class StreamedPart(ABC):
+    """Bytes produced piece by piece, in order, while they are written."""
+
+    #: crc32c of the bytes the last complete ``stream()`` produced (None: not computed)
+    crc: int | None = None
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """How many bytes ``stream()`` produces."""
+
+    @abstractmethod
+    def stream(self) -> Iterator[memoryview]:
+        """Consecutive flat byte views covering ``nbytes``; each valid until the next is asked
+        for. Blocking: call it from a worker thread, never from the event loop."""
