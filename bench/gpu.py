@@ -3,19 +3,24 @@
 In one run on a GPU machine, for an fp32 and a bf16 state of ``--gb`` GB (default 8) saved as a
 2-rank sharded checkpoint (row-sharded DTensors, spawned CPU ranks) by each checkpointer:
 
-- the physical floors: pinned host-to-device bandwidth (one ``copy_`` of a pinned buffer to the
-  device) and the page-cache read bandwidth of the checkpoint's files;
+- the physical floors, measured beside the checkpointers: pinned host-to-device and
+  device-to-host bandwidth (one ``copy_`` of a pinned buffer), the page-cache read bandwidth of
+  the checkpoint's files into host memory over 1 to 16 threads (the best is the floor), and the
+  write bandwidth of the state's bytes with ``fsync`` over 1 and 4 threads (from a dropped page
+  cache);
 - the load of the whole state into CUDA tensors (one process): ckptfs (through its pinned ring,
   with and without crc32c checks), ``dcp.load`` into the same CUDA state dict, and ckptfs with
   GPUDirect Storage (``IOConfig(gds=True)``) when kvikio imports;
-- the save of the same CUDA state: ckptfs vs ``dcp.save``, with the pinned memory in use at
-  once (torch's host allocator statistics).
+- the save of the same CUDA state, from a dropped page cache: ckptfs (streamed off the device
+  through its pinned ring) vs ``dcp.save`` (``sync_files=True``), with the pinned memory in use
+  at once (torch's host allocator statistics), and ckptfs's ``async_save`` (time until staged,
+  until done).
 
-Runs alternate between checkpointers; medians of ``--repeats``; the page cache stays warm (the
-floor beside the loads is the warm read bandwidth). Without CUDA it exits with a message;
-``--device cpu`` runs every code path on CPU targets (a smoke test of the harness, not GPU
-numbers). The targets of the issue: load >= 80% of min(H2D, page cache) and >= 2x DCP; save
->= 2x DCP.
+Runs alternate between checkpointers; medians of ``--repeats``; loads run from a warm page cache
+(the floor beside them is the warm read bandwidth); every load is compared with the state on
+the device, bit for bit. Without CUDA it exits with a message; ``--device cpu`` runs every code
+path on CPU targets (a smoke test of the harness, not GPU numbers). The targets of the issue:
+load >= 80% of min(H2D, page cache) and >= 2x DCP; save >= 2x DCP, pinned peak = the ring.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -35,29 +41,37 @@ from pathlib import Path
 import torch
 
 import ckptfs
+from bench.floors import write_fsync
+from bench.worker import drop_caches
 from ckptfs.io import IOConfig
+from ckptfs.layout.checksum import crc_of
 
 WORLD = 2  #: ranks that write the sharded checkpoints
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COLS = 4096
 
 
 def _shape(gb: float, dtype: torch.dtype) -> list[tuple[str, tuple[int, int]]]:
     """(key, shape) of 4096-column matrices holding ``gb`` GB of ``dtype``, 256 MiB at most each."""
-    cols = 4096
-    rows_per = (256 << 20) // (cols * dtype.itemsize)
-    total_rows = max(WORLD, int(gb * 1e9) // (cols * dtype.itemsize))
+    rows_per = (256 << 20) // (COLS * dtype.itemsize)
+    total_rows = max(WORLD, int(gb * 1e9) // (COLS * dtype.itemsize))
     out, i = [], 0
     while total_rows > 0:
         r = max(WORLD, min(rows_per, total_rows))
-        out.append((f"layers.{i}.w", (r, cols)))
+        out.append((f"layers.{i}.w", (r, COLS)))
         total_rows -= r
         i += 1
     return out
 
 
-def _fill(key: str, rows: tuple[int, int], cols: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-    return torch.randn(rows[1] - rows[0], cols, generator=g).to(dtype)
+def _fill(key: str, rows: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of the key's matrix: distinct, deterministic values made fast (a hash
+    of each element's index), the same whichever rank or process makes them."""
+    lo, hi = rows
+    seed = zlib.crc32(key.encode())
+    idx = torch.arange(lo * COLS, hi * COLS, dtype=torch.int64)
+    h = (idx * 2654435761 + seed) & 0xFFFFFF
+    return ((h.to(torch.float32) - 8388608.0) / 1024.0).to(dtype).reshape(hi - lo, COLS)
 
 
 def _write_rank(rank: int, world: int, root: str, gb: float, dtype_name: str) -> None:
@@ -72,44 +86,85 @@ def _write_rank(rank: int, world: int, root: str, gb: float, dtype_name: str) ->
     for key, (n, cols) in _shape(gb, dtype):
         per = -(-n // world)
         lo, hi = min(rank * per, n), min(rank * per + per, n)
-        full = _fill(key, (0, n), cols, dtype)
-        state[key] = DTensor.from_local(full[lo:hi].clone(), mesh, [Shard(0)], run_check=False,
-                                        shape=torch.Size((n, cols)), stride=(cols, 1))
+        state[key] = DTensor.from_local(_fill(key, (lo, hi), dtype), mesh, [Shard(0)],
+                                        run_check=False, shape=torch.Size((n, cols)),
+                                        stride=(cols, 1))
     ckptfs.save(state, f"{root}/ckptfs")
     dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/dcp", sync_files=True))
 
 
-def _expected(gb: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: _fill(k, (0, n), c, dtype) for k, (n, c) in _shape(gb, dtype)}
+def _in_threads(jobs: list[Callable[[], None]]) -> None:
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
-def _files_bytes(path: str) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+def page_cache_read(path: str, threads: int, step: int = 32 << 20, crc: bool = False) -> float:
+    """GB/s reading every file under ``path`` (warm: read once first) into one host buffer as
+    large as the files (touched before the clock starts), in requests of ``step`` bytes, the
+    requests dealt out to ``threads`` threads: the checkpoint's bytes moved from the page cache
+    into memory, as a load must. With ``crc`` each thread also computes the crc32c of what it
+    read (the floor of a load that verifies every byte)."""
+    files = [(p, p.stat().st_size) for p in Path(path).rglob("*") if p.is_file()]
+    work, pos = [], 0
+    for p, size in files:
+        for off in range(0, size, step):
+            n = min(step, size - off)
+            work.append((p, off, n, pos))
+            pos += n
+    dest = torch.ones(pos, dtype=torch.uint8)
+    mv = memoryview(dest.numpy())
+    groups = [work[i::threads] for i in range(threads)]
 
+    def read(group) -> None:
+        for p, off, n, at in group:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                if os.preadv(fd, [mv[at : at + n]], off) != n:
+                    raise EOFError(f"{p}: short read")
+            finally:
+                os.close(fd)
+            if crc:
+                crc_of(mv[at : at + n])
 
-def page_cache_read(path: str) -> float:
-    """GB/s reading every file under ``path`` (warm: read once first) into one buffer."""
-    files = [p for p in Path(path).rglob("*") if p.is_file()]
-    buf = bytearray(64 << 20)
-
-    def read_all() -> int:
-        n = 0
-        for p in files:
-            with open(p, "rb", buffering=0) as f:
-                while k := f.readinto(buf):
-                    n += k
-        return n
-
-    read_all()
+    jobs = [lambda g=g: read(g) for g in groups]
+    _in_threads(jobs)  # warm
     t = time.perf_counter()
-    n = read_all()
-    return n / (time.perf_counter() - t) / 1e9
+    _in_threads(jobs)
+    return pos / (time.perf_counter() - t) / 1e9
 
 
-def h2d_floor(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """GB/s of one ``copy_`` of a pinned host buffer to the device (median)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def write_floor(folder: str, tensors: list[torch.Tensor], threads: int) -> float:
+    """GB/s writing the tensors' bytes into ``threads`` new files with ``fsync`` (from a dropped
+    page cache), as a save writes them."""
+    groups = [tensors[i::threads] for i in range(threads)]
+    paths = [os.path.join(folder, f"floor-{i}.bin") for i in range(threads)]
+    drop_caches()
+    t = time.perf_counter()
+    _in_threads([lambda p=p, g=g: write_fsync(p, g) for p, g in zip(paths, groups, strict=True)])
+    dt = time.perf_counter() - t
+    for p in paths:
+        os.remove(p)
+    return sum(x.numel() * x.element_size() for x in tensors) / dt / 1e9
+
+
+def copy_floor(direction: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of one ``copy_`` between a pinned host buffer and the device (median)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -129,6 +184,7 @@ def _pinned_peak_reset(device: str) -> Callable[[], int | None]:
     """Starts measuring pinned memory in use; returns a function giving the rise of its peak."""
     if device != "cuda":
         return lambda: None
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_host_memory_stats()
     before = torch.cuda.host_memory_stats()["active_bytes.current"]
     return lambda: torch.cuda.host_memory_stats()["active_bytes.peak"] - before
@@ -142,7 +198,13 @@ def _time(fn: Callable[[], None], device: str) -> float:
     return time.perf_counter() - t
 
 
-def run_dtype(name: str, gb: float, repeats: int, device: str, root: str) -> list[str]:
+def _row(what: str, m: float, nbytes: int, ref: float, extra: str) -> str:
+    return (f"  {what:28s} {m:7.3f} s  {nbytes / m / 1e9:6.2f} GB/s  {ref / m:5.2f}x DCP  "
+            f"{extra}")
+
+
+def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
+              h2d: float | None) -> list[str]:
     """Rows of the table for one dtype."""
     import torch.distributed.checkpoint as dcp
 
@@ -151,11 +213,17 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str) -> lis
     dtype = DTYPES[name]
     work = tempfile.mkdtemp(prefix=f"bench-gpu-{name}-", dir=root)
     try:
-        run_ranks(WORLD, _write_rank, work, gb, name)
-        nbytes = sum(n * c * dtype.itemsize for _, (n, c) in _shape(gb, dtype))
-        expected = _expected(gb, dtype)
-        target = {k: torch.empty_like(v, device=device) for k, v in expected.items()}
-        cache = page_cache_read(f"{work}/ckptfs")
+        t0 = time.perf_counter()
+        run_ranks(WORLD, _write_rank, work, gb, name, timeout=3600)
+        written = time.perf_counter() - t0
+        shapes = _shape(gb, dtype)
+        nbytes = sum(n * c * dtype.itemsize for _, (n, c) in shapes)
+        expected = {k: _fill(k, (0, n), dtype).to(device) for k, (n, _) in shapes}
+        target = {k: torch.empty_like(v) for k, v in expected.items()}
+        reads = {t: page_cache_read(f"{work}/ckptfs", t) for t in (1, 4, 8, 16)}
+        cache = max(reads.values())
+        floor = min(cache, h2d) if h2d else cache
+        checked = max(page_cache_read(f"{work}/ckptfs", t, crc=True) for t in (8, 16))
         loads: dict[str, Callable[[], None]] = {
             "ckptfs": lambda: ckptfs.load(target, f"{work}/ckptfs"),
             "ckptfs verify=False": lambda: ckptfs.load(target, f"{work}/ckptfs", verify=False),
@@ -170,41 +238,78 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str) -> lis
             pass
         times: dict[str, list[float]] = {k: [] for k in loads}
         pinned: dict[str, int | None] = {}
-        for _ in range(repeats):  # alternating
-            for k, fn in loads.items():
-                for t in target.values():
-                    t.zero_()
-                peak = _pinned_peak_reset(device)
-                times[k].append(_time(fn, device))
-                pinned[k] = peak()
-                bad = [key for key, v in expected.items() if not torch.equal(target[key].cpu(), v)]
-                if bad:
-                    raise SystemExit(f"bench.gpu: {k} loaded wrong bytes into {bad[:3]}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's and kvikio's notices, once per repeat
+            for _ in range(repeats):  # alternating
+                for k, fn in loads.items():
+                    for t in target.values():
+                        t.zero_()
+                    peak = _pinned_peak_reset(device)
+                    times[k].append(_time(fn, device))
+                    pinned[k] = peak()
+                    bad = [key for key, v in expected.items() if not torch.equal(target[key], v)]
+                    if bad:
+                        raise SystemExit(f"bench.gpu: {k} loaded wrong bytes into {bad[:3]}")
         rows = [f"{name}: {nbytes / 1e9:.2f} GB, {len(expected)} tensors, sharded over "
-                f"{WORLD} ranks; page cache read {cache:.2f} GB/s"]
+                f"{WORLD} ranks (written by both in {written:.0f} s)",
+                "  page cache read GB/s by threads: "
+                + ", ".join(f"{t}: {v:.2f}" for t, v in reads.items())
+                + (f"; load floor min(H2D {h2d:.1f}, page cache {cache:.2f}) = {floor:.2f} GB/s"
+                   if h2d else "")
+                + f"; reading and crc32c-checking (8-16 threads): {checked:.2f} GB/s"]
         dcp_load = statistics.median(times["DCP"])
         for k, ts in times.items():
             m = statistics.median(ts)
-            rows.append(f"  load {k:22s} {m:7.3f} s  {nbytes / m / 1e9:6.2f} GB/s  "
-                        f"{dcp_load / m:5.2f}x DCP  pinned peak {_mb(pinned[k])}")
-        source = {k: v.to(device) for k, v in expected.items()}
+            rows.append(_row(f"load {k}", m, nbytes, dcp_load,
+                             f"{nbytes / m / 1e9 / floor:4.0%} of floor  pinned peak "
+                             f"{_mb(pinned[k])}"))
+        host = [v.cpu() for v in expected.values()]
+        wfloor = {t: write_floor(work, host, t) for t in (1, 4)}
+        del host
+        rows.append("  write floor (fsync, dropped cache) GB/s by threads: "
+                    + ", ".join(f"{t}: {v:.2f}" for t, v in wfloor.items()))
         saves: dict[str, Callable[[str], None]] = {
-            "ckptfs": lambda p: ckptfs.save(source, p),
-            "DCP": lambda p: dcp.save(source, storage_writer=dcp.FileSystemWriter(p, sync_files=True)),
+            "ckptfs": lambda p: ckptfs.save(expected, p),
+            "DCP": lambda p: dcp.save(expected,
+                                      storage_writer=dcp.FileSystemWriter(p, sync_files=True)),
         }
         stimes: dict[str, list[float]] = {k: [] for k in saves}
-        for i in range(repeats):
-            for k, fn in saves.items():
-                out = f"{work}/save-{i}-{k.replace(' ', '_')}"
+        staged: list[float] = []
+        adone: list[float] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(repeats):
+                for k, fn in saves.items():
+                    out = f"{work}/save-{i}-{k}"
+                    drop_caches()
+                    peak = _pinned_peak_reset(device)
+                    stimes[k].append(_time(lambda fn=fn, out=out: fn(out), device))
+                    pinned[k] = peak()
+                    shutil.rmtree(out, ignore_errors=True)
+                out = f"{work}/save-{i}-async"
+                drop_caches()
                 peak = _pinned_peak_reset(device)
-                stimes[k].append(_time(lambda fn=fn, out=out: fn(out), device))
-                pinned[k] = peak()
+                _sync(device)
+                t = time.perf_counter()
+                h = ckptfs.async_save(expected, out)
+                h.staged.result()
+                staged.append(time.perf_counter() - t)
+                h.done.result()
+                adone.append(time.perf_counter() - t)
+                pinned["async"] = peak()
                 shutil.rmtree(out, ignore_errors=True)
+        ckptfs.close()  # the async staging buffers
         dcp_save = statistics.median(stimes["DCP"])
+        best_w = max(wfloor.values())
         for k, ts in stimes.items():
             m = statistics.median(ts)
-            rows.append(f"  save {k:22s} {m:7.3f} s  {nbytes / m / 1e9:6.2f} GB/s  "
-                        f"{dcp_save / m:5.2f}x DCP  pinned peak {_mb(pinned[k])}")
+            rows.append(_row(f"save {k}", m, nbytes, dcp_save,
+                             f"{nbytes / m / 1e9 / best_w:4.0%} of write floor  pinned peak "
+                             f"{_mb(pinned[k])}"))
+        rows.append(_row("async_save: until staged", statistics.median(staged), nbytes,
+                         dcp_save, f"pinned peak {_mb(pinned['async'])} (reused staging)"))
+        rows.append(_row("async_save: until done", statistics.median(adone), nbytes, dcp_save,
+                         ""))
         return rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -231,11 +336,15 @@ def main(argv: list[str] | None = None) -> int:
               "on CPU targets.", file=sys.stderr)
         return 2
     print(f"bench.gpu: torch {torch.__version__}, device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+          + f", {os.cpu_count()} CPUs, ckptfs {ckptfs.__version__}", flush=True)
+    h2d = None
     if args.device == "cuda":
-        print(f"pinned host-to-device copy_: {h2d_floor():.2f} GB/s")
+        h2d = copy_floor("h2d")
+        print(f"pinned copy_: host-to-device {h2d:.2f} GB/s, device-to-host "
+              f"{copy_floor('d2h'):.2f} GB/s", flush=True)
     for name in args.dtypes.split(","):
-        for row in run_dtype(name.strip(), args.gb, args.repeats, args.device, args.dir):
+        for row in run_dtype(name.strip(), args.gb, args.repeats, args.device, args.dir, h2d):
             print(row, flush=True)
     return 0
 
