@@ -25,9 +25,10 @@ from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
-from ckptfs.engine.stage import release, stage
+from ckptfs.engine.stage import release, stage, staging_allocator
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
 from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io.local_store import lower_priority
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
@@ -177,13 +178,15 @@ class CheckpointManager:
         with background.next_slot():
             with public_errors(url):  # creates the background group on the first call
                 comm = Comm(self.process_group, background=True)
-            pool = background.staging_pool()
+            pool = background.staging_pool(staging_allocator(state_dict))  # pinned for CUDA
             held = [state_dict]
 
             def job(on_copied: Callable[[], None]) -> SaveResult:
                 with public_errors(url):
+                    cfg = io or IOConfig()
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                                   threads=(io or IOConfig()).copy_threads)
+                                   threads=cfg.copy_threads)
+                    lower_priority(cfg.background_nice)  # the caller goes on, as async_save
                     done: list[bool] = []
 
                     def give_back() -> None:
