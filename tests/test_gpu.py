@@ -134,6 +134,28 @@ def test_async_save_from_cuda_stages_into_pinned_buffers(tmp_path):
         assert torch.equal(back[k], v), k
 
 
+def test_checkpoint_manager_saves_from_cuda_through_pinned_staging(tmp_path):
+    sd = {f"t{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
+    want = {k: v.cpu() for k, v in sd.items()}
+    ckptfs.close()  # no staging buffers cached by earlier tests
+    mgr = ckptfs.CheckpointManager(tmp_path / "m", preemption_signals=())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_host_memory_stats()
+    before, _ = _pinned_in_use()
+    h = mgr.save(3, sd)
+    h.staged.result()
+    for v in sd.values():
+        v.zero_()
+    h.done.result()
+    _, peak = _pinned_in_use()
+    assert peak - before >= sum(v.numel() * 4 for v in want.values())  # staged pinned
+    mgr.close()
+    ckptfs.close()
+    back = ckptfs.load_keys(tmp_path / "m" / "step-00000003")
+    for k, v in want.items():
+        assert torch.equal(back[k], v), k
+
+
 def _dtensor_ranks(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
