@@ -37,7 +37,7 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _in_threads(jobs: list[Callable[[], None]]) -> None:
+def in_threads(jobs: list[Callable[[], None]]) -> None:
     if len(jobs) == 1:
         jobs[0]()
         return
@@ -103,7 +103,7 @@ def measure(sources: list[torch.Tensor], targets: list[torch.Tensor], folder: st
             t.copy_(s)
 
     def each(step: Callable[[str, list[int]], None]) -> Callable[[], None]:
-        return lambda: _in_threads([lambda p=p, g=g: step(p, g) for p, g in zip(paths, groups)])
+        return lambda: in_threads([lambda p=p, g=g: step(p, g) for p, g in zip(paths, groups)])
 
     if drop and rank == 0:  # the write starts from the same page cache as a save's
         drop_caches()

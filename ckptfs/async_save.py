@@ -21,10 +21,10 @@ from typing import Any
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.stage import release, stage, staging_allocator
+from ckptfs.engine.stage import stage, staging_allocator
 from ckptfs.io import IOConfig
 from ckptfs.io.local_store import lower_priority
-from ckptfs.save import SaveResult, make_backend, write_and_commit
+from ckptfs.save import SaveResult, make_backend, write_commit_release
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,13 +86,10 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                 staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                threads=cfg.copy_threads)
                 lower_priority(cfg.background_nice)  # the caller goes on
-                try:
-                    return write_and_commit(staged, be, url, comm, storage_options=storage_options,
-                                            io_config=io_config, overwrite=overwrite,
-                                            progress=progress, throttle_uploads=throttle_uploads,
-                                            started=started)
-                finally:
-                    release(staged, pool)
+                return write_commit_release(staged, pool, be, url, comm,
+                                            storage_options=storage_options, io_config=io_config,
+                                            overwrite=overwrite, progress=progress,
+                                            throttle_uploads=throttle_uploads, started=started)
 
         staged, done = background.launch(job)
     return AsyncSave(url, staged, done)

@@ -93,16 +93,23 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         try:
             staged = stage(state_dict, comm, be, pool, copy=False, threads=cfg.copy_threads,
                            device=device)
-            try:
-                return write_and_commit(staged, be, url, comm, storage_options=storage_options,
-                                        io_config=io_config, overwrite=overwrite,
-                                        progress=progress, throttle_uploads=throttle_uploads,
-                                        started=t0)
-            finally:
-                release(staged, pool)
+            return write_commit_release(staged, pool, be, url, comm,
+                                        storage_options=storage_options, io_config=io_config,
+                                        overwrite=overwrite, progress=progress,
+                                        throttle_uploads=throttle_uploads, started=t0)
         finally:
             if device is not None:
                 device.close()
+
+
+def write_commit_release(staged: StagedSave, pool: BufferPool, be: Backend, url: str, comm: Comm,
+                         **kw: Any) -> SaveResult:
+    """``write_and_commit`` (``kw``: its options), then the staged buffers go back to ``pool``,
+    also when it fails."""
+    try:
+        return write_and_commit(staged, be, url, comm, **kw)
+    finally:
+        release(staged, pool)
 
 
 def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,

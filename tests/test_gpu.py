@@ -25,6 +25,13 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
             "h": torch.randn(33, 17, generator=g).to(torch.float16)}
 
 
+def _assert_saved(path, want: dict[str, torch.Tensor]) -> None:
+    """The checkpoint at ``path`` holds ``want``'s values (on any device), bit for bit."""
+    back = ckptfs.load_keys(path)
+    for k, v in want.items():
+        assert torch.equal(back[k], v.cpu()), k
+
+
 def _pinned_in_use() -> tuple[int, int]:
     """(current, peak) pinned bytes in use, from torch's caching host allocator."""
     s = torch.cuda.host_memory_stats()
@@ -79,9 +86,7 @@ def test_save_from_cuda_is_bit_exact(tmp_path):
     on_gpu = {k: v.to("cuda") for k, v in sd.items()}
     on_gpu["w_t"] = on_gpu["w"].t()  # a non-contiguous CUDA source
     ckptfs.save(on_gpu, tmp_path / "c")
-    back = ckptfs.load_keys(tmp_path / "c")
-    for k, v in on_gpu.items():
-        assert torch.equal(back[k], v.cpu()), k
+    _assert_saved(tmp_path / "c", on_gpu)
 
 
 def test_save_from_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
@@ -94,9 +99,7 @@ def test_save_from_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
     ckptfs.save(sd, tmp_path / "c", io_config=cfg)
     _, peak = _pinned_in_use()
     assert peak - before <= cfg.ring_bytes  # no host copy of the state, pinned or not
-    back = ckptfs.load_keys(tmp_path / "c")
-    for k, v in sd.items():
-        assert torch.equal(back[k], v.cpu()), k
+    _assert_saved(tmp_path / "c", sd)
 
 
 def test_save_from_cuda_waits_for_the_callers_stream(tmp_path):
@@ -116,9 +119,7 @@ def test_save_from_cuda_with_a_backend_that_stages_the_chunks(tmp_path, backend)
     sd = _state(4)
     on_gpu = {k: v.to("cuda") for k, v in sd.items()}
     ckptfs.save(on_gpu, tmp_path / "c", backend=backend)
-    back = ckptfs.load_keys(tmp_path / "c")
-    for k, v in sd.items():
-        assert torch.equal(back[k], v), k
+    _assert_saved(tmp_path / "c", sd)
 
 
 def test_async_save_from_cuda_stages_into_pinned_buffers(tmp_path):
@@ -129,9 +130,7 @@ def test_async_save_from_cuda_stages_into_pinned_buffers(tmp_path):
     for v in sd.values():  # the training step goes on: the saved bytes are the staged ones
         v.add_(1)
     fut.done.result()
-    back = ckptfs.load_keys(tmp_path / "c")
-    for k, v in want.items():
-        assert torch.equal(back[k], v), k
+    _assert_saved(tmp_path / "c", want)
 
 
 def test_checkpoint_manager_saves_from_cuda_through_pinned_staging(tmp_path):
@@ -151,9 +150,7 @@ def test_checkpoint_manager_saves_from_cuda_through_pinned_staging(tmp_path):
     assert peak - before >= sum(v.numel() * 4 for v in want.values())  # staged pinned
     mgr.close()
     ckptfs.close()
-    back = ckptfs.load_keys(tmp_path / "m" / "step-00000003")
-    for k, v in want.items():
-        assert torch.equal(back[k], v), k
+    _assert_saved(tmp_path / "m" / "step-00000003", want)
 
 
 def _dtensor_ranks(rank: int, world: int, root: str) -> None:
