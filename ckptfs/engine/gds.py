@@ -8,7 +8,8 @@ Only regions that are one byte run in the file and contiguous in the target are 
 the rest also go through the ring. Without the GDS driver kvikio runs in its compatibility mode
 (POSIX reads through its own bounce buffers).
 
-UNTESTED beyond the fall-back: no GPU machine was available (README, GPU).
+Tested on an H100 machine (tests/test_gpu.py), where kvikio ran in its compatibility mode
+(gVisor, no GDS driver): 6.3 GB/s against the ring's 28 GB/s (README, GPU).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ at most that much extra memory.
 
 Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring.py,
 ``IOConfig.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
-to the device asynchronously; a chunk cut into several pieces is still checked whole (a running
-crc32c). With ``IOConfig.gds`` chunks may go straight to the device (engine/gds.py). The CUDA
-copies and GDS reads are UNTESTED (no GPU machine was available; README, GPU).
+to the device asynchronously; a chunk cut into several pieces is still checked whole (the CRCs
+of its pieces, combined). With ``IOConfig.gds`` chunks may go straight to the device
+(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (README, GPU).
 
 A batch's reads go to the store in waves of about ``_WAVE`` bytes that run concurrently; each
 wave's checksums and copies start as soon as its own reads are done, so they overlap the later

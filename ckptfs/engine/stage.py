@@ -21,13 +21,13 @@ contiguous (a synchronous save, whose caller waits), copying only what must be (
 or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a staging buffer: CPU
 data by ``copies.copy_all`` (large tensors in pieces over a few threads), CUDA
 data by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
-queued on a side stream and waited for once. The CUDA copy is UNTESTED (no GPU machine was
-available; README, GPU). Each rank also checksums the slices of plain tensors that another rank
-writes, so the coordinator can tell replicas that differ (commit.py): with ``copy=True`` here,
-before the caller changes its tensors; with ``copy=False`` the slices are handed to the write
-phase, which checksums them while this rank's files are written. The ranks agree on the
-outcome of the copies, so a rank that failed to stage fails the save everywhere instead of
-leaving the others in the next collective.
+queued on a side stream and waited for once (a synchronous save into a backend that streams
+chunks copies none of its CUDA data here: engine/device_parts.py). Each rank also checksums the
+slices of plain tensors that another rank writes, so the coordinator can tell replicas that
+differ (commit.py): with ``copy=True`` here, before the caller changes its tensors; with
+``copy=False`` the slices are handed to the write phase, which checksums them while this rank's
+files are written. The ranks agree on the outcome of the copies, so a rank that failed to stage
+fails the save everywhere instead of leaving the others in the next collective.
 
 The stage phase runs every collective on the ``Comm`` it is given (a background save gives it
 its own group's); the plan cache is keyed by the group's members, so saves over the same ranks
@@ -420,10 +420,10 @@ def copy_chunk(data: torch.Tensor, lease: Lease, d2h: DeviceToHost | None = None
 
 
 class DeviceToHost:
-    """UNTESTED (no GPU was available): device-to-host copies queued on a side stream per
-    device, after the work already queued on the device's current stream (which may still be
-    writing the source); ``wait`` synchronizes them. Into pinned buffers the copies run
-    asynchronously, back to back, at the D2H bandwidth."""
+    """Device-to-host copies queued on a side stream per device, after the work already
+    queued on the device's current stream (which may still be writing the source); ``wait``
+    synchronizes them. Into pinned buffers the copies run asynchronously, back to back, at the
+    D2H bandwidth (52-54 GB/s of 54.9 on an H100: README, GPU)."""
 
     def __init__(self) -> None:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
