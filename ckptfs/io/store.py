@@ -82,8 +82,9 @@ class IOConfig:
     #: local stores: a load reads the bytes it needs from one file as this many contiguous runs,
     #: each read front to back one request at a time, instead of every piece at once in any
     #: order. Measured on the 2-vCPU VM's virtio disk, cold, 1.1 GB: 8 such runs read 1.8x as
-    #: fast as the same 8 MiB pieces 16 at a time in file order (README, "Performance")
-    read_streams: int = 8
+    #: fast as the same 8 MiB pieces 16 at a time in file order; 1-4 runs read as fast as 8 on
+    #: one rank and 13% faster on two (README, "Performance")
+    read_streams: int = 4
     #: OS nice value (0-19, Linux) of an asynchronous save's thread once staged (checksums,
     #: commit) and of the threads writing its local data files, so that a busy CPU serves the
     #: training loop first and idle CPUs the save; the write takes longer only when CPUs are
