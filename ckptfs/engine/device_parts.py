@@ -105,20 +105,16 @@ class DeviceChunk(StreamedPart):
             self.crc = 0
             return
         itemsize = self.data.element_size()
-        cuts = iter(c_order_cuts(tuple(self.data.shape), itemsize, self.pool.slot_bytes))
+        cuts = c_order_cuts(tuple(self.data.shape), itemsize, self.pool.slot_bytes)
         flying: deque[tuple[torch.Tensor, int, Completion]] = deque()
-        crc, left = 0, True
+        crc, i = 0, 0  # cuts[i] is the next piece to copy
         try:
-            while left or flying:
-                while left:  # start the next copies: blocking only when none is in flight
-                    box = next(cuts, None)
-                    if box is None:
-                        left = False
-                        break
+            while i < len(cuts) or flying:
+                while i < len(cuts):  # start the next copies: blocking only when none is in flight
                     buf = self.pool.take(block=not flying)
                     if buf is None:
-                        cuts = _push_back(box, cuts)
                         break
+                    box = cuts[i]
                     n = box.volume * itemsize
                     try:
                         dst = buf[:n].view(self.data.dtype).view(box.shape)
@@ -126,6 +122,7 @@ class DeviceChunk(StreamedPart):
                     except BaseException:
                         self.pool.give(buf)
                         raise
+                    i += 1
                 buf, n, done = flying.popleft()
                 try:
                     done.wait()
@@ -142,11 +139,6 @@ class DeviceChunk(StreamedPart):
                 finally:
                     self.pool.give(buf)
         self.crc = crc
-
-
-def _push_back(first, rest):
-    yield first
-    yield from rest
 
 
 class CudaD2H:
