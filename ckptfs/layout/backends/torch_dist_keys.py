@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.errors import UnsupportedValueError
@@ -47,7 +47,7 @@ def dcp_leaves(tensors: Iterable[str], values: Mapping[str, Json],
     tree = _Tree(tensors, values, containers, children)
     out: list[DcpLeaf] = []
     for key in tree.ordered(None):
-        tree.walk(key, (str(decode_key(key)[-1]),), out)
+        tree.walk(key, (str(tree.last(key)),), out)
     seen: dict[str, str] = {}
     for leaf in out:
         other = seen.setdefault(leaf.fqn, leaf.key)
@@ -65,10 +65,18 @@ class _Tree:
     values: Mapping[str, Json]
     containers: Mapping[str, str]
     children: Mapping[str | None, list[str]]
+    _last: dict[str, str | int] = field(default_factory=dict)
+
+    def last(self, key: str) -> str | int:
+        """The last component of ``key``, decoded once (sorting and walking both need it)."""
+        c = self._last.get(key)
+        if c is None:
+            c = self._last[key] = decode_key(key)[-1]
+        return c
 
     def ordered(self, key: str | None) -> list[str]:
         kids = self.children.get(key, [])
-        return sorted(kids, key=lambda k: component_order(decode_key(k)[-1]))
+        return sorted(kids, key=lambda k: component_order(self.last(k)))
 
     def walk(self, key: str, path: tuple[str | int, ...], out: list[DcpLeaf]) -> None:
         fqn = ".".join(map(str, path))
@@ -83,7 +91,7 @@ class _Tree:
             out.append(DcpLeaf(fqn, path, key, False, self.build(key, key)))
             return
         for child in self.ordered(key):
-            c = decode_key(child)[-1]
+            c = self.last(child)
             self.walk(child, (*path, c if kind == "list" else str(c)), out)
 
     def terminal_list(self, key: str) -> bool:
@@ -109,7 +117,7 @@ class _Tree:
         kind = self.containers[key]
         kids = self.ordered(key)
         if kind == "dict":
-            return {decode_key(k)[-1]: self.build(k, leaf) for k in kids}
+            return {self.last(k): self.build(k, leaf) for k in kids}
         items = [self.build(k, leaf) for k in kids]
         return tuple(items) if kind == "tuple" else items
 
