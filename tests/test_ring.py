@@ -6,7 +6,6 @@ copier itself is tested in tests/test_gpu.py (GPU machines only)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 import warnings
@@ -32,7 +31,6 @@ from ckptfs.engine.stage import staging_allocator
 from ckptfs.errors import ConfigError, IntegrityError
 from ckptfs.io import IOConfig, open_store
 from ckptfs.layout.boxes import Box, full_box
-from ckptfs.layout.checksum import RunningChecksum, checksum
 from ckptfs.layout.registry import get_backend
 from ckptfs.planning.load_plan import ReadPiece, plan_reads
 
@@ -158,14 +156,6 @@ def test_split_piece_follows_the_region_c_order_within_the_limit():
     assert len(split_piece(piece, 4, 1000)) == 1
     with pytest.raises(ValueError, match="one element"):
         split_piece(piece, 4, 3)
-
-
-def test_running_checksum_is_the_checksum_of_the_concatenation():
-    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
-    crc = RunningChecksum()
-    for a, b in itertools.pairwise((0, 1, 333, 334, 1000)):
-        crc.update(memoryview(data[a:b]))
-    assert crc.value == checksum(data)
 
 
 @pytest.fixture(scope="module")

@@ -170,21 +170,3 @@ def memo(buffers: Iterable[tuple[memoryview | bytes, int]]) -> dict[tuple[int, i
         if arr.nbytes:
             out[(arr.ctypes.data, arr.nbytes)] = crc
     return out
-
-
-class RunningChecksum:
-    """The checksum of bytes given piece by piece, in order: equal to ``checksum`` of their
-    concatenation (a chunk read in several pieces is checked without joining them)."""
-
-    __slots__ = ("_crc",)
-
-    def __init__(self) -> None:
-        self._crc = 0
-
-    def update(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
-        self._crc = extend(self._crc, data)
-
-    @property
-    def value(self) -> str:
-        """The index form, as ``checksum`` writes it."""
-        return render(self._crc)
