@@ -26,6 +26,7 @@ from ckptfs.io.fsspec_store import FsspecStore
 from ckptfs.io.parts import materialized, pieces
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.checksum import crc_of
+from ckptfs.layout.geometry import c_order_cuts
 
 SAVE = sys.modules["ckptfs.save"]
 SLOT = 1 << 16  # 64 KiB slots: every tensor below is cut in several pieces
@@ -133,7 +134,8 @@ def test_streamed_saves_to_s3(s3, streamed, engine):
 
 def test_streamed_saves_to_an_fsspec_filesystem(memfs, streamed):
     sd = _state()
-    ckptfs.save(sd, "memory://c")
+    ckptfs.save(sd, "memory://c")  # a filesystem of its own pipe_file: the parts are joined
+    assert streamed[0][1].threads and "ckptfsIO" not in streamed[0][1].threads
     _roundtrip(sd, "memory://c")
 
 
@@ -223,3 +225,8 @@ def test_a_device_chunk_streams_in_c_order_and_records_its_crc():
     want = t.contiguous().numpy().tobytes()
     assert got == want and part.crc == crc_of(want)
     assert pool.peak <= 2 * 4096 and pool._out == 0
+    stream = part.stream()  # a consumer that stops once it holds every byte (a joined file)
+    held = [bytes(next(stream)) for _ in c_order_cuts(tuple(t.shape), 4, 4096)]
+    assert b"".join(held) == want and part.crc == crc_of(want)
+    stream.close()
+    assert pool._out == 0

@@ -128,6 +128,8 @@ class DeviceChunk(StreamedPart):
                     done.wait()
                     view = memoryview(buf[:n].numpy())
                     crc = combine(crc, crc_of(view), n)
+                    if i == len(cuts) and not flying:  # the last piece: a consumer that
+                        self.crc = crc  # holds every byte may stop without asking for more
                     yield view
                 finally:
                     self.pool.give(buf)
@@ -138,7 +140,6 @@ class DeviceChunk(StreamedPart):
                     done.wait()
                 finally:
                     self.pool.give(buf)
-        self.crc = crc
 
 
 class CudaD2H:

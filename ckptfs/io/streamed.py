@@ -8,8 +8,9 @@ in ``put``; for any other store the engine joins a file's parts into host bytes 
 Call order: ``nbytes`` at any time -> ``stream()`` from the thread or task that writes (more
 than once if the write is retried: each call streams from the start) -> each yielded view is
 valid only until the next one is asked for (or the generator is closed): write or copy it
-before asking -> after a stream ran to its end, ``crc`` is the crc32c of its bytes when the
-part computes one (the engine's file checksum combines it instead of reading the bytes again).
+before asking -> once a stream has yielded its last view, ``crc`` is the crc32c of its bytes
+when the part computes one (the engine's file checksum combines it instead of reading the
+bytes again); a consumer that has every byte need not resume the stream.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 class StreamedPart(ABC):
     """Bytes produced piece by piece, in order, while they are written."""
 
-    #: crc32c of the bytes the last complete ``stream()`` produced (None: not computed)
+    #: crc32c of the bytes of the last ``stream()`` that yielded them all (None: not computed)
     crc: int | None = None
 
     @property
