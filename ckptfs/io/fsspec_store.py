@@ -19,7 +19,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from ckptfs.errors import StorageError
-from ckptfs.io.parts import byte_view, materialized, total_bytes, views
+from ckptfs.io.parts import joined, total_bytes, views
 from ckptfs.io.retry import retrying
 from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
 from ckptfs.io.tasks import gather_all
@@ -76,7 +76,7 @@ class FsspecStore(Store):
                     await self._call(self._stream, path, parts)
             else:
                 data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else \
-                    b"".join(byte_view(p) for p in materialized(parts))
+                    await joined(parts)  # a streamed part is read on a worker thread
                 async with self.semaphore:
                     await self._call(self.fs._pipe_file, path, data)
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError):

@@ -18,6 +18,7 @@ import torch
 
 from ckptfs.errors import BackendOptionsError
 from ckptfs.io.parts import total_bytes
+from ckptfs.io.store import Part
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
@@ -26,7 +27,6 @@ from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 Buffer = bytes | bytearray | memoryview
-Part = Buffer | StreamedPart  #: a part of a file: host bytes, or bytes streamed as written
 
 
 class ByteReader(Protocol):
@@ -51,7 +51,7 @@ class ChunkData:
     data: torch.Tensor
     source: StreamedPart | None = None
 
-    def part(self) -> Buffer | StreamedPart:
+    def part(self) -> Part:
         """The chunk's raw C-order bytes as a part of a ``FileWrite``, never read by the
         backend: a view of the CPU data, or the streamed source."""
         return self.source if self.source is not None else tensor_bytes(self.data)
