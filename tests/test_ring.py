@@ -324,3 +324,11 @@ def test_gds_setting_leaves_a_cpu_load_alone(saved):
         warnings.simplefilter("error", GdsFallbackWarning)  # no CUDA target: nothing to fall back
         ckptfs.load(t, url, io_config=IOConfig(gds=True), verify=False)
     assert all(torch.equal(t[k], sd[k]) for k in sd)
+
+
+def test_pinned_slots_are_a_power_of_two_within_the_ring():
+    from ckptfs.engine.ring import pinned_slot_bytes
+
+    assert pinned_slot_bytes(512 << 20, 8) == 64 << 20  # the default ring
+    assert pinned_slot_bytes(300 << 20, 4) == 64 << 20  # 75 MiB each, rounded down
+    assert pinned_slot_bytes(3, 4) == 1  # never zero

@@ -9,11 +9,11 @@ copies of the next pieces are started while the store writes the current one, an
 of each piece is computed in the slot before it is written. Pinned memory held = the ring
 (``IOConfig.ring_bytes``), whatever the state's size.
 
-Call order: ``parts = DeviceParts(copier, slots, slot_bytes)`` (the caller's thread, before
-staging) -> ``parts.part(view)`` for each CUDA chunk while staging (records, on the caller's
-current stream, what the copies must wait for) -> the store's writer threads run each part's
-``stream()`` -> after the write, ``part.crc`` -> ``parts.close()`` (gives the slots back; after
-every stream ended).
+Call order: ``parts = cuda_device_parts(...)`` (the caller's thread, before staging; a
+``DeviceParts`` of a ``SlotPool`` and a copier) -> ``parts.part(view)`` for each CUDA chunk
+while staging (makes the copies wait for what the caller queued on its current stream) -> the
+store's writer threads run each part's ``stream()`` -> after the write, ``part.crc`` ->
+``parts.close()`` (gives the slots back; after every stream ended).
 
 A slot is taken blocking only by a stream that holds none, and more are taken for prefetching
 only when free, so streams of several files written at once never wait on each other in a
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ckptfs.engine.ring import Completion, Copier
+from ckptfs.engine.ring import Completion, Copier, CudaEvents, pinned_slot_bytes
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.checksum import combine, crc_of
 from ckptfs.layout.geometry import c_order_cuts
@@ -145,23 +145,20 @@ class DeviceChunk(StreamedPart):
 class CudaD2H:
     """The CUDA ``Copier`` for saves: device-to-host copies into pinned slots on one side
     stream per device, each after the work the caller had queued on the data's device when the
-    save began (``ready``: recorded in the caller's thread, on its current stream)."""
+    save began (``record``, in the caller's thread: the side stream waits for its current
+    stream)."""
 
     def __init__(self) -> None:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.events: dict[torch.device, torch.cuda.Event] = {}
         self._lock = threading.Lock()
 
     def record(self, device: torch.device) -> None:
         """Called in the caller's thread while staging: the copies from ``device`` start after
         what is queued on its current stream now."""
         with self._lock:
-            if device not in self.events:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(device))
-                self.events[device] = ev
-                self.streams[device] = torch.cuda.Stream(device)
-                self.streams[device].wait_event(ev)
+            if device not in self.streams:
+                stream = self.streams[device] = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
         stream = self.streams[src.device]
@@ -169,17 +166,7 @@ class CudaD2H:
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return _Event(event)
-
-
-class _Event:
-    __slots__ = ("event",)
-
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
-
-    def wait(self) -> None:
-        self.event.synchronize()
+        return CudaEvents([event])
 
 
 class DeviceParts:
@@ -209,7 +196,7 @@ def cuda_device_parts(has_cuda: bool, *, ring_bytes: int, slots: int) -> DeviceP
         return None
     from ckptfs.engine.buffers import PinnedAllocator
 
-    slot = 1 << max(0, (ring_bytes // slots).bit_length() - 1)  # torch pins powers of two
     d2h = CudaD2H()
-    return DeviceParts(SlotPool(slots, slot, PinnedAllocator().allocate), d2h,
+    return DeviceParts(SlotPool(slots, pinned_slot_bytes(ring_bytes, slots),
+                                PinnedAllocator().allocate), d2h,
                        lambda t: t.device.type == "cuda", d2h.record)

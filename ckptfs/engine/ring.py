@@ -210,7 +210,7 @@ class CudaCopier:
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)
-        return _Events(events)
+        return CudaEvents(events)
 
     def finish(self) -> None:
         for device, stream in self.streams.items():
@@ -218,7 +218,9 @@ class CudaCopier:
             stream.synchronize()
 
 
-class _Events:
+class CudaEvents:
+    """The completion of the work recorded by ``events`` (CUDA events)."""
+
     __slots__ = ("events",)
 
     def __init__(self, events: list[torch.cuda.Event]) -> None:
@@ -250,6 +252,12 @@ class Done:
         return None
 
 
+def pinned_slot_bytes(ring_bytes: int, slots: int) -> int:
+    """The bytes of each of ``slots`` pinned buffers sharing ``ring_bytes``: the share rounded
+    down to a power of two (the sizes torch's caching host allocator pins)."""
+    return 1 << max(0, (ring_bytes // slots).bit_length() - 1)
+
+
 def cuda_ring(targets: Iterable[torch.Tensor], *, ring_bytes: int, slots: int) -> Ring | None:
     """A pinned ring for the CUDA targets among ``targets``; None when there are none, so a
     load into CPU tensors never touches CUDA (and never pins memory)."""
@@ -258,6 +266,6 @@ def cuda_ring(targets: Iterable[torch.Tensor], *, ring_bytes: int, slots: int) -
     from ckptfs.engine.buffers import PinnedAllocator
 
     copier = CudaCopier()
-    slot = 1 << max(0, (ring_bytes // slots).bit_length() - 1)  # torch pins powers of two
+    slot = pinned_slot_bytes(ring_bytes, slots)
     return Ring(BufferPool(PinnedAllocator(), limit=slot * slots), copier, slots=slots,
                 slot_bytes=slot, device_type="cuda", on_close=copier.finish)
