@@ -9,10 +9,7 @@ runs in tests/test_gpu.py (GPU machines only)."""
 from __future__ import annotations
 
 import sys
-import threading
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import pytest
@@ -27,31 +24,10 @@ from ckptfs.io.parts import materialized, pieces
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.checksum import crc_of
 from ckptfs.layout.geometry import c_order_cuts
+from tests.copiers import LateCopier
 
 SAVE = sys.modules["ckptfs.save"]
 SLOT = 1 << 16  # 64 KiB slots: every tensor below is cut in several pieces
-
-
-class LateCopier:
-    """Copies in a worker thread, a little later; counts the bytes it was given."""
-
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(2)
-        self.bytes = 0
-        self.lock = threading.Lock()
-        self.threads: set[str] = set()  # where the streams ran (never the I/O event loop)
-
-    def __call__(self, dst: torch.Tensor, src: torch.Tensor):
-        with self.lock:
-            self.bytes += src.numel() * src.element_size()
-            self.threads.add(threading.current_thread().name)
-
-        def work() -> None:
-            time.sleep(0.0005)
-            dst.copy_(src)
-
-        fut = self.pool.submit(work)
-        return type("Done", (), {"wait": lambda self: fut.result()})()
 
 
 def _parts(slots: int = 3) -> tuple[DeviceParts, LateCopier]:

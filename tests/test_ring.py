@@ -9,7 +9,6 @@ import asyncio
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ from ckptfs.io import IOConfig, open_store
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.registry import get_backend
 from ckptfs.planning.load_plan import ReadPiece, plan_reads
+from tests.copiers import LateCopier
 
 
 class Gate:
@@ -52,29 +52,6 @@ class Gate:
             raise TimeoutError("the test never opened this copy")
         if self.fail:
             raise RuntimeError("stand-in copy failed")
-
-
-class LateCopier:
-    """Copies in a worker thread a little later; records what it was given."""
-
-    def __init__(self, fail_on: int | None = None) -> None:
-        self.pool = ThreadPoolExecutor(1)
-        self.given: list[torch.Tensor] = []
-        self.fail_on = fail_on
-        self.seen = lambda: None  # called at each copy (the ring's buffers are known then)
-
-    def __call__(self, dst: torch.Tensor, src: torch.Tensor):
-        if self.fail_on is not None and len(self.given) == self.fail_on:
-            raise RuntimeError("stand-in copy refused")
-        self.given.append(src)
-        self.seen()
-
-        def work() -> None:
-            time.sleep(0.001)
-            dst.copy_(src)
-
-        fut = self.pool.submit(work)
-        return type("Done", (), {"wait": lambda self: fut.result()})()
 
 
 class Counting(BufferAllocator):
