@@ -207,7 +207,8 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
                        written: set[str] | None) -> None:
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
     (``written`` = every file this save wrote), everything else under the root goes after."""
-    final = backend.finalize(index, plans)
+    with paused_gc():  # a backend's own metadata per tensor (DCP's .metadata: layout/nogc.py)
+        final = backend.finalize(index, plans)
     try:
         await write_files(store, final[:-1], False)
         await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)

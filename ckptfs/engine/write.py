@@ -67,7 +67,8 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     prep: list[FileWrite] = []
 
     def prepare() -> None:  # inside decide: a failure here raises on every rank, never hangs
-        prep.extend(backend.prepare(staged.plans))
+        with paused_gc():  # zarr: a metadata document per array (layout/nogc.py)
+            prep.extend(backend.prepare(staged.plans))
         run_sync(write_files(store, prep, False))
 
     comm.decide("save: preparing the layout", prepare)

@@ -9,7 +9,6 @@ consolidated metadata is the plain aggregation of those documents.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,7 +76,8 @@ class MetadataBuilder:
                 "attributes": dict(attributes or {}), "zarr_format": 3, "node_type": "group"}
 
     def add_array(self, path: str, layout: ArrayLayout, attributes: Mapping[str, Json]) -> None:
-        doc = copy.deepcopy(self._template(layout))
+        # a shallow copy: the nested members are shared with the template, never modified
+        doc = dict(self._template(layout))
         if self.zarr_format == 2:
             self.docs[join(path, ".zarray")] = doc
             self.docs[join(path, ".zattrs")] = dict(attributes)

@@ -1,0 +1,109 @@
+"""The per-tensor hot paths of a state of many small tensors (issue 17's W4): byte views, the
+garbage collector paused while metadata is built, zarr's metadata documents."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.layout.backends import torch_dist, zarr_backend
+from ckptfs.layout.nogc import paused_gc
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint16,
+          torch.uint32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 0, 4)])
+def test_tensor_bytes_is_the_tensor_memory_for_every_dtype(dtype, shape):
+    t = torch.empty(shape, dtype=dtype).view(-1).view(torch.uint8)
+    t.copy_((torch.arange(t.numel()) * 37 % 251).to(torch.uint8))
+    t = t.view(dtype).reshape(shape)
+    mv = tensor_bytes(t)
+    assert mv.format == "B" and mv.ndim == 1
+    assert bytes(mv) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    if t.numel():  # a view, not a copy
+        mv2 = tensor_bytes(t)
+        t.view(-1).view(torch.uint8)[0] ^= 0xFF
+        assert mv2[0] == mv[0] and mv[0] == t.reshape(-1).view(torch.uint8)[0].item()
+
+
+def test_tensor_bytes_refuses_what_has_no_plain_bytes():
+    with pytest.raises(ValueError, match="contiguous"):
+        tensor_bytes(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="CPU"):
+        tensor_bytes(torch.zeros(4, device="meta"))
+
+
+def test_paused_gc_restores_the_collector():
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), paused_gc():
+        raise KeyError("x")
+    assert gc.isenabled()
+    gc.disable()  # a caller that runs without the collector keeps it off
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("backend,version,hook", [
+    ("zarr", 3, (zarr_backend._ZarrBackend, "prepare")),
+    ("torch_dist", 1, (torch_dist.TorchDistBackend, "finalize")),
+])
+def test_backend_metadata_is_built_with_the_collector_paused(tmp_path, monkeypatch, backend,
+                                                           version, hook):
+    """zarr's per-array documents (prepare) and DCP's .metadata (finalize) allocate a few
+    objects per tensor; the collector is paused meanwhile and running again after the save."""
+    seen: list[bool] = []
+    cls, name = hook
+    orig = getattr(cls, name)
+
+    def spy(self, *a, **k):
+        seen.append(gc.isenabled())
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(cls, name, spy)
+    state = {f"t.{i}": torch.full((3 + i,), float(i)) for i in range(5)}
+    ckptfs.save(state, str(tmp_path / "c"), backend=backend, backend_version=version)
+    assert seen == [False]
+    assert gc.isenabled()
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    ckptfs.load(back, str(tmp_path / "c"))
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_zarr_documents_of_one_layout_keep_their_own_attributes(tmp_path, version):
+    """Arrays of the same shape and dtype share one template document; each array's own
+    attributes (its key) must still be its own, and the template must stay unchanged."""
+    state = {f"w.{i}": torch.full((4,), float(i)) for i in range(3)}
+    root = tmp_path / "z"
+    ckptfs.save(state, str(root), backend="zarr", backend_version=version)
+    keys = []
+    for i in range(3):
+        if version == 3:
+            doc = json.loads((root / f"w.{i}" / "zarr.json").read_text())
+            attrs = doc["attributes"]
+            assert doc["shape"] == [4] and doc["node_type"] == "array"
+        else:
+            assert json.loads((root / f"w.{i}" / ".zarray").read_text())["shape"] == [4]
+            attrs = json.loads((root / f"w.{i}" / ".zattrs").read_text())
+        keys.append(attrs["ckptfs"]["key"])
+    assert keys == ["w.0", "w.1", "w.2"]
+    import zarr
+
+    group = zarr.open_group(str(root), mode="r")
+    for i in range(3):
+        assert group[f"w.{i}"][:].tolist() == [float(i)] * 4
