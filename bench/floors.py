@@ -12,6 +12,12 @@ checkpoint cases of that world. The rate is all ranks' bytes over the time betwe
 - ``cold``: read after the page cache was dropped (a cold load's floor);
 - ``warm``: the same read again, from the page cache (a warm load's floor);
 - ``copy``: ``Tensor.copy_`` of every local tensor into an existing one (memory bandwidth).
+
+``read_whole`` is the floor taken beside a cold load (``bench.perf_world``): the files of the
+checkpoint that load just read, each read whole by a thread of its own, files dealt round-robin
+over the ranks. It reads the same bytes from the same places on the disk; the floors above read
+files written moments before (on this VM, files written just before read back about 9% faster
+than files written minutes earlier: the virtual disk's own caching).
 """
 
 from __future__ import annotations
@@ -56,6 +62,39 @@ def in_threads(jobs: list[Callable[[], None]]) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def data_files(path: str) -> list[str]:
+    """Every file under a checkpoint directory, sorted."""
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
+def scratch_for(paths: list[str], scratch: list[torch.Tensor]) -> list[memoryview]:
+    """A pre-faulted buffer per file of ``paths``, of its size (``scratch`` keeps them between
+    calls and grows them when needed: allocating and faulting is not part of a floor)."""
+    out = []
+    for i, p in enumerate(paths):
+        n = os.path.getsize(p)
+        if len(scratch) <= i:
+            scratch.append(torch.empty(0, dtype=torch.uint8))
+        if scratch[i].numel() < n:
+            scratch[i] = torch.ones(n, dtype=torch.uint8)  # written: every page faulted in
+        out.append(memoryview(scratch[i].numpy())[:n])
+    return out
+
+
+def read_whole(paths: list[str], bufs: list[memoryview]) -> None:
+    """Read each file whole into its buffer, a thread per file."""
+    def read(path: str, mv: memoryview) -> None:
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < len(mv):
+                n = f.readinto(mv[done:])
+                if not n:
+                    raise EOFError(f"{path}: short read")
+                done += n
+
+    in_threads([lambda p=p, b=b: read(p, b) for p, b in zip(paths, bufs)])
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -22,6 +22,12 @@ kind is its best rate over those thread counts. A case's fraction of floor is it
 floor of its kind at the world size that ran it: saves -> write, cold loads -> cold read, warm
 loads -> warm read.
 
+Beside each cold W1/W2 load of every library (alternately right before and right after it) the
+same checkpoint's files are read whole, cold, a thread per file, files dealt over the ranks
+(``floors.read_whole``): column ``of own files`` = that time / the load's time. The targets use
+the floors above; this column separates what the load costs from where its bytes lie on the disk
+(files written moments before read back faster on this VM than older ones).
+
 Libraries: ckptfs with every writable built-in backend (``--backends``) and DCP run in this
 venv; OLMo-core and Megatron-Core (default ``torch_dist`` strategy, and wrapped in
 ``FullyParallel{Save,Load}StrategyWrapper``) run in venvs of their own (``--olmo-venv``,
@@ -250,8 +256,11 @@ def summarize(records: list[dict[str, Any]], state_bytes: int, args: argparse.Na
     fraction of the floor."""
     fl: dict[tuple[int, str, int], list[float]] = defaultdict(list)
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    beside: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in records:
-        if r["kind"].startswith("floor-"):
+        if r["kind"] == "floor-beside":  # the case's own files read whole, beside the load
+            beside[(r["case"], r["lib"])].append(r["seconds"])
+        elif r["kind"].startswith("floor-"):
             fl[(r["world"], r["kind"][6:], r["threads"])].append(r["bytes"] / r["seconds"] / 1e9)
         else:
             groups[(r["case"], r["lib"])].append(r)
@@ -273,6 +282,9 @@ def summarize(records: list[dict[str, Any]], state_bytes: int, args: argparse.Na
         floor = floors.get(f"{r0['world']}:{fk}")
         row["floor_kind"], row["floor_gbps"] = fk, floor
         row["fraction"] = row["gbps"] / floor if floor else None
+        if (case, lib) in beside:  # time of reading the same files whole / time of the load
+            row["beside_seconds"] = statistics.median(beside[(case, lib)])
+            row["beside_fraction"] = row["beside_seconds"] / secs
         if "peak_rss" in r0:
             row["peak_rss"] = statistics.median(r["peak_rss"] for r in rs)
             row["local_bytes"] = max(r["local_bytes"] for r in rs)
@@ -363,14 +375,17 @@ def render(result: dict[str, Any], state_bytes: int, args: argparse.Namespace, f
                 o = by.get((case, peer))
                 ratios.append(f"{o['seconds'] / c['seconds']:.2f}x" if o and lib not in PEER_NAMES else "")
             frac = f"{c['fraction']:.0%}" if c["fraction"] is not None else "-"
+            near = f"{c['beside_fraction']:.0%}" if c.get("beside_fraction") is not None else ""
             floor = f"{c['floor_kind']} {c['floor_gbps']:.2f}" if c["floor_gbps"] else "-"
-            rows.append([case, lib + mark, f"{c['seconds']:.3f} s", f"{c['gbps']:.2f}", floor, frac, *ratios,
-                         f"{min(c['all_seconds']):.3f}-{max(c['all_seconds']):.3f}"])
+            rows.append([case, lib + mark, f"{c['seconds']:.3f} s", f"{c['gbps']:.2f}", floor, frac, near,
+                         *ratios, f"{min(c['all_seconds']):.3f}-{max(c['all_seconds']):.3f}"])
     cold = "cold = page cache dropped first" if args.drop else "page cache NOT dropped ('cold' is warm)"
     lines = ["", f"median of {args.reps} runs; state {state_bytes / 1e9:.3f} GB; {cold}; GB/s = 1e9 bytes/s; "
              "floor = GB/s of the floor of that kind at the same world size; "
+             "'of own files' = time to read the load's own files whole, cold, beside it / its time; "
              "'x PEER' = peer time / this time (> 1: this is faster)",
-             *table(["case", "library", "time", "GB/s", "floor GB/s", "of floor", *(f"x {p}" for p in peers),
+             *table(["case", "library", "time", "GB/s", "floor GB/s", "of floor", "of own files",
+                     *(f"x {p}" for p in peers),
                      "min-max s"], rows)]
     marks = [f"{m} {NOTES[p]}" for m, p in ((" +", "OLMo-core"), (" *", "Megatron")) if p in peers]
     if marks:
@@ -398,6 +413,12 @@ def render(result: dict[str, Any], state_bytes: int, args: argparse.Namespace, f
         v = (f"{t['worst']:.0%}" if t["fmt"] == "%" else f"{t['worst'] / MIB:+.0f} MiB" if t["fmt"] == "MiB"
              else f"{t['worst']:.2f}x")
         lines.append(f"  {t['lib']}: {t['target']}: {v} -> {'met' if t['met'] else 'NOT met'}")
+    for lib in _ours(cases):
+        near = [c["beside_fraction"] for c in cases if c["lib"] == lib and c.get("beside_fraction")]
+        if near:
+            lines.append(f"  beside, {lib}: cold loads (W1, W2) against the same files read whole "
+                         f"beside each load (not a target; the disk as that checkpoint lies on it): "
+                         f"{min(near):.0%}-{max(near):.0%}")
     for name, why in failed.items():
         lines.append(f"  {name}: failed and was dropped: {why}")
     return "\n".join(lines)

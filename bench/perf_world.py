@@ -75,6 +75,7 @@ class World:
         self.rep = cfg["rep"]
         self.libs = make_libs(cfg["libs"])
         self.runner = cfg["runner"]
+        self.scratch: list[torch.Tensor] = []  #: buffers of the floors beside cold loads
 
     def emit(self, **fields: Any) -> None:
         """Gather every rank's fields; rank 0 appends one record (max of ``peak_rss``, sum of
@@ -93,7 +94,8 @@ class World:
         with open(self.cfg["out"], "a") as f:
             f.write(json.dumps(rec) + "\n")
         t = f"{rec['seconds']:.3f} s" if "seconds" in rec else ""
-        print(f"    {rec['case']:<22} {rec.get('lib', ''):<30} {t}"
+        lib = rec.get("lib", "") + (" [own files]" if rec["kind"] == "floor-beside" else "")
+        print(f"    {rec['case']:<22} {lib:<30} {t}"
               f"{'  peak +%.0f MiB' % (rec['peak_rss'] / 2**20) if 'peak_rss' in rec else ''}"
               f"{'  NOT BIT-EXACT' if rec.get('bad') else ''}", flush=True)
 
@@ -123,9 +125,28 @@ class World:
             dist.barrier()
             if self.rank == 0:
                 drop_caches()
+        beside = kind == "cold" and self.cfg.get("beside", True) and case.startswith(("W1", "W2"))
+        if beside and self.rep % 2:  # the floor beside the load: before it, or after it
+            self.read_floor(case, ck, path)
         secs, _ = self.timed(lambda: ck.load(target, path))
         bad = [k for k, t in target.items() if not same_bits(_local(t), _local(expected[k]))]
         self.emit(case=case, lib=ck.name, kind=kind, seconds=secs, bytes=nbytes, bad=len(bad), bad_keys=bad)
+        if beside and not self.rep % 2:
+            self.read_floor(case, ck, path)
+
+    def read_floor(self, case: str, ck: Checkpointer, path: str) -> None:
+        """The cold read of the checkpoint's own files, whole, a thread per file, files dealt
+        over the ranks (``floors.read_whole``), page cache dropped first: taken beside each cold
+        W1/W2 load, alternately before and after it."""
+        files = floors.data_files(path)
+        mine = files[self.rank :: self.world]
+        bufs = floors.scratch_for(mine, self.scratch)
+        dist.barrier()
+        if self.rank == 0 and self.cfg["drop"]:
+            drop_caches()
+        secs, _ = self.timed(lambda: floors.read_whole(mine, bufs))
+        self.emit(case=case, lib=ck.name, kind="floor-beside", seconds=secs,
+                  bytes=sum(os.path.getsize(p) for p in files))
 
     def warm_up(self) -> None:
         """Each library saves and loads a tiny state once, untimed: its lazy imports and first-call

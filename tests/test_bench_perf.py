@@ -29,7 +29,7 @@ def test_perf_tiny(tmp_path, capsys):
     libs = {"ckptfs[safetensors_chunks-1]", "DCP"}
     assert {(c["case"], c["lib"]) for c in res["cases"]} == {(c, lib) for c in CASES for lib in libs}
     # floors: every kind measured in every world, from this run's own records
-    floor_recs = [r for r in res["records"] if r["kind"].startswith("floor-")]
+    floor_recs = [r for r in res["records"] if r["kind"].startswith("floor-") and r["kind"] != "floor-beside"]
     measured = {}
     for r in floor_recs:
         assert r["seconds"] > 0
@@ -39,7 +39,8 @@ def test_perf_tiny(tmp_path, capsys):
     assert res["floors"] == pytest.approx(measured)
     want_floor = {"save": "write", "cold": "cold", "warm": "warm"}
     for c in res["cases"]:
-        rec = [r for r in res["records"] if r.get("case") == c["case"] and r.get("lib") == c["lib"]]
+        rec = [r for r in res["records"] if r.get("case") == c["case"] and r.get("lib") == c["lib"]
+               and r["kind"] != "floor-beside"]
         assert len(rec) == 1
         assert ("bad" in rec[0]) == (c["kind"] != "save") and not rec[0].get("bad"), rec
         assert c["seconds"] == rec[0]["seconds"]
@@ -48,10 +49,20 @@ def test_perf_tiny(tmp_path, capsys):
         assert c["fraction"] == pytest.approx(c["bytes"] / c["seconds"] / 1e9 / floor), c
         if c["case"].startswith("W1 save"):
             assert c["peak_rss"] >= 0 and c["local_bytes"] > 0
+        # beside every cold W1/W2 load, the same checkpoint's files read whole (bench.floors)
+        near = [r for r in res["records"] if r["kind"] == "floor-beside" and r["case"] == c["case"]
+                and r["lib"] == c["lib"]]
+        if c["case"].startswith(("W1 load", "W2")):
+            assert len(near) == 1 and near[0]["seconds"] > 0 and near[0]["bytes"] >= c["bytes"], near
+            assert c["beside_fraction"] == pytest.approx(near[0]["seconds"] / c["seconds"])
+        else:
+            assert not near and "beside_fraction" not in c
     report = res["report"]
     for case in CASES:
         assert case in report
     targets = [ln for ln in report.splitlines() if ln.startswith("  ckptfs[")]
     assert len(targets) == 8 and all(ln.endswith(("-> met", "-> NOT met")) for ln in targets), targets
     (w3,) = [ln for ln in targets if "W3" in ln]
+    (near,) = [ln for ln in report.splitlines() if ln.startswith("  beside, ckptfs[")]
+    assert "same files read whole" in near, near
     assert "cold-read floor would be" in w3, w3
