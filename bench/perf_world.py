@@ -121,13 +121,13 @@ class World:
              nbytes: int) -> None:
         for t in target.values():
             _local(t).zero_()
+        beside = kind == "cold" and self.cfg.get("beside", True) and case.startswith(("W1", "W2"))
+        if beside and self.rep % 2:  # the floor beside the load: before it (before the drop), or after
+            self.read_floor(case, ck, path)
         if kind == "cold" and self.cfg["drop"]:
             dist.barrier()
             if self.rank == 0:
                 drop_caches()
-        beside = kind == "cold" and self.cfg.get("beside", True) and case.startswith(("W1", "W2"))
-        if beside and self.rep % 2:  # the floor beside the load: before it, or after it
-            self.read_floor(case, ck, path)
         secs, _ = self.timed(lambda: ck.load(target, path))
         bad = [k for k, t in target.items() if not same_bits(_local(t), _local(expected[k]))]
         self.emit(case=case, lib=ck.name, kind=kind, seconds=secs, bytes=nbytes, bad=len(bad), bad_keys=bad)

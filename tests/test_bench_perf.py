@@ -66,3 +66,56 @@ def test_perf_tiny(tmp_path, capsys):
     (near,) = [ln for ln in report.splitlines() if ln.startswith("  beside, ckptfs[")]
     assert "same files read whole" in near, near
     assert "cold-read floor would be" in w3, w3
+
+
+class _Files:
+    """A stand-in checkpointer whose load reads a checkpoint's files: the order test's load."""
+
+    name = "files"
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def load(self, state, path):
+        self.log.append("load")
+
+
+def _order_rank(rank: int, world: int, folder: str, rep: int, out: str) -> None:
+    import torch
+
+    from bench import perf_world
+
+    log: list[str] = []
+    perf_world.drop_caches = lambda: log.append("drop") or True
+    perf_world.floors.read_whole = lambda paths, bufs: log.append("floor")
+    w = perf_world.World(rank, world, {"rep": rep, "libs": [], "runner": "main", "drop": True,
+                                       "out": out})
+    state = {"a": torch.zeros(3)}
+    for case in ("W1 load 1->1", "W2 load 2->1", "W3 load 10% keys 2->2", "W4 load 9 small"):
+        log.append(case)
+        w.load(case, "cold", _Files(log), state, state, folder, 12)
+    w.load("W6 warm load 1->1", "warm", _Files(log), state, state, folder, 12)
+    with open(out + ".log", "w") as f:
+        json.dump(log, f)
+
+
+@pytest.mark.parametrize("rep", [0, 1])
+def test_the_floor_beside_a_cold_load_leaves_that_load_cold(tmp_path, rep):
+    """The own-files floor reads the checkpoint into the page cache: before a load it must come
+    before the drop, after it, after the load; only W1/W2 cold loads get one."""
+    from ckptfs.testing.ranks import run_ranks
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "data.bin").write_bytes(b"x" * 12)
+    out = str(tmp_path / "records.jsonl")
+    run_ranks(1, _order_rank, str(tmp_path / "ck"), rep, out, timeout=120)
+    log = json.loads((tmp_path / "records.jsonl.log").read_text())
+    # the floor drops the page cache itself, and the load comes right after a drop
+    with_floor = ["drop", "floor", "drop", "load"] if rep % 2 else ["drop", "load", "drop", "floor"]
+    assert log == ["W1 load 1->1", *with_floor, "W2 load 2->1", *with_floor,
+                   "W3 load 10% keys 2->2", "drop", "load", "W4 load 9 small", "drop", "load",
+                   "load"], log
+    recs = [json.loads(line) for line in open(out)]
+    assert [(r["case"], r["kind"]) for r in recs if r["kind"] == "floor-beside"] == [
+        ("W1 load 1->1", "floor-beside"), ("W2 load 2->1", "floor-beside")]
+    assert all(r["bytes"] == 12 for r in recs if r["kind"] == "floor-beside")
