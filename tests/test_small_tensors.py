@@ -107,3 +107,23 @@ def test_zarr_documents_of_one_layout_keep_their_own_attributes(tmp_path, versio
     group = zarr.open_group(str(root), mode="r")
     for i in range(3):
         assert group[f"w.{i}"][:].tolist() == [float(i)] * 4
+
+
+def test_dcp_metadata_shares_its_repeated_values_and_dcp_loads_it(tmp_path):
+    """torch_dist's .metadata (DCP's pickle) holds one TensorProperties per dtype and one
+    torch.Size per distinct tuple, shared by the items; DCP itself reads it and loads the data."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {f"t.{i}": torch.arange(4 + i % 2, dtype=torch.float32) + i for i in range(6)}
+    state["h"] = torch.ones(5, dtype=torch.bfloat16)
+    ckptfs.save(state, str(tmp_path / "c"), backend="torch_dist", backend_version=1)
+    md = dcp.FileSystemReader(str(tmp_path / "c")).read_metadata()
+    items = md.state_dict_metadata
+    f32 = {id(items[f"t.{i}"].properties) for i in range(6)}
+    assert len(f32) == 1 and items["h"].properties.dtype == torch.bfloat16
+    assert items["t.0"].properties.dtype == torch.float32
+    assert items["t.0"].size is items["t.2"].size and items["t.0"].size == torch.Size([4])
+    assert items["t.1"].size == torch.Size([5]) and items["t.1"].size is not items["t.0"].size
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "c")))
+    assert all(torch.equal(back[k], state[k]) for k in state)

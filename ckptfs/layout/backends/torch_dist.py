@@ -164,6 +164,18 @@ class TorchDistBackend(Backend):
         storage: dict[Any, Any] = {}
         planner: dict[str, tuple] = {}
         leaves = dcp_leaves(index.tensors, index.values, index.containers)
+        # one TensorProperties per dtype and one torch.Size per distinct tuple, shared by every
+        # item (never modified): pickle writes each once and refers to it after (20,000 small
+        # tensors: the pickle 0.47-0.80 s -> 0.18-0.28 s)
+        properties: dict[str, TensorProperties] = {}
+        sizes: dict[tuple[int, ...], torch.Size] = {}
+
+        def size(t: tuple[int, ...]) -> torch.Size:
+            got = sizes.get(t)
+            if got is None:
+                got = sizes[t] = torch.Size(t)
+            return got
+
         common: dict[Any, Any] = {}
         if megatron is not None:  # the values go to Megatron's common state, not DCP items
             common = mc.common_state(index.tensors, index.values, index.containers)
@@ -183,11 +195,14 @@ class TorchDistBackend(Backend):
             chunks = []
             for i, c in enumerate(entry.chunks):
                 start, length = _item(entry, c)
-                chunks.append(ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.shape)))
-                storage[MetadataIndex(leaf.fqn, c.offsets, i)] = _StorageInfo(c.file, start, length)
-            items[leaf.fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=from_name(entry.dtype, entry.key).torch),
-                torch.Size(entry.shape), chunks)
+                offsets = size(c.offsets)
+                chunks.append(ChunkStorageMetadata(offsets, size(c.shape)))
+                storage[MetadataIndex(leaf.fqn, offsets, i)] = _StorageInfo(c.file, start, length)
+            props = properties.get(entry.dtype)
+            if props is None:
+                props = properties[entry.dtype] = TensorProperties(
+                    dtype=from_name(entry.dtype, entry.key).torch)
+            items[leaf.fqn] = TensorStorageMetadata(props, size(entry.shape), chunks)
         md = Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage,
                       storage_meta=StorageMeta(save_id=values_path.split("/")[1]),
                       version=DCP_VERSION)
