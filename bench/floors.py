@@ -83,16 +83,21 @@ def scratch_for(paths: list[str], scratch: list[torch.Tensor]) -> list[memoryvie
     return out
 
 
+def read_into(f, mv: memoryview, path: str) -> None:
+    """Fill ``mv`` from the file object ``f`` at its position (``readinto`` until full)."""
+    done = 0
+    while done < len(mv):
+        n = f.readinto(mv[done:])
+        if not n:
+            raise EOFError(f"{path}: short read")
+        done += n
+
+
 def read_whole(paths: list[str], bufs: list[memoryview]) -> None:
     """Read each file whole into its buffer, a thread per file."""
     def read(path: str, mv: memoryview) -> None:
         with open(path, "rb", buffering=0) as f:
-            done = 0
-            while done < len(mv):
-                n = f.readinto(mv[done:])
-                if not n:
-                    raise EOFError(f"{path}: short read")
-                done += n
+            read_into(f, mv, path)
 
     in_threads([lambda p=p, b=b: read(p, b) for p, b in zip(paths, bufs)])
 
@@ -129,13 +134,7 @@ def measure(sources: list[torch.Tensor], targets: list[torch.Tensor], folder: st
     def read(path: str, idx: list[int]) -> None:
         with open(path, "rb", buffering=0) as f:
             for i in idx:
-                mv = _bytes_of(targets[i])
-                done = 0
-                while done < len(mv):
-                    n = f.readinto(mv[done:])
-                    if not n:
-                        raise EOFError(f"{path}: short read")
-                    done += n
+                read_into(f, _bytes_of(targets[i]), path)
 
     def copy() -> None:
         for s, t in zip(sources, targets):
