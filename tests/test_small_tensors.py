@@ -127,3 +127,75 @@ def test_dcp_metadata_shares_its_repeated_values_and_dcp_loads_it(tmp_path):
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "c")))
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def _many(n: int = 70) -> dict[str, torch.Tensor]:
+    return {f"s.{i}": torch.arange(3 + i % 5, dtype=torch.float32) * (i + 1) for i in range(n)}
+
+
+def _zeros(state):
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def test_many_small_files_are_read_in_groups(tmp_path, monkeypatch):
+    """zarr writes a chunk file per array: 70 of them are read in groups (Store.read_files, one
+    worker thread per group in a local store), not with a read_into each."""
+    from ckptfs.io.local_store import LocalStore
+
+    calls = {"files": [], "into": 0}
+    files, into = LocalStore.read_files, LocalStore.read_into
+
+    async def spy_files(self, items):
+        calls["files"].append(len(items))
+        return await files(self, items)
+
+    async def spy_into(self, path, reads):
+        calls["into"] += 1
+        return await into(self, path, reads)
+
+    monkeypatch.setattr(LocalStore, "read_files", spy_files)
+    monkeypatch.setattr(LocalStore, "read_into", spy_into)
+    state = _many()
+    ckptfs.save(state, str(tmp_path / "z"), backend="zarr", backend_version=3)
+    back = _zeros(state)
+    res = ckptfs.load(back, str(tmp_path / "z"))
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert sorted(calls["files"]) == [6, 64] and calls["into"] == 0
+    assert res.bytes_read == sum(v.nbytes for v in state.values())
+    few = {k: state[k] for k in list(state)[:10]}  # below a group: one read_into per file
+    back = _zeros(few)
+    ckptfs.load(back, str(tmp_path / "z"))
+    assert all(torch.equal(back[k], few[k]) for k in few) and calls["into"] == 10
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_a_damaged_small_file_in_a_group_names_its_key(tmp_path, damage):
+    state = _many()
+    root = tmp_path / "z"
+    ckptfs.save(state, str(root), backend="zarr", backend_version=3)
+    chunk = root / "s.37" / "c" / "0"
+    if damage == "missing":
+        chunk.unlink()
+    elif damage == "truncated":
+        chunk.write_bytes(chunk.read_bytes()[:-4])
+    else:
+        data = bytearray(chunk.read_bytes())
+        data[5] ^= 0x10
+        chunk.write_bytes(bytes(data))
+    with pytest.raises(ckptfs.IntegrityError, match=r"s\.37") as e:
+        ckptfs.load(_zeros(state), str(root))
+    if damage != "flipped":
+        assert damage in str(e.value) and "s.37/c/0" in str(e.value)
+
+
+def test_many_small_files_from_a_store_without_its_own_grouping(memfs):
+    """Any other store reads a group with a read_into per file (Store.read_files' default)."""
+    state = _many()
+    ckptfs.save(state, "memory://many", backend="zarr", backend_version=3)
+    back = _zeros(state)
+    ckptfs.load(back, "memory://many")
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    fs = memfs
+    fs.rm_file("/many/s.3/c/0")
+    with pytest.raises(ckptfs.IntegrityError, match=r"s\.3.*missing"):
+        ckptfs.load(_zeros(state), "memory://many")

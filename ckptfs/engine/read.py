@@ -71,6 +71,13 @@ _Planned = tuple[int, Callable[[_FileWork, memoryview], None]]
 
 #: bytes of reads per wave: a wave's checks and copies run while later waves are read
 _WAVE = 32 << 20
+#: a file whose pieces all go straight into their targets and need at most this many bytes is
+#: small; at least ``_SMALL_GROUP`` of them are read in groups of that many (``Store.read_files``):
+#: 20,000 one-array zarr files, cold, took 10 s one ``read_into`` each, against 3.3 s for plain
+#: reads from 16 threads
+_SMALL_FILE = 1 << 20
+_SMALL_GROUP = 64
+_NO_SCRATCH = memoryview(b"")
 #: bytes of each part of a region read through the ring (at most a slot), and of its waves:
 #: each part is read, checked and copied to the device on its own. Large parts measured fastest
 #: on an H100 host (bench/gpu.py; 4-16 MiB parts were 2-5x slower: each device copy costs
@@ -121,6 +128,7 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     ring_file: dict[str, list[_Planned]] = defaultdict(list)  # pieces through the ring
     encoded: list[tuple[TensorRead, ReadPiece, EncodedChunk]] = []
     keys_of: dict[str, set[str]] = defaultdict(set)  # file -> keys read from it (for errors)
+    file_bytes: dict[str, int] = defaultdict(int)  # file -> bytes its pieces need
     needed = 0
     sources = await backend.chunk_sources(
         [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
@@ -133,6 +141,7 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             needed += piece.src.volume * dt.itemsize
             if isinstance(src, RawChunk):
                 keys_of[src.file].add(job.entry.key)
+                file_bytes[src.file] += piece.src.volume * dt.itemsize
                 if ringed and direct is not None and direct.add(job, piece, src, dt.itemsize):
                     continue
                 if ringed:
@@ -214,12 +223,42 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             raise
         await gather_all(*started)
 
+    async def run_small(files: list[tuple[str, list[_Planned]]]) -> None:
+        """Small files read straight into their targets (no scratch), as one group: one store
+        call (a local store reads them in one worker thread) and one run of their checks."""
+        works = []
+        for path, planned in files:
+            work = _FileWork([], [], [])
+            for _, materialize in planned:
+                materialize(work, _NO_SCRATCH)
+            works.append((path, work))
+        errors = await store.read_files([(path, w.reads) for path, w in works])
+        for (path, _), e in zip(works, errors):
+            if isinstance(e, FileNotFoundError):
+                raise _damaged(path, keys_of[path], f"the data file is missing ({e})") from None
+            if isinstance(e, EOFError):
+                raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
+            if e is not None:
+                raise e
+        after = [fn for _, w in works for fn in w.after]
+        if after:
+            await _run_after(after)
+
+    small = [(p, w) for p, w in per_file.items()
+             if file_bytes[p] <= _SMALL_FILE and all(c == 0 for c, _ in w)]
+    if len(small) >= _SMALL_GROUP:  # many small files: grouped (W4, zarr's file per array)
+        for p, _ in small:
+            del per_file[p]
+    else:
+        small = []
+
     async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
         cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
         async with pool.budget.hold(cost):  # the fetched bytes and the decoded ones
             await _run_encoded(store, job, piece, src, verify)
 
     await gather_all(*(run_file(p, w) for p, w in per_file.items()),  # a failure cancels the rest
+                     *(run_small(small[i : i + _SMALL_GROUP]) for i in range(0, len(small), _SMALL_GROUP)),
                      *(run_ring_file(p, w, ring) for p, w in ring_file.items()),  # type: ignore[arg-type]
                      *(run_encoded(j, p, s) for j, p, s in encoded),
                      *((direct.run(store, _damaged, keys_of),) if direct is not None else ()))

@@ -81,13 +81,8 @@ class LocalStore(Store):
         32 MiB that run in parallel threads; gap bytes go to scratch buffers. (The engine keeps
         each of its ``read_streams`` to one such call at a time: runs read in order go faster
         cold than the same pieces in any order.)"""
-        groups = coalesce(reads, self.config.max_gap, self.config.max_span)
+        ngroups, tasks, overlapping = self._tasks(reads)
         full = self.full_path(path)
-        tasks: list[tuple[int, list[memoryview]]] = []
-        overlapping: list[ReadInto] = []
-        for g in groups:
-            segs = _segments(g, overlapping)
-            tasks.extend(_cut(segs, g.span.start, _READ_PIECE))
 
         def work(offset: int, bufs: list[memoryview]) -> int:
             with self._open_read(path) as f:
@@ -106,16 +101,53 @@ class LocalStore(Store):
         for g in got:
             if isinstance(g, BaseException):
                 raise g
-        self.stats.add_read(sum(got), len(groups))
+        self.stats.add_read(sum(got), ngroups)
         if overlapping:
             def rest() -> int:
                 with self._open_read(path) as f:
-                    for r in overlapping:
-                        r.dest[:] = os.pread(f.fileno(), r.dest.nbytes, r.start)
-                return sum(r.dest.nbytes for r in overlapping)
+                    return _read_overlapping(f.fileno(), overlapping)
 
             fut = asyncio.ensure_future(asyncio.to_thread(rest))
             self.stats.add_read(await settled(fut), len(overlapping))
+
+    def _tasks(self, reads: Sequence[ReadInto]
+               ) -> tuple[int, list[tuple[int, list[memoryview]]], list[ReadInto]]:
+        """Coalesced groups (their count), cut into preadv tasks; and the reads that overlap an
+        earlier one (read on their own)."""
+        groups = coalesce(reads, self.config.max_gap, self.config.max_span)
+        tasks: list[tuple[int, list[memoryview]]] = []
+        overlapping: list[ReadInto] = []
+        for g in groups:
+            tasks.extend(_cut(_segments(g, overlapping), g.span.start, _READ_PIECE))
+        return len(groups), tasks, overlapping
+
+    async def read_files(self, items: Sequence[tuple[str, Sequence[ReadInto]]]
+                         ) -> list[BaseException | None]:
+        """The files one after the other in one worker thread (one request slot): for small
+        files the thread hops and tasks of a ``read_into`` each cost more than the reads."""
+        if self._direct:
+            return await super().read_files(items)
+
+        def work() -> tuple[list[BaseException | None], int, int]:
+            errors: list[BaseException | None] = []
+            nbytes = nreq = 0
+            for path, reads in items:
+                try:
+                    ngroups, tasks, overlapping = self._tasks(reads)
+                    with self._open_read(path) as f:
+                        for offset, bufs in tasks:
+                            nbytes += _preadv_all(f.fileno(), bufs, offset, self.full_path(path))
+                        nbytes += _read_overlapping(f.fileno(), overlapping)
+                    nreq += ngroups + len(overlapping)
+                    errors.append(None)
+                except (OSError, EOFError) as e:
+                    errors.append(e)
+            return errors, nbytes, nreq
+
+        async with self.semaphore:  # cancelled: the thread still finishes before we return
+            errors, nbytes, nreq = await settled(asyncio.ensure_future(asyncio.to_thread(work)))
+        self.stats.add_read(nbytes, nreq)
+        return errors
 
     def _read_direct(self, path: str, bufs: list[memoryview], offset: int, full: str) -> int | None:
         """Fill ``bufs`` from ``offset`` with O_DIRECT reads of the enclosing aligned range into
@@ -405,6 +437,12 @@ def _cached(fd: int, offset: int, nbytes: int) -> bool:
         return bool((np.frombuffer(vec, dtype=np.uint8) & 1).all())
     finally:
         mu(addr, length)
+
+
+def _read_overlapping(fd: int, reads: list[ReadInto]) -> int:
+    for r in reads:
+        r.dest[:] = os.pread(fd, r.dest.nbytes, r.start)
+    return sum(r.dest.nbytes for r in reads)
 
 
 def _segments(g, overlapping: list[ReadInto]) -> list[memoryview]:

@@ -48,6 +48,10 @@ class PrefixedStore(Store):
     async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
         await self.base.read_into(self._p(path), reads)
 
+    async def read_files(self, items: Sequence[tuple[str, Sequence[ReadInto]]]
+                         ) -> list[BaseException | None]:
+        return await self.base.read_files([(self._p(p), r) for p, r in items])
+
     @property
     def streams_parts(self) -> bool:  # type: ignore[override]
         return self.base.streams_parts
