@@ -64,7 +64,7 @@ def in_threads(jobs: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def data_files(path: str) -> list[str]:
+def files_under(path: str) -> list[str]:
     """Every file under a checkpoint directory, sorted."""
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
 

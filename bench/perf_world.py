@@ -138,7 +138,7 @@ class World:
         """The cold read of the checkpoint's own files, whole, a thread per file, files dealt
         over the ranks (``floors.read_whole``), page cache dropped first: taken beside each cold
         W1/W2 load, alternately before and after it."""
-        files = floors.data_files(path)
+        files = floors.files_under(path)
         mine = files[self.rank :: self.world]
         bufs = floors.scratch_for(mine, self.scratch)
         dist.barrier()

@@ -157,10 +157,8 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     async def read_wave(path: str, wave: _FileWork) -> None:
         try:
             await store.read_into(path, wave.reads)
-        except FileNotFoundError as e:
-            raise _damaged(path, keys_of[path], f"the data file is missing ({e})") from None
-        except EOFError as e:
-            raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
+        except (FileNotFoundError, EOFError) as e:
+            raise _read_failed(path, keys_of[path], e) from None
 
     async def run_stream(path: str, waves: list[_FileWork]) -> None:
         """Read ``waves`` one after the other; each wave's checks and copies run while the
@@ -234,23 +232,18 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
             works.append((path, work))
         errors = await store.read_files([(path, w.reads) for path, w in works])
         for (path, _), e in zip(works, errors):
-            if isinstance(e, FileNotFoundError):
-                raise _damaged(path, keys_of[path], f"the data file is missing ({e})") from None
-            if isinstance(e, EOFError):
-                raise _damaged(path, keys_of[path], f"the data file is truncated ({e})") from None
-            if e is not None:
-                raise e
+            if e is not None:  # returned, not raised here: no context to suppress
+                raise _read_failed(path, keys_of[path], e)
         after = [fn for _, w in works for fn in w.after]
         if after:
             await _run_after(after)
 
     small = [(p, w) for p, w in per_file.items()
              if file_bytes[p] <= _SMALL_FILE and all(c == 0 for c, _ in w)]
-    if len(small) >= _SMALL_GROUP:  # many small files: grouped (W4, zarr's file per array)
-        for p, _ in small:
-            del per_file[p]
-    else:
+    if len(small) < _SMALL_GROUP:  # only many small files are grouped (W4, zarr's file per array)
         small = []
+    for p, _ in small:
+        del per_file[p]
 
     async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
         cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
@@ -268,6 +261,16 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
 def _damaged(file: str, keys: set[str] | list[str], what: str) -> IntegrityError:
     """A data file the index lists is gone or short: the checkpoint is damaged."""
     return IntegrityError(f"key(s) {', '.join(map(repr, sorted(keys)))}: {file}: {what}")
+
+
+def _read_failed(file: str, keys: set[str], e: BaseException) -> BaseException:
+    """What a failed read of ``file`` raises: a missing or short file is ``_damaged``; any other
+    error is itself."""
+    if isinstance(e, FileNotFoundError):
+        return _damaged(file, keys, f"the data file is missing ({e})")
+    if isinstance(e, EOFError):
+        return _damaged(file, keys, f"the data file is truncated ({e})")
+    return e
 
 
 def _run_all(fns: list[Callable[[], None]]) -> None:
