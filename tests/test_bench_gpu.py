@@ -23,7 +23,8 @@ def test_the_harness_runs_every_row_on_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     for row in ("page cache read GB/s by threads", "load ckptfs ", "load ckptfs verify=False",
                 "load DCP", "write floor", "save ckptfs", "save DCP", "async_save: until staged",
-                "async_save: until done"):
+                "async_save: until done", "DCP async_save: until staged",
+                "DCP async_save: until done"):
         assert row in out, row
     assert list(tmp_path.iterdir()) == []  # the checkpoints are removed
 
