@@ -363,10 +363,21 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
         during: list[float] = []
         if train:
             box: list[float] = []
-            waiter = threading.Thread(target=lambda: (wait_done(), box.append(time.perf_counter())))
+            failed: list[BaseException] = []
+
+            def waiter_main() -> None:
+                try:
+                    wait_done()
+                except BaseException as e:  # raised below: a failed save must not hang the loop
+                    failed.append(e)
+                box.append(time.perf_counter())
+
+            waiter = threading.Thread(target=waiter_main)
             waiter.start()
             during = trainer.run(lambda: bool(box))
             waiter.join()
+            if failed:
+                raise RuntimeError(f"{ck.name}: the save failed in the background") from failed[0]
             t_done = box[0] - t0
             end = time.perf_counter() + cfg["train_s"] / 2
             base += trainer.run(lambda: time.perf_counter() > end, 5)

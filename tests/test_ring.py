@@ -309,3 +309,42 @@ def test_pinned_slots_are_a_power_of_two_within_the_ring():
     assert pinned_slot_bytes(512 << 20, 8) == 64 << 20  # the default ring
     assert pinned_slot_bytes(300 << 20, 4) == 64 << 20  # 75 MiB each, rounded down
     assert pinned_slot_bytes(3, 4) == 1  # never zero
+
+
+@pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 47, 48, 49, 1000])
+def test_split_crc_is_the_crc_of_the_whole(monkeypatch, size):
+    from ckptfs.engine import read
+    from ckptfs.layout.checksum import crc_of
+
+    monkeypatch.setattr(read, "RING_CHECK_PIECE", 16)
+    data = memoryview(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes())
+    assert read.split_crc(data) == crc_of(data)
+
+
+async def test_a_slot_checked_in_pieces_catches_a_flip_in_any_piece(saved, tmp_path, monkeypatch):
+    """Each slot's CRC is computed in pieces on several threads (``split_crc``) while its copy
+    runs: a flipped byte in the first, a middle or the last piece still fails the load."""
+    import shutil
+
+    from ckptfs.engine import read
+
+    url, sd = saved
+    monkeypatch.setattr(read, "RING_CHECK_PIECE", 16)  # 4-5 pieces per 64-byte slot
+    store = await open_store(str(url))
+    chunk = (await read_index(store)).tensors["b"].chunks[0]
+    await store.close()
+    for at in (3, 21, 40, 79):  # 80-byte chunk: slot one holds bytes 0-63, slot two 64-79
+        bad = tmp_path / f"bad{at}"
+        shutil.copytree(url, bad)
+        path = bad / chunk.file
+        data = bytearray(path.read_bytes())
+        data[chunk.byte_offset + at] ^= 0x01
+        path.write_bytes(data)
+        ring = Ring(BufferPool(limit=128), LateCopier(), slots=2, slot_bytes=64, device_type="cpu")
+        with pytest.raises(IntegrityError, match=r"key 'b': chunk at \[0\].*fails its checksum"):
+            await _load(bad, {"b": (torch.zeros(40, dtype=torch.bfloat16), full_box((40,)))}, ring)
+        assert ring.pool.budget.used == 0
+    ring = Ring(BufferPool(limit=128), LateCopier(), slots=2, slot_bytes=64, device_type="cpu")
+    t = torch.zeros(40, dtype=torch.bfloat16)
+    await _load(url, {"b": (t, full_box((40,)))}, ring)  # intact: loads, checked in pieces
+    assert torch.equal(t, sd["b"])
