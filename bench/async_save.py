@@ -73,8 +73,13 @@ TARGETS = {"staged_vs_dcp": 0.5, "staged_vs_floor": 1.3, "done_vs_dcp": 0.5, "sl
 
 
 # -- the state and the stand-in training step -----------------------------------------------------
-def make_state(mb: int, world: int) -> dict[str, Any]:
-    """``mb`` MB of fp32 in tensors of 25 MB (rows x 1024), row-sharded DTensors over ``world``."""
+def make_state(mb: int, world: int, plain: bool = False) -> dict[str, Any]:
+    """``mb`` MB of fp32 in tensors of 25 MB (rows x 1024), row-sharded DTensors over ``world``
+    (``plain``: plain tensors, world 1; torch 2.11's ``DefaultStager`` cannot stage DTensors)."""
+    if plain:
+        rows = TENSOR_MB * 10**6 // (4 * 1024)
+        return {f"layers.{i}.weight": torch.randn(rows, 1024)
+                for i in range(max(1, mb // TENSOR_MB))}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -135,7 +140,7 @@ def rss() -> int:
 
 
 def local_tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
-    return [t.to_local() for t in sd.values()]
+    return [t.to_local() if hasattr(t, "to_local") else t for t in sd.values()]
 
 
 # -- the checkpointers ----------------------------------------------------------------------------
@@ -331,7 +336,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
-    sd = make_state(cfg["mb"], world)
+    sd = make_state(cfg["mb"], world, cfg.get("plain", False))
     srcs = local_tensors(sd)
     bufs = [torch.empty_like(t) for t in srcs]
     floor(srcs, bufs, 1)  # fault the floor's buffers in
@@ -531,14 +536,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-s", type=float, default=1.0,
                    help="seconds of baseline training steps around each trained save (default 1)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--plain", action="store_true",
+                   help="plain tensors instead of DTensors (world 1; for torch versions whose "
+                        "DefaultStager cannot stage DTensors, such as 2.11)")
     args = p.parse_args(argv)
+    if args.plain and args.world != 1:
+        sys.exit("--plain needs --world 1")
     libs = [x for x in args.libs.split(",") if x]
     if unknown := set(libs) - set(ALL_LIBS):
         sys.exit(f"unknown checkpointers {sorted(unknown)}; choose from {ALL_LIBS}")
     root = tempfile.mkdtemp(prefix="ckptfs-async-", dir=args.dir)
     out = os.path.join(root, "records.json")
     cfg = {"mb": args.mb, "reps": args.reps, "libs": libs, "train_s": args.train_s,
-           "root": root, "out": out}
+           "root": root, "out": out, "plain": args.plain}
     load = os.getloadavg()
     state_bytes = max(1, args.mb // TENSOR_MB) * (TENSOR_MB * 10**6 // (4 * 1024)) * 4096
     print(f"bench.async_save: {state_bytes / 1e6:.0f} MB fp32 per rank, world {args.world}, "
