@@ -16,7 +16,8 @@ repetition, all in the same process:
   process fed through shared-memory staging buffers (a prototype, here only to measure the
   thread-vs-process choice; world 1 only);
 - ``DCP-stager``: ``dcp.async_save`` with one ``DefaultStager(use_async_staging=True)`` reused
-  by every save (its staging storages are cached across saves);
+  by every save (its staging storages are cached across saves; on torch 2.11, which cannot
+  reuse one, a new stager per save: ``bench.libs.DcpStager``);
 - ``DCP-thread``: ``dcp.async_save`` without a stager (the call stages, then returns);
 - ``DCP-proc``: ``dcp.async_save(async_checkpointer_type=PROCESS)`` with a reused shared-memory
   ``DefaultStager``;
@@ -63,6 +64,7 @@ import torch
 
 import ckptfs
 from bench.floors import write_fsync
+from bench.libs import DcpStager
 from bench.run import table
 from ckptfs.testing.ranks import run_ranks
 
@@ -242,17 +244,13 @@ def writer_main(requests: Any, replies: Any) -> None:
 
 class Dcp:
     def __init__(self, mode: str) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         self.mode = mode
         self.name = f"DCP-{mode}"
         self.stager = None
         if mode in ("stager", "proc"):
             # pinned memory and non-blocking copies need CUDA; shared memory only for the process
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False,
-                                                       use_shared_memory=mode == "proc",
-                                                       use_async_staging=True,
-                                                       use_non_blocking_copy=False))
+            self.stager = DcpStager(use_pinned_memory=False, use_shared_memory=mode == "proc",
+                                    use_async_staging=True, use_non_blocking_copy=False)
 
     def start(self, sd: dict[str, Any], path: str) -> Waits:
         import torch.distributed.checkpoint as dcp
@@ -260,7 +258,8 @@ class Dcp:
 
         writer = dcp.FileSystemWriter(path, sync_files=True)
         kind = AsyncCheckpointerType.PROCESS if self.mode == "proc" else AsyncCheckpointerType.THREAD
-        r = dcp.async_save(sd, storage_writer=writer, async_stager=self.stager,
+        r = dcp.async_save(sd, storage_writer=writer,
+                           async_stager=None if self.stager is None else self.stager.get(),
                            async_checkpointer_type=kind)
         if self.stager is None:  # thread mode: the call staged; a plain future
             return (lambda: None), (lambda: r.result())

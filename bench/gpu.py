@@ -15,7 +15,8 @@ In one run on a GPU machine, for an fp32 and a bf16 state of ``--gb`` GB (defaul
   through its pinned ring) vs ``dcp.save`` (``sync_files=True``), with the pinned memory in use
   at once (torch's host allocator statistics); and ckptfs's ``async_save`` (time until staged,
   until done) beside DCP's ``async_save`` with one ``DefaultStager`` reused by every save
-  (pinned, non-blocking, asynchronous staging: DCP's advice for GPU state), issue 10's peer.
+  (pinned, non-blocking, asynchronous staging: DCP's advice for GPU state; a new one per save
+  on torch 2.11, which cannot reuse one: ``bench.libs.DcpStager``), issue 10's peer.
 
 Runs alternate between checkpointers; medians of ``--repeats``; loads run from a warm page cache
 (the floor beside them is the warm read bandwidth); every load is compared with the state on
@@ -42,6 +43,7 @@ import torch
 
 import ckptfs
 from bench.floors import in_threads, write_fsync
+from bench.libs import DcpStager
 from bench.worker import drop_caches
 from ckptfs.io import IOConfig
 from ckptfs.layout.checksum import crc_of
@@ -189,7 +191,6 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
               h2d: float | None) -> list[str]:
     """Rows of the table for one dtype."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     from ckptfs.testing.ranks import run_ranks
 
@@ -264,9 +265,8 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
         # DCP's async save as its docs advise for GPU state: one DefaultStager reused by every
         # save (pinned staging storages cached across saves, non-blocking copies, staged in the
         # background)
-        stager = DefaultStager(StagingOptions(use_pinned_memory=device == "cuda",
-                                              use_shared_memory=False, use_async_staging=True,
-                                              use_non_blocking_copy=device == "cuda"))
+        stager = DcpStager(use_pinned_memory=device == "cuda", use_shared_memory=False,
+                           use_async_staging=True, use_non_blocking_copy=device == "cuda")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for i in range(repeats):
@@ -295,7 +295,7 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                 peak = _pinned_peak_reset(device)
                 _sync(device)
                 t = time.perf_counter()
-                r = dcp.async_save(expected, async_stager=stager, no_dist=True,
+                r = dcp.async_save(expected, async_stager=stager.get(), no_dist=True,
                                    storage_writer=dcp.FileSystemWriter(out, sync_files=True))
                 r.staging_completion.result()
                 dstaged.append(time.perf_counter() - t)
@@ -321,7 +321,8 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
         rows.append(_row("async_save: until done", statistics.median(adone), nbytes, d_done,
                          f"{nbytes / statistics.median(adone) / 1e9 / best_w:4.0%} of write floor"))
         rows.append(_row("DCP async_save: until staged", d_staged, nbytes, d_staged,
-                         f"pinned peak {_mb(pinned['dcp-async'])} (DefaultStager, reused)"))
+                         f"pinned peak {_mb(pinned['dcp-async'])} (DefaultStager, "
+                         f"{'reused' if stager.reusable else 'new each save: torch 2.11'})"))
         rows.append(_row("DCP async_save: until done", d_done, nbytes, d_done, ""))
         return rows
     finally:

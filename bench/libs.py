@@ -107,3 +107,32 @@ def dcp_bytes_read(state: dict[str, torch.Tensor], path: str) -> int:
 
 def checkpointers(backends: list[tuple[str, int]]) -> list[Checkpointer]:
     return [*(Ckptfs(n, v) for n, v in backends), Dcp()]
+
+
+class DcpStager:
+    """DCP's ``DefaultStager`` reused by every save (its staging storages cached across saves),
+    where the torch version allows it. torch 2.11's ``DefaultStager._stage`` closes its
+    ``StateDictStager``, so a reused stager's second save raises ``KeyError: <class 'type'>``
+    (pytorch/pytorch#183413); there ``get`` makes a new stager for every save, which is what
+    DCP gives its users on that version (no cached staging storages)."""
+
+    reusable = not torch.__version__.startswith("2.11")
+
+    def __init__(self, **options: bool) -> None:
+        self.options = options
+        self._stager = None
+
+    def get(self):
+        """The stager for the next save."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is not None and not self.reusable:
+            self.close()
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(**self.options))
+        return self._stager
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
