@@ -21,11 +21,9 @@ CRCs are combined).
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +38,7 @@ from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all, settled
 from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import combine, crc_of, render
+from ckptfs.layout.checksum import checksum, combine, crc_of, render
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.geometry import c_order_cuts, c_strides, region_runs
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
@@ -85,12 +83,6 @@ _NO_SCRATCH = memoryview(b"")
 #: on an H100 host (bench/gpu.py; 4-16 MiB parts were 2-5x slower: each device copy costs
 #: about 0.2 ms to start there), so a slot of the default ring holds one part
 RING_PIECE = 64 << 20
-#: a ring part's crc32c is computed in pieces of this many bytes on several threads at once and
-#: combined: one thread checking a 64 MiB slot took as long as reading it (H100 host, 11-12 ms),
-#: and the slot waited for both before its device copy could be fenced
-RING_CHECK_PIECE = 16 << 20
-_check_pool: ThreadPoolExecutor | None = None
-_check_pool_lock = threading.Lock()
 
 
 def _typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -322,38 +314,19 @@ def _batches(planned: list[_Planned], budget: int | None):
         yield cost, batch
 
 
-def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool, whole: bool,
-             crc: Callable[[memoryview], int] = crc_of,
-             ) -> Callable[[memoryview | torch.Tensor], None] | None:
+def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
+             whole: bool) -> Callable[[memoryview | torch.Tensor], None] | None:
     """A function checking the crc32c of a chunk's raw C-order bytes, when they are all read."""
     if not (verify and whole and chunk.checksum is not None):
         return None
     want = chunk.checksum
 
     def check(data: memoryview | torch.Tensor) -> None:
-        got = render(crc(tensor_bytes(data) if isinstance(data, torch.Tensor) else data))
+        got = checksum(tensor_bytes(data) if isinstance(data, torch.Tensor) else data)
         if got != want:
             raise _mismatch(key, chunk, file, got)
 
     return check
-
-
-def split_crc(data: memoryview) -> int:
-    """The crc32c of ``data``, its ``RING_CHECK_PIECE``-byte pieces computed on several threads at
-    once (the library's CRC, without the GIL for large buffers) and combined."""
-    n, step = data.nbytes, RING_CHECK_PIECE
-    if n <= step:
-        return crc_of(data)
-    global _check_pool
-    with _check_pool_lock:
-        if _check_pool is None:
-            _check_pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="ckptfs-crc")
-    rest = [(n - o if o + step > n else step, _check_pool.submit(crc_of, data[o : o + step]))
-            for o in range(step, n, step)]
-    crc = crc_of(data[:step])  # this thread takes the first piece
-    for size, fut in rest:
-        crc = combine(crc, fut.result(), size)
-    return crc
 
 
 def _mismatch(key: str, chunk: ChunkEntry, file: str, got: str) -> IntegrityError:
@@ -362,8 +335,7 @@ def _mismatch(key: str, chunk: ChunkEntry, file: str, got: str) -> IntegrityErro
 
 
 def _combined_checkers(key: str, chunk: ChunkEntry, file: str, sizes: list[int],
-                       whole: bool, crc: Callable[[memoryview], int] = crc_of,
-                       ) -> list[Callable[[memoryview], None] | None]:
+                       whole: bool) -> list[Callable[[memoryview], None] | None]:
     """Checks for the parts of one chunk (of ``sizes`` bytes, in C order), fed in any order
     from any thread: the last one to run combines their CRCs and compares with the index's."""
     if not (whole and chunk.checksum is not None):
@@ -373,7 +345,7 @@ def _combined_checkers(key: str, chunk: ChunkEntry, file: str, sizes: list[int],
 
     def part(i: int) -> Callable[[memoryview], None]:
         def check(data: memoryview) -> None:
-            crcs[i] = crc(data)
+            crcs[i] = crc_of(data)
             with lock:
                 left[0] -= 1
                 if left[0]:
@@ -393,16 +365,14 @@ def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dt
                itemsize: int, verify: bool, ring: Ring) -> list[_Planned]:
     """``piece`` cut to fit ``ring``'s slots, each part read compact into a slot and copied out
     by ``ring.copier``; a chunk read whole is checked across its parts (their CRCs computed in
-    any order, on any thread, and combined by the last). Each part's CRC is itself computed
-    in pieces on several threads (``split_crc``), after its device copy was started."""
+    any order, on any thread, and combined by the last), after its device copy was started."""
     parts = split_piece(piece, itemsize, min(ring.slot_bytes, RING_PIECE))
     if len(parts) == 1:
-        checks = [_checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk,
-                           split_crc)]
+        checks = [_checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)]
     else:
         checks = _combined_checkers(job.entry.key, piece.chunk, src.file,
                                     [p.src.volume * itemsize for p in parts],
-                                    verify and piece.whole_chunk, split_crc)
+                                    verify and piece.whole_chunk)
     return [_plan_raw(job, p, src, dtype, itemsize, 0, c, ring.copier)[0]
             for p, c in zip(parts, checks, strict=True)]
 
