@@ -309,3 +309,37 @@ def test_pinned_slots_are_a_power_of_two_within_the_ring():
     assert pinned_slot_bytes(512 << 20, 8) == 64 << 20  # the default ring
     assert pinned_slot_bytes(300 << 20, 4) == 64 << 20  # 75 MiB each, rounded down
     assert pinned_slot_bytes(3, 4) == 1  # never zero
+
+
+async def test_a_parts_device_copy_starts_before_its_check(saved, monkeypatch):
+    """The CPU checks a slot while its device copy runs (measured on an H100: 21.5 against
+    19.2 GB/s verified, 8 GB fp32): every part's copy is started before its crc32c is computed,
+    for compact parts and for parts gathered from far-apart runs alike."""
+    from ckptfs.engine import read
+
+    url, sd = saved
+    events: list[tuple[str, int]] = []
+    real_crc, real_checksum = read.crc_of, read.checksum
+
+    def crc_of(data):
+        events.append(("check", memoryview(data).nbytes))
+        return real_crc(data)
+
+    def checksum(data):
+        events.append(("check", memoryview(data).nbytes))
+        return real_checksum(data)
+
+    monkeypatch.setattr(read, "crc_of", crc_of)
+    monkeypatch.setattr(read, "checksum", checksum)
+    copier = LateCopier()
+    copier.seen = lambda: events.append(("copy", copier.given[-1].numel()
+                                         * copier.given[-1].element_size()))
+    ring = Ring(BufferPool(limit=128), copier, slots=1, slot_bytes=64, device_type="cpu")
+    targets = _targets(sd)
+    await _load(url, targets, ring)
+    for k, (t, box) in targets.items():
+        assert torch.equal(t, sd[k][box.slices()]), k
+    checks = [i for i, (what, _) in enumerate(events) if what == "check"]
+    assert len(checks) >= 3  # b (two parts) and e (one part) are read whole and checked
+    for i in checks:  # one slot: the check's own part was the copy just before it
+        assert events[i - 1] == ("copy", events[i][1]), events
