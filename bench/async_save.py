@@ -77,7 +77,7 @@ TARGETS = {"staged_vs_dcp": 0.5, "staged_vs_floor": 1.3, "done_vs_dcp": 0.5, "sl
 # -- the state and the stand-in training step -----------------------------------------------------
 def make_state(mb: int, world: int, plain: bool = False) -> dict[str, Any]:
     """``mb`` MB of fp32 in tensors of 25 MB (rows x 1024), row-sharded DTensors over ``world``
-    (``plain``: plain tensors, world 1; torch 2.11's ``DefaultStager`` cannot stage DTensors)."""
+    (``plain``: plain tensors, world 1)."""
     if plain:
         rows = TENSOR_MB * 10**6 // (4 * 1024)
         return {f"layers.{i}.weight": torch.randn(rows, 1024)
@@ -536,8 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of baseline training steps around each trained save (default 1)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--plain", action="store_true",
-                   help="plain tensors instead of DTensors (world 1; for torch versions whose "
-                        "DefaultStager cannot stage DTensors, such as 2.11)")
+                   help="plain tensors instead of DTensors (world 1)")
     args = p.parse_args(argv)
     if args.plain and args.world != 1:
         sys.exit("--plain needs --world 1")
