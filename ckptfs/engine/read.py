@@ -8,7 +8,8 @@ at most that much extra memory.
 
 Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring.py,
 ``IOConfig.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
-to the device asynchronously; a chunk cut into several pieces is still checked whole (the CRCs
+to the device asynchronously, the copy started before the slot's check so that the two overlap
+(a mismatch fails the load); a chunk cut into several pieces is still checked whole (the CRCs
 of its pieces, combined). With ``IOConfig.gds`` chunks may go straight to the device
 (engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (README, GPU).
 
