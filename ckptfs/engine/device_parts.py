@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ckptfs.engine.ring import Completion, Copier, CudaEvents, pinned_slot_bytes
+from ckptfs.engine.ring import Completion, Copier, CudaEvents, SideStreams, pinned_slot_bytes
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.checksum import combine, crc_of
 from ckptfs.layout.geometry import c_order_cuts
@@ -149,19 +149,15 @@ class CudaD2H:
     stream)."""
 
     def __init__(self) -> None:
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()
+        self.streams = SideStreams()
 
     def record(self, device: torch.device) -> None:
         """Called in the caller's thread while staging: the copies from ``device`` start after
         what is queued on its current stream now."""
-        with self._lock:
-            if device not in self.streams:
-                stream = self.streams[device] = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
+        self.streams.get(device)
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
-        stream = self.streams[src.device]
+        stream = self.streams.get(src.device)  # made by ``record`` in the caller's thread
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

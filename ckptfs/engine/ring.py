@@ -172,6 +172,31 @@ def _wait_all(pending: Iterable[Completion]) -> None:
         raise first
 
 
+class SideStreams:
+    """One CUDA side stream per device, made at its first use: it first waits for the work
+    queued on the device's current stream of the thread that made it, so the copies queued on
+    it run after what the caller had queued (which may still be writing the data). Shared by
+    the copies of loads (``CudaCopier``), streamed saves (``device_parts.CudaD2H``) and staging
+    (``stage.DeviceToHost``); safe to use from several threads at once."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+            return stream
+
+    def items(self) -> list[tuple[torch.device, torch.cuda.Stream]]:
+        """(device, side stream) of every stream made so far."""
+        with self._lock:
+            return list(self._streams.items())
+
+
 class CudaCopier:
     """Host-to-device copies on a dedicated CUDA stream per target device.
 
@@ -187,26 +212,17 @@ class CudaCopier:
     """
 
     def __init__(self) -> None:
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()  # called from several worker threads at once
+        self.streams = SideStreams()  # called from several worker threads at once
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> Completion:
-        device = dst.device
-        with self._lock:
-            stream = self.streams.get(device)
-            if stream is None:
-                stream = self.streams[device] = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self.streams.get(dst.device)):
             dst.copy_(src, non_blocking=True)
         return _FENCED
 
     def fence(self) -> Completion:
         """Completes once every copy started so far completed."""
-        with self._lock:
-            streams = list(self.streams.values())
         events = []
-        for stream in streams:
+        for _, stream in self.streams.items():
             event = torch.cuda.Event()
             event.record(stream)
             events.append(event)

@@ -47,6 +47,7 @@ from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
 from ckptfs.engine.copies import copy_all, copy_threads
 from ckptfs.engine.device_parts import DeviceParts
+from ckptfs.engine.ring import SideStreams
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -426,18 +427,14 @@ class DeviceToHost:
     D2H bandwidth (52-54 GB/s of 54.9 on an H100: README, GPU)."""
 
     def __init__(self) -> None:
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.streams = SideStreams()
 
     def copy(self, buf: torch.Tensor, data: torch.Tensor) -> None:
-        stream = self.streams.get(data.device)
-        if stream is None:
-            stream = self.streams[data.device] = torch.cuda.Stream(data.device)
-            stream.wait_stream(torch.cuda.current_stream(data.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self.streams.get(data.device)):
             buf.copy_(data, non_blocking=buf.is_pinned())
 
     def wait(self) -> None:
-        for stream in self.streams.values():
+        for _, stream in self.streams.items():
             stream.synchronize()
 
 
