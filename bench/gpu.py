@@ -38,6 +38,7 @@ import warnings
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -258,15 +259,25 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                                       storage_writer=dcp.FileSystemWriter(p, sync_files=True)),
         }
         stimes: dict[str, list[float]] = {k: [] for k in saves}
-        staged: list[float] = []
-        adone: list[float] = []
-        dstaged: list[float] = []
-        ddone: list[float] = []
         # DCP's async save as its docs advise for GPU state: one DefaultStager reused by every
         # save (pinned staging storages cached across saves, non-blocking copies, staged in the
         # background)
         stager = DcpStager(use_pinned_memory=device == "cuda", use_shared_memory=False,
                            use_async_staging=True, use_non_blocking_copy=device == "cuda")
+
+        def ckptfs_async(p: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            h = ckptfs.async_save(expected, p)
+            return h.staged.result, h.done.result
+
+        def dcp_async(p: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            r = dcp.async_save(expected, async_stager=stager.get(), no_dist=True,
+                               storage_writer=dcp.FileSystemWriter(p, sync_files=True))
+            return r.staging_completion.result, r.upload_completion.result
+
+        #: (wait staged, wait done) of a started async save
+        asyncs = {"async": ckptfs_async, "dcp-async": dcp_async}
+        staged: dict[str, list[float]] = {k: [] for k in asyncs}
+        done: dict[str, list[float]] = {k: [] for k in asyncs}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for i in range(repeats):
@@ -277,34 +288,20 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                     stimes[k].append(_time(lambda fn=fn, out=out: fn(out), device))
                     pinned[k] = peak()
                     shutil.rmtree(out, ignore_errors=True)
-                out = f"{work}/save-{i}-async"
-                drop_caches()
-                peak = _pinned_peak_reset(device)
-                _sync(device)
-                t = time.perf_counter()
-                h = ckptfs.async_save(expected, out)
-                h.staged.result()
-                staged.append(time.perf_counter() - t)
-                h.done.result()
-                adone.append(time.perf_counter() - t)
-                rise = peak()  # the first save allocates the staging buffers, later ones reuse
-                pinned["async"] = None if rise is None else max(rise, pinned.get("async") or 0)
-                shutil.rmtree(out, ignore_errors=True)
-                out = f"{work}/save-{i}-dcp-async"
-                drop_caches()
-                peak = _pinned_peak_reset(device)
-                _sync(device)
-                t = time.perf_counter()
-                r = dcp.async_save(expected, async_stager=stager.get(), no_dist=True,
-                                   storage_writer=dcp.FileSystemWriter(out, sync_files=True))
-                r.staging_completion.result()
-                dstaged.append(time.perf_counter() - t)
-                r.upload_completion.result()
-                ddone.append(time.perf_counter() - t)
-                rise = peak()
-                pinned["dcp-async"] = None if rise is None else max(rise,
-                                                                    pinned.get("dcp-async") or 0)
-                shutil.rmtree(out, ignore_errors=True)
+                for k, start in asyncs.items():
+                    out = f"{work}/save-{i}-{k}"
+                    drop_caches()
+                    peak = _pinned_peak_reset(device)
+                    _sync(device)
+                    t = time.perf_counter()
+                    wait_staged, wait_done = start(out)
+                    wait_staged()
+                    staged[k].append(time.perf_counter() - t)
+                    wait_done()
+                    done[k].append(time.perf_counter() - t)
+                    rise = peak()  # ckptfs's first save allocates its staging, later ones reuse
+                    pinned[k] = None if rise is None else max(rise, pinned.get(k) or 0)
+                    shutil.rmtree(out, ignore_errors=True)
         ckptfs.close()  # the async staging buffers
         stager.close()
         dcp_save = statistics.median(stimes["DCP"])
@@ -315,11 +312,12 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                              f"{nbytes / m / 1e9 / best_w:4.0%} of write floor  pinned peak "
                              f"{_mb(pinned[k])}"))
         # async rows: ratios against DCP's async save (its staged, its done)
-        d_staged, d_done = statistics.median(dstaged), statistics.median(ddone)
-        rows.append(_row("async_save: until staged", statistics.median(staged), nbytes,
-                         d_staged, f"pinned peak {_mb(pinned['async'])} (staging, made once)"))
-        rows.append(_row("async_save: until done", statistics.median(adone), nbytes, d_done,
-                         f"{nbytes / statistics.median(adone) / 1e9 / best_w:4.0%} of write floor"))
+        a_staged, a_done = statistics.median(staged["async"]), statistics.median(done["async"])
+        d_staged, d_done = statistics.median(staged["dcp-async"]), statistics.median(done["dcp-async"])
+        rows.append(_row("async_save: until staged", a_staged, nbytes, d_staged,
+                         f"pinned peak {_mb(pinned['async'])} (staging, made once)"))
+        rows.append(_row("async_save: until done", a_done, nbytes, d_done,
+                         f"{nbytes / a_done / 1e9 / best_w:4.0%} of write floor"))
         rows.append(_row("DCP async_save: until staged", d_staged, nbytes, d_staged,
                          f"pinned peak {_mb(pinned['dcp-async'])} (DefaultStager, "
                          f"{'reused' if stager.reusable else 'new each save: torch 2.11'})"))
