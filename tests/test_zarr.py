@@ -526,3 +526,31 @@ def test_overwrite_rewrites_fixed_paths_and_drops_the_old_arrays(tmp_path):
     assert sorted(os.listdir(f"{root}/a")) == [".zarray", ".zattrs", "0.0"]
     assert torch.equal(ckptfs.load_keys(root)["a"], a * 2)
     assert np.array_equal(zarr.open_group(root, mode="r")["a"][...], (a * 2).numpy())
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("compressor", [None, "zstd"])
+def test_array_documents_are_the_bytes_json_dumps_gives(zarr_format, compressor):
+    """files() puts each array's attributes into its template's text, serialised once per
+    layout; the bytes must be exactly those of serialising each document whole."""
+    from ckptfs.layout.backends.zarr_codecs import CodecOptions
+    from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
+
+    codecs = CodecOptions.from_options(zarr_format, {"compressor": compressor, "checksum": True})
+    meta = MetadataBuilder(zarr_format, codecs, "/")
+    layouts = [ArrayLayout("float32", (4, 6), (2, 6)), ArrayLayout("bfloat16", (3,), (3,)),
+               ArrayLayout("int64", (0,), (1,))]
+    if zarr_format == 3:
+        layouts.append(ArrayLayout("float32", (8, 8), (8, 8), (4, 4)))
+    for i in range(12):  # several arrays per layout, attributes nested, non-ASCII and empty
+        attrs = {"ckptfs": {"key": f"ä/{i}\n\"x\"", "dtype": "f", "list": [1, {"n": None}]},
+                 "empty": {}, "e2": []} if i % 3 else {}
+        meta.add_array(f"a/{i}", layouts[i % len(layouts)], attrs)
+    meta.add_group("", {"ckptfs": {"backend": "zarr"}})
+    meta.add_group("a")
+    whole = {k: json.dumps(v, indent=2, ensure_ascii=False, allow_nan=False).encode()
+             for k, v in meta.docs.items()}
+    got = meta.files()
+    assert list(got) == list(whole)
+    for k in whole:
+        assert got[k] == whole[k], k

@@ -64,6 +64,9 @@ class MetadataBuilder:
         self.separator = separator
         self.docs: dict[str, Json] = {}  #: store key -> JSON document, every node so far
         self._templates: dict[ArrayLayout, Json] = {}
+        #: store key -> (template, attributes or None) of the array documents in ``docs``
+        self._made_from: dict[str, tuple[Json, Json | None]] = {}
+        self._template_text: dict[int, str] = {}  #: id(template) -> its text, attributes left open
 
     # -- documents --------------------------------------------------------------------------
     def add_group(self, path: str, attributes: Mapping[str, Json] | None = None) -> None:
@@ -77,17 +80,40 @@ class MetadataBuilder:
 
     def add_array(self, path: str, layout: ArrayLayout, attributes: Mapping[str, Json]) -> None:
         # a shallow copy: the nested members are shared with the template, never modified
-        doc = dict(self._template(layout))
+        template = self._template(layout)
+        doc = dict(template)
         if self.zarr_format == 2:
-            self.docs[join(path, ".zarray")] = doc
+            self.docs[key := join(path, ".zarray")] = doc
+            self._made_from[key] = (template, None)
             self.docs[join(path, ".zattrs")] = dict(attributes)
         else:
             doc["attributes"] = dict(attributes)
-            self.docs[join(path, "zarr.json")] = doc
+            self.docs[key := join(path, "zarr.json")] = doc
+            self._made_from[key] = (template, doc["attributes"])
 
     def files(self) -> dict[str, bytes]:
-        """Every document so far, serialised as zarr-python does."""
-        return {k: _dumps(v) for k, v in self.docs.items()}
+        """Every document so far, serialised as zarr-python does (indent 2). An array's
+        document is its template's text (serialised once per layout) with its attributes put
+        in: json's indenting encoder is pure Python, and a checkpoint of many small tensors
+        has a document per tensor."""
+        out = {}
+        for k, v in self.docs.items():
+            made = self._made_from.get(k)
+            out[k] = _dumps(v) if made is None else self._spliced(*made)
+        return out
+
+    def _spliced(self, template: Json, attributes: Json | None) -> bytes:
+        text = self._template_text.get(id(template))
+        if text is None:
+            doc = dict(template)
+            if self.zarr_format == 3:
+                doc["attributes"] = _HOLE  # where the template has it, or last (add_array)
+            text = self._template_text[id(template)] = _dumps(doc).decode()
+        if attributes is None:
+            return text.encode()
+        # nested lines of the attributes get the depth-1 indent; a JSON text has no raw newline
+        inner = _dumps(attributes).decode().replace("\n", "\n  ")
+        return text.replace(f'"{_HOLE}"', inner, 1).encode()
 
     def consolidated(self) -> dict[str, bytes]:
         """v2: ``.zmetadata``; v3: the root ``zarr.json`` with inline consolidated metadata
@@ -133,6 +159,9 @@ class MetadataBuilder:
         if layout.dtype in ML_DTYPES:
             doc["dtype" if self.zarr_format == 2 else "data_type"] = ML_DTYPES[layout.dtype][0]
         return doc
+
+
+_HOLE = "\u2063ckptfs-attributes\u2063"  #: a string no template holds (invisible separators)
 
 
 def _dumps(doc: Json) -> bytes:
