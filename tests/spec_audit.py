@@ -171,5 +171,6 @@ def collect(directory: str | Path) -> tuple[list[dict[str, Any]], list[dict[str,
     """Every check recorded under ``directory``, and those that found a problem."""
     lines = []
     for p in sorted(Path(directory).glob("audit-*.jsonl")):
-        lines += [json.loads(s) for s in p.read_text(encoding="utf-8").splitlines() if s]
+        # whole lines only: under pytest-xdist another worker's process may be appending one
+        lines += [json.loads(s) for s in p.read_text(encoding="utf-8").split("\n")[:-1] if s]
     return lines, [x for x in lines if x["problem"]]
