@@ -168,6 +168,69 @@ def test_many_small_files_are_read_in_groups(tmp_path, monkeypatch):
     assert all(torch.equal(back[k], few[k]) for k in few) and calls["into"] == 10
 
 
+def test_many_small_files_are_written_in_groups_each_fsynced(tmp_path, monkeypatch):
+    """zarr's 70 array documents and 70 chunk files are written in groups (Store.put_files, one
+    worker thread per group in a local store), not with a put each; every file is still
+    fsynced before the index is committed."""
+    import os
+
+    from ckptfs.io.local_store import LocalStore
+
+    calls = {"files": [], "put": 0, "fsync": 0}
+    put_files, put, fsync = LocalStore.put_files, LocalStore.put, os.fsync
+
+    async def spy_files(self, items):
+        calls["files"].append(len(items))
+        return await put_files(self, items)
+
+    async def spy_put(self, path, parts):
+        calls["put"] += 1
+        return await put(self, path, parts)
+
+    def spy_fsync(fd):
+        calls["fsync"] += 1
+        return fsync(fd)
+
+    monkeypatch.setattr(LocalStore, "put_files", spy_files)
+    monkeypatch.setattr(LocalStore, "put", spy_put)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    state = _many()
+    root = tmp_path / "z"
+    ckptfs.save(state, str(root), backend="zarr", backend_version=3)
+    # prepare: 70 array documents + the root group's; data: 70 chunk files
+    assert sorted(calls["files"]) == [6, 7, 64, 64] and calls["put"] == 0, calls
+    written = [p for p in root.rglob("*") if p.is_file() and p.name != ckptfs.INDEX_FILE]
+    assert len(written) == 141 and calls["fsync"] >= 141 + 1, calls  # + the index
+    back = _zeros(state)
+    ckptfs.load(back, str(root))
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    few = {k: state[k] for k in list(state)[:10]}  # below a group: a put per file
+    ckptfs.save(few, str(tmp_path / "few"), backend="zarr", backend_version=3)
+    assert calls["put"] == 21 and len(calls["files"]) == 4, calls
+
+
+def test_a_file_of_a_group_that_cannot_be_written_fails_the_save_naming_it(tmp_path):
+    state = _many()
+    root = tmp_path / "z"
+    (root / "s.37" / "c" / "0").mkdir(parents=True)  # a directory where the chunk file goes
+    with pytest.raises(ckptfs.CkptfsError, match=r"s\.37/c/0"):
+        ckptfs.save(state, str(root), backend="zarr", backend_version=3)
+    assert not (root / ckptfs.INDEX_FILE).exists()
+
+
+def test_prefixed_store_writes_a_group_under_its_prefix(tmp_path):
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.io.loop import run_sync
+    from ckptfs.io.prefixed import PrefixedStore
+
+    base = LocalStore(str(tmp_path))
+    run_sync(PrefixedStore(base, "tier/a").put_files([(f"d/{i}", (b"ab", bytes([i]))) for i in range(3)]))
+    assert [(tmp_path / "tier" / "a" / "d" / str(i)).read_bytes() for i in range(3)] == \
+        [b"ab" + bytes([i]) for i in range(3)]
+    assert base.stats.write_requests == 3 and base.stats.bytes_written == 9
+    run_sync(base.close())
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
 def test_a_damaged_small_file_in_a_group_names_its_key(tmp_path, damage):
     state = _many()

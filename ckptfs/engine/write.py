@@ -33,6 +33,13 @@ from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
+#: a file of at most this many bytes is small; at least ``_SMALL_GROUP`` of them are written in
+#: groups of that many (``Store.put_files``): a local store writes a group in one worker thread
+#: (zarr's 20,000 files of 10,000 small tensors: a thread hop and a task each cost about 270 us
+#: of CPU a file, the writes themselves about 30 us)
+_SMALL_FILE = 1 << 20
+_SMALL_GROUP = 64
+
 
 @dataclass(frozen=True, slots=True)
 class WrittenRank:
@@ -154,8 +161,20 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
         if bar is not None:
             bar.update(f.nbytes)
 
+    async def group(fs: Sequence[FileWrite]) -> None:
+        await store.put_files([(f.path, f.parts) for f in fs])
+        if bar is not None:
+            bar.update(sum(f.nbytes for f in fs))
+
+    small = [f for f in files if f.nbytes <= _SMALL_FILE
+             and not any(isinstance(p, StreamedPart) for p in f.parts)]
+    if len(small) < _SMALL_GROUP:  # only many small files are grouped (W4, zarr's file per array)
+        small = []
+    grouped = {id(f) for f in small}
     try:
-        await gather_all(*(one(f) for f in files))
+        await gather_all(*(one(f) for f in files if id(f) not in grouped),
+                         *(group(small[i : i + _SMALL_GROUP])
+                           for i in range(0, len(small), _SMALL_GROUP)))
     finally:
         if bar is not None:
             bar.close()

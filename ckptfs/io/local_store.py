@@ -17,7 +17,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 
@@ -26,6 +26,7 @@ import numpy as np
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
+from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import settled
 
 
@@ -212,33 +213,51 @@ class LocalStore(Store):
 
     async def put(self, path: str, parts: Sequence[Part]) -> None:
         full = self._p(path)
-
-        def work() -> int:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                n = 0
-                with closing(pieces(parts, _WRITE_PIECE)) as todo:  # streamed parts: as they come
-                    for piece in todo:
-                        size = _write_all(fd, piece)
-                        if self.config.fsync:  # start write-back now; fsync below only waits
-                            _start_writeback(fd, n, size)
-                        n += size
-                if self.config.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            return n
-
-        nice = self.config.background_nice if _in_background.get() else 0
         async with self.semaphore:
-            if nice:
-                n = await asyncio.get_running_loop().run_in_executor(
-                    _niced_writers(nice), contextvars.copy_context().run, work)
-            else:
-                n = await asyncio.to_thread(work)
+            n = await self._in_writer(lambda: self._write_file(full, parts))
         self.stats.write_requests += 1
         self.stats.bytes_written += n
+
+    async def put_files(self, items: Sequence[tuple[str, Sequence[Part]]]) -> None:
+        """The files one after the other in one worker thread (one request slot), each written
+        and fsynced as ``put`` does: for small files the thread hops and tasks of a ``put``
+        each cost more than the writes (20,000 files: about 270 us a file against 30 us)."""
+        if any(isinstance(p, StreamedPart) for _, parts in items for p in parts):
+            return await super().put_files(items)
+
+        def work() -> int:
+            return sum(self._write_file(self._p(path), parts) for path, parts in items)
+
+        async with self.semaphore:  # cancelled: the thread still finishes before we return
+            n = await settled(asyncio.ensure_future(self._in_writer(work)))
+        self.stats.write_requests += len(items)
+        self.stats.bytes_written += n
+
+    async def _in_writer(self, work: Callable[[], int]) -> int:
+        """``work`` in a write thread: the niced ones inside ``background_writes``."""
+        nice = self.config.background_nice if _in_background.get() else 0
+        if nice:
+            return await asyncio.get_running_loop().run_in_executor(
+                _niced_writers(nice), contextvars.copy_context().run, work)
+        return await asyncio.to_thread(work)
+
+    def _write_file(self, full: str, parts: Sequence[Part]) -> int:
+        """Write ``parts`` as the file ``full`` (its directories made), fsynced if configured."""
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            n = 0
+            with closing(pieces(parts, _WRITE_PIECE)) as todo:  # streamed parts: as they come
+                for piece in todo:
+                    size = _write_all(fd, piece)
+                    if self.config.fsync:  # start write-back now; fsync below only waits
+                        _start_writeback(fd, n, size)
+                    n += size
+            if self.config.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return n
 
     async def put_if_absent(self, path: str, data: Buffer) -> None:
         """Write a temp file, then hard-link it into place: atomic and create-only."""

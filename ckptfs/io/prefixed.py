@@ -56,6 +56,9 @@ class PrefixedStore(Store):
     def streams_parts(self) -> bool:  # type: ignore[override]
         return self.base.streams_parts
 
+    async def put_files(self, items: Sequence[tuple[str, Sequence[Part]]]) -> None:
+        await self.base.put_files([(self._p(p), parts) for p, parts in items])
+
     async def put(self, path: str, parts: Sequence[Part]) -> None:
         await self.base.put(self._p(path), parts)
 
