@@ -137,24 +137,25 @@ def _zeros(state):
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
+def _spy(monkeypatch, cls, name, seen) -> None:
+    """``cls.name`` (an async method) calls ``seen(*args)`` first, then the real one."""
+    real = getattr(cls, name)
+
+    async def spy(self, *args):
+        seen(*args)
+        return await real(self, *args)
+
+    monkeypatch.setattr(cls, name, spy)
+
+
 def test_many_small_files_are_read_in_groups(tmp_path, monkeypatch):
     """zarr writes a chunk file per array: 70 of them are read in groups (Store.read_files, one
     worker thread per group in a local store), not with a read_into each."""
     from ckptfs.io.local_store import LocalStore
 
     calls = {"files": [], "into": 0}
-    files, into = LocalStore.read_files, LocalStore.read_into
-
-    async def spy_files(self, items):
-        calls["files"].append(len(items))
-        return await files(self, items)
-
-    async def spy_into(self, path, reads):
-        calls["into"] += 1
-        return await into(self, path, reads)
-
-    monkeypatch.setattr(LocalStore, "read_files", spy_files)
-    monkeypatch.setattr(LocalStore, "read_into", spy_into)
+    _spy(monkeypatch, LocalStore, "read_files", lambda items: calls["files"].append(len(items)))
+    _spy(monkeypatch, LocalStore, "read_into", lambda *_: calls.update(into=calls["into"] + 1))
     state = _many()
     ckptfs.save(state, str(tmp_path / "z"), backend="zarr", backend_version=3)
     back = _zeros(state)
@@ -177,22 +178,14 @@ def test_many_small_files_are_written_in_groups_each_fsynced(tmp_path, monkeypat
     from ckptfs.io.local_store import LocalStore
 
     calls = {"files": [], "put": 0, "fsync": 0}
-    put_files, put, fsync = LocalStore.put_files, LocalStore.put, os.fsync
-
-    async def spy_files(self, items):
-        calls["files"].append(len(items))
-        return await put_files(self, items)
-
-    async def spy_put(self, path, parts):
-        calls["put"] += 1
-        return await put(self, path, parts)
+    _spy(monkeypatch, LocalStore, "put_files", lambda items: calls["files"].append(len(items)))
+    _spy(monkeypatch, LocalStore, "put", lambda *_: calls.update(put=calls["put"] + 1))
+    fsync = os.fsync
 
     def spy_fsync(fd):
         calls["fsync"] += 1
         return fsync(fd)
 
-    monkeypatch.setattr(LocalStore, "put_files", spy_files)
-    monkeypatch.setattr(LocalStore, "put", spy_put)
     monkeypatch.setattr(os, "fsync", spy_fsync)
     state = _many()
     root = tmp_path / "z"
