@@ -12,12 +12,16 @@ bit-exact against the expected shards (the targets are zeroed first, outside the
 Worlds: 2 saves (W1, W5) and loads 2->2 (W1), warm (W6) and 10% of the keys (W3, with a floor of
 its own: the cold read of only those keys' local bytes); 1 saves and
 loads 1->1 (W1, W5, W6), loads 2->1 (W2) and the 20,000 small tensors (W4); 3 loads 2->3 (W2).
+Beside every cold W1/W2/W4 load, the checkpoint's own files are read whole with plain calls, and
+right after every W4 save its files are created anew with plain calls (``bench.floors``): the
+``of own files`` column of ``bench.perf``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -116,12 +120,14 @@ class World:
         secs, _ = self.timed(lambda: ck.save(state, path))
         self.emit(case=case, lib=ck.name, kind="save", seconds=secs, bytes=nbytes,
                   peak_rss=_status("VmHWM") - base, local_bytes=_local_bytes(state))
+        if many_files(case):
+            self.write_floor(case, ck, path)
 
     def load(self, case: str, kind: str, ck: Checkpointer, target: dict, expected: dict, path: str,
              nbytes: int) -> None:
         for t in target.values():
             _local(t).zero_()
-        beside = kind == "cold" and self.cfg.get("beside", True) and case.startswith(("W1", "W2"))
+        beside = kind == "cold" and self.cfg.get("beside", True) and case.startswith(("W1", "W2", "W4"))
         if beside and self.rep % 2:  # the floor beside the load: before it (before the drop), or after
             self.read_floor(case, ck, path)
         if kind == "cold" and self.cfg["drop"]:
@@ -135,18 +141,42 @@ class World:
             self.read_floor(case, ck, path)
 
     def read_floor(self, case: str, ck: Checkpointer, path: str) -> None:
-        """The cold read of the checkpoint's own files, whole, a thread per file, files dealt
-        over the ranks (``floors.read_whole``), page cache dropped first: taken beside each cold
-        W1/W2 load, alternately before and after it."""
+        """The cold read of the checkpoint's own files, whole, files dealt over the ranks, page
+        cache dropped first: taken beside each cold W1/W2/W4 load, alternately before and after
+        it. A thread per file (``floors.read_whole``); W4's many small files are dealt over
+        ``floors.FILE_THREADS`` threads per rank instead (``floors.read_files``)."""
         files = floors.files_under(path)
         mine = files[self.rank :: self.world]
         bufs = floors.scratch_for(mine, self.scratch)
+        read = floors.read_files if many_files(case) else floors.read_whole
         dist.barrier()
         if self.rank == 0 and self.cfg["drop"]:
             drop_caches()
-        secs, _ = self.timed(lambda: floors.read_whole(mine, bufs))
+        secs, _ = self.timed(lambda: read(mine, bufs))
         self.emit(case=case, lib=ck.name, kind="floor-beside", seconds=secs,
                   bytes=sum(os.path.getsize(p) for p in files))
+
+    def write_floor(self, case: str, ck: Checkpointer, path: str) -> None:
+        """Right after a save of many small files (W4): the same directories and files (relative
+        paths, sizes) created anew with plain calls, each file fsynced, files dealt over the
+        ranks and ``floors.FILE_THREADS`` threads per rank (``floors.write_like``), after the
+        page cache was dropped like every save. What that checkpoint's layout costs on this disk
+        before any library work."""
+        dirs, files = floors.layout_of(path)
+        mine = files[self.rank :: self.world]
+        data = memoryview(os.urandom(max((n for _, n in mine), default=0)))
+        folder = path + "-plain"
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            if self.cfg["drop"]:
+                drop_caches()
+        dist.barrier()
+        secs, _ = self.timed(lambda: floors.write_like(dirs, mine, folder, data))
+        self.emit(case=case, lib=ck.name, kind="floor-beside", seconds=secs, bytes=sum(n for _, n in files))
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def warm_up(self) -> None:
         """Each library saves and loads a tiny state once, untimed: its lazy imports and first-call
@@ -218,6 +248,11 @@ class World:
                 path = ckpt_path(root, ck, w) + "-small"
                 self.save(f"W4 save {len(sspecs)} small", ck, src, path, nbytes)
                 self.load(f"W4 load {len(sspecs)} small", "cold", ck, dst, src, path, nbytes)
+
+
+def many_files(case: str) -> bool:
+    """W4 (many small tensors): its checkpoints' own-files floors deal the files over threads."""
+    return case.startswith("W4")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

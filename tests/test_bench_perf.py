@@ -52,7 +52,7 @@ def test_perf_tiny(tmp_path, capsys):
         # beside every cold W1/W2 load, the same checkpoint's files read whole (bench.floors)
         near = [r for r in res["records"] if r["kind"] == "floor-beside" and r["case"] == c["case"]
                 and r["lib"] == c["lib"]]
-        if c["case"].startswith(("W1 load", "W2")):
+        if c["case"].startswith(("W1 load", "W2", "W4")):  # W4: its files written / read, plain calls
             assert len(near) == 1 and near[0]["seconds"] > 0 and near[0]["bytes"] >= c["bytes"], near
             assert c["beside_fraction"] == pytest.approx(near[0]["seconds"] / c["seconds"])
         else:
@@ -63,9 +63,12 @@ def test_perf_tiny(tmp_path, capsys):
     targets = [ln for ln in report.splitlines() if ln.startswith("  ckptfs[")]
     assert len(targets) == 8 and all(ln.endswith(("-> met", "-> NOT met")) for ln in targets), targets
     (w3,) = [ln for ln in targets if "W3" in ln]
-    (near,) = [ln for ln in report.splitlines() if ln.startswith("  beside, ckptfs[")]
-    assert "same files read whole" in near, near
+    near = [ln for ln in report.splitlines() if ln.startswith("  beside, ckptfs[")]
+    assert len(near) == 2 and "same files read whole" in near[0] and "(W4)" in near[1], near
     assert "cold-read floor would be" in w3, w3
+    w4 = [ln for ln in targets if "W4" in ln]
+    assert [("written" in ln, "read cold" in ln) for ln in w4] == [(True, False), (False, True)], w4
+    assert all("with plain calls would be" in ln for ln in w4), w4
 
 
 class _Files:
@@ -88,6 +91,7 @@ def _order_rank(rank: int, world: int, folder: str, rep: int, out: str) -> None:
     log: list[str] = []
     perf_world.drop_caches = lambda: log.append("drop") or True
     perf_world.floors.read_whole = lambda paths, bufs: log.append("floor")
+    perf_world.floors.read_files = lambda paths, bufs: log.append("floor of many")
     w = perf_world.World(rank, world, {"rep": rep, "libs": [], "runner": "main", "drop": True,
                                        "out": out})
     state = {"a": torch.zeros(3)}
@@ -112,10 +116,51 @@ def test_the_floor_beside_a_cold_load_leaves_that_load_cold(tmp_path, rep):
     log = json.loads((tmp_path / "records.jsonl.log").read_text())
     # the floor drops the page cache itself, and the load comes right after a drop
     with_floor = ["drop", "floor", "drop", "load"] if rep % 2 else ["drop", "load", "drop", "floor"]
+    many = [{"floor": "floor of many"}.get(x, x) for x in with_floor]
     assert log == ["W1 load 1->1", *with_floor, "W2 load 2->1", *with_floor,
-                   "W3 load 10% keys 2->2", "drop", "load", "W4 load 9 small", "drop", "load",
+                   "W3 load 10% keys 2->2", "drop", "load", "W4 load 9 small", *many,
                    "load"], log
     recs = [json.loads(line) for line in open(out)]
     assert [(r["case"], r["kind"]) for r in recs if r["kind"] == "floor-beside"] == [
-        ("W1 load 1->1", "floor-beside"), ("W2 load 2->1", "floor-beside")]
+        ("W1 load 1->1", "floor-beside"), ("W2 load 2->1", "floor-beside"), ("W4 load 9 small", "floor-beside")]
     assert all(r["bytes"] == 12 for r in recs if r["kind"] == "floor-beside")
+
+
+def test_the_floors_of_many_small_files_recreate_and_read_the_checkpoint_files(tmp_path, monkeypatch):
+    """W4's own-files floors: ``write_like`` makes the same directories and files (relative
+    paths, sizes), each fsynced, from several threads; ``read_files`` reads each file whole."""
+    import os
+    import threading
+
+    from bench import floors
+
+    src = tmp_path / "ck"
+    sizes = {}
+    for i in range(40):
+        rel = f"s.{i}/c/0" if i % 3 else f"s.{i}/zarr.json"
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(os.urandom(i * 37 % 500))
+        sizes[rel] = i * 37 % 500
+    (src / "index.json").write_bytes(b"{}")
+    dirs, files = floors.layout_of(str(src))
+    assert dict(files) == {**sizes, "index.json": 2} and "s.4/c" in dirs and "." not in dirs
+    synced, threads = [], set()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        threads.add(threading.get_ident())
+        real_fsync(fd)
+
+    monkeypatch.setattr(floors.os, "fsync", fsync)
+    data = memoryview(os.urandom(max(n for _, n in files)))
+    floors.write_like(dirs, files, str(tmp_path / "plain"), data, threads=4)
+    assert floors.layout_of(str(tmp_path / "plain")) == (dirs, files)
+    assert len(synced) == len(files) and len(threads) == 4
+    assert (tmp_path / "plain" / "s.5/c/0").read_bytes() == bytes(data[:sizes["s.5/c/0"]])
+    paths = floors.files_under(str(src))
+    bufs = floors.scratch_for(paths, [])
+    floors.read_files(paths, bufs, threads=3)
+    assert [bytes(b) for b in bufs] == [open(p, "rb").read() for p in paths]
+    with pytest.raises(FileExistsError):  # never over an existing file: a floor writes new files
+        floors.write_like(dirs, files, str(tmp_path / "plain"), data)
