@@ -174,3 +174,33 @@ def test_combine_is_the_crc_of_the_concatenation(monkeypatch):
     parts = [b"head", memoryview(big), b"tail"]
     assert ck.crc_of_parts(parts, ck.memo([(memoryview(big), ck.crc_of(big))])) == \
         google_crc32c.value(b"head" + big + b"tail")
+
+
+def _zero_crc_bytes(prefix: bytes) -> bytes:
+    """``prefix`` + 4 bytes whose CRC-32C is 0 (the CRC is affine in the data bits over GF(2):
+    solve for the 4 bytes by Gaussian elimination)."""
+    base = google_crc32c.value(prefix + bytes(4))
+    cols = [google_crc32c.value(prefix + (1 << i).to_bytes(4, "little")) ^ base for i in range(32)]
+    rows = [(c, 1 << i) for i, c in enumerate(cols)]  # (image, which bits of the suffix)
+    want, pick = base, 0
+    for bit in range(32):  # eliminate: find x with XOR of images == base
+        m = 1 << bit
+        j = next((k for k in range(bit, 32) if rows[k][0] & m), None)
+        assert j is not None
+        rows[bit], rows[j] = rows[j], rows[bit]
+        for k in range(32):
+            if k != bit and rows[k][0] & m:
+                rows[k] = (rows[k][0] ^ rows[bit][0], rows[k][1] ^ rows[bit][1])
+    for bit in range(32):
+        if want & (1 << bit):
+            pick ^= rows[bit][1]
+    return prefix + pick.to_bytes(4, "little")
+
+
+def test_combine_after_a_nonempty_part_whose_crc_is_zero():
+    """``combine`` returns crc(B) at once when crc(A) is 0 (the first part of a chunk checked
+    in parts): right for a non-empty A whose CRC is 0 too."""
+    a = _zero_crc_bytes(b"ckptfs chunk head")
+    assert len(a) == 21 and ck.crc_of(a) == 0
+    for b in (b"", b"x", os.urandom(1000)):
+        assert ck.combine(0, ck.crc_of(b), len(b)) == ck.crc_of(a + b) == ck.crc_of(b)

@@ -127,6 +127,8 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """The CRC-32C of A + B from crc(A), crc(B) and len(B) (zlib's crc32_combine method)."""
     if len_b <= 0:
         return crc_a
+    if not crc_a:  # x^(8 len_b) * 0 = 0: the first part of a chunk checked in parts costs nothing
+        return crc_b
     p = 1 << 31  # x^0
     n, k = len_b, 3  # x^(8 * len_b)
     while n:
