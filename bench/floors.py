@@ -77,7 +77,11 @@ def dealt(fn: Callable[..., None], items: list[tuple], threads: int = FILE_THREA
     """``fn(*item)`` for every item, the items dealt round-robin over ``threads`` threads (each
     runs its share in a plain loop); the first error is raised."""
     def share(i: int) -> Callable[[], None]:
-        return lambda: [fn(*x) for x in items[i::threads]] and None
+        def run() -> None:
+            for item in items[i::threads]:
+                fn(*item)
+
+        return run
 
     in_threads([share(i) for i in range(min(threads, len(items)))])
 

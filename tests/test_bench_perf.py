@@ -149,7 +149,7 @@ def test_the_floors_of_many_small_files_recreate_and_read_the_checkpoint_files(t
 
     def fsync(fd: int) -> None:
         synced.append(fd)
-        threads.add(threading.get_ident())
+        threads.add(threading.current_thread())  # the objects, kept: an ident may be reused
         real_fsync(fd)
 
     monkeypatch.setattr(floors.os, "fsync", fsync)
