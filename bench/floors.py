@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,7 @@ def read_into(f, mv: memoryview, path: str) -> None:
 
 def read_whole(paths: list[str], bufs: list[memoryview]) -> None:
     """Read each file whole into its buffer, a thread per file."""
-    in_threads([lambda p=p, b=b: _read(p, b) for p, b in zip(paths, bufs)])
+    read_files(paths, bufs, threads=len(paths))
 
 
 def _read(path: str, mv: memoryview) -> None:
@@ -151,14 +151,7 @@ def write_like(dirs: list[str], files: list[tuple[str, int]], folder: str, data:
         os.makedirs(os.path.join(folder, d), exist_ok=True)
 
     def write(rel: str, n: int) -> None:
-        fd = os.open(os.path.join(folder, rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            done = 0
-            while done < n:
-                done += os.write(fd, data[done:n])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new(os.path.join(folder, rel), [data[:n]], os.O_EXCL)
 
     dealt(write, files, threads)
 
@@ -169,10 +162,15 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 def write_fsync(path: str, tensors: list[torch.Tensor]) -> None:
     """Write every tensor's bytes into a new file ``path`` with ``os.write``, then ``fsync``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    _write_new(path, (_bytes_of(t) for t in tensors), os.O_TRUNC)
+
+
+def _write_new(path: str, views: Iterable[memoryview], flag: int) -> None:
+    """Create ``path`` (``flag``: ``O_TRUNC`` or ``O_EXCL``), ``os.write`` each view whole in
+    turn, then ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flag, 0o644)
     try:
-        for t in tensors:
-            mv = _bytes_of(t)
+        for mv in views:
             done = 0
             while done < len(mv):
                 done += os.write(fd, mv[done:])
