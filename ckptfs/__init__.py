@@ -19,6 +19,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
 
 from ckptfs._version import __version__
 from ckptfs.async_save import AsyncSave, async_save, close
+from ckptfs.engine.background import BackgroundSaver
 from ckptfs.errors import (
     AccessDeniedError,
     BackendOptionsError,
@@ -41,7 +42,6 @@ from ckptfs.errors import (
     UnsupportedValueError,
     UsageError,
 )
-from ckptfs.io.store import IOConfig
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import available_backends, get_backend, register_backend
@@ -49,6 +49,7 @@ from ckptfs.load import LoadResult, load, load_keys
 from ckptfs.manage import delete
 from ckptfs.manager import CheckpointManager, RestoreResult
 from ckptfs.metadata import load_metadata
+from ckptfs.options import IOConfig, LoadOptions, SaveOptions, StoreOptions
 from ckptfs.save import SaveResult, save
 from ckptfs.state.flatten import PerRank
 from ckptfs.state.shards import ShardedTensor
@@ -101,6 +102,7 @@ __all__ = [
     "AsyncSave",
     "Backend",
     "BackendOptionsError",
+    "BackgroundSaver",
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
@@ -115,6 +117,7 @@ __all__ = [
     "IOConfig",
     "Index",
     "IntegrityError",
+    "LoadOptions",
     "LoadResult",
     "MalformedIndexError",
     "MismatchError",
@@ -124,10 +127,12 @@ __all__ = [
     "RankError",
     "RestoreResult",
     "SaveInProgressError",
+    "SaveOptions",
     "SaveResult",
     "ShardedTensor",
     "ShardingError",
     "StorageError",
+    "StoreOptions",
     "TensorEntry",
     "UnknownBackendError",
     "UnshardResult",

@@ -3,10 +3,11 @@ two futures: ``staged`` (this rank's bytes are copied: the caller may change its
 ``done`` (the index is committed; its result is the ``SaveResult``).
 
 The save is ``save()``'s composition (stage -> write -> commit) with two differences: staging
-copies every chunk this rank writes into reusable staging buffers (engine/background.py's pool),
-and every phase runs over a gloo group of its own (dist/groups.py), never over the caller's
-group, so the training loop can run its collectives meanwhile. At most one save is in flight
-per process: a new ``async_save`` (and ``save``) first waits for the previous one's ``done``.
+copies every chunk this rank writes into the reusable staging buffers of a ``BackgroundSaver``
+(engine/background.py), and every phase runs over a gloo group of its own (dist/groups.py),
+never over the caller's group, so the training loop can run its collectives meanwhile. At most
+one save is in flight per saver: a new ``async_save`` on it (and ``save``, for the default
+saver) first waits for the previous one's ``done``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.engine import background
+from ckptfs.engine.background import BackgroundSaver, default_saver
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.stage import stage, staging_allocator
-from ckptfs.io import IOConfig
-from ckptfs.io.local_store import lower_priority
-from ckptfs.save import SaveResult, make_backend, write_commit_release
+from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.stage import StagedSave
+from ckptfs.io import StoreOptions
+from ckptfs.options import resolve_save
+from ckptfs.save import SaveResult, make_backend, open_agreed, save_staged
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,48 +57,40 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                backend: str = "safetensors_chunks", backend_version: int | None = None,
                backend_options: Mapping[str, Any] | None = None,
                process_group: ProcessGroup | None = None,
-               storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
-               io_config: IOConfig | None = None, progress: bool = False,
-               throttle_uploads: int | None = None,
-               collective_timeout: float | None = None) -> AsyncSave:
+               storage_options: Mapping[str, Any] | None = None,
+               store_options: StoreOptions | None = None, overwrite: bool = False,
+               progress: bool = False, options: SaveOptions | None = None,
+               saver: BackgroundSaver | None = None, **deprecated: Any) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
-    ``process_group`` calls this. Options as for ``save``; ``collective_timeout`` bounds every
-    wait of the background save for the other ranks (a dead rank fails ``done`` with
-    CollectiveError).
+    ``process_group`` calls this. Options as for ``save``; ``options.collective_timeout``
+    bounds every wait of the background save for the other ranks (a dead rank fails ``done``
+    with CollectiveError). ``saver``: the ``BackgroundSaver`` to run on (default: the
+    per-process one, ``ckptfs.close()`` frees it).
 
-    Returns at once, unless a save is still in flight: then it first waits for that one's
-    ``done``. Do not change the tensors until ``handle.staged`` resolves. Staging memory: one
-    copy of the bytes this rank writes (replicas are written by one rank only), allocated by
-    the first save and reused by later saves of the same structure until ``ckptfs.close()``.
+    Returns at once, unless the saver has a save still in flight: then it first waits for that
+    one's ``done``. Do not change the tensors until ``handle.staged`` resolves. Staging memory:
+    one copy of the bytes this rank writes (replicas are written by one rank only), allocated by
+    the first save and reused by later saves of the same structure until the saver is closed.
     """
     started = time.perf_counter()
     url = os.fspath(url)
+    opts, store_options = resolve_save(options, store_options, deprecated, "async_save")
     with public_errors(url):
         be = make_backend(backend, backend_version, backend_options)
-    with background.next_slot():
-        with public_errors(url):  # creates the background group on the first call
-            comm = Comm(process_group, timeout=collective_timeout, background=True)
-        pool = background.staging_pool(staging_allocator(state_dict))
-        held = [state_dict]  # let go of the caller's tensors once staged
 
-        cfg = io_config or IOConfig()
+    def finish(staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
+        store = open_agreed(comm, url, storage_options, store_options, nice=opts.background_nice)
+        return save_staged(staged, be, store, url, comm, overwrite=overwrite, progress=progress,
+                           options=opts, started=started)
 
-        def job(on_copied: Callable[[], None]) -> SaveResult:
-            with public_errors(url):
-                staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                               threads=cfg.copy_threads)
-                lower_priority(cfg.background_nice)  # the caller goes on
-                return write_commit_release(staged, pool, be, url, comm,
-                                            storage_options=storage_options, io_config=io_config,
-                                            overwrite=overwrite, progress=progress,
-                                            throttle_uploads=throttle_uploads, started=started)
-
-        staged, done = background.launch(job)
+    saver = saver or default_saver()
+    staged, done = saver.start(state_dict, url, be, finish, process_group=process_group,
+                               options=opts)
     return AsyncSave(url, staged, done)
 
 
 def close() -> None:
-    """Wait for the asynchronous save in flight (if any), then free the staging buffers and the
-    background process groups. Call it on every rank before ``destroy_process_group()``; a
-    later ``async_save`` starts afresh."""
-    background.close()
+    """Wait for the asynchronous save in flight on the default saver (if any), then free its
+    staging buffers and background process groups. Call it on every rank before
+    ``destroy_process_group()``; a later ``async_save`` starts afresh."""
+    default_saver().close()

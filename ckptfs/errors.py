@@ -28,7 +28,7 @@ class UnknownBackendError(FormatVersionError):
 
 
 class ConfigError(CkptfsError, ValueError):
-    """An argument or setting has a bad value (IOConfig fields, throttle_uploads, work_dir...)."""
+    """An argument or setting has a bad value (option fields, throttle_uploads, work_dir...)."""
 
 
 class BackendOptionsError(ConfigError):

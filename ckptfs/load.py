@@ -14,15 +14,17 @@ from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import exchange as xchg
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.engine.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
-from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
 from ckptfs.layout.keys import encode_key
 from ckptfs.layout.values import decode_value
+from ckptfs.options import resolve_load
 from ckptfs.planning.load_plan import plan_reads
 from ckptfs.state.flatten import set_path, unflatten
 
@@ -50,49 +52,48 @@ def _remote(url: str) -> bool:
 
 def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
-         storage_options: Mapping[str, Any] | None = None, strict: bool = True,
-         verify: bool = True, io_config: IOConfig | None = None, pre_download: bool = False,
-         work_dir: str | os.PathLike | None = None, exchange: bool | None = None,
-         collective_timeout: float | None = None) -> LoadResult:
+         storage_options: Mapping[str, Any] | None = None,
+         store_options: StoreOptions | None = None, strict: bool = True,
+         options: LoadOptions | None = None, **deprecated: Any) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
     plain values are replaced. With ``strict`` a target key missing from the checkpoint raises
-    MissingKeysError naming it. ``verify`` checks crc32c of every chunk read whole.
-    ``pre_download=True`` first copies the files each node needs into the node-local
-    ``work_dir`` (one rank per node downloads; reused by later loads), then reads locally.
-    ``exchange=True`` reads each region several ranks need (replicas) once per process group
-    and sends it to the others over torch.distributed (``IOConfig.exchange_bytes`` in transit
-    at once); the default (None) exchanges when the checkpoint is remote (an object store URL)
-    and the group has more than one rank.
-    ``collective_timeout`` bounds every wait for the other ranks, as in ``save``.
+    MissingKeysError naming it. ``options`` (``LoadOptions``) tune the load: ``verify`` checks
+    crc32c of every chunk read; ``pre_download`` first copies the files each node needs into
+    the node-local ``work_dir``; ``exchange`` reads each region several ranks need once per
+    process group and sends it to the others (default: when the checkpoint is remote and the
+    group has more than one rank); ``collective_timeout`` bounds every wait for the other
+    ranks, as in ``save``. ``store_options`` (``StoreOptions``) tune the store.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
+    opts, store_options = resolve_load(options, store_options, deprecated)
     with public_errors(url):
-        comm = Comm(process_group, timeout=collective_timeout)
-        store = run_sync(open_store(url, storage_options, io_config))
+        comm = Comm(process_group, timeout=opts.collective_timeout)
+        store = run_sync(open_store(url, storage_options, store_options))
+        exchange = opts.exchange
         if exchange is None:
             exchange = comm.size > 1 and _remote(url)
         try:
             cached = None
-            if pre_download:
+            if opts.pre_download:
                 from ckptfs.engine.pre_download import cached_index
 
-                cached = cached_index(comm, store, url, work_dir)
+                cached = cached_index(comm, store, url, opts.work_dir)
                 index = cached.index
             else:
                 index = comm.decide(f"load: reading the index of {url}",
                                     lambda: run_sync(read_index(store)))
 
-            return fill(state_dict, store, index, comm, url, strict=strict, verify=verify,
+            return fill(state_dict, store, index, comm, url, strict=strict, options=opts,
                         started=t0, exchange=exchange, cached=cached)
         finally:
             run_sync(store.close())
 
 
 def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url: str, *,
-         strict: bool, verify: bool, started: float, exchange: bool = False,
+         strict: bool, options: LoadOptions, started: float, exchange: bool = False,
          cached: CachedIndex | None = None) -> LoadResult:
     """Collective: fill ``state_dict`` from the checkpoint ``index`` describes, reading through
     ``store`` (load's second half; the manager's restore reads through a routed store).
@@ -109,7 +110,7 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
     reads = plan.reads
     ex = None
     if exchange:
-        ex = xchg.plan_load(comm, plan.reads, store.config.exchange_bytes)
+        ex = xchg.plan_load(comm, plan.reads, options.exchange_bytes)
         reads = ex.reads
     source = store
     if cached is not None:
@@ -118,7 +119,7 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
         source = fill_cache(comm, store, cached, files_of(reads))
     try:
         def read() -> tuple[int, int]:
-            return run_sync(read_tensors(source, index, reads, verify=verify))
+            return run_sync(read_tensors(source, index, reads, options))
 
         before = (source.stats.bytes_read, source.stats.read_requests)
         _, peak = comm.check(f"load from {url}", read)
@@ -137,15 +138,17 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
 
 
 def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None, *,
-              storage_options: Mapping[str, Any] | None = None, verify: bool = True,
-              io_config: IOConfig | None = None) -> dict[str, Any]:
+              storage_options: Mapping[str, Any] | None = None,
+              store_options: StoreOptions | None = None, options: LoadOptions | None = None,
+              **deprecated: Any) -> dict[str, Any]:
     """Whole (unsharded) tensors and values of the checkpoint, as the nested state dict that was
     saved, with its exact types (int keys, tuples, lists). ``keys`` selects leaves or subtrees
     by canonical key ("optim/state/0") or path tuple; None loads everything. Runs in one process.
     """
+    opts, store_options = resolve_load(options, store_options, deprecated, "load_keys")
 
     async def go() -> dict[str, Any]:
-        store = await open_store(url, storage_options, io_config)
+        store = await open_store(url, storage_options, store_options)
         try:
             index = await read_index(store)
             chosen, prefixes = _select(index, keys, os.fspath(url))
@@ -161,7 +164,7 @@ def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None,
                         jobs.append(TensorRead(e, t, tuple(plan_reads(e, full_box(e.shape)))))
                 else:
                     leaves[k] = decode_value(index.values[k], k)
-            await read_tensors(store, index, jobs, verify=verify)
+            await read_tensors(store, index, jobs, opts)
             conts = {k: v for k, v in index.containers.items()
                      if prefixes is None or any(_related(k, p) for p in prefixes)}
             return unflatten(conts, leaves, index.order)

@@ -10,17 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
-from ckptfs.engine.background import wait_idle
+from ckptfs.engine.background import wait_default_idle
 from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
-from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.registry import get_backend
+from ckptfs.options import resolve_save
 
 
 @dataclass(frozen=True)
@@ -50,93 +52,93 @@ def make_backend(name: str, version: int | None, options: Mapping[str, Any] | No
     return be
 
 
-def device_parts(state_dict: Mapping[str, Any], be: Backend, cfg: IOConfig) -> DeviceParts | None:
+def device_parts(state_dict: Mapping[str, Any], be: Backend,
+                 options: SaveOptions) -> DeviceParts | None:
     """The pinned ring through which a synchronous save streams its CUDA chunks while writing
-    them (``IOConfig.ring_bytes`` in ``ring_slots``); None for a state without CUDA tensors or
-    a backend that needs the chunk bytes themselves (it gets a staged host copy)."""
+    them (``SaveOptions.ring_bytes`` in ``ring_slots``); None for a state without CUDA tensors
+    or a backend that needs the chunk bytes themselves (it gets a staged host copy)."""
     if not be.streams_device_chunks:
         return None
-    return cuda_device_parts(has_cuda(state_dict), ring_bytes=cfg.ring_bytes, slots=cfg.ring_slots)
+    return cuda_device_parts(has_cuda(state_dict), ring_bytes=options.ring_bytes,
+                             slots=options.ring_slots)
 
 
 def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          backend: str = "safetensors_chunks", backend_version: int | None = None,
          backend_options: Mapping[str, Any] | None = None,
          process_group: ProcessGroup | None = None,
-         storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
-         io_config: IOConfig | None = None, progress: bool = False,
-         throttle_uploads: int | None = None,
-         collective_timeout: float | None = None) -> SaveResult:
+         storage_options: Mapping[str, Any] | None = None,
+         store_options: StoreOptions | None = None, overwrite: bool = False,
+         progress: bool = False, options: SaveOptions | None = None,
+         **deprecated: Any) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
     create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
-    existing checkpoint is refused and left intact. ``throttle_uploads=K`` lets at most K ranks
-    of a node (hostname, or ``$CKPTFS_NODE_ID``) write their files at once.
+    existing checkpoint is refused and left intact. ``options`` (``SaveOptions``) tune the save:
     ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
-    wait for the other ranks: a rank that dies, hangs or never calls save makes the others raise
-    CollectiveError naming the step, and nothing is committed. An asynchronous save still in
-    flight (``ckptfs.async_save``) is waited for first.
+    wait for the other ranks (a rank that dies, hangs or never calls save makes the others
+    raise CollectiveError naming the step, and nothing is committed); ``throttle_uploads=K``
+    lets at most K ranks of a node write at once. ``store_options`` (``StoreOptions``) tune the
+    store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
-    wait_idle()
+    opts, store_options = resolve_save(options, store_options, deprecated)
+    wait_default_idle()
     with public_errors(url):
-        comm = Comm(process_group, timeout=collective_timeout)
+        comm = Comm(process_group, timeout=opts.collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
-        cfg = io_config or IOConfig()
         # CUDA chunks stream off the device through a pinned ring while they are written
         # (backends that pass chunk bytes through); staging copies only what is not
         # CPU-contiguous and not streamed (unbounded; pinned for CUDA sources staged whole)
-        device = device_parts(state_dict, be, cfg)
+        device = device_parts(state_dict, be, opts)
         pool = BufferPool(HostAllocator() if device is not None else staging_allocator(state_dict))
         try:
-            staged = stage(state_dict, comm, be, pool, copy=False, threads=cfg.copy_threads,
+            staged = stage(state_dict, comm, be, pool, copy=False, threads=opts.copy_threads,
                            device=device)
-            return write_commit_release(staged, pool, be, url, comm,
-                                        storage_options=storage_options, io_config=io_config,
-                                        overwrite=overwrite, progress=progress,
-                                        throttle_uploads=throttle_uploads, started=t0)
+            try:
+                store = open_agreed(comm, url, storage_options, store_options)
+                return save_staged(staged, be, store, url, comm, overwrite=overwrite,
+                                   progress=progress, options=opts, started=t0)
+            finally:
+                release(staged, pool)
         finally:
             if device is not None:
                 device.close()
 
 
-def write_commit_release(staged: StagedSave, pool: BufferPool, be: Backend, url: str, comm: Comm,
-                         **kw: Any) -> SaveResult:
-    """``write_and_commit`` (``kw``: its options), then the staged buffers go back to ``pool``,
-    also when it fails."""
-    try:
-        return write_and_commit(staged, be, url, comm, **kw)
-    finally:
-        release(staged, pool)
-
-
-def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,
-                     storage_options: Mapping[str, Any] | None, io_config: IOConfig | None,
-                     overwrite: bool, progress: bool, throttle_uploads: int | None,
-                     started: float) -> SaveResult:
-    """Phases 2 and 3 of a save (collective over ``comm``): claim the target, write, commit."""
+def open_agreed(comm: Comm, url: str, storage_options: Mapping[str, Any] | None,
+                store_options: StoreOptions | None, *, nice: int = 0) -> Store:
+    """The store at ``url``, opened on every rank of ``comm``: a rank that cannot open it fails
+    the save everywhere (the stores opened elsewhere are closed)."""
     opened: list[Store] = []
-    try:  # agreed: a rank that cannot open the store fails the save everywhere
-        comm.check("save: opening the store",
-                   lambda: opened.append(run_sync(open_store(url, storage_options, io_config))))
+    try:
+        comm.check("save: opening the store", lambda: opened.append(
+            run_sync(open_store(url, storage_options, store_options, nice=nice))))
     except BaseException:
         for s in opened:
             run_sync(s.close())
         raise
-    store = opened[0]
+    return opened[0]
+
+
+def save_staged(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm, *,
+                overwrite: bool, progress: bool, options: SaveOptions,
+                started: float) -> SaveResult:
+    """Phases 2 and 3 of a save (collective over ``comm``) into ``store`` (open on every rank;
+    closed here): claim the target, write, commit."""
     try:
         with claimed(store, comm, overwrite, be) as claim:
-            return write_and_commit_to(staged, be, store, url, comm, claim, progress=progress,
-                                       throttle_uploads=throttle_uploads, started=started)
+            return write_and_commit(staged, be, store, url, comm, claim, progress=progress,
+                                    throttle_uploads=options.throttle_uploads, started=started)
     finally:
         run_sync(store.close())
 
 
-def write_and_commit_to(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm,
-                        claim: Claim, *, progress: bool, throttle_uploads: int | None,
-                        started: float) -> SaveResult:
+def write_and_commit(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm,
+                     claim: Claim, *, progress: bool, throttle_uploads: int | None,
+                     started: float) -> SaveResult:
     """Write and commit into a store every rank has open, under ``claim`` (``claimed``: the
     caller holds the lock and closes the store; the manager clears a dead attempt first)."""
     written = write(staged, be, store, comm, claim.save_id, progress=progress,

@@ -4,11 +4,11 @@ group's store (no collective). Nothing else in ckptfs calls
 ``torch.distributed`` (except DTensor placement in state/)."""
 
 from ckptfs.dist.comm import Comm, CommStats, ProcessGroup
-from ckptfs.dist.groups import destroy_background_groups
+from ckptfs.dist.groups import BACKGROUND, destroy_background_groups
 from ckptfs.dist.nodes import NodeLayout, node_id
 from ckptfs.dist.sync_point import SyncPoint
 from ckptfs.dist.throttle import run_throttled
 
-__all__ = ["Comm", "CommStats", "NodeLayout", "ProcessGroup", "SyncPoint",
+__all__ = ["BACKGROUND", "Comm", "CommStats", "NodeLayout", "ProcessGroup", "SyncPoint",
            "destroy_background_groups",
            "node_id", "run_throttled"]

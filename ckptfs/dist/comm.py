@@ -67,13 +67,13 @@ class Comm:
 
     ``timeout`` (seconds; None: ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every wait for the
     other ranks; collectives run on ckptfs's own gloo group over the same ranks (dist/groups.py).
-    ``background=True``: on the background lane's group, never the foreground's or ``group``
-    itself, so the caller may run its own collectives (and ckptfs loads) meanwhile: what an
+    ``background=True`` (or the name of a background lane, one per ``BackgroundSaver``): on
+    that lane's group, never the foreground's or ``group`` itself, so the caller may run its own collectives (and ckptfs loads) meanwhile: what an
     asynchronous save does. Creating a group the first time is collective over ``group``'s ranks.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
-                 timeout: float | None = None, background: bool = False) -> None:
+                 timeout: float | None = None, background: bool | str = False) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = self._callers = group
         self.timeout = collective_timeout(timeout)
@@ -83,7 +83,8 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
             if self.size > 1:
-                lane = BACKGROUND if background else FOREGROUND
+                lane = (background if isinstance(background, str)
+                        else BACKGROUND if background else FOREGROUND)
                 with self._guard("connecting the ranks"):
                     own = own_group(group, lane, self.timeout)
                 if dist.get_rank(own) == self.rank:  # same ranks, same order

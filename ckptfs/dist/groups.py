@@ -76,12 +76,15 @@ def drop(group: dist.ProcessGroup) -> None:
                 del _groups[k]
 
 
-def destroy_background_groups() -> None:
-    """Tear down the background groups (the next asynchronous save creates a new one); every
-    rank calls this (``ckptfs.close()``). The foreground groups are left alone. Groups already
-    destroyed with the whole job (``destroy_process_group()``) are skipped."""
+def destroy_background_groups(lane: str = BACKGROUND) -> None:
+    """Tear down the groups of background ``lane`` (the next asynchronous save on it creates a
+    new one); every rank calls this (``BackgroundSaver.close()``). The foreground groups are
+    left alone. Groups already destroyed with the whole job (``destroy_process_group()``) are
+    skipped."""
+    if lane == FOREGROUND:
+        raise ValueError("the foreground groups are kept for the life of the job")
     with _lock:
-        keys = [k for k in _groups if k[1] == BACKGROUND]
+        keys = [k for k in _groups if k[1] == lane]
         groups = [_groups.pop(k) for k in keys]
     if not (dist.is_available() and dist.is_initialized()):
         return

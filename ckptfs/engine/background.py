@@ -1,134 +1,196 @@
-"""Where asynchronous saves run: one background thread per save, at most one save in flight
-per process, and the staging pool that keeps its buffers from one save to the next.
+"""``BackgroundSaver``: where asynchronous saves run. It owns the staging pool (buffers kept from
+one save to the next), the save in flight (at most one per saver) and the exit hook that lets
+a save in flight finish when the interpreter exits.
 
-Call order: ``with next_slot():`` (waits until the save in flight, if any, is done) ->
-``staged, done = launch(job)`` (starts ``job(on_copied)`` in a new thread; ``on_copied`` resolves
-``staged``, the job's return value resolves ``done``, an exception resolves both that are still
-pending) -> later ``wait_idle()`` (what a synchronous save does first) or ``close()``.
+Call order: ``saver.start(...)`` (waits until the saver's save in flight, if any, is done;
+makes the Comm on the saver's own background lane; stages in a new thread; returns the
+``staged`` and ``done`` futures) -> later ``saver.wait_idle()`` (what a synchronous save does
+first) or ``saver.close()`` (every rank: waits, frees the buffers and the lane's groups).
+
+``ckptfs.async_save`` uses the per-process default saver (``default_saver()``); each
+``CheckpointManager`` has its own unless one is passed. Two savers run their saves at once, each
+on a gloo group of its own (``lane``), so their collectives never interleave.
 
 An interpreter that exits with a save in flight waits for it, so the save commits or fails,
 never half-commits: the wait is a ``threading`` exit hook, which runs before the thread pools
 behind the I/O layer's ``asyncio.to_thread`` stop taking work (a plain ``atexit`` handler or a
 non-daemon thread alone would run after them, and the save would fail writing).
 
-Why a thread and not a writer process: the background work is copies and file I/O (the GIL is
-released) and a crc32c computed without the GIL; once staged, the save's threads run at
-``IOConfig.background_nice`` so a busy CPU serves the training loop first (async_save.py,
-io/local_store.py). Measured in ``bench/async_save.py`` and the README's "Asynchronous save".
+Why a thread: the background work is copies and file I/O (the GIL is released) and a crc32c
+computed without the GIL; once staged, the save's thread and its store's write threads run at
+``SaveOptions.background_nice`` so a busy CPU serves the training loop first.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures.thread  # noqa: F401 - imported before our exit hook is registered
+import concurrent.futures.thread  # noqa: F401 - imported before our exit hooks are registered
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import TypeVar
 
-from ckptfs.dist import destroy_background_groups
+from ckptfs.dist import BACKGROUND, Comm, ProcessGroup, destroy_background_groups
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
+from ckptfs.engine.errors import public_errors
+from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
 from ckptfs.io import run_sync
-from ckptfs.io.local_store import background_writes
+from ckptfs.io.local_store import lower_priority
+from ckptfs.layout.backend import Backend
 
 T = TypeVar("T")
 
-_lock = threading.RLock()  # held while a save is being started, and by close()
-_current: Future | None = None  # ``done`` of the latest save started
-_pool: BufferPool | None = None
+#: what runs once staged: ``finish(staged, comm, give_back)`` writes and commits;
+#: ``give_back()`` returns the staging buffers to the pool early (idempotent; called after
+#: ``finish`` in any case)
+Finish = Callable[[StagedSave, Comm, Callable[[], None]], T]
 
 
-def staging_pool(inner: BufferAllocator | None = None) -> BufferPool:
-    """The pool asynchronous saves stage into: unbounded (a save leases exactly the bytes its
-    rank writes), over a caching allocator so later saves of the same structure reuse the
-    buffers of the first. ``inner`` makes the buffers (``staging_allocator``: pinned for CUDA
-    sources); when a save needs another kind than the cached one, the cached buffers are freed
-    and the pool is made anew (None: the pool as it is, over host memory if there is none yet).
-    Call inside ``next_slot()`` (no save is using the pool)."""
-    global _pool
-    with _lock:
-        if (_pool is not None and inner is not None
-                and type(_pool.allocator.inner) is not type(inner)):
-            _pool.allocator.clear()
-            _pool = None
-        if _pool is None:
-            async def make() -> BufferPool:  # created on the I/O loop, where it is used
-                return BufferPool(CachingAllocator(inner))
+class BackgroundSaver:
+    """Runs asynchronous saves one at a time, on a background gloo lane of its own.
 
-            _pool = run_sync(make())
-        return _pool
+    ``lane``: the name of its process groups; every rank creates its savers with the same
+    lanes (the default saver's is ``"background"``, a manager's names its URL)."""
 
+    def __init__(self, lane: str = BACKGROUND) -> None:
+        self.lane = lane
+        self._lock = threading.RLock()  # held while a save is being started, and by close()
+        self._current: Future | None = None  # ``done`` of the latest save started
+        self._pool: BufferPool | None = None
+        self._hooked = False
 
-def _wait_current() -> None:
-    if _current is not None:
-        _current.exception()  # waits; the outcome belongs to that save's handle
+    # -- the staging pool ------------------------------------------------------------------
+    def staging_pool(self, inner: BufferAllocator | None = None) -> BufferPool:
+        """The pool saves stage into: unbounded (a save leases exactly the bytes its rank
+        writes), over a caching allocator so later saves of the same structure reuse the
+        buffers of the first. ``inner`` makes the buffers (``staging_allocator``: pinned for
+        CUDA sources); when a save needs another kind than the cached one, the cached buffers
+        are freed and the pool is made anew (None: the pool as it is, over host memory if there
+        is none yet)."""
+        with self._lock:
+            pool = self._pool
+            if pool is not None and inner is not None and type(pool.allocator.inner) is not type(inner):
+                pool.allocator.clear()
+                pool = None
+            if pool is None:
+                async def make() -> BufferPool:  # created on the I/O loop, where it is used
+                    return BufferPool(CachingAllocator(inner))
 
+                pool = run_sync(make())
+            self._pool = pool
+            return pool
 
-def wait_idle() -> None:
-    """Wait until no save runs in the background (its outcome is not raised here)."""
-    with _lock:
-        _wait_current()
+    # -- saves -----------------------------------------------------------------------------
+    def wait_idle(self) -> None:
+        """Wait until this saver runs no save (its outcome is not raised here)."""
+        with self._lock:
+            self._wait_current()
 
+    def _wait_current(self) -> None:
+        if self._current is not None:
+            self._current.exception()  # waits; the outcome belongs to that save's handle
 
-@contextmanager
-def next_slot() -> Iterator[None]:
-    """The right to start the next background save: waits for the one in flight first."""
-    with _lock:
-        _wait_current()
-        yield
+    def start(self, state_dict: object, url: str, be: Backend, finish: Finish[T], *,
+              process_group: ProcessGroup | None, options: SaveOptions
+              ) -> tuple[Future[None], Future[T]]:
+        """Start one background save of ``state_dict`` (every rank calls this in the same
+        order): waits for the save in flight, connects the lane's group, then in a thread
+        stages a copy of every chunk this rank writes (``staged`` resolves), lowers the
+        thread's priority and runs ``finish`` (``done`` resolves with its result)."""
+        with self._lock:
+            self._wait_current()
+            with public_errors(url):  # creates the lane's group on the first call
+                comm = Comm(process_group, timeout=options.collective_timeout, background=self.lane)
+            pool = self.staging_pool(staging_allocator(state_dict))  # pinned for CUDA sources
+            held = [state_dict]  # let go of the caller's tensors once staged
 
+            def job(on_copied: Callable[[], None]) -> T:
+                with public_errors(url):
+                    staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
+                                   threads=options.copy_threads)
+                    lower_priority(options.background_nice)  # the caller goes on
+                    given: list[StagedSave] = [staged]
 
-def launch(job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
-    """Run ``job(on_copied)`` in a background thread (call inside ``next_slot()``)."""
-    global _current
-    staged: Future[None] = Future()
-    done: Future[T] = Future()
-    staged.set_running_or_notify_cancel()  # running futures cannot be cancelled
-    done.set_running_or_notify_cancel()
+                    def give_back() -> None:
+                        if given:
+                            release(given.pop(), pool)
 
-    def on_copied() -> None:
-        if not staged.done():
-            staged.set_result(None)
+                    try:
+                        return finish(staged, comm, give_back)
+                    finally:
+                        give_back()
 
-    def run() -> None:
-        try:
-            with background_writes():  # local data files: IOConfig.background_nice
-                result = job(on_copied)
-        except BaseException as e:  # handed to the caller through the futures
+            return self._launch(job)
+
+    def _launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
+        """Run ``job(on_copied)`` in a new thread (the caller holds ``_lock``)."""
+        staged: Future[None] = Future()
+        done: Future[T] = Future()
+        staged.set_running_or_notify_cancel()  # running futures cannot be cancelled
+        done.set_running_or_notify_cancel()
+
+        def on_copied() -> None:
             if not staged.done():
-                staged.set_exception(e)
-            done.set_exception(e)
-        else:
-            on_copied()
-            done.set_result(result)
+                staged.set_result(None)
 
-    with _lock:
-        _current = done
+        def run() -> None:
+            try:
+                result = job(on_copied)
+            except BaseException as e:  # handed to the caller through the futures
+                if not staged.done():
+                    staged.set_exception(e)
+                done.set_exception(e)
+            else:
+                on_copied()
+                done.set_result(result)
+
+        if not self._hooked:
+            # threading's exit hooks run in reverse order of registration: before the pools'
+            getattr(threading, "_register_atexit", atexit.register)(self._wait_at_exit)
+            atexit.register(self._free_at_exit)
+            self._hooked = True
+        self._current = done
         threading.Thread(target=run, name="ckptfsSave", daemon=False).start()
-    return staged, done
+        return staged, done
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the save in flight, then free the staging buffers and the lane's process
+        groups (every rank calls it; a later save starts afresh)."""
+        with self._lock:
+            self._wait_current()
+            if self._pool is not None:
+                self._pool.allocator.clear()
+            destroy_background_groups(self.lane)
+
+    def _wait_at_exit(self) -> None:
+        self._wait_current()
+
+    def _free_at_exit(self) -> None:
+        # the save in flight was waited for above; leave torch.distributed alone
+        if self._pool is not None:
+            self._pool.allocator.clear()
 
 
-def close() -> None:
-    """Wait for the save in flight, then free the staging buffers and the background groups."""
-    with _lock:
-        _wait_current()
-        if _pool is not None:
-            _pool.allocator.clear()
-        destroy_background_groups()
+class _Default:
+    """Holder of the per-process default saver (made on first use)."""
+
+    saver: BackgroundSaver | None = None
+    lock = threading.Lock()
 
 
-def _wait_at_exit() -> None:
-    if _current is not None:
-        _current.exception()
+def default_saver() -> BackgroundSaver:
+    """The per-process saver ``ckptfs.async_save`` uses unless given one."""
+    with _Default.lock:
+        if _Default.saver is None:
+            _Default.saver = BackgroundSaver()
+        return _Default.saver
 
 
-# threading's exit hooks run in reverse order of registration: ours before the thread pools'
-getattr(threading, "_register_atexit", atexit.register)(_wait_at_exit)
-
-
-@atexit.register
-def _at_exit() -> None:
-    # the save in flight was waited for above; leave torch.distributed alone
-    if _pool is not None:
-        _pool.allocator.clear()
+def wait_default_idle() -> None:
+    """Wait until the default saver runs no save (if it was ever made): a synchronous save
+    does not overlap ``ckptfs.async_save``'s."""
+    saver = _Default.saver
+    if saver is not None:
+        saver.wait_idle()

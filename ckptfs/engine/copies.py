@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 PIECE = 8 << 20  #: bytes of one piece of a large copy
-MAX_AUTO_THREADS = 4  #: ``IOConfig.copy_threads=None``: at most this many
+MAX_AUTO_THREADS = 4  #: ``SaveOptions.copy_threads=None``: at most this many
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -31,7 +31,7 @@ _pool_lock = threading.Lock()
 
 
 def copy_threads(setting: int | None) -> int:
-    """The threads to copy with: ``setting`` (``IOConfig.copy_threads``), or by default
+    """The threads to copy with: ``setting`` (``SaveOptions.copy_threads``), or by default
     min(MAX_AUTO_THREADS, the CPUs this process may run on)."""
     if setting is not None:
         return max(1, setting)

@@ -7,7 +7,7 @@ pulls while it writes the file: the chunk is cut in C order into pieces of one r
 by a ``Copier`` (engine/ring.py: a ``non_blocking`` copy on a side stream and its event), the
 copies of the next pieces are started while the store writes the current one, and the crc32c
 of each piece is computed in the slot before it is written. Pinned memory held = the ring
-(``IOConfig.ring_bytes``), whatever the state's size.
+(``SaveOptions.ring_bytes``), whatever the state's size.
 
 Call order: ``parts = cuda_device_parts(...)`` (the caller's thread, before staging; a
 ``DeviceParts`` of a ``SlotPool`` and a copier) -> ``parts.part(view)`` for each CUDA chunk

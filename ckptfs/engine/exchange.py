@@ -8,7 +8,7 @@ group and sent to the other ranks that need it (planning/exchange_plan.py decide
 3. Round by round the readers send: a unit every rank needs is broadcast from its reader, the
    others go point to point to the ranks that need them. A region moves in place when it is
    contiguous on the group's device (CPU for gloo, CUDA for NCCL), else through a staging
-   buffer there. A round moves at most ``IOConfig.exchange_bytes`` per rank (sent plus
+   buffer there. A round moves at most ``LoadOptions.exchange_bytes`` per rank (sent plus
    received), which bounds the staging memory in transit at once.
 """
 

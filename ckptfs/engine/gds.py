@@ -1,6 +1,6 @@
 """GPUDirect Storage: chunks read from local files straight into CUDA targets with kvikio.
 
-Used when ``IOConfig.gds`` is set and it can work: the store is a local filesystem, ``kvikio``
+Used when ``LoadOptions.gds`` is set and it can work: the store is a local filesystem, ``kvikio``
 (the kvikio-cu12 / kvikio-cu13 package) imports, and the load runs with ``verify=False`` (the
 crc32c check needs the bytes on the host, which is what GDS avoids). Otherwise ``gds_reader``
 warns once, naming the reason, and the load goes through the pinned ring (engine/ring.py).
@@ -30,19 +30,19 @@ from ckptfs.layout.backend import RawChunk
 from ckptfs.layout.geometry import region_runs
 from ckptfs.planning.load_plan import ReadPiece
 
-#: what ``IOConfig.gds`` needs and lacks, for the warning
+#: what ``LoadOptions.gds`` needs and lacks, for the warning
 INSTALL_HINT = "pip install kvikio-cu12 (or kvikio-cu13 for CUDA 13)"
 
 
 class GdsFallbackWarning(UserWarning):
-    """``IOConfig.gds`` was asked for and cannot be used; the load reads through the ring."""
+    """``LoadOptions.gds`` was asked for and cannot be used; the load reads through the ring."""
 
 
 def gds_reader(store: Store, verify: bool) -> DirectReads | None:
     """A ``DirectReads`` for ``store``, or None with a ``GdsFallbackWarning`` saying why not."""
     why = gds_unavailable(store, verify)
     if why is not None:
-        warnings.warn(f"IOConfig.gds: {why}; reading through the pinned ring instead",
+        warnings.warn(f"LoadOptions.gds: {why}; reading through the pinned ring instead",
                       GdsFallbackWarning, stacklevel=3)
         return None
     import kvikio

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead, execute_reads
 from ckptfs.errors import CkptfsError
 from ckptfs.io.store import Store
@@ -55,7 +56,8 @@ async def usable_files(store: Store, index: Index, chunks: FileChunks) -> set[st
 
 async def intact_files(store: Store, index: Index, files: Iterable[str], *,
                        chunks: FileChunks | None = None,
-                       batch_bytes: int = 256 * 2**20) -> set[str]:
+                       batch_bytes: int = 256 * 2**20,
+                       scratch_bytes: int = LoadOptions.scratch_bytes) -> set[str]:
     """The files of ``files`` that are ``usable_files`` and whose chunks (those ``chunks``
     lists for the file; default: every chunk the index places in it) each match their
     checksum when read whole. A file no chunk names is not intact (nothing to check it
@@ -69,7 +71,7 @@ async def intact_files(store: Store, index: Index, files: Iterable[str], *,
         try:
             for batch in _batches(wanted[f], batch_bytes):
                 await execute_reads(store, backend, [_whole(e, c) for e, c in batch],
-                                    pool=BufferPool(limit=store.config.scratch_bytes), verify=True)
+                                    pool=BufferPool(limit=scratch_bytes), verify=True)
         except (CkptfsError, OSError, EOFError):
             continue
         good.add(f)

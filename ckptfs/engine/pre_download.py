@@ -46,7 +46,7 @@ async def _index_via_cache(store: Store, cdir: str, tag: str) -> Index:
     if marker is not None and marker.tag == tag and marker.url == store.url:
         have = valid_files(cdir, marker, tag)
         if INDEX_FILE in have or tag.startswith("listing:"):
-            return await read_index(LocalStore(cdir, store.config))
+            return await read_index(LocalStore(cdir, store.options))
     return await read_index(store)
 
 
@@ -111,7 +111,7 @@ def fill_cache(comm: Comm, store: Store, cached: CachedIndex,
         return run_sync(_fill(store, cdir, url, tag, index, mine))
 
     comm.check(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
-    return LocalStore(cdir, store.config)
+    return LocalStore(cdir, store.options)
 
 
 async def _fill(store: Store, cdir: str, url: str, tag: str, index: Index,

@@ -2,15 +2,15 @@
 
 Bytes land directly in the target tensor when its region is contiguous CPU memory; otherwise
 they land in scratch leased from the engine's buffer pool (engine/buffers.py) and are copied
-once into the target. The pool bounds scratch held at once (``IOConfig.scratch_bytes``): each
+once into the target. The pool bounds scratch held at once (``LoadOptions.scratch_bytes``): each
 file's pieces are read in batches whose scratch fits the budget, so a load of any size needs
 at most that much extra memory.
 
 Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring.py,
-``IOConfig.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
+``LoadOptions.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
 to the device asynchronously, the copy started before the slot's check so that the two overlap
 (a mismatch fails the load); a chunk cut into several pieces is still checked whole (the CRCs
-of its pieces, combined). With ``IOConfig.gds`` chunks may go straight to the device
+of its pieces, combined). With ``LoadOptions.gds`` chunks may go straight to the device
 (engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (README, GPU).
 
 A batch's reads go to the store in waves of about ``_WAVE`` bytes that run concurrently; each
@@ -32,6 +32,7 @@ import torch
 
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.gds import DirectReads, gds_reader
+from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.ring import Completion, Ring, cuda_ring
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
@@ -91,17 +92,18 @@ def _typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
     return t.view(dtype).reshape(shape)
 
 
-async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead], *,
-                       verify: bool = True) -> tuple[int, int]:
+async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead],
+                       options: LoadOptions) -> tuple[int, int]:
     """Fill the jobs' targets from the checkpoint ``index`` describes, with the index's backend
-    and a scratch pool bounded by the store's ``IOConfig.scratch_bytes`` (and, for CUDA targets,
-    a pinned ring of ``IOConfig.ring_bytes``); returns (bytes the targets needed, peak scratch
-    and ring bytes held at once)."""
+    and a scratch pool bounded by ``options.scratch_bytes`` (and, for CUDA targets, a pinned
+    ring of ``options.ring_bytes``); returns (bytes the targets needed, peak scratch and ring
+    bytes held at once)."""
     backend = get_backend(index.backend, index.backend_version)(index.backend_options)
-    pool = BufferPool(limit=store.config.scratch_bytes)
-    cfg = store.config
-    ring = cuda_ring((j.target for j in jobs), ring_bytes=cfg.ring_bytes, slots=cfg.ring_slots)
-    direct = gds_reader(store, verify) if ring is not None and cfg.gds else None
+    pool = BufferPool(limit=options.scratch_bytes)
+    verify = options.verify
+    ring = cuda_ring((j.target for j in jobs), ring_bytes=options.ring_bytes,
+                     slots=options.ring_slots)
+    direct = gds_reader(store, verify) if ring is not None and options.gds else None
     try:
         with paused_gc():  # a piece of planning per small tensor (layout/nogc.py)
             needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify,
@@ -150,7 +152,7 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
                                                           verify, ring))
                     continue
                 per_file[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
-                                                    store.config.max_gap, verify))
+                                                    store.options.max_gap, verify))
             else:
                 encoded.append((job, piece, src))
     limit = pool.budget.limit

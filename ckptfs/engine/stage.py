@@ -174,7 +174,7 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
     called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
     asynchronous save resolves its ``staged`` future there). ``threads``: the threads copying
-    CPU data (``IOConfig.copy_threads``; engine/copies.py). The garbage collector is paused
+    CPU data (``SaveOptions.copy_threads``; engine/copies.py). The garbage collector is paused
     meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py).
     ``device`` (a synchronous save, ``copy=False``): the chunks it accepts are not copied but
     streamed off their device while they are written (engine/device_parts.py)."""

@@ -1,9 +1,11 @@
-"""How bytes move: one asyncio layer over fsspec that every backend goes through."""
+"""How bytes move: the async Store ABC and its stores (local files; fsspec, s3fs and obstore
+for remote URLs), with the options that tune them."""
 
 from ckptfs.io.loop import run_sync
 from ckptfs.io.open import open_store
+from ckptfs.io.options import StoreOptions
 from ckptfs.io.ranges import ByteRange, ReadInto, coalesce
-from ckptfs.io.store import IOConfig, IOStats, Store
+from ckptfs.io.store import IOStats, Store
 
-__all__ = ["ByteRange", "IOConfig", "IOStats", "ReadInto", "Store", "coalesce", "open_store",
+__all__ = ["ByteRange", "IOStats", "ReadInto", "Store", "StoreOptions", "coalesce", "open_store",
            "run_sync"]

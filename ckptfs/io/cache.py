@@ -131,7 +131,7 @@ async def download(store: Store, cdir: str, path: str, size: int | None) -> int:
     tmp = f"{final}.part-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.truncate(size)
-    step = store.config.part_size
+    step = store.options.part_size
 
     def write(data, start: int) -> None:  # own fd per piece: a cancelled piece cannot hit a reused fd
         with open(tmp, "r+b") as f:

@@ -19,9 +19,10 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from ckptfs.errors import StorageError
+from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, total_bytes, views
 from ckptfs.io.retry import retrying
-from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
+from ckptfs.io.store import Buffer, Part, Store, inside_root
 from ckptfs.io.tasks import gather_all
 
 T = TypeVar("T")
@@ -31,13 +32,13 @@ class FsspecStore(Store):
     """A checkpoint root on an fsspec filesystem. Sync filesystems run in worker threads.
 
     Create it inside the running ckptfs I/O loop: async fsspec instances belong to the loop
-    that made them. Every request is retried on transient errors (``IOConfig.retries``); ranged
+    that made them. Every request is retried on transient errors (``StoreOptions.retries``); ranged
     reads hold the store's byte budget while in flight.
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str,
-                 config: IOConfig | None = None) -> None:
-        super().__init__(url, config)
+                 options: StoreOptions | None = None) -> None:
+        super().__init__(url, options)
         #: the synchronous filesystem that writes parts through an open file (module docstring)
         self.streaming: fsspec.AbstractFileSystem | None = None
         if not getattr(fs, "async_impl", False):
@@ -163,7 +164,7 @@ class FsspecStore(Store):
         self.stats.retries += 1
 
     async def _retry(self, op: Callable[[], Awaitable[T]], path: str) -> T:
-        return await retrying(op, self.full_path(path), self.config.retry_policy,
+        return await retrying(op, self.full_path(path), self.options.retry_policy,
                               on_retry=self._count_retry)
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], path: str, *args, **kwargs):

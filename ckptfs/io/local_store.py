@@ -1,6 +1,6 @@
 """Local disk: positioned reads straight into destination buffers, writev + fsync writes.
 
-With ``IOConfig.direct_reads`` reads of data not in the page cache go around it: O_DIRECT
+With ``StoreOptions.direct_reads`` reads of data not in the page cache go around it: O_DIRECT
 into page-aligned bounce buffers, then one copy into the destination (targets and chunk
 offsets are not aligned, so the disk cannot write into the target itself). That trades the
 kernel's page-cache work for a user-space copy, and leaves nothing cached. Pieces that are
@@ -11,32 +11,35 @@ to buffered reads.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import ctypes
 import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing, contextmanager
+from contextlib import closing
 
 import numpy as np
 
+from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
-from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
+from ckptfs.io.store import Buffer, Part, Store, inside_root
 from ckptfs.io.tasks import settled
 
 
 class LocalStore(Store):
     """A directory on a local (or mounted) filesystem. I/O runs in worker threads."""
 
-    def __init__(self, root: str, config: IOConfig | None = None) -> None:
+    def __init__(self, root: str, options: StoreOptions | None = None, *, nice: int = 0) -> None:
+        """``nice``: the OS nice value (0-19) of the threads writing data files with ``put``
+        and ``put_files`` (a background save's store gives way to the training loop)."""
         root = os.path.abspath(os.path.expanduser(root))
-        super().__init__(root, config)
+        super().__init__(root, options)
         self.root = root
-        self._direct = self.config.direct_reads and _mincore is not None and hasattr(os, "O_DIRECT")
+        self.nice = nice
+        self._direct = self.options.direct_reads and _mincore is not None and hasattr(os, "O_DIRECT")
         self._bounce: list[mmap.mmap] = []  #: idle aligned buffers for O_DIRECT reads
         self._bounce_lock = threading.Lock()
 
@@ -44,7 +47,7 @@ class LocalStore(Store):
         return os.path.join(self.root, *inside_root(path, self.root).split("/"))
 
     def read_streams(self, path: str) -> int | None:
-        return self.config.read_streams
+        return self.options.read_streams
 
     def local_path(self, path: str) -> str:
         """The filesystem path of ``path`` (for zero-copy maps of a file, io/copy.py)."""
@@ -114,11 +117,11 @@ class LocalStore(Store):
                ) -> tuple[int, list[tuple[int, list[memoryview]]], list[ReadInto]]:
         """Coalesced groups (their count), cut into preadv tasks; and the reads that overlap an
         earlier one (read on their own)."""
-        groups = coalesce(reads, self.config.max_gap, self.config.max_span)
+        groups = coalesce(reads, self.options.max_gap, self.options.max_span)
         tasks: list[tuple[int, list[memoryview]]] = []
         overlapping: list[ReadInto] = []
         for g in groups:
-            tasks.extend(_cut(_segments(g, overlapping), g.span.start, _READ_PIECE))
+            tasks.extend(_cut(_segments(g, overlapping), g.span.start, self.options.read_piece))
         return len(groups), tasks, overlapping
 
     async def read_files(self, items: Sequence[tuple[str, Sequence[ReadInto]]]
@@ -195,7 +198,7 @@ class LocalStore(Store):
             for i, b in enumerate(self._bounce):
                 if len(b) >= size:
                     return self._bounce.pop(i)
-        return mmap.mmap(-1, max(size, _READ_PIECE + 2 * _ALIGN))
+        return mmap.mmap(-1, max(size, self.options.read_piece + 2 * _ALIGN))
 
     def _return_bounce(self, buf: mmap.mmap) -> None:
         with self._bounce_lock:
@@ -231,11 +234,9 @@ class LocalStore(Store):
         self.stats.bytes_written += n
 
     async def _in_writer(self, work: Callable[[], int]) -> int:
-        """``work`` in a write thread: the niced ones inside ``background_writes``."""
-        nice = self.config.background_nice if _in_background.get() else 0
-        if nice:
-            return await asyncio.get_running_loop().run_in_executor(
-                _niced_writers(nice), contextvars.copy_context().run, work)
+        """``work`` in a write thread (one of nice ``self.nice``)."""
+        if self.nice:
+            return await asyncio.get_running_loop().run_in_executor(_niced_writers(self.nice), work)
         return await asyncio.to_thread(work)
 
     def _write_file(self, full: str, parts: Sequence[Part]) -> int:
@@ -247,10 +248,10 @@ class LocalStore(Store):
             with closing(pieces(parts, _WRITE_PIECE)) as todo:  # streamed parts: as they come
                 for piece in todo:
                     size = _write_all(fd, piece)
-                    if self.config.fsync:  # start write-back now; fsync below only waits
+                    if self.options.fsync:  # start write-back now; fsync below only waits
                         _start_writeback(fd, n, size)
                     n += size
-            if self.config.fsync:
+            if self.options.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -265,7 +266,7 @@ class LocalStore(Store):
             tmp = f"{full}.tmp-{os.getpid()}-{id(data)}"
             with open(tmp, "wb") as f:
                 f.write(data)
-                if self.config.fsync:
+                if self.options.fsync:
                     f.flush()
                     os.fsync(f.fileno())
             try:
@@ -274,7 +275,7 @@ class LocalStore(Store):
                 raise FileExistsError(f"{self.full_path(path)} already exists") from None
             finally:
                 os.unlink(tmp)
-            if self.config.fsync:
+            if self.options.fsync:
                 dfd = os.open(os.path.dirname(full), os.O_RDONLY)
                 try:
                     os.fsync(dfd)
@@ -328,22 +329,10 @@ class LocalStore(Store):
 _IOV_MAX = 1024
 _WRITE_PIECE = 64 << 20
 
-#: set while an asynchronous save runs (engine/background.py): its data files are written by
-#: threads of nice ``IOConfig.background_nice`` (the context follows the work onto the I/O loop)
-_in_background: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfs_in_background",
-                                                                      default=False)
+#: per-process: the write threads of each nice value, made on first use and kept (a thread's
+#: nice cannot go back down in an unprivileged process, so they are never mixed with others)
 _writers: dict[int, ThreadPoolExecutor] = {}
 _writers_lock = threading.Lock()
-
-
-@contextmanager
-def background_writes() -> Iterator[None]:
-    """Mark the writes started inside as an asynchronous save's (see ``_in_background``)."""
-    token = _in_background.set(True)
-    try:
-        yield
-    finally:
-        _in_background.reset(token)
 
 
 def _niced_writers(nice: int) -> ThreadPoolExecutor:
@@ -409,9 +398,6 @@ def _write_all(fd: int, bufs: list[memoryview]) -> int:
     return total
 
 
-#: largest preadv of a coalesced span; the engine's waves are this size, so each of its read
-#: streams issues one request at a time (bigger sequential requests read faster cold)
-_READ_PIECE = 32 << 20
 _ALIGN = 4096  #: O_DIRECT offsets, lengths and buffers are multiples of this (a page)
 
 

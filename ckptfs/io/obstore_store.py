@@ -1,6 +1,6 @@
-"""s3:// (and gs://, az://) through obstore, selected with ``IOConfig(engine="obstore")``.
+"""s3:// (and gs://, az://) through obstore, selected with ``StoreOptions(client="obstore")``.
 
-Each request is retried by one layer only (``IOConfig.retries/retry_delay/retry_max_delay``):
+Each request is retried by one layer only (``StoreOptions.retries/retry_delay/retry_max_delay``):
 single requests (GET, HEAD, single PUT, create, list, delete) by ckptfs's retry layer, with
 obstore's own retries turned off; a multipart upload by obstore's per-request retries (it
 streams the parts itself: ``put_async`` with an iterator of zero-copy views,
@@ -25,9 +25,10 @@ from obstore.exceptions import (
 )
 
 from ckptfs.errors import StorageError
+from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, part_size_for, pieces_async, total_bytes
 from ckptfs.io.retry import RetryPolicy, is_transient, retrying
-from ckptfs.io.store import Buffer, IOConfig, Part, Store
+from ckptfs.io.store import Buffer, Part, Store
 
 T = TypeVar("T")
 
@@ -70,7 +71,7 @@ def retry_config(policy: RetryPolicy) -> dict[str, Any]:
             "retry_timeout": timedelta(minutes=3)}
 
 
-async def open_obstore(url: str, storage_options: Mapping[str, Any], config: IOConfig) -> ObstoreStore:
+async def open_obstore(url: str, storage_options: Mapping[str, Any], options: StoreOptions) -> ObstoreStore:
     """An ObstoreStore for ``url``; s3fs-style storage_options are translated for s3://."""
     from obstore.store import S3Store, from_url
 
@@ -87,21 +88,21 @@ async def open_obstore(url: str, storage_options: Mapping[str, Any], config: IOC
         return from_url(url, client_options=opts.pop("client_options", None), retry_config=rc,
                         **opts)
 
-    policy = config.retry_policy
+    policy = options.retry_policy
     # one client without retries (ckptfs retries each request), one whose per-request retries
     # serve multipart uploads (ckptfs cannot retry a part of obstore's streaming upload)
-    return ObstoreStore(client(RetryPolicy(0)), url, config, multipart_store=client(policy))
+    return ObstoreStore(client(RetryPolicy(0)), url, options, multipart_store=client(policy))
 
 
 class ObstoreStore(Store):
     """A checkpoint root on an obstore ObjectStore (its prefix is the root)."""
 
-    def __init__(self, store: Any, url: str, config: IOConfig | None = None, *,
+    def __init__(self, store: Any, url: str, options: StoreOptions | None = None, *,
                  multipart_store: Any = None) -> None:
         """``store`` must not retry (ckptfs's retry layer does); ``multipart_store`` (default:
         ``store``) is the same root with obstore's retries on, used for multipart uploads only,
         which ckptfs does not retry again."""
-        super().__init__(url, config)
+        super().__init__(url, options)
         self.store = store
         self.multipart_store = store if multipart_store is None else multipart_store
 
@@ -131,14 +132,14 @@ class ObstoreStore(Store):
         """One PUT up to ``part_size``; above, obstore's streaming multipart upload fed with
         zero-copy views (at most ``upload_concurrency`` parts buffered)."""
         total = total_bytes(parts)
-        size = part_size_for(total, self.config.part_size)
+        size = part_size_for(total, self.options.part_size)
         if total <= size:
             async with self.budget.hold(total), self.semaphore:
                 data = await joined(parts)
                 await self._call(path, lambda: obstore.put_async(self.store, path, data,
                                                                   use_multipart=False))
         else:
-            held = min(total, size * self.config.upload_concurrency)
+            held = min(total, size * self.options.upload_concurrency)
 
             async def views():
                 async for piece in pieces_async(parts, size):
@@ -149,7 +150,7 @@ class ObstoreStore(Store):
                 async with self.budget.hold(held), self.semaphore:
                     await self._call(path, lambda: obstore.put_async(
                         self.multipart_store, path, views(), chunk_size=size,
-                        max_concurrency=self.config.upload_concurrency), retry=False)
+                        max_concurrency=self.options.upload_concurrency), retry=False)
             except FileNotFoundError:
                 # NoSuchUpload: obstore retried a completion whose first attempt landed
                 if await self._size_or_none(path) != total:
@@ -220,7 +221,7 @@ class ObstoreStore(Store):
         """Run ``op``, retried by ckptfs unless ``retry`` is False (obstore retried its requests
         already); obstore's errors become the builtin ones, naming the URL."""
         url = self.full_path(path)
-        policy = self.config.retry_policy
+        policy = self.options.retry_policy
         try:
             if retry:
                 return await retrying(op, url, policy, on_retry=self._count_retry)

@@ -8,7 +8,8 @@ from typing import Any
 
 import fsspec
 
-from ckptfs.io.store import IOConfig, Store
+from ckptfs.io.options import StoreOptions
+from ckptfs.io.store import Store
 
 
 def split_protocol(url: str) -> tuple[str, str]:
@@ -20,29 +21,31 @@ def split_protocol(url: str) -> tuple[str, str]:
 
 
 async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
-                     config: IOConfig | None = None) -> Store:
+                     options: StoreOptions | None = None, *, nice: int = 0) -> Store:
     """Open the checkpoint root at ``url``. Call inside the ckptfs I/O loop.
 
     Plain paths and ``file://`` use the local fast path. ``s3://`` goes through s3fs, or
-    obstore with ``IOConfig(engine="obstore")``; every other protocol goes through fsspec
-    (or obstore's ``from_url`` with that engine), ``storage_options`` passed to the client.
+    obstore with ``StoreOptions(client="obstore")``; every other protocol goes through fsspec
+    (or obstore's ``from_url`` with that client), ``storage_options`` passed to the client.
+    ``nice``: the OS nice value of the threads writing local data files (a background save's
+    writes give way to the training loop); remote stores wait on the network and ignore it.
     """
     url = os.fspath(url)
     proto, rest = split_protocol(url)
     opts = dict(storage_options or {})
-    config = config or IOConfig()
+    options = options or StoreOptions()
     if proto in ("file", "local"):
         from ckptfs.io.local_store import LocalStore
 
-        return LocalStore(rest, config)
-    if config.engine == "obstore":
+        return LocalStore(rest, options, nice=nice)
+    if options.client == "obstore":
         from ckptfs.io.obstore_store import open_obstore
 
-        return await open_obstore(url, opts, config)
+        return await open_obstore(url, opts, options)
     if proto in ("s3", "s3a"):
         from ckptfs.io.s3 import open_s3fs
 
-        return await open_s3fs(url, opts, config)
+        return await open_s3fs(url, opts, options)
     from ckptfs.io.fsspec_store import FsspecStore
 
     cls = fsspec.get_filesystem_class(proto)
@@ -53,4 +56,4 @@ async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] 
     root = cls._strip_protocol(url)
     if hasattr(fs, "set_session"):
         await fs.set_session()
-    return FsspecStore(fs, root, url, config)
+    return FsspecStore(fs, root, url, options)

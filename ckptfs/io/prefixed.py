@@ -18,7 +18,7 @@ class PrefixedStore(Store):
 
     def __init__(self, base: Store, prefix: str) -> None:
         self.prefix = prefix.strip("/")
-        super().__init__(base.full_path(self.prefix), base.config)
+        super().__init__(base.full_path(self.prefix), base.options)
         self.base = base
         self.stats = base.stats
 

@@ -18,7 +18,7 @@ class RoutedStore(Store):
     """
 
     def __init__(self, near: Store, far: Store, near_paths: Collection[str]) -> None:
-        super().__init__(far.url, far.config)
+        super().__init__(far.url, far.options)
         self.near, self.far = near, far
         self.near_paths = frozenset(near_paths)
         self.stats = _Sum(near.stats, far.stats)  # type: ignore[assignment]

@@ -14,15 +14,16 @@ from typing import Any
 
 from ckptfs.errors import StorageError
 from ckptfs.io.fsspec_store import FsspecStore
+from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import join, joined, part_size_for, pieces_async, total_bytes
-from ckptfs.io.store import Buffer, IOConfig, Part
+from ckptfs.io.store import Buffer, Part
 from ckptfs.io.tasks import gather_all
 
 #: botocore's pool is 10 by default; keep a few connections beyond the request semaphore
 POOL_HEADROOM = 4
 
 
-async def open_s3fs(url: str, storage_options: Mapping[str, Any], config: IOConfig) -> S3FsStore:
+async def open_s3fs(url: str, storage_options: Mapping[str, Any], options: StoreOptions) -> S3FsStore:
     """An S3FsStore for ``url``; ``storage_options`` go to ``s3fs.S3FileSystem``."""
     import s3fs
 
@@ -32,7 +33,7 @@ async def open_s3fs(url: str, storage_options: Mapping[str, Any], config: IOConf
     opts.setdefault("skip_instance_cache", True)
     opts.setdefault("use_listings_cache", False)
     ck = dict(opts.get("config_kwargs") or {})
-    ck.setdefault("max_pool_connections", config.max_concurrency + POOL_HEADROOM)
+    ck.setdefault("max_pool_connections", options.max_concurrency + POOL_HEADROOM)
     ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     opts["config_kwargs"] = ck
     if "session" not in opts and not opts.get("profile"):
@@ -40,7 +41,7 @@ async def open_s3fs(url: str, storage_options: Mapping[str, Any], config: IOConf
     fs = s3fs.S3FileSystem(**opts)
     fs.retries = int(retries)
     await fs.set_session()
-    return S3FsStore(fs, fs._strip_protocol(url), url, config)
+    return S3FsStore(fs, fs._strip_protocol(url), url, options)
 
 
 _sessions: dict[int, Any] = {}
@@ -79,7 +80,7 @@ class S3FsStore(FsspecStore):
         """One PUT up to ``part_size`` bytes; above, a multipart upload that copies one part at a
         time (``upload_concurrency`` per file, all within the store's byte budget)."""
         total = total_bytes(parts)
-        size = part_size_for(total, self.config.part_size)
+        size = part_size_for(total, self.options.part_size)
         if total <= size:
             async with self.budget.hold(total):
                 data = await joined(parts)
@@ -94,7 +95,7 @@ class S3FsStore(FsspecStore):
         mpu = await self._s3("create_multipart_upload", path, Bucket=bucket, Key=key)
         upload_id = mpu["UploadId"]
         etags: dict[int, str] = {}
-        slots = asyncio.Semaphore(self.config.upload_concurrency)
+        slots = asyncio.Semaphore(self.options.upload_concurrency)
 
         async def upload(number: int, piece: list[memoryview]) -> None:
             try:

@@ -7,10 +7,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptfs.errors import ConfigError, MalformedIndexError
+from ckptfs.errors import MalformedIndexError
 from ckptfs.io.budget import ByteBudget
+from ckptfs.io.options import StoreOptions
 from ckptfs.io.ranges import ReadInto, coalesce
-from ckptfs.io.retry import RetryPolicy
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import gather_all
 
@@ -43,82 +43,6 @@ def inside_root(path: str, root: str) -> str:
     return path
 
 
-@dataclass(frozen=True, slots=True)
-class IOConfig:
-    """Tuning of the I/O layer; every store honours these."""
-
-    max_concurrency: int = 16  #: requests in flight at once per store
-    max_gap: int = 64 * 1024  #: reads closer than this are fetched as one request
-    max_span: int = 64 * 2**20  #: upper bound on one coalesced request
-    fsync: bool = True  #: make local writes durable before the index is committed
-    #: remote client: "fsspec" (s3fs for s3://, the fsspec package elsewhere) or "obstore"
-    #: (s3:// with s3fs-style options translated; gs://, az://, ... through obstore.from_url)
-    engine: str = "fsspec"
-    max_bytes_in_flight: int = 512 * 2**20  #: bytes of ranged reads and upload parts in flight
-    #: host memory a load may hold at once for regions it cannot read in place (non-contiguous
-    #: or non-CPU targets, encoded chunks); reads are batched to stay within it
-    scratch_bytes: int = 512 * 2**20
-    part_size: int = 32 * 2**20  #: multipart upload part size (and pre-download piece size)
-    #: ``load(..., exchange=True)``: bytes one rank sends plus receives per exchange round (the
-    #: memory in transit at once)
-    exchange_bytes: int = 256 * 2**20
-    upload_concurrency: int = 4  #: parts of one file uploaded at once
-    retries: int = 5  #: extra attempts for a transient error (5xx, throttling, drops, timeouts)
-    retry_delay: float = 0.2  #: first backoff cap in seconds; doubles per retry, full jitter
-    retry_max_delay: float = 10.0  #: upper bound of one backoff
-    #: pinned host memory a load into CUDA targets reads through: ``ring_slots`` buffers of
-    #: ``ring_bytes // ring_slots`` (rounded down to a power of two, as torch pins) each
-    ring_bytes: int = 512 * 2**20
-    ring_slots: int = 8
-    #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can:
-    #: a local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning
-    gds: bool = False
-    #: local stores read the pieces of a load that are not in the page cache with O_DIRECT
-    #: (through aligned bounce buffers): a cold read then costs the CPU a copy instead of
-    #: filling the page cache, and leaves nothing cached (a second load reads the disk again);
-    #: pieces already cached read as usual. Off by default: measured on a loaded 2-core VM it
-    #: saved about 0.1 s of CPU per 1.5 GB (kernel time down 0.55 s, the copy up 0.45 s)
-    direct_reads: bool = False
-    #: local stores: a load reads the bytes it needs from one file as this many contiguous runs,
-    #: each read front to back one request at a time, instead of every piece at once in any
-    #: order. Measured on the 2-vCPU VM's virtio disk, cold, 1.1 GB: 8 such runs read 1.8x as
-    #: fast as the same 8 MiB pieces 16 at a time in file order; 1-4 runs read as fast as 8 on
-    #: one rank and 13% faster on two (README, "Performance")
-    read_streams: int = 4
-    #: OS nice value (0-19, Linux) of an asynchronous save's thread once staged (checksums,
-    #: commit) and of the threads writing its local data files, so that a busy CPU serves the
-    #: training loop first and idle CPUs the save; the write takes longer only when CPUs are
-    #: busy (README, "Asynchronous save": measured). 0: the caller's priority
-    background_nice: int = 10
-    #: threads that copy a save's chunks into staging buffers (``async_save``, and the copies a
-    #: save must make of non-contiguous data): copies of large tensors are cut into pieces of
-    #: ``engine.copies.PIECE`` bytes copied in parallel (``copy_`` of one thread does not reach
-    #: the memory bandwidth); small tensors are copied by the staging thread alone. None:
-    #: min(4, the CPUs this process may run on)
-    copy_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"IOConfig.engine must be one of {ENGINES}, got {self.engine!r}")
-        for name in ("max_concurrency", "max_bytes_in_flight", "part_size", "upload_concurrency",
-                     "scratch_bytes", "exchange_bytes", "ring_bytes", "ring_slots", "read_streams"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"IOConfig.{name} must be at least 1, got {getattr(self, name)}")
-        if self.retries < 0:
-            raise ConfigError(f"IOConfig.retries must be >= 0, got {self.retries}")
-        if self.copy_threads is not None and self.copy_threads < 1:
-            raise ConfigError(f"IOConfig.copy_threads must be at least 1, got {self.copy_threads}")
-        if not 0 <= self.background_nice <= 19:
-            raise ConfigError(f"IOConfig.background_nice must be 0-19, got {self.background_nice}")
-
-    @property
-    def retry_policy(self) -> RetryPolicy:
-        return RetryPolicy(self.retries, self.retry_delay, self.retry_max_delay)
-
-
-ENGINES = ("fsspec", "obstore")
-
-
 @dataclass(slots=True)
 class IOStats:
     """Counters of one store: what a load or save really moved."""
@@ -137,9 +61,9 @@ class IOStats:
 class Store(ABC):
     """Async access to the files under one checkpoint root. Paths are relative, '/'-separated."""
 
-    def __init__(self, url: str, config: IOConfig | None = None) -> None:
+    def __init__(self, url: str, options: StoreOptions | None = None) -> None:
         self.url = url
-        self.config = config or IOConfig()
+        self.options = options or StoreOptions()
         self.stats = IOStats()
         self._sem: asyncio.Semaphore | None = None
         self._budget: ByteBudget | None = None
@@ -148,14 +72,14 @@ class Store(ABC):
     def semaphore(self) -> asyncio.Semaphore:
         """Bounds requests in flight (created lazily inside the running loop)."""
         if self._sem is None:
-            self._sem = asyncio.Semaphore(self.config.max_concurrency)
+            self._sem = asyncio.Semaphore(self.options.max_concurrency)
         return self._sem
 
     @property
     def budget(self) -> ByteBudget:
         """Bounds bytes of requests in flight (created lazily inside the running loop)."""
         if self._budget is None:
-            self._budget = ByteBudget(self.config.max_bytes_in_flight)
+            self._budget = ByteBudget(self.options.max_bytes_in_flight)
         return self._budget
 
     def full_path(self, path: str) -> str:
@@ -181,7 +105,7 @@ class Store(ABC):
         """Fill each ``read.dest`` from ``path``; near reads are coalesced, requests run
         concurrently up to ``max_concurrency`` (``get_range`` holds the request semaphore and,
         in remote stores, the byte budget). Short reads raise an error naming the file."""
-        groups = coalesce(reads, self.config.max_gap, self.config.max_span)
+        groups = coalesce(reads, self.options.max_gap, self.options.max_span)
 
         async def one(g) -> None:
             data = await self.get_range(path, g.span.start, g.span.end)

@@ -20,22 +20,23 @@ from typing import Any
 
 from ckptfs.async_save import AsyncSave
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.engine import background
+from ckptfs.engine.background import BackgroundSaver
 from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
-from ckptfs.engine.stage import release, stage, staging_allocator
+from ckptfs.engine.options import LoadOptions, SaveOptions
+from ckptfs.engine.stage import StagedSave
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
-from ckptfs.io import IOConfig, Store, open_store, run_sync
-from ckptfs.io.local_store import lower_priority
+from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.preemption import DEFAULT_SIGNALS, Preemption
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
-from ckptfs.save import SaveResult, make_backend, write_and_commit_to
+from ckptfs.options import resolve_save
+from ckptfs.save import SaveResult, make_backend, write_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,14 @@ class CheckpointManager:
                  backend: str = "safetensors_chunks", backend_version: int | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 process_group: ProcessGroup | None = None, io_config: IOConfig | None = None,
+                 process_group: ProcessGroup | None = None,
                  save_interval_steps: int | None = None,
                  preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
-                 preemption_timeout: float = 600.0, exit_on_preemption: bool = True) -> None:
+                 preemption_timeout: float = 600.0, exit_on_preemption: bool = True,
+                 store_options: StoreOptions | None = None,
+                 save_options: SaveOptions | None = None,
+                 load_options: LoadOptions | None = None,
+                 saver: BackgroundSaver | None = None, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.retention = Retention(keep_last, keep_every)
@@ -79,7 +84,13 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.storage_options = storage_options
         self.process_group = process_group
-        self.io_config = io_config
+        self.save_options, self.store_options = resolve_save(
+            save_options, store_options, deprecated, "CheckpointManager")
+        self.load_options = load_options or LoadOptions(
+            collective_timeout=self.save_options.collective_timeout)
+        #: runs this manager's saves (its own, on a lane named by the URL, unless one is given)
+        self.saver = saver or BackgroundSaver(f"background:{self.url}")
+        self._owns_saver = saver is None
         self.exit_on_preemption = exit_on_preemption
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
@@ -105,7 +116,8 @@ class CheckpointManager:
         connection pool for every step folder)."""
         with self._store_lock:
             if self._store is None:
-                self._store = run_sync(open_store(self.url, self.storage_options, self.io_config))
+                self._store = run_sync(open_store(self.url, self.storage_options, self.store_options,
+                                                  nice=self.save_options.background_nice))
             return self._store
 
     def _open_agreed(self, comm: Comm, what: str) -> Store:
@@ -174,46 +186,15 @@ class CheckpointManager:
         url, local = self._url(name), self._local(name)
         with public_errors(url):
             Comm(self.process_group)
-        be, io = self._backend, self.io_config
-        with background.next_slot():
-            with public_errors(url):  # creates the background group on the first call
-                comm = Comm(self.process_group, background=True)
-            pool = background.staging_pool(staging_allocator(state_dict))  # pinned for CUDA
-            held = [state_dict]
 
-            def job(on_copied: Callable[[], None]) -> SaveResult:
-                with public_errors(url):
-                    cfg = io or IOConfig()
-                    staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                                   threads=cfg.copy_threads)
-                    lower_priority(cfg.background_nice)  # the caller goes on, as async_save
-                    done: list[bool] = []
+        def finish(staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
+            result = self._write_step(staged, comm, name, local, force=force, started=started,
+                                      give_back=give_back)
+            self._retain(comm)
+            return result
 
-                    def give_back() -> None:
-                        if not done:
-                            done.append(True)
-                            release(staged, pool)
-
-                    try:
-                        store = self._open_agreed(comm, f"save: opening {self.url}")
-                        target = PrefixedStore(store, name)
-                        with claimed(target, comm, force, be) as claim:
-                            comm.decide(f"save: clearing a dead save's files at {url}",
-                                        lambda: run_sync(_clear_dead(target, claim)))
-                            if local is None:
-                                result = write_and_commit_to(staged, be, target, url, comm, claim,
-                                                             progress=False, throttle_uploads=None,
-                                                             started=started)
-                            else:
-                                result = save_tiered(staged, be, target, url, local, comm, claim,
-                                                     io_config=io, started=started,
-                                                     release=give_back)
-                    finally:
-                        give_back()
-                self._retain(comm)
-                return result
-
-            staged, done = background.launch(job)
+        staged, done = self.saver.start(state_dict, url, self._backend, finish,
+                                        process_group=self.process_group, options=self.save_options)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
         handle = AsyncSave(url, staged, done)
         self._last = handle
@@ -221,6 +202,24 @@ class CheckpointManager:
             handle.result()
             self._preempted()
         return handle
+
+    def _write_step(self, staged: StagedSave, comm: Comm, name: str, local: str | None, *,
+                    force: bool, started: float, give_back: Callable[[], None]) -> SaveResult:
+        """Phases 2 and 3 of a step's save (collective over ``comm``): claim the step folder,
+        clear a dead attempt's files, write (through the local tier if any) and commit."""
+        be, url = self._backend, self._url(name)
+        store = self._open_agreed(comm, f"save: opening {self.url}")
+        target = PrefixedStore(store, name)
+        with claimed(target, comm, force, be) as claim:
+            comm.decide(f"save: clearing a dead save's files at {url}",
+                        lambda: run_sync(_clear_dead(target, claim)))
+            if local is None:
+                return write_and_commit(staged, be, target, url, comm, claim, progress=False,
+                                        throttle_uploads=self.save_options.throttle_uploads,
+                                        started=started)
+            return save_tiered(staged, be, target, url, local, comm, claim,
+                               store_options=self.store_options, started=started,
+                               release=give_back)
 
     def save_sync(self, step: int, state_dict: Mapping[str, Any], *,
                   force: bool = False) -> SaveResult:
@@ -285,7 +284,7 @@ class CheckpointManager:
             name = found.dirs[step]
             self.last_restore = restore_tiered(
                 state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
-                comm, io_config=self.io_config, strict=strict)
+                comm, options=self.load_options, store_options=self.store_options, strict=strict)
         return step
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -302,7 +301,8 @@ class CheckpointManager:
             self._last.done.exception()
         if self._preemption is not None:
             self._preemption.uninstall()
-        background.close()
+        if self._owns_saver:
+            self.saver.close()
         with self._store_lock:
             store, self._store = self._store, None
         if store is not None:

@@ -33,12 +33,13 @@ from ckptfs.dist import Comm
 from ckptfs.engine.commit import Claim, commit
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.intact import intact_files, usable_files
+from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.targets import plan_targets
 from ckptfs.engine.write import write
 from ckptfs.errors import CollectiveError, MissingKeysError
-from ckptfs.io import IOConfig, Store, run_sync
+from ckptfs.io import Store, StoreOptions, run_sync
 from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.routed import RoutedStore
@@ -63,18 +64,18 @@ class RestoreResult:
     rejected: tuple[str, ...] = field(default=())  #: local copies present but not used (size, crc32c)
 
 
-def local_config(io_config: IOConfig | None) -> IOConfig:
-    """The local tier's I/O settings: the caller's, without fsync (see the module doc)."""
-    return replace(io_config or IOConfig(), fsync=False)
+def local_options(store_options: StoreOptions | None) -> StoreOptions:
+    """The local tier's store options: the caller's, without fsync (see the module doc)."""
+    return replace(store_options or StoreOptions(), fsync=False)
 
 
 def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_root: str,
-                comm: Comm, claim: Claim, *, io_config: IOConfig | None, started: float,
+                comm: Comm, claim: Claim, *, store_options: StoreOptions | None, started: float,
                 release: Callable[[], None]) -> SaveResult:
     """Phases 2 and 3 of a save through the local tier into ``remote`` (open on every rank,
     claimed: the caller holds the lock, ``claimed``; collective over ``comm``); ``release()``
     gives the staging buffers back once the local files are written."""
-    local = LocalStore(local_root, local_config(io_config))
+    local = LocalStore(local_root, local_options(store_options))
     # the step is ours to write: a killed attempt's local files (other names) go first, on
     # every rank before any rank writes (a refused save never gets here)
     comm.agree(f"save: clearing {local_root}",
@@ -93,14 +94,15 @@ def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_
 
 
 def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: str,
-                   local_root: str | None, comm: Comm, *, io_config: IOConfig | None,
-                   strict: bool) -> RestoreResult:
+                   local_root: str | None, comm: Comm, *, options: LoadOptions,
+                   store_options: StoreOptions | None, strict: bool) -> RestoreResult:
     """Collective: fill ``state_dict`` from the committed checkpoint in ``remote`` (open on
     every rank), reading the local tier's copies under ``local_root`` (None: none) where they
     hold what the index says (see the module doc)."""
     t0 = time.perf_counter()
     index = comm.decide(f"restore: reading the index of {url}", lambda: run_sync(read_index(remote)))
-    local = LocalStore(local_root or os.curdir, local_config(io_config))
+    local = LocalStore(local_root or os.curdir, local_options(store_options))
+    checked_options = replace(options, verify=True)  # local copies are always checked
     tiered = local_root is not None and os.path.isdir(local_root)
 
     def route() -> tuple[dict[str, list[Chunk]], set[str]]:
@@ -112,7 +114,8 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
             return read, set()
         good = run_sync(usable_files(local, index, read))
         cut = {f: partial[f] for f in good & partial.keys()}  # not checked in flight: now
-        return read, good - (cut.keys() - run_sync(intact_files(local, index, cut, chunks=cut)))
+        return read, good - (cut.keys() - run_sync(intact_files(
+            local, index, cut, chunks=cut, scratch_bytes=options.scratch_bytes)))
 
     # every rank learns only whether any rank reads local copies (the chunk lists stay here)
     (read, good), routed = comm.exchange("restore: routing reads to the local tier", route,
@@ -121,7 +124,7 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
     far_before = remote.stats.bytes_read
     try:
         result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
-                      strict=strict, verify=True, started=t0)
+                      strict=strict, options=checked_options, started=t0)
     except CollectiveError:
         raise
     except Exception:
@@ -131,13 +134,14 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
         before = local.stats.bytes_read
         bad, found = comm.exchange(
             "restore: checking the local copies after a failed read",
-            lambda: good - run_sync(intact_files(local, index, good, chunks=read)), bool)
+            lambda: good - run_sync(intact_files(local, index, good, chunks=read,
+                                                 scratch_bytes=options.scratch_bytes)), bool)
         checked += local.stats.bytes_read - before
         if not any(found):
             raise
         good -= bad
         result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
-                      strict=strict, verify=True, started=t0)
+                      strict=strict, options=checked_options, started=t0)
     needed = set(read)
     rejected = ({f for f in needed - good if os.path.exists(local.local_path(f))}
                 if local_root is not None else set())

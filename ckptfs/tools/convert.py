@@ -24,13 +24,14 @@ from ckptfs.engine.errors import public_errors
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files, write_rank
 from ckptfs.errors import UsageError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.plan import TensorPlan
+from ckptfs.options import IOConfig, resolve_store
 from ckptfs.planning.save_plan import plan_boxes
 from ckptfs.save import make_backend
 from ckptfs.tools.source import (
@@ -63,6 +64,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
             backend_version: int | None = None, backend_options: Mapping[str, Any] | None = None,
             overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,
+            store_options: StoreOptions | None = None,
             io_config: IOConfig | None = None, buffer_bytes: int = DEFAULT_BUFFER,
             verify: bool = True, progress: bool = False) -> ConvertResult:
     """Write the checkpoint at ``src`` to ``dst`` with ``backend`` (``backend_version`` None:
@@ -74,9 +76,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
         raise UsageError(f"convert: source and destination are the same ({src})")
     with public_errors(dst):
         be = make_backend(backend, backend_version, backend_options)
-        with open_checkpoint(src, storage_options, io_config) as source:
+        with open_checkpoint(src, storage_options, resolve_store(store_options, io_config)) as source:
             store = run_sync(open_store(dst, storage_options if dst_storage_options is None
-                                        else dst_storage_options, io_config))
+                                        else dst_storage_options, resolve_store(store_options, io_config)))
             try:
                 index = _convert(source, be, store, overwrite, buffer_bytes, verify, progress)
             finally:

@@ -14,9 +14,10 @@ import torch
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead, execute_reads
 from ckptfs.errors import MissingKeysError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.boxes import Box, full_box
@@ -40,21 +41,21 @@ class Source:
     index: Index
     backend: Backend
     foreign: bool
-    pool: BufferPool  #: scratch for reads that cannot land in place (IOConfig.scratch_bytes)
+    pool: BufferPool  #: scratch for reads that cannot land in place (LoadOptions.scratch_bytes)
 
 
 @contextmanager
 def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
-                    io_config: IOConfig | None = None) -> Iterator[Source]:
+                    store_options: StoreOptions | None = None) -> Iterator[Source]:
     url = os.fspath(url)
     with public_errors(url):
-        store = run_sync(open_store(url, storage_options, io_config))
+        store = run_sync(open_store(url, storage_options, store_options))
     try:
         with public_errors(url):
             index = run_sync(read_index(store))
             foreign = not run_sync(store.exists(INDEX_FILE))
             backend = get_backend(index.backend, index.backend_version)(index.backend_options)
-        yield Source(url, store, index, backend, foreign, BufferPool(limit=store.config.scratch_bytes))
+        yield Source(url, store, index, backend, foreign, BufferPool(limit=LoadOptions.scratch_bytes))
     finally:
         run_sync(store.close())
 

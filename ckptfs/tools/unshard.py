@@ -31,11 +31,12 @@ from urllib.parse import quote
 
 from ckptfs.engine.errors import public_errors
 from ckptfs.errors import CheckpointExistsError, UsageError
-from ckptfs.io import IOConfig
+from ckptfs.io import StoreOptions
 from ckptfs.io.open import split_protocol
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.keys import encode_component
 from ckptfs.layout.values import decode_value
+from ckptfs.options import IOConfig, resolve_store
 from ckptfs.state.flatten import unflatten
 from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
 from ckptfs.tools.source import (
@@ -82,7 +83,8 @@ class _FilePlan:
 def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "safetensors",
             strategy: str = "one_file", chunk_size: int | None = None,
             keys: Iterable[str | tuple] | None = None, overwrite: bool = False,
-            storage_options: Mapping[str, Any] | None = None, io_config: IOConfig | None = None,
+            storage_options: Mapping[str, Any] | None = None, store_options: StoreOptions | None = None,
+            io_config: IOConfig | None = None,
             buffer_bytes: int = DEFAULT_BUFFER, verify: bool = True,
             progress: bool = False) -> UnshardResult:
     """Write the whole (unsharded) tensors of the checkpoint at ``url`` (any backend, or a
@@ -92,7 +94,8 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
     t0 = time.perf_counter()
     _check_args(format, strategy, chunk_size, out_dir)
     out = Path(os.fspath(out_dir))
-    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, io_config) as src:
+    store_options = resolve_store(store_options, io_config)
+    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src:
         sel = select(src.index, keys, src.url)
         _check_values(sel, format, strategy)
         plans = _plan(src, sel, format, strategy, chunk_size)

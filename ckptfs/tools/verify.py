@@ -26,8 +26,9 @@ import numpy as np
 import ckptfs.layout
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError
-from ckptfs.io import IOConfig, open_store, run_sync
+from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.boxes import Box
@@ -36,6 +37,7 @@ from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index, TensorEntry, sealed_checksum
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.options import IOConfig, resolve_store
 from ckptfs.tools.clean import survey
 from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, batches, progress_bar, read_regions
 
@@ -124,6 +126,7 @@ class VerifyReport:
 
 
 def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+           store_options: StoreOptions | None = None,
            io_config: IOConfig | None = None, checksums: bool = True,
            buffer_bytes: int = DEFAULT_BUFFER, progress: bool = False) -> VerifyReport:
     """Check the checkpoint at ``url`` and return every problem found (never raises for a
@@ -133,7 +136,7 @@ def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None 
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        store = run_sync(open_store(url, storage_options, io_config))
+        store = run_sync(open_store(url, storage_options, resolve_store(store_options, io_config)))
         try:
             return _verify(url, store, checksums, buffer_bytes, progress, t0)
         finally:
@@ -184,7 +187,7 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
             problems.append(Problem("index", f"{type(e).__name__}: {e}"))
         else:
             source = Source(url, store, index, backend, foreign,
-                            BufferPool(limit=store.config.scratch_bytes))
+                            BufferPool(limit=LoadOptions.scratch_bytes))
             summed, unsummed = _chunks(source, missing, problems, buffer_bytes, progress)
     else:
         skipped.append("checksums: not requested (every chunk's bytes were left unread)")
