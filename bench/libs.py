@@ -1,6 +1,6 @@
 """The two checkpointers under test, behind one small interface, with the same durability.
 
-ckptfs fsyncs data files and the index by default (IOConfig.fsync=True); DCP's FileSystemWriter
+ckptfs fsyncs data files and the index by default (StoreOptions.fsync=True); DCP's FileSystemWriter
 is given sync_files=True (also its default). Everything else is each library's default.
 """
 

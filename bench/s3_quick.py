@@ -6,7 +6,7 @@
    client do not share a GIL. Every library talks to it through its normal S3 client.
 2. Save the same ~``--mb`` MiB state (fp32 and bf16 matrices plus 64 small fp32 tensors), one
    process, ``--runs`` times each, alternating: ckptfs with s3fs, ckptfs with obstore
-   (``IOConfig(engine="obstore")``), and ``dcp.save(storage_writer=FsspecWriter("s3://..."))``.
+   (``StoreOptions(client="obstore")``), and ``dcp.save(storage_writer=FsspecWriter("s3://..."))``.
 3. Whole load of each, same alternation (DCP through ``FsspecReader``); the loaded bytes are
    compared with the saved state.
 4. Partial load: the first half of every matrix's rows (ckptfs ShardedTensor targets): bytes
@@ -125,8 +125,8 @@ def main() -> None:
         print(f"# moto_server {endpoint}; torch {torch.__version__}; state {size / MB:.0f} MiB; "
               f"load average {os.getloadavg()[0]:.1f}")
         libs = {
-            "ckptfs-s3fs": ckptfs.IOConfig(engine="fsspec"),
-            "ckptfs-obstore": ckptfs.IOConfig(engine="obstore"),
+            "ckptfs-s3fs": ckptfs.StoreOptions(client="fsspec"),
+            "ckptfs-obstore": ckptfs.StoreOptions(client="obstore"),
             "dcp-fsspec": None,
         }
         url = {lib: f"s3://{BUCKET}/{lib}" for lib in libs}
@@ -138,14 +138,14 @@ def main() -> None:
                 return timed(lambda: dcp.save(state, storage_writer=FsspecWriter(url[lib], **opts),
                                               no_dist=True))
             ckptfs.delete(url[lib], storage_options=opts, missing_ok=True)
-            return timed(lambda: ckptfs.save(state, url[lib], storage_options=opts, io_config=libs[lib]))
+            return timed(lambda: ckptfs.save(state, url[lib], storage_options=opts, store_options=libs[lib]))
 
         def load(lib: str) -> float:
             sd = make_state(args.mb, fill=False)
             if lib.startswith("dcp"):
                 t = timed(lambda: dcp.load(sd, storage_reader=FsspecReader(url[lib], **opts), no_dist=True))
             else:
-                t = timed(lambda: ckptfs.load(sd, url[lib], storage_options=opts, io_config=libs[lib]))
+                t = timed(lambda: ckptfs.load(sd, url[lib], storage_options=opts, store_options=libs[lib]))
             assert same(sd, state), lib
             return t
 
@@ -175,7 +175,7 @@ def main() -> None:
                                                   (ROWS, COLS), (0, 0)) for k, v in like[d].items()}
                       for d in ("fp32", "bf16")}
                 t0 = time.perf_counter()
-                res = ckptfs.load(sd, url[lib], storage_options=opts, strict=False, io_config=libs[lib])
+                res = ckptfs.load(sd, url[lib], storage_options=opts, strict=False, store_options=libs[lib])
                 times.append(time.perf_counter() - t0)
             print(f"partial {lib:15s} median {med(times):6.2f} s; read {res.bytes_read / MB:.0f} MiB "
                   f"for {res.bytes_needed / MB:.0f} MiB needed (matrices {whole / MB:.0f} MiB) in "

@@ -107,7 +107,7 @@ def partial(path: str, gb: float, runs: int) -> tuple[list[float], int, int, int
               for d in ("fp32", "bf16")}
         drop_caches()
         t0 = time.perf_counter()
-        res = ckptfs.load(sd, path, io_config=ckptfs.IOConfig(max_gap=0))
+        res = ckptfs.load(sd, path, store_options=ckptfs.StoreOptions(max_gap=0))
         times.append(time.perf_counter() - t0)
     whole = sum(v.numel() * v.element_size() for d in ("fp32", "bf16") for v in like[d].values())
     return times, res.bytes_read, res.bytes_needed, whole
@@ -140,7 +140,7 @@ def _reshard_rank(rank: int, world: int, path: str, gb: float, runs: int, out: s
                 dcp.load(sd, checkpoint_id=path)
                 got = None
             else:
-                got = ckptfs.load(sd, path, io_config=ckptfs.IOConfig(max_gap=0))
+                got = ckptfs.load(sd, path, store_options=ckptfs.StoreOptions(max_gap=0))
             dist.barrier()  # the slower rank decides
             rows.append((lib, time.perf_counter() - t0, got.bytes_read if got else 0,
                          got.bytes_needed if got else 0))

@@ -73,7 +73,7 @@ class IOConfig:
 
 def _deprecated(old: str, new: str) -> None:
     warnings.warn(f"the keyword {old}= is deprecated and will be removed in the next minor "
-                  f"version: use {new}", DeprecationWarning, stacklevel=4)
+                  f"version: use {new}", DeprecationWarning, stacklevel=5)
 
 
 def resolve_store(store_options: StoreOptions | None, io_config: IOConfig | None

@@ -130,7 +130,7 @@ def scenarios(rank: int, world: int, root: str) -> None:
     check_loads(rank, f"{root}/snap", 1.0)
     #    staging holds what this rank writes: its shards, and the replicated bias on one rank only
     per_rank = [0] * world
-    dist.all_gather_object(per_rank, background.staging_pool().allocator.cached_bytes)
+    dist.all_gather_object(per_rank, background.default_saver().staging_pool().allocator.cached_bytes)
     shards = 2 * 64 * 16 * 4  # w and exp_avg: 64 x 16 fp32 per rank
     assert sorted(per_rank) == [shards, shards + 8 * 8], per_rank
 
@@ -218,11 +218,11 @@ def scenarios(rank: int, world: int, root: str) -> None:
     big = {f"layer{i}": state(rank, 9.0, rows=rows) for i in range(3)}
     mine = sum(t.numel() * t.element_size() for lay in big.values()
                for t in (lay["w"].local_tensor, lay["opt"]["state"][0]["exp_avg"].local_tensor))
-    alloc = background.staging_pool().allocator
-    fast = ckptfs.IOConfig(fsync=False)
+    alloc = background.default_saver().staging_pool().allocator
+    fast = ckptfs.StoreOptions(fsync=False)
     sizes = []
     for i in range(10):
-        ckptfs.async_save(big, f"{root}/rss", overwrite=True, io_config=fast).result(timeout=60)
+        ckptfs.async_save(big, f"{root}/rss", overwrite=True, store_options=fast).result(timeout=60)
         if i == 0:
             first_rss, first_allocs = rss(), alloc.allocations
         sizes.append(alloc.cached_bytes)
@@ -250,7 +250,7 @@ def scenarios(rank: int, world: int, root: str) -> None:
                                          [Shard(1)]),
               "t": full["t"].clone().t().contiguous().t(), "small": full["small"].clone()}
         assert not sd["t"].is_contiguous()
-        h = ckptfs.async_save(sd, f"{root}/threads", io_config=ckptfs.IOConfig(copy_threads=3))
+        h = ckptfs.async_save(sd, f"{root}/threads", options=ckptfs.SaveOptions(copy_threads=3))
         h.wait_staged(timeout=60)
         for t in (sd["rows"].to_local(), sd["cols"].to_local(), sd["t"], sd["small"]):
             t.fill_(7.0)
@@ -378,30 +378,30 @@ def test_staging_pool_follows_the_allocator_kind():
     async def cycle(pool, n):
         await pool.release(await pool.lease(n))
 
-    host = background.staging_pool(HostAllocator())
-    assert background.staging_pool(HostAllocator()) is host  # same kind: the same cache
+    host = background.default_saver().staging_pool(HostAllocator())
+    assert background.default_saver().staging_pool(HostAllocator()) is host  # same kind: the same cache
     host.allocator.clear()  # what earlier saves in this process left there
     run_sync(cycle(host, 4096))
     assert host.allocator.cached_bytes == 4096
-    other = background.staging_pool(Other())
+    other = background.default_saver().staging_pool(Other())
     assert other is not host and type(other.allocator.inner) is Other
     assert host.allocator.cached_bytes == 0, "the old kind's buffers were kept"
-    assert background.staging_pool() is other  # no kind asked: the pool as it is
-    background.staging_pool(HostAllocator())  # leave the process's pool as the others expect
+    assert background.default_saver().staging_pool() is other  # no kind asked: the pool as it is
+    background.default_saver().staging_pool(HostAllocator())  # leave the process's pool as the others expect
 
 
 def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
-    """``IOConfig.background_nice``: an asynchronous save's data files are written, and its
+    """``SaveOptions.background_nice``: an asynchronous save's data files are written, and its
     checksums computed, by threads of that nice value (Linux nice is per thread), a
     synchronous save's at the caller's, whose own nice never changes; both checkpoints load.
     Out-of-range values are refused naming the field."""
     from ckptfs.engine import write as write_engine
-    from ckptfs.io import IOConfig, local_store
+    from ckptfs.io import local_store
 
     if not sys.platform.startswith("linux"):
         pytest.skip("per-thread nice is Linux's")
     with pytest.raises(ckptfs.CkptfsError, match="background_nice"):
-        IOConfig(background_nice=20)
+        ckptfs.SaveOptions(background_nice=20)
     seen: list[tuple[str, int]] = []
     real = local_store._write_all
 
@@ -421,17 +421,17 @@ def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
     monkeypatch.setattr(write_engine, "crc_of", crc_spy)
     sd = {"w": torch.randn(256, 64), "b": torch.arange(10.0)}
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    cfg = IOConfig(background_nice=min(19, base + 7))
-    ckptfs.async_save(sd, tmp_path / "bg", io_config=cfg).result()
+    cfg = ckptfs.SaveOptions(background_nice=min(19, base + 7))
+    ckptfs.async_save(sd, tmp_path / "bg", options=cfg).result()
     bg, seen[:], bg_sums, sums[:] = list(seen), [], list(sums), []
-    ckptfs.save(sd, tmp_path / "fg", io_config=cfg)
+    ckptfs.save(sd, tmp_path / "fg", options=cfg)
     assert bg and all(n == cfg.background_nice for _, n in bg), bg
     assert bg_sums and all(n == cfg.background_nice for n in bg_sums), bg_sums
     assert seen and all(n == base for _, n in seen), seen
     assert sums and all(n == base for n in sums), sums
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
     seen[:], sums[:] = [], []
-    mgr = ckptfs.CheckpointManager(tmp_path / "mgr", io_config=cfg, preemption_signals=())
+    mgr = ckptfs.CheckpointManager(tmp_path / "mgr", save_options=cfg, preemption_signals=())
     mgr.save(1, sd).done.result()  # the manager's background saves run niced too
     assert seen and all(n == cfg.background_nice for _, n in seen), seen
     assert sums and all(n == cfg.background_nice for n in sums), sums

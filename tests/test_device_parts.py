@@ -18,7 +18,7 @@ import torch
 import ckptfs
 from ckptfs.engine.device_parts import DeviceChunk, DeviceParts, SlotPool
 from ckptfs.errors import StorageError
-from ckptfs.io import IOConfig, run_sync
+from ckptfs.io import StoreOptions, run_sync
 from ckptfs.io.fsspec_store import FsspecStore
 from ckptfs.io.parts import materialized, pieces
 from ckptfs.io.streamed import StreamedPart
@@ -100,12 +100,12 @@ def test_streamed_saves_to_s3(s3, streamed, engine):
     g = torch.Generator().manual_seed(3)
     sd = {"big": torch.randn(3_000_000, generator=g),  # 12 MB: a multipart upload of 5 MiB parts
           **_state()}
-    cfg = IOConfig(engine=engine, part_size=5 << 20)
+    cfg = StoreOptions(client=engine, part_size=5 << 20)
     url = f"{s3.url}/c-{engine}"
-    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg)
     assert streamed[0][0].pool.peak <= 3 * SLOT
     assert streamed[0][1].threads and "ckptfsIO" not in streamed[0][1].threads  # never blocks it
-    _roundtrip(sd, url, storage_options=s3.options, io_config=cfg)
+    _roundtrip(sd, url, storage_options=s3.options, store_options=cfg)
 
 
 def test_streamed_saves_to_an_fsspec_filesystem(memfs, streamed):

@@ -238,8 +238,8 @@ def exchange(rank: int, world: int, root: str, endpoint: str) -> dict:
 
     # 2. a tiny budget: many rounds, same result
     tgt = replicated(False)
-    ckptfs.load(tgt, s3, storage_options=opts, exchange=True,
-                io_config=ckptfs.IOConfig(exchange_bytes=4096))
+    ckptfs.load(tgt, s3, storage_options=opts,
+                options=ckptfs.LoadOptions(exchange=True, exchange_bytes=4096))
     assert same(tgt, ref)
 
     # 3. with pre_download: each node caches only what its ranks read, then exchange
@@ -258,7 +258,8 @@ def exchange(rank: int, world: int, root: str, endpoint: str) -> dict:
     ckptfs.save({"w": distribute_tensor(full, mesh, [Shard(0), Shard(1)])}, local)
     for placement, name in ((Shard(0), "rows"), (Shard(1), "columns")):
         tgt = {"w": distribute_tensor(torch.zeros(64, 48), mesh, [Replicate(), placement])}
-        res = ckptfs.load(tgt, local, exchange=True, io_config=ckptfs.IOConfig(max_gap=0))
+        res = ckptfs.load(tgt, local, store_options=ckptfs.StoreOptions(max_gap=0),
+                          options=ckptfs.LoadOptions(exchange=True))
         assert torch.equal(tgt["w"].full_tensor(), full), name
         results[name] = {"read": gather(res.bytes_read), "got": gather(res.exchanged_bytes)}
     results["mesh_bytes"] = full.numel() * 4

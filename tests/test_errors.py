@@ -177,10 +177,12 @@ def test_storage_errors_from_object_stores_are_ckptfs_errors(s3):
 
 def test_bad_settings_are_config_errors(tmp_path):
     with pytest.raises(ckptfs.ConfigError, match="scratch_bytes"):
-        ckptfs.IOConfig(scratch_bytes=0)
+        ckptfs.LoadOptions(scratch_bytes=0)
     with pytest.raises(ckptfs.ConfigError, match="throttle_uploads"):
-        ckptfs.save({"a": torch.ones(1)}, tmp_path / "c", throttle_uploads=0)
+        ckptfs.save({"a": torch.ones(1)}, tmp_path / "c",
+                    options=ckptfs.SaveOptions(throttle_uploads=0))
     with pytest.raises(ckptfs.ConfigError, match="work_dir"):
-        ckptfs.load({"a": torch.ones(1)}, tmp_path / "c", pre_download=True)
+        ckptfs.load({"a": torch.ones(1)}, tmp_path / "c",
+                    options=ckptfs.LoadOptions(pre_download=True))
     with pytest.raises(ckptfs.BackendOptionsError):  # a ConfigError too
         ckptfs.save({"a": torch.ones(1)}, tmp_path / "d", backend_options={"nope": 1})

@@ -60,10 +60,10 @@ def test_every_request_kind_survives_each_fault(s3):
     HEADs, listings, GETs); then, for each kind, its first request gets a 503, a dropped
     connection or a lost response (in turn), and a last run has every request slow: the save and
     the load still succeed, bit-exact."""
-    cfg = ckptfs.IOConfig(retries=4, retry_delay=0.01, retry_max_delay=0.05)
+    cfg = ckptfs.StoreOptions(retries=4, retry_delay=0.01, retry_max_delay=0.05)
     want = _state(1)
-    ckptfs.save(want, f"{s3.url}/probe", storage_options=s3.options, io_config=cfg)
-    ckptfs.load_keys(f"{s3.url}/probe", storage_options=s3.options, io_config=cfg)
+    ckptfs.save(want, f"{s3.url}/probe", storage_options=s3.options, store_options=cfg)
+    ckptfs.load_keys(f"{s3.url}/probe", storage_options=s3.options, store_options=cfg)
     kinds = sorted({_kind(r.method, r.path, r.query) for r in s3.proxy.log()})
     assert {k[1] for k in kinds} >= {"index", "lock", "data"}, kinds
     failures, injected = [], 0
@@ -75,8 +75,8 @@ def test_every_request_kind_survives_each_fault(s3):
         s3.proxy.reset()
         s3.proxy.configure(**rule) if "latency" in rule else s3.proxy.configure(script=[rule])
         try:
-            ckptfs.save(want, url, storage_options=s3.options, io_config=cfg)
-            got = ckptfs.load_keys(url, storage_options=s3.options, io_config=cfg)
+            ckptfs.save(want, url, storage_options=s3.options, store_options=cfg)
+            got = ckptfs.load_keys(url, storage_options=s3.options, store_options=cfg)
             if not _same(want, got):
                 failures.append(f"{rule}: loaded data differs")
         except Exception as e:
@@ -89,14 +89,14 @@ def test_every_request_kind_survives_each_fault(s3):
 @pytest.mark.skipif(not SCRIPTED, reason="the fault proxy has no scripted faults yet")
 @pytest.mark.parametrize("step", ["data", "index"])
 def test_a_save_that_finally_fails_leaves_no_index_and_names_url_and_cause(s3, step):
-    cfg = ckptfs.IOConfig(retries=2, retry_delay=0.01, retry_max_delay=0.02)
+    cfg = ckptfs.StoreOptions(retries=2, retry_delay=0.01, retry_max_delay=0.02)
     url = f"{s3.url}/fails-{step}"
     path = {"data": "/data/", "index": "ckptfs.index.json"}[step]
     s3.proxy.configure(script=[{"method": "PUT", "path": path, "fault": "503", "times": 100}])
     # the URL of the failing file, how often it was tried, and the server's answer (503 SlowDown)
     with pytest.raises(ckptfs.StorageError, match=re.escape(f"{url}/") + r".*still failing after "
                        r"3 attempt.*reduce your request rate"):
-        ckptfs.save(_state(2), url, storage_options=s3.options, io_config=cfg)
+        ckptfs.save(_state(2), url, storage_options=s3.options, store_options=cfg)
     s3.proxy.reset()
     with pytest.raises(ckptfs.CheckpointNotFoundError):
         ckptfs.load_keys(url, storage_options=s3.options)

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.io import IOConfig
 from ckptfs.testing.ranks import run_ranks
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-RING = IOConfig(ring_bytes=1 << 16, ring_slots=4)  # 16 KiB slots: most chunks are cut in parts
+RING = ckptfs.LoadOptions(ring_bytes=1 << 16, ring_slots=4)  # 16 KiB slots: most chunks are cut in parts
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -46,7 +45,7 @@ def test_load_into_cuda_tensors_is_bit_exact_through_the_ring(tmp_path):
               "b": torch.zeros(9000, dtype=torch.bfloat16, device=dev),
               "i": torch.zeros(7, 3, 11, dtype=torch.int64, device=dev),
               "h": torch.zeros(33, 17, dtype=torch.float16, device=dev)}
-    res = ckptfs.load(target, tmp_path / "c", io_config=RING)
+    res = ckptfs.load(target, tmp_path / "c", options=RING)
     for k, v in sd.items():
         assert target[k].device == dev and torch.equal(target[k].cpu(), v), k
     # the ring's slots, leased as needed (a small load needs only some), no pageable scratch
@@ -59,8 +58,8 @@ def test_load_into_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
     target = {k: torch.empty_like(v, device="cuda") for k, v in sd.items()}
     torch.cuda.reset_peak_host_memory_stats()
     before, _ = _pinned_in_use()
-    cfg = IOConfig(ring_bytes=1 << 19, ring_slots=4)
-    res = ckptfs.load(target, tmp_path / "c", io_config=cfg)
+    cfg = ckptfs.LoadOptions(ring_bytes=1 << 19, ring_slots=4)
+    res = ckptfs.load(target, tmp_path / "c", options=cfg)
     assert all(torch.equal(target[k].cpu(), v) for k, v in sd.items())
     assert res.scratch_peak == cfg.ring_bytes
     _, peak = _pinned_in_use()
@@ -78,7 +77,7 @@ def test_a_corrupted_chunk_is_caught_on_the_way_to_the_device(tmp_path):
     files[0].write_bytes(data)
     target = {k: torch.zeros_like(v, device="cuda") for k, v in sd.items()}
     with pytest.raises(IntegrityError, match="fails its checksum"):
-        ckptfs.load(target, tmp_path / "c", io_config=RING)
+        ckptfs.load(target, tmp_path / "c", options=RING)
 
 
 def test_save_from_cuda_is_bit_exact(tmp_path):
@@ -92,11 +91,11 @@ def test_save_from_cuda_is_bit_exact(tmp_path):
 def test_save_from_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
     sd = {f"t{i}": torch.randn(1024, 1024, device="cuda") for i in range(8)}  # 32 MiB
     sd["t_t"] = sd["t0"].t()  # non-contiguous: copied out in C-order pieces
-    cfg = IOConfig(ring_bytes=1 << 22, ring_slots=4)  # 4 MiB: 1 MiB slots
+    cfg = ckptfs.SaveOptions(ring_bytes=1 << 22, ring_slots=4)  # 4 MiB: 1 MiB slots
     torch.cuda.synchronize()
     torch.cuda.reset_peak_host_memory_stats()
     before, _ = _pinned_in_use()
-    ckptfs.save(sd, tmp_path / "c", io_config=cfg)
+    ckptfs.save(sd, tmp_path / "c", options=cfg)
     _, peak = _pinned_in_use()
     assert peak - before <= cfg.ring_bytes  # no host copy of the state, pinned or not
     _assert_saved(tmp_path / "c", sd)
@@ -167,7 +166,7 @@ def _dtensor_ranks(rank: int, world: int, root: str) -> None:
     rows = full.shape[0] // world
     target = DTensor.from_local(torch.zeros(rows, full.shape[1], device="cuda"), mesh, [Shard(0)],
                                 run_check=False)
-    ckptfs.load({"w": target}, f"{root}/by_cols", io_config=RING)  # resharded, into CUDA
+    ckptfs.load({"w": target}, f"{root}/by_cols", options=RING)  # resharded, into CUDA
     assert torch.equal(target.to_local().cpu(), full[rank * rows:(rank + 1) * rows])
 
 
@@ -180,6 +179,6 @@ def test_gds_path_when_kvikio_is_installed(tmp_path):
     sd = _state(3)
     ckptfs.save(sd, tmp_path / "c")
     target = {k: torch.zeros_like(v, device="cuda") for k, v in sd.items()}
-    ckptfs.load(target, tmp_path / "c", io_config=IOConfig(gds=True), verify=False)
+    ckptfs.load(target, tmp_path / "c", options=ckptfs.LoadOptions(gds=True, verify=False))
     for k, v in sd.items():
         assert torch.equal(target[k].cpu(), v), k

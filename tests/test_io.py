@@ -1,6 +1,6 @@
 """The object-store I/O pieces on their own: retry classification and backoff, the byte budget,
 multipart pieces (bounded memory on a real moto endpoint), node grouping, throttle rounds that
-never hang, the pre-download cache, IOConfig and obstore option translation."""
+never hang, the pre-download cache, StoreOptions and obstore option translation."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_byte_budget_bounds_ranged_reads_in_flight(memfs):
     bytes in flight inside the filesystem, and every byte lands right."""
     blob = os.urandom(200_000)
     memfs.pipe_file("/b/f.bin", blob)
-    cfg = ckptfs.IOConfig(max_gap=0, max_bytes_in_flight=3000, max_concurrency=64)
+    cfg = ckptfs.StoreOptions(max_gap=0, max_bytes_in_flight=3000, max_concurrency=64)
     state = {"now": 0, "peak": 0}
 
     async def go():
@@ -198,7 +198,7 @@ def test_multipart_upload_bounds_parts_in_flight(s3, engine):
 
     data = [os.urandom(9 * 2**20), os.urandom(2**20 + 5), os.urandom(13 * 2**20)]
     part = 5 * 2**20
-    cfg = ckptfs.IOConfig(engine=engine, part_size=part, upload_concurrency=2)
+    cfg = ckptfs.StoreOptions(client=engine, part_size=part, upload_concurrency=2)
     s3.proxy.configure(gate=2, gate_path="/mp/big.bin", gate_query="partNumber", gate_timeout=10)
 
     async def go():
@@ -231,7 +231,7 @@ def status(field):
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 out = {}
 for engine in ("fsspec", "obstore"):
-    cfg = ckptfs.IOConfig(engine=engine, part_size=5 * 2**20, upload_concurrency=2)
+    cfg = ckptfs.StoreOptions(client=engine, part_size=5 * 2**20, upload_concurrency=2)
     async def go():
         store = await open_store(f"s3://{bucket}/rss-{engine}", opts, cfg)
         try:
@@ -276,10 +276,10 @@ def test_max_bytes_in_flight_bounds_ranged_gets(s3):
     for engine in ("fsspec", "obstore"):
         s3.proxy.reset()
         s3.proxy.configure(gate=2, gate_path="/flight/data/", gate_timeout=10)
-        cfg = ckptfs.IOConfig(engine=engine, max_gap=0, max_span=64 * 1024,
+        cfg = ckptfs.StoreOptions(client=engine, max_gap=0, max_span=64 * 1024,
                               max_bytes_in_flight=128 * 1024)
         tgt = {k: torch.empty_like(v) for k, v in sd.items()}
-        res = ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg)
+        res = ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg)
         assert all(torch.equal(tgt[k], sd[k]) for k in sd)
         gets = [r for r in s3.proxy.log() if r.method == "GET" and "/data/" in r.path]
         assert len(gets) == res.read_requests == 8, (engine, gets)
@@ -363,10 +363,10 @@ def test_fsspec_write_failures_retry_the_whole_file_or_leave_no_index(tmp_path):
     the data file, and no index is committed."""
     fsspec.register_implementation("flaky", _FlakyFs, clobber=True)
     state = {"w": torch.randn(256, 64), "step": 3}
-    cfg = ckptfs.IOConfig(retry_delay=0.01)
+    cfg = ckptfs.StoreOptions(retry_delay=0.01)
     try:
         _FlakyFile.left = 2
-        ckptfs.save(state, f"flaky://{tmp_path}/a", io_config=cfg)
+        ckptfs.save(state, f"flaky://{tmp_path}/a", store_options=cfg)
         assert _FlakyFile.left == 0
         target = {"w": torch.zeros(256, 64), "step": 0}
         ckptfs.load(target, str(tmp_path / "a"))
@@ -374,7 +374,7 @@ def test_fsspec_write_failures_retry_the_whole_file_or_leave_no_index(tmp_path):
 
         _FlakyFile.full = True
         with pytest.raises(StorageError, match=r"flaky://.*/b/data/.*No space left") as e:
-            ckptfs.save(state, f"flaky://{tmp_path}/b", io_config=cfg)
+            ckptfs.save(state, f"flaky://{tmp_path}/b", store_options=cfg)
         assert isinstance(e.value, ckptfs.CkptfsError)
         assert not (tmp_path / "b" / "ckptfs.index.json").exists()
     finally:
@@ -469,7 +469,7 @@ def test_cache_fill_reuses_verifies_and_wipes(tmp_path):
         (src / p).write_bytes(b)
     cdir = cache_dir(tmp_path / "work", "s3://bucket/ckpt")
     assert cdir.startswith(str(tmp_path / "work")) and len(os.path.basename(cdir)) == 16
-    cfg = ckptfs.IOConfig(part_size=1024)
+    cfg = ckptfs.StoreOptions(part_size=1024)
 
     def run(files, tag="v1"):
         store = LocalStore(str(src), cfg)
@@ -496,12 +496,12 @@ def test_cache_fill_reuses_verifies_and_wipes(tmp_path):
 
 
 # -- config and option translation -----------------------------------------------------------
-def test_io_config_validates_engine_and_sizes():
-    with pytest.raises(ValueError, match="engine"):
-        ckptfs.IOConfig(engine="boto")
-    with pytest.raises(ValueError, match="part_size"):
-        ckptfs.IOConfig(part_size=0)
-    assert ckptfs.IOConfig(engine="obstore").retry_policy.retries == 5
+def test_store_options_validate_client_and_sizes():
+    with pytest.raises(ckptfs.ConfigError, match="StoreOptions.client"):
+        ckptfs.StoreOptions(client="boto")
+    with pytest.raises(ckptfs.ConfigError, match="StoreOptions.part_size"):
+        ckptfs.StoreOptions(part_size=0)
+    assert ckptfs.StoreOptions(client="obstore").retry_policy.retries == 5
 
 
 def test_obstore_takes_s3fs_style_options():

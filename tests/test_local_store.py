@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptfs.io import ReadInto, coalesce, local_store, open_store, run_sync
-from ckptfs.io.store import IOConfig
+from ckptfs.io.options import StoreOptions
 
 BLOB = os.urandom(1 << 16)
 
@@ -20,19 +20,15 @@ BLOB = os.urandom(1 << 16)
 def test_read_into_matches_reference(tmp_path_factory, reqs, max_gap, piece):
     root = tmp_path_factory.mktemp("ls")
     (root / "f").write_bytes(BLOB)
-    old = local_store._READ_PIECE
-    local_store._READ_PIECE = piece  # force splitting of spans into many parallel pieces
-    try:
-        reads = [ReadInto(s, memoryview(bytearray(min(n, len(BLOB) - s)))) for s, n in reqs]
+    reads = [ReadInto(s, memoryview(bytearray(min(n, len(BLOB) - s)))) for s, n in reqs]
 
-        async def go():
-            store = await open_store(str(root), config=IOConfig(max_gap=max_gap))
-            await store.read_into("f", reads)
-            return store.stats
+    async def go():
+        # a small read_piece splits spans into many parallel pieces
+        store = await open_store(str(root), None, StoreOptions(max_gap=max_gap, read_piece=piece))
+        await store.read_into("f", reads)
+        return store.stats
 
-        stats = run_sync(go())
-    finally:
-        local_store._READ_PIECE = old
+    stats = run_sync(go())
     for r in reads:
         assert bytes(r.dest) == BLOB[r.start : r.start + r.dest.nbytes]
     low, high = read_bounds([(r.start, r.end) for r in reads], max_gap)
@@ -104,10 +100,8 @@ def test_a_failed_read_into_leaves_no_read_running(tmp_path, monkeypatch):
         return real(fd, bufs, offset, full)
 
     monkeypatch.setattr(local_store, "_preadv_all", preadv)
-    monkeypatch.setattr(local_store, "_READ_PIECE", 50)
-
     async def go():
-        store = await open_store(str(tmp_path))
+        store = await open_store(str(tmp_path), None, StoreOptions(read_piece=50))
         await store.read_into("f", [ReadInto(0, memoryview(bytearray(100)))])
 
     try:
@@ -134,7 +128,6 @@ def test_reads_of_uncached_data_go_around_the_page_cache(tmp_path, monkeypatch):
     file. Cached pieces, and direct_reads=False (the default), read buffered."""
     blob = os.urandom(3 * (1 << 16) + 123)
     (tmp_path / "f").write_bytes(blob)
-    monkeypatch.setattr(local_store, "_READ_PIECE", 1 << 16)  # several pieces, each its own read
     reqs = [(0, 10), (4095, 4098), (5000, 70000), (len(blob) - 777, 777), (100, 150000)]
     direct = []
     real = local_store.LocalStore._read_direct
@@ -145,9 +138,9 @@ def test_reads_of_uncached_data_go_around_the_page_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(local_store.LocalStore, "_read_direct", spy)
 
-    def read(cfg: IOConfig) -> list[bytes]:
+    def read(cfg: StoreOptions) -> list[bytes]:
         async def go():
-            store = await open_store(str(tmp_path), config=cfg)
+            store = await open_store(str(tmp_path), None, cfg)
             dests = [memoryview(bytearray(n + 3))[3:] for _, n in reqs]  # unaligned addresses
             await store.read_into("f", [ReadInto(s, d) for (s, _), d in zip(reqs, dests)])
             await store.close()
@@ -155,7 +148,9 @@ def test_reads_of_uncached_data_go_around_the_page_cache(tmp_path, monkeypatch):
 
         return run_sync(go())
 
-    on, off = IOConfig(max_gap=0, direct_reads=True), IOConfig(max_gap=0)
+    # read_piece: several pieces, each its own read
+    on = StoreOptions(max_gap=0, direct_reads=True, read_piece=1 << 16)
+    off = StoreOptions(max_gap=0, read_piece=1 << 16)
     for cfg, uses_direct in ((on, True), (off, False)):
         _evict(tmp_path / "f")
         fd = os.open(tmp_path / "f", os.O_RDONLY)
@@ -171,7 +166,7 @@ def test_reads_of_uncached_data_go_around_the_page_cache(tmp_path, monkeypatch):
     _evict(tmp_path / "f")
 
     async def past_end():
-        store = await open_store(str(tmp_path), config=on)
+        store = await open_store(str(tmp_path), None, on)
         await store.read_into("f", [ReadInto(len(blob) - 5, memoryview(bytearray(10)))])
 
     try:
@@ -203,7 +198,7 @@ def test_put_writes_parts_and_put_if_absent_is_create_only(tmp_path):
 
 
 def test_a_load_reads_each_stream_front_to_back(tmp_path, monkeypatch):
-    """``IOConfig.read_streams``: a load from a local store reads a file as that many runs, each
+    """``StoreOptions.read_streams``: a load from a local store reads a file as that many runs, each
     one ``read_into`` at a time in file order (without a preference: every wave at once); a
     file cut short mid-run is an IntegrityError naming it, and the other runs stop."""
     import pytest
@@ -234,7 +229,7 @@ def test_a_load_reads_each_stream_front_to_back(tmp_path, monkeypatch):
         calls.clear()
         peak[0] = 0
         target = {k: torch.zeros_like(v) for k, v in state.items()}
-        ckptfs.load(target, tmp_path / "ck", io_config=IOConfig(read_streams=streams))
+        ckptfs.load(target, tmp_path / "ck", store_options=StoreOptions(read_streams=streams))
         assert all(torch.equal(target[k], state[k]) for k in state)
         return list(calls)
 
@@ -252,4 +247,4 @@ def test_a_load_reads_each_stream_front_to_back(tmp_path, monkeypatch):
         load(3)
     assert live[0] == 0
     with pytest.raises(ckptfs.ConfigError, match="read_streams"):
-        IOConfig(read_streams=0)
+        StoreOptions(read_streams=0)

@@ -41,7 +41,7 @@ from tests.test_torch_dist import _Evil
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "megatron"
 NAMES = ["mcore-0.19.2-torch_dist", "mcore-0.15.3-torch_dist", "mcore-0.15.3-zarr"]
-FAST = ckptfs.IOConfig(max_gap=0)
+FAST = ckptfs.StoreOptions(max_gap=0)
 
 
 def fixture(name: str) -> tuple[Path, dict]:
@@ -89,7 +89,7 @@ def test_fixture_resharded_into_megatron_shaped_targets(name):
                 lo, hi = rank * n // world, (rank + 1) * n // world
                 target[k] = ckptfs.ShardedTensor(torch.zeros_like(t[lo:hi]), tuple(t.shape),
                                                  (lo, *[0] * (t.dim() - 1)))
-            res = ckptfs.load(target, root, io_config=FAST)
+            res = ckptfs.load(target, root, store_options=FAST)
             assert not res.missing_keys
             for k, t in tensors.items():
                 st = target.pop(k)

@@ -109,7 +109,7 @@ def ranks_main(rank: int, world: int, root: str, hf_dir: str) -> None:
         whole = ckptfs.load_keys(hf_dir)
         targets = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(i % t.dim())], src_data_rank=None)
                    for i, (k, t) in enumerate(sorted(whole.items()))}
-        res = ckptfs.load(targets, hf_dir, io_config=ckptfs.IOConfig(max_gap=0))  # no coalescing
+        res = ckptfs.load(targets, hf_dir, store_options=ckptfs.StoreOptions(max_gap=0))  # no coalescing
         for k, t in targets.items():
             want = distribute_tensor(whole[k], mesh, t.placements, src_data_rank=None).to_local()
             assert torch.equal(t.to_local(), want), k

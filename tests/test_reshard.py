@@ -84,7 +84,7 @@ def load_all(rank: int, world: int, root: str) -> None:
             for how in layouts(world):
                 sd = make_state(world, rank, how, False)
                 res = ckptfs.load(sd, f"{root}/w{src}-{saved_how}",
-                                  io_config=ckptfs.IOConfig(max_gap=0))
+                                  store_options=ckptfs.StoreOptions(max_gap=0))
                 case = f"{src}:{saved_how} -> {world}:{how}"
                 lo, hi = _uneven_rows(world, 4)[rank]
                 ok = (torch.equal(sd["model"]["w32"].full_tensor(), ref["w32"])

@@ -28,7 +28,7 @@ from ckptfs.engine.read import TensorRead, execute_reads, split_piece
 from ckptfs.engine.ring import Ring, cuda_ring
 from ckptfs.engine.stage import staging_allocator
 from ckptfs.errors import ConfigError, IntegrityError
-from ckptfs.io import IOConfig, open_store
+from ckptfs.io import open_store
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.registry import get_backend
 from ckptfs.planning.load_plan import ReadPiece, plan_reads
@@ -271,10 +271,11 @@ def test_allocator_choice_falls_back_without_cuda():
 
 
 def test_ring_settings_are_checked():
-    for field in ("ring_bytes", "ring_slots"):
-        with pytest.raises(ConfigError, match=f"IOConfig.{field}"):
-            IOConfig(**{field: 0})
-    assert IOConfig().gds is False
+    for options in (ckptfs.LoadOptions, ckptfs.SaveOptions):
+        for field in ("ring_bytes", "ring_slots"):
+            with pytest.raises(ConfigError, match=f"{options.__name__}.{field}"):
+                options(**{field: 0})
+    assert ckptfs.LoadOptions().gds is False
 
 
 async def test_gds_falls_back_with_a_reason(tmp_path, memfs):
@@ -299,7 +300,7 @@ def test_gds_setting_leaves_a_cpu_load_alone(saved):
     t = {k: torch.zeros_like(v) for k, v in sd.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("error", GdsFallbackWarning)  # no CUDA target: nothing to fall back
-        ckptfs.load(t, url, io_config=IOConfig(gds=True), verify=False)
+        ckptfs.load(t, url, options=ckptfs.LoadOptions(gds=True, verify=False))
     assert all(torch.equal(t[k], sd[k]) for k in sd)
 
 

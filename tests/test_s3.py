@@ -28,8 +28,8 @@ ENGINES = ("fsspec", "obstore")
 MiB = 2**20
 
 
-def engine_config(engine: str, **kw) -> ckptfs.IOConfig:
-    return ckptfs.IOConfig(engine=engine, **kw)
+def engine_config(engine: str, **kw) -> ckptfs.StoreOptions:
+    return ckptfs.StoreOptions(client=engine, **kw)
 
 
 def keys_under(endpoint: str, prefix: str) -> list[str]:
@@ -50,7 +50,7 @@ def test_save_load_commit_delete(s3, engine):
     url, cfg = f"{s3.url}/run/step1", engine_config(engine)
     g = torch.Generator().manual_seed(0)
     first = {"w": torch.randn(64, 32, generator=g), "opt": {"m": torch.arange(7)}, "step": 1}
-    ckptfs.save(first, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.save(first, url, storage_options=s3.options, store_options=cfg)
     log = s3.proxy.log()
     writes = [r for r in log if r.method in ("PUT", "POST") and "/data/" in r.path]
     index_put = [r for r in log if r.method == "PUT" and r.path.endswith("ckptfs.index.json")]
@@ -58,32 +58,32 @@ def test_save_load_commit_delete(s3, engine):
     assert max(r.t1 for r in writes) <= index_put[0].t0  # data first, then the index
     assert not [r for r in log if r.copy_source]  # no server-side copies ("renames")
 
-    idx = ckptfs.load_metadata(url, storage_options=s3.options, io_config=cfg)
+    idx = ckptfs.load_metadata(url, storage_options=s3.options, store_options=cfg)
     assert idx.tensors["w"].shape == (64, 32) and idx.values["step"] is not None
 
     second = {"w": torch.zeros(64, 32), "opt": {"m": torch.zeros(7, dtype=torch.int64)}, "step": 2}
     with pytest.raises(ckptfs.CheckpointExistsError, match=re.escape(url)):
-        ckptfs.save(second, url, storage_options=s3.options, io_config=cfg)
+        ckptfs.save(second, url, storage_options=s3.options, store_options=cfg)
     tgt = {"w": torch.empty(64, 32), "opt": {"m": torch.empty(7, dtype=torch.int64)}, "step": 0}
-    res = ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg)
+    res = ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg)
     assert torch.equal(tgt["w"], first["w"]) and torch.equal(tgt["opt"]["m"], first["opt"]["m"])
     assert tgt["step"] == 1 and res.bytes_read == res.bytes_needed == 64 * 32 * 4 + 7 * 8
-    whole = ckptfs.load_keys(url, ["opt"], storage_options=s3.options, io_config=cfg)
+    whole = ckptfs.load_keys(url, ["opt"], storage_options=s3.options, store_options=cfg)
     assert torch.equal(whole["opt"]["m"], first["opt"]["m"])
 
     before = keys_under(s3.direct, "run/step1/")
-    ckptfs.save(second, url, storage_options=s3.options, io_config=cfg, overwrite=True)
+    ckptfs.save(second, url, storage_options=s3.options, store_options=cfg, overwrite=True)
     after = keys_under(s3.direct, "run/step1/")
     assert not (set(before) - {"run/step1/ckptfs.index.json"}) & set(after)  # old data gone
-    ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg)
     assert tgt["step"] == 2 and not tgt["w"].any()
 
-    ckptfs.save(first, f"{s3.url}/run/step10", storage_options=s3.options, io_config=cfg)
-    assert ckptfs.delete(url, storage_options=s3.options, io_config=cfg) == len(after)
+    ckptfs.save(first, f"{s3.url}/run/step10", storage_options=s3.options, store_options=cfg)
+    assert ckptfs.delete(url, storage_options=s3.options, store_options=cfg) == len(after)
     assert keys_under(s3.direct, "run/step1/") == []
     assert keys_under(s3.direct, "run/step10/")  # a sibling sharing the name's prefix is untouched
     with pytest.raises(ckptfs.CheckpointNotFoundError):
-        ckptfs.load_metadata(url, storage_options=s3.options, io_config=cfg)
+        ckptfs.load_metadata(url, storage_options=s3.options, store_options=cfg)
 
 
 def test_partial_load_reads_about_the_tensor_not_the_file(s3):
@@ -100,7 +100,7 @@ def test_partial_load_reads_about_the_tensor_not_the_file(s3):
         s3.proxy.reset()
         tgt = {"t2": torch.empty(4096, 1024)}
         res = ckptfs.load(tgt, url, storage_options=s3.options, strict=False,
-                          io_config=engine_config(engine))
+                          store_options=engine_config(engine))
         assert torch.equal(tgt["t2"], sd["t2"])
         gets = data_gets(s3.proxy.log())
         assert res.bytes_needed == one and one <= res.bytes_read <= one + 64 * 1024
@@ -109,7 +109,7 @@ def test_partial_load_reads_about_the_tensor_not_the_file(s3):
         s3.proxy.reset()
         rows = ckptfs.ShardedTensor(torch.empty(1365, 1024), (4096, 1024), (1000, 0))
         res = ckptfs.load({"t1": rows}, url, storage_options=s3.options, strict=False,
-                          io_config=engine_config(engine, max_gap=0))
+                          store_options=engine_config(engine, max_gap=0))
         assert torch.equal(rows.local_tensor, sd["t1"][1000:2365])
         assert res.bytes_read == res.bytes_needed == 1365 * 1024 * 4
         assert sum(_range_len(r.range) for r in data_gets(s3.proxy.log())) == res.bytes_read
@@ -126,12 +126,12 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
     checkpoint is overwritten (new index ETag) the stale cache is dropped and refetched."""
     url, cfg = f"{s3.url}/pd", engine_config(engine)
     sd = {"a": torch.randn(300, 200), "b": {"c": torch.arange(50)}, "step": 1}
-    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg,
+    ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg,
                 backend_options={"max_file_bytes": 100_000})
     for attempt in range(2):
         s3.proxy.reset()
         tgt = {"a": torch.empty(300, 200), "b": {"c": torch.empty(50, dtype=torch.int64)}, "step": 0}
-        ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg, pre_download=True,
+        ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg, pre_download=True,
                     work_dir=tmp_path)
         assert torch.equal(tgt["a"], sd["a"]) and torch.equal(tgt["b"]["c"], sd["b"]["c"])
         log = s3.proxy.log()
@@ -141,10 +141,10 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
     assert os.path.exists(os.path.join(cdir, MARKER)) and os.path.exists(os.path.join(cdir, "ckptfs.index.json"))
 
     new = {"a": -sd["a"], "b": {"c": sd["b"]["c"] + 1}, "step": 2}
-    ckptfs.save(new, url, storage_options=s3.options, io_config=cfg, overwrite=True)
+    ckptfs.save(new, url, storage_options=s3.options, store_options=cfg, overwrite=True)
     s3.proxy.reset()
     tgt = {"a": torch.empty(300, 200), "b": {"c": torch.empty(50, dtype=torch.int64)}, "step": 0}
-    ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg, pre_download=True, work_dir=tmp_path)
+    ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg, pre_download=True, work_dir=tmp_path)
     assert torch.equal(tgt["a"], new["a"]) and tgt["step"] == 2
     assert data_gets(s3.proxy.log())  # refetched
     save_ids = {f.split("/")[1] for f in ckptfs.load_metadata(url, storage_options=s3.options).files}
@@ -153,7 +153,7 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
     s3.proxy.reset()
     s3.proxy.configure(deny=["/data/"])  # a failing download raises, naming the file
     with pytest.raises(PermissionError, match=re.escape(f"{url}/data/")):
-        ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg, pre_download=True,
+        ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg, pre_download=True,
                     work_dir=tmp_path / "other")
 
 
@@ -161,13 +161,13 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
 def test_permanent_errors_fail_at_once_naming_the_url(s3, engine):
     cfg = engine_config(engine, retries=3, retry_delay=0.01)
     url = f"{s3.url}/perm"
-    ckptfs.save({"w": torch.ones(10)}, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.save({"w": torch.ones(10)}, url, storage_options=s3.options, store_options=cfg)
     key = keys_under(s3.direct, "perm/data/")[0]
 
     s3.proxy.reset()
     s3.proxy.configure(deny=["/data/"])
     with pytest.raises(PermissionError, match=re.escape(f"{url}/data/")):
-        ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, io_config=cfg)
+        ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, store_options=cfg)
     assert len(data_gets(s3.proxy.log())) == 1  # 403: no retry
 
     s3.proxy.reset()
@@ -176,7 +176,7 @@ def test_permanent_errors_fail_at_once_naming_the_url(s3, engine):
     # (the reader may wrap it as IntegrityError naming the keys; the URL must be in the message)
     with pytest.raises((FileNotFoundError, ckptfs.IntegrityError),
                        match=re.escape(f"{url}/{key[len('perm/'):]}")):
-        ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, io_config=cfg)
+        ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, store_options=cfg)
     assert len(data_gets(s3.proxy.log())) == 1  # 404: no retry
 
 
@@ -191,7 +191,7 @@ def test_retries_are_bounded_and_name_the_url(s3, engine):
     s3.proxy.reset()
     s3.proxy.configure(fail_share=1.0)
     with pytest.raises(ckptfs.StorageError, match=re.escape(f"{url}/ckptfs.index.json") + r".*3 attempt"):
-        ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, io_config=cfg)
+        ckptfs.load({"w": torch.empty(10)}, url, storage_options=s3.options, store_options=cfg)
     gets = [r for r in s3.proxy.log() if r.path.endswith("ckptfs.index.json")]
     assert [r.status for r in gets] == [503] * 3, gets  # 1 try + 2 retries
 
@@ -201,7 +201,7 @@ def test_retries_are_bounded_and_name_the_url(s3, engine):
         s3.proxy.reset()
         s3.proxy.configure(script=[{**rule, "fault": "503", "times": 100}])
         with pytest.raises(ckptfs.StorageError, match=re.escape(f"{s3.url}/{case}/data/") + r".*3 attempt"):
-            ckptfs.save(sd, f"{s3.url}/{case}", storage_options=s3.options, io_config=cfg)
+            ckptfs.save(sd, f"{s3.url}/{case}", storage_options=s3.options, store_options=cfg)
         failed = [r for r in s3.proxy.log() if r.fault == "503"]
         assert len(failed) == 3 and len({r.path for r in failed}) == 1, (case, failed)
 
@@ -214,16 +214,16 @@ def test_retried_create_that_landed_counts_as_done(s3, engine):
     url, cfg = f"{s3.url}/lost", engine_config(engine, retry_delay=0.01)
     s3.proxy.configure(script=[{"method": "PUT", "path": "ckptfs.index.json", "fault": "drop_after"}])
     sd = {"w": torch.arange(12.0), "step": 4}
-    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg)
     puts = [r for r in s3.proxy.log() if r.method == "PUT" and r.path.endswith("ckptfs.index.json")]
     assert [(r.fault, r.status) for r in puts] == [("drop_after", 0), ("", 412)], puts
     assert all(r.if_none_match == "*" for r in puts)
     tgt = {"w": torch.zeros(12), "step": 0}
-    ckptfs.load(tgt, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg)
     assert torch.equal(tgt["w"], sd["w"]) and tgt["step"] == 4
     # a real conflict is still one: another save's index is not this save's bytes
     with pytest.raises(ckptfs.CheckpointExistsError):
-        ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+        ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg)
 
 
 def _deletions(log: list[Record]) -> list[tuple[list[str], float, float]]:
@@ -244,27 +244,27 @@ def test_delete_uncommits_first(s3, engine):
     index over missing files)."""
     url, cfg = f"{s3.url}/del", engine_config(engine, retry_delay=0.01)
     sd = {"a": torch.ones(100), "b": torch.zeros(50), "step": 1}
-    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg,
+    ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg,
                 backend_options={"max_file_bytes": 300})  # several data files
     keys = keys_under(s3.direct, "del/")
     assert len(keys) >= 3
     s3.proxy.reset()
-    assert ckptfs.delete(url, storage_options=s3.options, io_config=cfg) == len(keys)
+    assert ckptfs.delete(url, storage_options=s3.options, store_options=cfg) == len(keys)
     dels = _deletions(s3.proxy.log())
     assert dels and dels[0][0] == ["del/ckptfs.index.json"], dels
     assert all(t0 >= dels[0][2] for _, t0, _ in dels[1:])
     assert sorted(k for ks, _, _ in dels for k in ks) == keys
     assert keys_under(s3.direct, "del/") == []
 
-    ckptfs.save(sd, url, storage_options=s3.options, io_config=cfg)
+    ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg)
     s3.proxy.reset()
     # the second delete request (the data) is refused: the index went first
     s3.proxy.configure(script=[{"method": "POST", "query": "delete", "fault": "deny", "skip": 1},
                                {"method": "DELETE", "path": "/data/", "fault": "deny"}])
     with pytest.raises((PermissionError, ckptfs.StorageError, OSError)):
-        ckptfs.delete(url, storage_options=s3.options, io_config=cfg)
+        ckptfs.delete(url, storage_options=s3.options, store_options=cfg)
     with pytest.raises(ckptfs.CheckpointNotFoundError):
-        ckptfs.load_metadata(url, storage_options=s3.options, io_config=cfg)
+        ckptfs.load_metadata(url, storage_options=s3.options, store_options=cfg)
     assert [k for k in keys_under(s3.direct, "del/") if "/data/" in k]  # the data is still there
 
 
@@ -273,14 +273,14 @@ def test_s3a_urls(s3, engine):
     """s3a:// names the same objects as s3://."""
     cfg = engine_config(engine)
     sd = {"w": torch.arange(6.0), "step": 2}
-    ckptfs.save(sd, f"s3a://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg)
+    ckptfs.save(sd, f"s3a://{BUCKET}/a/ck", storage_options=s3.options, store_options=cfg)
     assert "a/ck/ckptfs.index.json" in keys_under(s3.direct, "a/")
-    back = ckptfs.load_keys(f"s3://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg)
+    back = ckptfs.load_keys(f"s3://{BUCKET}/a/ck", storage_options=s3.options, store_options=cfg)
     assert torch.equal(back["w"], sd["w"]) and back["step"] == 2
     tgt = {"w": torch.zeros(6), "step": 0}
-    ckptfs.load(tgt, f"s3a://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg)
+    ckptfs.load(tgt, f"s3a://{BUCKET}/a/ck", storage_options=s3.options, store_options=cfg)
     assert torch.equal(tgt["w"], sd["w"])
-    assert ckptfs.delete(f"s3a://{BUCKET}/a/ck", storage_options=s3.options, io_config=cfg) >= 2
+    assert ckptfs.delete(f"s3a://{BUCKET}/a/ck", storage_options=s3.options, store_options=cfg) >= 2
     assert keys_under(s3.direct, "a/") == []
 
 
@@ -335,9 +335,9 @@ def _two_rank_cases(rank: int, world: int, endpoint: str, out: str) -> None:
             cfg = engine_config(engine)
             try:  # collective: ckptfs raises on every rank alike
                 ckptfs.save(_state(rank, world, 0, True), url, backend=name, backend_version=version,
-                            storage_options=opts, io_config=cfg)
+                            storage_options=opts, store_options=cfg)
                 tgt = _state(rank, world, 1, False)
-                ckptfs.load(tgt, url, storage_options=opts, io_config=cfg)
+                ckptfs.load(tgt, url, storage_options=opts, store_options=cfg)
                 ok = (torch.equal(tgt["model"]["w"].full_tensor(), ref["w"])
                       and torch.equal(tgt["model"]["i"].full_tensor(), ref["i"])
                       and torch.equal(tgt["cube"].local_tensor,
@@ -349,11 +349,11 @@ def _two_rank_cases(rank: int, world: int, endpoint: str, out: str) -> None:
             dist.barrier()
             if rank == 0 and ok:
                 try:
-                    whole = ckptfs.load_keys(url, storage_options=opts, io_config=cfg)
+                    whole = ckptfs.load_keys(url, storage_options=opts, store_options=cfg)
                     ok = (torch.equal(whole["model"]["w"], ref["w"]) and torch.equal(whole["cube"], ref["cube"])
                           and whole["step"] == 5)
                     detail = "" if ok else "load_keys differs"
-                    n = ckptfs.delete(url, storage_options=opts, io_config=cfg) if ok else 0
+                    n = ckptfs.delete(url, storage_options=opts, store_options=cfg) if ok else 0
                     left = keys_under(_direct(endpoint), f"backends/{case}/")
                     if ok and (n == 0 or left):
                         ok, detail = False, f"delete left {left}"
@@ -396,11 +396,11 @@ def _faulty_save_load(rank: int, world: int, opts: dict, engine: str) -> None:
     url = f"s3://{BUCKET}/faulty/{engine}"
     mine = full[rank * rows:(rank + 1) * rows].clone()
     sd = {"x": ckptfs.ShardedTensor(mine, tuple(full.shape), (rank * rows, 0)), "step": 9}
-    ckptfs.save(sd, url, storage_options=opts, io_config=cfg)
+    ckptfs.save(sd, url, storage_options=opts, store_options=cfg)
     other = 1 - rank  # reshard: each rank loads the other half
     tgt = {"x": ckptfs.ShardedTensor(torch.empty(rows, 1024), tuple(full.shape), (other * rows, 0)),
            "step": 0}
-    ckptfs.load(tgt, url, storage_options=opts, io_config=cfg)
+    ckptfs.load(tgt, url, storage_options=opts, store_options=cfg)
     if not (torch.equal(tgt["x"].local_tensor, full[other * rows:(other + 1) * rows]) and tgt["step"] == 9):
         raise AssertionError(f"{engine}: data loaded under faults differs")
 
@@ -461,7 +461,7 @@ def _per_node_concurrency(log: list[Record], prefix: str) -> dict[int, int]:
 def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) -> None:
     os.environ["CKPTFS_NODE_ID"] = f"node{rank // 2}"
     opts = s3_options(endpoint)
-    cfg = ckptfs.IOConfig(part_size=5 * MiB)
+    cfg = ckptfs.StoreOptions(part_size=5 * MiB)
     rows = 1536  # 6 MiB of float32 per rank: a multipart upload each
     full = torch.arange(world * rows * 1024, dtype=torch.float32).reshape(-1, 1024)
 
@@ -479,7 +479,7 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
             proxy_call(endpoint, "configure", {"gate": world, "gate_path": f"/{name}/data/",
                                                "gate_timeout": 30})
         dist.barrier()
-        ckptfs.save(state(True), f"s3://{BUCKET}/{name}", storage_options=opts, io_config=cfg,
+        ckptfs.save(state(True), f"s3://{BUCKET}/{name}", storage_options=opts, store_options=cfg,
                     throttle_uploads=limit)
         dist.barrier()
         if rank == 0:
@@ -496,7 +496,7 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
         proxy_call(endpoint, "configure", {"deny": ["/r00000-"]})
     dist.barrier()
     try:
-        ckptfs.save(state(True), f"s3://{BUCKET}/failing", storage_options=opts, io_config=cfg,
+        ckptfs.save(state(True), f"s3://{BUCKET}/failing", storage_options=opts, store_options=cfg,
                     throttle_uploads=1)
         raise AssertionError(f"rank {rank}: the save with a failed upload succeeded")
     except PermissionError as e:
@@ -526,7 +526,7 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
     for attempt in (1, 2):
         dist.barrier()
         tgt = state(False)
-        ckptfs.load(tgt, url, storage_options=opts, io_config=cfg, pre_download=True, work_dir=node_dir)
+        ckptfs.load(tgt, url, storage_options=opts, store_options=cfg, pre_download=True, work_dir=node_dir)
         assert torch.equal(tgt["x"].local_tensor, full[rank * rows:(rank + 1) * rows]) and tgt["step"] == 3
         dist.barrier()
         if rank == 0:

@@ -274,11 +274,11 @@ def test_unknown_backend_lists_registered(tmp_path):
 
 def test_scratch_memory_is_bounded(tmp_path):
     """Targets that cannot be filled in place get scratch buffers, at most the budget at once
-    (IOConfig.scratch_bytes); LoadResult.scratch_peak reports the most held."""
+    (LoadOptions.scratch_bytes); LoadResult.scratch_peak reports the most held."""
     src = {f"w{i}": torch.randn(16, 16) for i in range(6)}  # 1 KiB each
     ckptfs.save(src, tmp_path / "c")
     target = {k: torch.zeros(16, 16).t() for k in src}  # transposed: never contiguous in place
-    res = ckptfs.load(target, tmp_path / "c", io_config=ckptfs.IOConfig(scratch_bytes=3000))
+    res = ckptfs.load(target, tmp_path / "c", options=ckptfs.LoadOptions(scratch_bytes=3000))
     assert all(torch.equal(target[k], src[k]) for k in src)
     assert 1024 <= res.scratch_peak <= 3000
     unbounded = ckptfs.load(target, tmp_path / "c")
@@ -295,7 +295,7 @@ def test_scratch_budget_holds_while_files_are_read_at_once(tmp_path):
     ckptfs.save(src, tmp_path / "c", backend_options={"max_file_bytes": 1500})
     assert len(ckptfs.load_metadata(tmp_path / "c").files) == 6
     target = {k: torch.zeros(16, 16).t() for k in src}
-    res = ckptfs.load(target, tmp_path / "c", io_config=ckptfs.IOConfig(scratch_bytes=3000))
+    res = ckptfs.load(target, tmp_path / "c", options=ckptfs.LoadOptions(scratch_bytes=3000))
     assert all(torch.equal(target[k], src[k]) for k in src)
     assert 1024 < res.scratch_peak <= 3000, res.scratch_peak
     unbounded = ckptfs.load(target, tmp_path / "c")

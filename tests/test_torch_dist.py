@@ -55,7 +55,7 @@ from ckptfs.testing.ranks import run_ranks
 SHAPE = (12, 8)
 BIG = (64, 256)  # 64 KiB of fp32: blob headers (~1.7 KB) are small next to its chunks
 HEADER = 2 * TAIL  #: bound on the metadata bytes read per DCP blob (tail + head)
-FAST = ckptfs.IOConfig(max_gap=0)
+FAST = ckptfs.StoreOptions(max_gap=0)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -181,17 +181,17 @@ def load_world3(rank: int, world: int, root: str) -> None:
         fails += check(sd, f"dcp.load ck2 -> 3 {p}")
     for p in ([Shard(0)], [Shard(1)], [Replicate()]):  # ckptfs reads what DCP wrote
         sd = make_state(mesh, p, False)
-        res = ckptfs.load(sd, f"{root}/dcp2", io_config=FAST)
+        res = ckptfs.load(sd, f"{root}/dcp2", store_options=FAST)
         fails += check(sd, f"ckptfs.load dcp2 -> 3 {p}") + check_dcp_read(res, f"{root}/dcp2", sd, str(p))
     # a resharded read of the big tensor fetches a fraction of the whole chunks DCP would load
     big = {"model": {"big": make_state(mesh, [Shard(0)], False)["model"]["big"]}}
-    res = ckptfs.load(big, f"{root}/dcp2", io_config=FAST)
+    res = ckptfs.load(big, f"{root}/dcp2", store_options=FAST)
     needed, blobs, whole = touched(f"{root}/dcp2", big)
     if not (needed <= res.bytes_read <= needed + HEADER * blobs and res.bytes_read < whole / 2):
         fails.append(f"big: read {res.bytes_read} of {whole} B, needed {needed} B")
     # ckptfs reads its own torch_dist checkpoint through the index: exactly the bytes needed
     sd = make_state(mesh, [Shard(1)], False)
-    res = ckptfs.load(sd, f"{root}/ck2", io_config=FAST)
+    res = ckptfs.load(sd, f"{root}/ck2", store_options=FAST)
     fails += check(sd, "ckptfs.load ck2 -> 3")
     if res.bytes_read != res.bytes_needed:
         fails.append(f"ck2: read {res.bytes_read} B, needed {res.bytes_needed} B")
@@ -213,7 +213,7 @@ def world4_2d(rank: int, world: int, root: str) -> None:
     for src in ("dcp4", "dcp2"):
         for p in ([Replicate(), Shard(0)], [Shard(1), Shard(0)]):
             sd = make_state(mesh, p, False)
-            res = ckptfs.load(sd, f"{root}/{src}", io_config=FAST)
+            res = ckptfs.load(sd, f"{root}/{src}", store_options=FAST)
             fails += check(sd, f"ckptfs.load {src} -> 2x2 {p}")
             fails += check_dcp_read(res, f"{root}/{src}", sd, f"{src} {p}")
     dist.barrier()
@@ -257,13 +257,13 @@ def test_two_and_four_to_one(root4):
         assert check(sd, f"dcp.load {src} -> 1") == []
     for src in ("dcp2", "dcp4"):  # ckptfs, one process
         sd = make_state(None, None, False)
-        res = ckptfs.load(sd, f"{root4}/{src}", io_config=FAST)
+        res = ckptfs.load(sd, f"{root4}/{src}", store_options=FAST)
         assert check(sd, f"ckptfs.load {src} -> 1") == []
         assert res.missing_keys == [] and res.unexpected_keys == []
         assert check_dcp_read(res, f"{root4}/{src}", sd, src) == []
     # partial load: half the rows of the big tensor, from DCP's 2-rank column chunks
     half = ckptfs.ShardedTensor(torch.zeros(32, 256), BIG, (16, 0))
-    res = ckptfs.load({"model": {"big": half}}, f"{root4}/dcp2", io_config=FAST)
+    res = ckptfs.load({"model": {"big": half}}, f"{root4}/dcp2", store_options=FAST)
     assert torch.equal(half.local_tensor, reference()["big"][16:48])
     assert res.bytes_needed == 32 * 256 * 4
     assert res.bytes_needed <= res.bytes_read <= res.bytes_needed + 2 * HEADER
@@ -364,7 +364,7 @@ def test_non_contiguous_dcp_item_is_decoded(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
     dcp.save({"t": base.T, "u": base}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     out = {"t": torch.zeros(6, 4), "u": torch.zeros(4, 6)}
-    res = ckptfs.load(out, tmp_path / "d", io_config=FAST)
+    res = ckptfs.load(out, tmp_path / "d", store_options=FAST)
     assert torch.equal(out["t"], base.T) and torch.equal(out["u"], base)
     assert res.bytes_read > res.bytes_needed  # the strided item was fetched whole
 
@@ -575,7 +575,7 @@ def test_fsspec_store_both_directions(memfs):
     w = torch.randn(64, 32)
     dcp.save({"w": w, "step": 3}, storage_writer=FsspecWriter("memory://dcp"), no_dist=True)
     half = ckptfs.ShardedTensor(torch.zeros(32, 32), (64, 32), (32, 0))
-    res = ckptfs.load({"w": half}, "memory://dcp", io_config=FAST)
+    res = ckptfs.load({"w": half}, "memory://dcp", store_options=FAST)
     assert torch.equal(half.local_tensor, w[32:])
     assert res.bytes_needed == 32 * 32 * 4 < res.bytes_read <= res.bytes_needed + HEADER
     ckptfs.save({"w": w, "step": 3}, "memory://ck", backend="torch_dist")

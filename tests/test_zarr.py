@@ -205,7 +205,7 @@ def load_all(rank: int, world: int, root: str) -> None:
     want = _locals(make_state(rank, world, True))
     for name in VARIANTS:
         sd = make_state(rank, world, False)
-        res = ckptfs.load(sd, f"{root}/{name}", io_config=ckptfs.IOConfig(max_gap=0))
+        res = ckptfs.load(sd, f"{root}/{name}", store_options=ckptfs.StoreOptions(max_gap=0))
         got = _locals(sd)
         bad = [p for p in want if _bits(got[p]) != _bits(want[p]) or got[p].shape != want[p].shape]
         if bad or sd["step"] != 7 or res.missing_keys or res.unexpected_keys:
@@ -216,7 +216,7 @@ def load_all(rank: int, world: int, root: str) -> None:
         if name not in RAW and res.bytes_read <= 0:
             failures.append((name, "nothing read"))
     sd = megatron_state(rank, world, False)
-    res = ckptfs.load(sd, f"{root}/megatron", io_config=ckptfs.IOConfig(max_gap=0))
+    res = ckptfs.load(sd, f"{root}/megatron", store_options=ckptfs.StoreOptions(max_gap=0))
     want_m = megatron_state(rank, world, True)
     bad = [k for k in sd if _bits(sd[k].to_local()) != _bits(want_m[k].to_local())]
     if bad or res.bytes_read != res.bytes_needed:

@@ -81,7 +81,7 @@ class LoadOptions:
     #: first copy the files each node needs into ``work_dir`` (one rank per node downloads;
     #: later loads reuse it), then read locally
     pre_download: bool = False
-    #: node-local directory of ``pre_download``; None: a folder under the system's temp dir
+    #: node-local directory of ``pre_download`` (required with it)
     work_dir: str | None = None
     #: seconds, as ``SaveOptions.collective_timeout``
     collective_timeout: float | None = None

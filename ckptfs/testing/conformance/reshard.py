@@ -225,7 +225,7 @@ def run_ranks_main(rank: int, world: int, jobs: list[tuple[str, int, str, str, s
 
 
 def _check_bytes_read(url: str, rank: int, mesh, group) -> None:
-    """Load ``wide`` alone, by columns, without coalescing gaps (IOConfig(max_gap=0)): the bytes
+    """Load ``wide`` alone, by columns, without coalescing gaps (StoreOptions(max_gap=0)): the bytes
     read are at least the target's own bytes and at most READ_SLACK_PER_CHUNK more per stored
     chunk the target overlaps. The needed bytes and the chunks are counted here, from the target
     and the index geometry, not taken from ckptfs's own accounting."""
@@ -233,7 +233,7 @@ def _check_bytes_read(url: str, rank: int, mesh, group) -> None:
 
     target = {"wide": _dtensor(torch.zeros(WIDE), mesh, Shard(1))}
     res = ckptfs.load(target, url, process_group=group, strict=False,
-                      io_config=ckptfs.IOConfig(max_gap=0))
+                      store_options=ckptfs.StoreOptions(max_gap=0))
     local = target["wide"].to_local()
     cols = WIDE[1] // LOAD_WORLD
     if raw_bytes(local) != raw_bytes(reference()["wide"][:, rank * cols:(rank + 1) * cols]):

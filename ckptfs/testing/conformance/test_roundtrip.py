@@ -170,7 +170,7 @@ def test_partial_load_reads_only_what_it_needs(pair: Pair, tmp_path: Path) -> No
     ckptfs.save({"wide": wide}, url, backend=pair.name, backend_version=pair.version)
     cols = WIDE[1] // 2
     target = ckptfs.ShardedTensor(torch.zeros(WIDE[0], cols), WIDE, (0, 0))
-    res = ckptfs.load({"wide": target}, url, io_config=ckptfs.IOConfig(max_gap=0))
+    res = ckptfs.load({"wide": target}, url, store_options=ckptfs.StoreOptions(max_gap=0))
     assert_same(target.local_tensor, wide[:, :cols].contiguous(), "wide[:, :256]")
     needed = WIDE[0] * cols * 4
     chunks = len(ckptfs.load_metadata(url).tensors["wide"].chunks)
