@@ -5,7 +5,7 @@ One spawned gloo rank (``--world`` for more) holds a state of fp32 DTensors (``-
 repetition, all in the same process:
 
 - ``ckptfs``: ``ckptfs.async_save`` (background thread, reused staging buffers, the default
-  ``IOConfig.background_nice`` of 10: checksums and writes at nice 10 once staged);
+  ``SaveOptions.background_nice`` of 10: checksums and writes at nice 10 once staged);
 - ``ckptfs-nice0``: the same with ``background_nice=0`` (the caller's priority throughout);
 - ``ckptfs-copy1``: the default, but staging copies on one thread (``copy_threads=1``; the
   default cuts large copies into pieces over min(4, CPUs) threads);
@@ -40,7 +40,7 @@ the RSS change across each of its saves after its first (child processes not cou
 each save glibc's free memory is returned to the OS (``malloc_trim``), so what one checkpointer
 leaves behind does not weigh on the next. Steady
 state = the 3rd save of a checkpointer onward; its first save is reported apart. All data is
-fsynced (ckptfs ``IOConfig.fsync``, DCP ``sync_files=True``).
+fsynced (ckptfs ``StoreOptions.fsync``, DCP ``sync_files=True``).
 """
 
 from __future__ import annotations
@@ -155,14 +155,14 @@ class Ckptfs:
 
         self.name = name
         self.nogil = checksum._extend_nogil if name != "ckptfs-gil" else None
-        self.io_config = {"ckptfs": None, "ckptfs-copy1": ckptfs.IOConfig(copy_threads=1)}.get(
-            name, ckptfs.IOConfig(background_nice=0))
+        self.options = {"ckptfs": None, "ckptfs-copy1": ckptfs.SaveOptions(copy_threads=1)}.get(
+            name, ckptfs.SaveOptions(background_nice=0))
 
     def start(self, sd: dict[str, Any], path: str) -> Waits:
         from ckptfs.layout import checksum
 
         checksum._extend_nogil = self.nogil  # saves run one at a time: this one's setting
-        h = ckptfs.async_save(sd, path, io_config=self.io_config)
+        h = ckptfs.async_save(sd, path, options=self.options)
         return h.wait_staged, lambda: h.result()
 
     def close(self) -> None:
@@ -197,7 +197,7 @@ class CkptfsProcess:
 
     def start(self, sd: dict[str, Any], path: str) -> Waits:
         from ckptfs.dist import Comm
-        from ckptfs.engine import background
+        from ckptfs.engine.background import default_saver
         from ckptfs.engine.stage import release, stage
         from ckptfs.save import make_backend
 
@@ -213,8 +213,7 @@ class CkptfsProcess:
             finally:
                 release(staged, self.pool)
 
-        with background.next_slot():
-            staged, done = background.launch(job)
+        staged, done = default_saver().launch(job)
         return lambda: staged.result(), lambda: done.result()
 
     def close(self) -> None:
@@ -226,16 +225,17 @@ class CkptfsProcess:
 def writer_main(requests: Any, replies: Any) -> None:
     """The writer process: write and commit each staged save it is sent (world of one)."""
     from ckptfs.dist import Comm
-    from ckptfs.save import make_backend, write_and_commit
+    from ckptfs.save import make_backend, open_agreed, save_staged
 
     be = make_backend("safetensors_chunks", None, None)
     replies.put("ready")
     while (req := requests.get()) is not None:
         staged, path = req
         try:
-            write_and_commit(staged, be, path, Comm(None), storage_options=None, io_config=None,
-                             overwrite=False, progress=False, throttle_uploads=None,
-                             started=time.perf_counter())
+            comm = Comm(None)
+            save_staged(staged, be, open_agreed(comm, path, None, None), path, comm,
+                        overwrite=False, progress=False, options=ckptfs.SaveOptions(),
+                        started=time.perf_counter())
             replies.put((True, ""))
         except Exception as e:
             replies.put((False, f"{type(e).__name__}: {e}"))
@@ -282,7 +282,7 @@ class PlainWrite:
         from ckptfs.io.local_store import lower_priority
 
         def go() -> None:
-            lower_priority(ckptfs.IOConfig().background_nice)
+            lower_priority(ckptfs.SaveOptions().background_nice)
             os.makedirs(path, exist_ok=True)
             write_floor(self.srcs, os.path.join(path, "plain.bin"))
 

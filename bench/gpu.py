@@ -10,7 +10,7 @@ In one run on a GPU machine, for an fp32 and a bf16 state of ``--gb`` GB (defaul
   cache);
 - the load of the whole state into CUDA tensors (one process): ckptfs (through its pinned ring,
   with and without crc32c checks), ``dcp.load`` into the same CUDA state dict, and ckptfs with
-  GPUDirect Storage (``IOConfig(gds=True)``) when kvikio imports;
+  GPUDirect Storage (``LoadOptions(gds=True)``) when kvikio imports;
 - the save of the same CUDA state, from a dropped page cache: ckptfs (streamed off the device
   through its pinned ring) vs ``dcp.save`` (``sync_files=True``), with the pinned memory in use
   at once (torch's host allocator statistics); and ckptfs's ``async_save`` (time until staged,
@@ -46,7 +46,6 @@ import ckptfs
 from bench.floors import in_threads, write_fsync
 from bench.libs import DcpStager
 from bench.worker import drop_caches
-from ckptfs.io import IOConfig
 from ckptfs.layout.checksum import crc_of
 
 WORLD = 2  #: ranks that write the sharded checkpoints
@@ -218,7 +217,7 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
             import kvikio  # noqa: F401
 
             loads["ckptfs gds (kvikio)"] = lambda: ckptfs.load(
-                target, f"{work}/ckptfs", verify=False, io_config=IOConfig(gds=True))
+                target, f"{work}/ckptfs", options=ckptfs.LoadOptions(gds=True, verify=False))
         except ImportError:
             pass
         times: dict[str, list[float]] = {k: [] for k in loads}

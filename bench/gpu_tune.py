@@ -2,7 +2,7 @@
 
 Writes a ``--gb`` fp32 checkpoint from 2 spawned CPU ranks, then loads it into CUDA tensors with
 each combination of ring part size (``engine.read.RING_PIECE``), ring size and slots
-(``IOConfig.ring_bytes``/``ring_slots``) and requests in flight (``max_concurrency``), with and
+(``LoadOptions.ring_bytes``/``ring_slots``) and requests in flight (``max_concurrency``), with and
 without crc32c checks (medians of 3, each load compared on the device), beside the page-cache
 read floors of bench.gpu. The defaults in ckptfs come from this probe's runs (README, GPU).
 """
@@ -10,6 +10,7 @@ read floors of bench.gpu. The defaults in ckptfs come from this probe's runs (RE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import statistics
 import sys
@@ -21,7 +22,6 @@ import torch
 import ckptfs
 from bench.gpu import _fill, _shape, copy_floor, page_cache_read
 from ckptfs.engine import read
-from ckptfs.io import IOConfig
 from ckptfs.testing.ranks import run_ranks
 
 
@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"page cache read, {t} threads: {page_cache_read(root + '/c', t):.2f} GB/s; "
                   f"with crc32c {page_cache_read(root + '/c', t, crc=True):.2f} GB/s", flush=True)
 
-        def rate(cfg: IOConfig, verify: bool) -> float:
+        def rate(ring: ckptfs.LoadOptions, store: ckptfs.StoreOptions, verify: bool) -> float:
             times = []
             for _ in range(3):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                ckptfs.load(target, root + "/c", io_config=cfg, verify=verify)
+                ckptfs.load(target, root + "/c", store_options=store,
+                            options=dataclasses.replace(ring, verify=verify))
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
             if not all(torch.equal(target[k], v) for k, v in expected.items()):
@@ -80,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                 read.RING_PIECE = piece
                 for spec in args.rings.split(","):
                     mib, slots, conc = (int(x) for x in spec.split("/"))
-                    cfg = IOConfig(ring_bytes=mib << 20, ring_slots=slots, max_concurrency=conc)
+                    ring = ckptfs.LoadOptions(ring_bytes=mib << 20, ring_slots=slots)
+                    store = ckptfs.StoreOptions(max_concurrency=conc)
                     print(f"part {piece >> 20:3d} MiB, ring {mib} MiB in {slots} slots, {conc} "
-                          f"in flight: verified {rate(cfg, True):6.2f} GB/s, unverified "
-                          f"{rate(cfg, False):6.2f} GB/s", flush=True)
+                          f"in flight: verified {rate(ring, store, True):6.2f} GB/s, unverified "
+                          f"{rate(ring, store, False):6.2f} GB/s", flush=True)
         finally:
             read.RING_PIECE = default
     finally:

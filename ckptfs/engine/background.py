@@ -121,10 +121,12 @@ class BackgroundSaver:
                     finally:
                         give_back()
 
-            return self._launch(job)
+            return self.launch(job)
 
-    def _launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
-        """Run ``job(on_copied)`` in a new thread (the caller holds ``_lock``)."""
+    def launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
+        """Run ``job(on_copied)`` in a new thread once the save in flight is done: ``on_copied()``
+        resolves ``staged``, the job's result ``done``, an exception both that are pending
+        (what ``start`` runs; a writer of another kind may launch its own job)."""
         staged: Future[None] = Future()
         done: Future[T] = Future()
         staged.set_running_or_notify_cancel()  # running futures cannot be cancelled
@@ -145,14 +147,20 @@ class BackgroundSaver:
                 on_copied()
                 done.set_result(result)
 
+        with self._lock:
+            self._wait_current()
+            self._hook_exit()
+            self._current = done
+            threading.Thread(target=run, name="ckptfsSave", daemon=False).start()
+        return staged, done
+
+    def _hook_exit(self) -> None:
+        """Once per saver: at exit, wait for its save in flight, then free its buffers."""
         if not self._hooked:
             # threading's exit hooks run in reverse order of registration: before the pools'
             getattr(threading, "_register_atexit", atexit.register)(self._wait_at_exit)
             atexit.register(self._free_at_exit)
             self._hooked = True
-        self._current = done
-        threading.Thread(target=run, name="ckptfsSave", daemon=False).start()
-        return staged, done
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
