@@ -208,7 +208,7 @@ def exchange_rank(rank: int, world: int, urls: dict, opts: dict, mb: float, runs
                         continue
                 target = replicated_state(mb, fill=False)
                 t, res = timed(lambda target=target, url=url, so=so, ex=ex: ckptfs.load(
-                    target, url, storage_options=so, exchange=ex))
+                    target, url, storage_options=so, options=ckptfs.LoadOptions(exchange=ex)))
                 assert same(target, state), (where, ex)
                 got = [None] * world
                 dist.all_gather_object(got, (res.bytes_read, res.exchanged_bytes))

@@ -210,7 +210,8 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
         checked = max(page_cache_read(f"{work}/ckptfs", t, crc=True) for t in (8, 16))
         loads: dict[str, Callable[[], None]] = {
             "ckptfs": lambda: ckptfs.load(target, f"{work}/ckptfs"),
-            "ckptfs verify=False": lambda: ckptfs.load(target, f"{work}/ckptfs", verify=False),
+            "ckptfs verify=False": lambda: ckptfs.load(target, f"{work}/ckptfs",
+                                                        options=ckptfs.LoadOptions(verify=False)),
             "DCP": lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(f"{work}/dcp")),
         }
         try:

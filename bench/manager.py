@@ -67,10 +67,10 @@ def main() -> None:
         print(f"# moto_server {endpoint}; torch {torch.__version__}; state {size / MB:.0f} MiB; "
               f"load average {os.getloadavg()[0]:.1f}")
         url, local = f"s3://{BUCKET}/manager", os.path.join(work, "local")
-        tiered = ckptfs.CheckpointManager(url, local_dir=local, keep_last=2, storage_options=opts,
-                                          preemption_signals=())
-        remote_only = ckptfs.CheckpointManager(url, keep_last=2, storage_options=opts,
-                                               preemption_signals=())
+        policies = {"retention": ckptfs.Retention(keep_last=2),
+                    "preemption": ckptfs.PreemptionPolicy(signals=())}
+        tiered = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts, **policies)
+        remote_only = ckptfs.CheckpointManager(url, storage_options=opts, **policies)
         tiered.save_sync(1, state)
 
         def restore(mgr: ckptfs.CheckpointManager) -> float:

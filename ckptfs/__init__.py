@@ -47,7 +47,7 @@ from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import available_backends, get_backend, register_backend
 from ckptfs.load import LoadResult, load, load_keys
 from ckptfs.manage import delete
-from ckptfs.manager import CheckpointManager, RestoreResult
+from ckptfs.manager import CheckpointManager, PreemptionPolicy, RestoreResult, Retention
 from ckptfs.metadata import load_metadata
 from ckptfs.options import IOConfig, LoadOptions, SaveOptions, StoreOptions
 from ckptfs.save import SaveResult, save
@@ -123,9 +123,11 @@ __all__ = [
     "MismatchError",
     "MissingKeysError",
     "PerRank",
+    "PreemptionPolicy",
     "Problem",
     "RankError",
     "RestoreResult",
+    "Retention",
     "SaveInProgressError",
     "SaveOptions",
     "SaveResult",

@@ -1,7 +1,7 @@
 """Distributed saves and loads on 4 spawned gloo ranks (one spawn for all cases): balanced
 replica dedup, plan caching and its invalidation, validation errors that name key, region and
 ranks (raised on every rank, no hang), plain tensors that differ between ranks, per-rank state
-(``ckptfs.PerRank``), and read-once-and-exchange loads (``load(..., exchange=True)``) against
+(``ckptfs.PerRank``), and read-once-and-exchange loads (``LoadOptions(exchange=True)``) against
 moto's S3 server and local disk."""
 
 from __future__ import annotations
@@ -230,7 +230,8 @@ def exchange(rank: int, world: int, root: str, endpoint: str) -> dict:
     # 1. replicated state on S3: storage bytes summed over ranks = unique bytes, not 4x
     for name, ex in (("exchange", True), ("default", None), ("plain", False)):
         tgt = replicated(False)
-        res = ckptfs.load(tgt, s3, storage_options=opts, exchange=ex)
+        res = ckptfs.load(tgt, s3, storage_options=opts,
+                          options=ckptfs.LoadOptions(exchange=ex))
         assert same(tgt, ref), name
         results[name] = {"read": gather(res.bytes_read), "got": gather(res.exchanged_bytes),
                          "needed": res.bytes_needed}
@@ -245,8 +246,8 @@ def exchange(rank: int, world: int, root: str, endpoint: str) -> dict:
     # 3. with pre_download: each node caches only what its ranks read, then exchange
     os.environ["CKPTFS_NODE_ID"] = f"node{rank // 2}"
     tgt = replicated(False)
-    res = ckptfs.load(tgt, s3, storage_options=opts, exchange=True, pre_download=True,
-                      work_dir=os.path.join(root, f"xcache{rank // 2}"))
+    res = ckptfs.load(tgt, s3, storage_options=opts, options=ckptfs.LoadOptions(
+        exchange=True, pre_download=True, work_dir=os.path.join(root, f"xcache{rank // 2}")))
     assert same(tgt, ref)
     results["pre_download"] = gather(res.bytes_read)
 
@@ -268,7 +269,8 @@ def exchange(rank: int, world: int, root: str, endpoint: str) -> dict:
     rep = torch.arange(48 * 32, dtype=torch.float32).reshape(48, 32)
     ckptfs.save({"r": distribute_tensor(rep, line, [Replicate()])}, os.path.join(root, "xrep"))
     tgt = {"r": distribute_tensor(torch.zeros(48, 32), line, [Replicate()])}
-    res = ckptfs.load(tgt, os.path.join(root, "xrep"), exchange=True)
+    res = ckptfs.load(tgt, os.path.join(root, "xrep"),
+                      options=ckptfs.LoadOptions(exchange=True))
     assert torch.equal(tgt["r"].to_local(), rep)
     results["replicate"] = {"read": gather(res.bytes_read), "got": gather(res.exchanged_bytes),
                             "bytes": rep.numel() * 4}

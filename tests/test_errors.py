@@ -75,7 +75,7 @@ def test_every_failure_mode_is_a_ckptfs_error_naming_what(tmp_path, name, versio
     with pytest.raises(ckptfs.IntegrityError, match=rf"key 'a'.*chunk at \[0\].*{rel}"):
         ckptfs.load(target(), url)
     loaded = target()
-    ckptfs.load(loaded, url, verify=False)  # the damage is real: without the check it slips in
+    ckptfs.load(loaded, url, options=ckptfs.LoadOptions(verify=False))  # the damage is real: without the check it slips in
     assert not torch.equal(loaded["a"], sd["a"])
 
     # 2. a truncated data file: IntegrityError naming the key and the file

@@ -136,7 +136,7 @@ def test_checkpoint_manager_saves_from_cuda_through_pinned_staging(tmp_path):
     sd = {f"t{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
     want = {k: v.cpu() for k, v in sd.items()}
     ckptfs.close()  # no staging buffers cached by earlier tests
-    mgr = ckptfs.CheckpointManager(tmp_path / "m", preemption_signals=())
+    mgr = ckptfs.CheckpointManager(tmp_path / "m", preemption=ckptfs.PreemptionPolicy(signals=()))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_host_memory_stats()
     before, _ = _pinned_in_use()

@@ -73,8 +73,8 @@ def flip(path: str, at: int) -> None:
 def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str) -> None:
     # 1. retention over 20 steps: keep_last=3, keep_every=5; async saves, tensors changed
     #    as soon as `staged`; after each commit the committed steps are exactly the kept ones
-    mgr = ckptfs.CheckpointManager(url, local_dir=local, keep_last=3, keep_every=5,
-                                   storage_options=opts, preemption_signals=())
+    mgr = ckptfs.CheckpointManager(url, local_dir=local, retention=ckptfs.Retention(keep_last=3, keep_every=5),
+                                   storage_options=opts, preemption=ckptfs.PreemptionPolicy(signals=()))
     assert mgr.latest_step() is None and mgr.restore(blank(rank, world)) is None
     sd = state(rank, world, 1)
     for step in range(1, 21):
@@ -173,7 +173,7 @@ def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str
     both = [None, None]
     dist.all_gather_object(both, saved)
     assert both[0] == both[1] and both[0] >= 5, both
-    check_mgr = ckptfs.CheckpointManager(url2, storage_options=opts, preemption_signals=())
+    check_mgr = ckptfs.CheckpointManager(url2, storage_options=opts, preemption=ckptfs.PreemptionPolicy(signals=()))
     assert check_mgr.steps() == [saved]  # committed before SystemExit was raised
     target = blank(rank, world)
     assert check_mgr.restore(target) == saved
@@ -190,7 +190,7 @@ def test_manager_on_spawned_ranks(tmp_path, s3):
     # copy but the two spoiled ones is intact: no GET of another data file
     s3.proxy.reset()
     mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
-                                   preemption_signals=())
+                                   preemption=ckptfs.PreemptionPolicy(signals=()))
     full = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4) + 20000
     target = {"w": torch.zeros(2 * ROWS, 4), "b": torch.zeros(3), "step": -1}
     assert mgr.restore(target) == 20
@@ -213,7 +213,7 @@ import sys, time, torch, ckptfs
 url, local, endpoint, step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
         "client_kwargs": {"region_name": "us-east-1"}}
-mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts, keep_last=2)
+mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts, retention=ckptfs.Retention(keep_last=2))
 sd = lambda s: {"w": torch.arange(4096.0) + s, "step": s}
 for s in range(1, step):
     mgr.save_sync(s, sd(s))
@@ -269,7 +269,7 @@ def test_killed_during_save_and_persistence_restarts_at_last_persisted(tmp_path,
             for f, data in ((LOCK_FILE, live), ("data/x", b"x")):
                 _s3_put(s3, f"killed{step}/step-{other:08d}/{f}", data)
         mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
-                                       keep_last=2, preemption_signals=())
+                                       retention=ckptfs.Retention(keep_last=2), preemption=ckptfs.PreemptionPolicy(signals=()))
         assert mgr.latest_step() == step - 1, mgr.steps()
         target = {"w": torch.zeros(4096), "step": -1}
         assert mgr.restore(target) == step - 1

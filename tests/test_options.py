@@ -129,3 +129,25 @@ def test_background_savers_share_nothing(tmp_path):
         target = {"w": torch.zeros(8, 8), "step": 0}
         ckptfs.load(target, tmp_path / name)
         assert torch.equal(target["w"], _state()["w"])
+
+
+def test_manager_policies_are_grouped_and_the_flat_keywords_deprecated(tmp_path):
+    with ckptfs.CheckpointManager(tmp_path / "m", retention=ckptfs.Retention(keep_last=1),
+                                  preemption=ckptfs.PreemptionPolicy(signals=())) as mgr:
+        for step in (1, 2, 3):
+            mgr.save_sync(step, _state())
+        assert mgr.steps() == [3]
+        assert mgr.preemption.signals == () and mgr.preemption.exit
+    with pytest.warns(DeprecationWarning, match=r"keep_last=.*retention=ckptfs.Retention") as rec:
+        mgr = ckptfs.CheckpointManager(tmp_path / "m", keep_last=2, preemption_signals=(),
+                                       exit_on_preemption=False)
+    assert rec[0].filename == __file__
+    assert mgr.retention == ckptfs.Retention(keep_last=2)
+    assert mgr.preemption == ckptfs.PreemptionPolicy(signals=(), exit=False)
+    mgr.close()
+    with pytest.raises(ckptfs.ConfigError, match="Retention.keep_last"):
+        ckptfs.Retention(keep_last=0)
+    with pytest.raises(ckptfs.ConfigError, match="PreemptionPolicy.timeout"):
+        ckptfs.PreemptionPolicy(timeout=0)
+    with pytest.raises(TypeError, match="keep_newest"):
+        ckptfs.CheckpointManager(tmp_path / "m", keep_newest=2)

@@ -131,8 +131,8 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
     for attempt in range(2):
         s3.proxy.reset()
         tgt = {"a": torch.empty(300, 200), "b": {"c": torch.empty(50, dtype=torch.int64)}, "step": 0}
-        ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg, pre_download=True,
-                    work_dir=tmp_path)
+        ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg,
+                    options=ckptfs.LoadOptions(pre_download=True, work_dir=tmp_path))
         assert torch.equal(tgt["a"], sd["a"]) and torch.equal(tgt["b"]["c"], sd["b"]["c"])
         log = s3.proxy.log()
         gets = [r for r in log if r.method == "GET"]
@@ -144,7 +144,8 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
     ckptfs.save(new, url, storage_options=s3.options, store_options=cfg, overwrite=True)
     s3.proxy.reset()
     tgt = {"a": torch.empty(300, 200), "b": {"c": torch.empty(50, dtype=torch.int64)}, "step": 0}
-    ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg, pre_download=True, work_dir=tmp_path)
+    ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg,
+                options=ckptfs.LoadOptions(pre_download=True, work_dir=tmp_path))
     assert torch.equal(tgt["a"], new["a"]) and tgt["step"] == 2
     assert data_gets(s3.proxy.log())  # refetched
     save_ids = {f.split("/")[1] for f in ckptfs.load_metadata(url, storage_options=s3.options).files}
@@ -153,8 +154,8 @@ def test_pre_download_reuses_and_invalidates_the_cache(s3, tmp_path, engine):
     s3.proxy.reset()
     s3.proxy.configure(deny=["/data/"])  # a failing download raises, naming the file
     with pytest.raises(PermissionError, match=re.escape(f"{url}/data/")):
-        ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg, pre_download=True,
-                    work_dir=tmp_path / "other")
+        ckptfs.load(tgt, url, storage_options=s3.options, store_options=cfg,
+                    options=ckptfs.LoadOptions(pre_download=True, work_dir=tmp_path / "other"))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -480,7 +481,7 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
                                                "gate_timeout": 30})
         dist.barrier()
         ckptfs.save(state(True), f"s3://{BUCKET}/{name}", storage_options=opts, store_options=cfg,
-                    throttle_uploads=limit)
+                    options=ckptfs.SaveOptions(throttle_uploads=limit))
         dist.barrier()
         if rank == 0:
             peaks[name] = _per_node_concurrency(proxy_log(endpoint), name)
@@ -497,7 +498,7 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
     dist.barrier()
     try:
         ckptfs.save(state(True), f"s3://{BUCKET}/failing", storage_options=opts, store_options=cfg,
-                    throttle_uploads=1)
+                    options=ckptfs.SaveOptions(throttle_uploads=1))
         raise AssertionError(f"rank {rank}: the save with a failed upload succeeded")
     except PermissionError as e:
         assert rank == 0, f"rank {rank} got rank 0's error: {e}"
@@ -526,7 +527,8 @@ def _throttle_and_pre_download(rank: int, world: int, endpoint: str, work: str) 
     for attempt in (1, 2):
         dist.barrier()
         tgt = state(False)
-        ckptfs.load(tgt, url, storage_options=opts, store_options=cfg, pre_download=True, work_dir=node_dir)
+        ckptfs.load(tgt, url, storage_options=opts, store_options=cfg,
+                    options=ckptfs.LoadOptions(pre_download=True, work_dir=node_dir))
         assert torch.equal(tgt["x"].local_tensor, full[rank * rows:(rank + 1) * rows]) and tgt["step"] == 3
         dist.barrier()
         if rank == 0:

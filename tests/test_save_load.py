@@ -200,7 +200,7 @@ def test_corrupted_chunk_is_detected(tmp_path):
     with pytest.raises(ckptfs.IntegrityError, match=r"key 'a'.*checksum"):
         ckptfs.load({"a": torch.zeros(100)}, url)
     t = {"a": torch.zeros(100)}
-    ckptfs.load(t, url, verify=False)  # opt-out reads the (corrupt) bytes
+    ckptfs.load(t, url, options=ckptfs.LoadOptions(verify=False))  # opt-out reads the (corrupt) bytes
     assert not torch.equal(t["a"], torch.arange(100, dtype=torch.float32))
 
 

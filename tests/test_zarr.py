@@ -358,7 +358,8 @@ def test_codec_checksum_detects_a_flipped_byte(saved, tmp_path, name, chunk):
     root = _copy(saved, name, tmp_path)
     _flip(f"{root}/{chunk}")
     with pytest.raises(ckptfs.IntegrityError, match="'model/float32'"):
-        ckptfs.load(_target(root), root, strict=False, verify=False)  # the codec catches it
+        ckptfs.load(_target(root), root, strict=False,
+                    options=ckptfs.LoadOptions(verify=False))  # the codec catches it
     zarr_dtypes.register()
     # v2 checksums the raw bytes inside the compression: zstd notices first there
     with pytest.raises((ValueError, RuntimeError), match="(?i)checksum|corrupt"):
@@ -379,7 +380,8 @@ def test_v2_crc32c_filter_detects_damage_the_compressor_cannot(saved, tmp_path):
     with open(path, "wb") as f:
         f.write(zstd.encode(bytes(inner)))
     with pytest.raises(ckptfs.IntegrityError, match=r"(?i)'model/float32'.*(crc|checksum)"):
-        ckptfs.load(_target(root), root, strict=False, verify=False)
+        ckptfs.load(_target(root), root, strict=False,
+                    options=ckptfs.LoadOptions(verify=False))
     with pytest.raises(ckptfs.IntegrityError, match="'model/float32'"):
         ckptfs.load(_target(root), root, strict=False)  # and ckptfs's checksum, when on
 

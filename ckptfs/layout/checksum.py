@@ -144,10 +144,12 @@ COMBINE_MIN = 1 << 20
 
 
 def crc_of_parts(parts: Sequence[bytes | bytearray | memoryview | StreamedPart],
-                 known: dict[tuple[int, int], int] | None = None) -> int:
+                 known: dict[tuple[int, int], int] | None = None, *,
+                 combine_min: int = COMBINE_MIN) -> int:
     """The CRC of the concatenation of ``parts``. ``known`` maps (address, length) of buffers
-    whose CRC was computed already (chunk bytes) to that CRC: large ones are combined, not
-    read again. A ``StreamedPart`` must have streamed already: its ``crc`` is combined."""
+    whose CRC was computed already (chunk bytes) to that CRC: those of ``combine_min`` bytes or
+    more are combined, not read again (below it reading is cheaper than the combine). A
+    ``StreamedPart`` must have streamed already: its ``crc`` is combined."""
     crc = 0
     for part in parts:
         if isinstance(part, StreamedPart):
@@ -159,7 +161,7 @@ def crc_of_parts(parts: Sequence[bytes | bytearray | memoryview | StreamedPart],
         n = arr.nbytes
         if not n:
             continue
-        have = known.get((arr.ctypes.data, n)) if known and n >= COMBINE_MIN else None
+        have = known.get((arr.ctypes.data, n)) if known and n >= combine_min else None
         crc = combine(crc, have, n) if have is not None else extend(crc, arr)
     return crc
 

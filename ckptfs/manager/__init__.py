@@ -9,6 +9,8 @@ in the background, preemption saves, restore that reshards (API layer, over the 
 """
 
 from ckptfs.manager.manager import CheckpointManager
+from ckptfs.manager.preemption import PreemptionPolicy
+from ckptfs.manager.steps import Retention
 from ckptfs.manager.tier import RestoreResult
 
-__all__ = ["CheckpointManager", "RestoreResult"]
+__all__ = ["CheckpointManager", "PreemptionPolicy", "RestoreResult", "Retention"]

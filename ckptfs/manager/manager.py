@@ -15,7 +15,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckptfs.async_save import AsyncSave
@@ -32,13 +34,40 @@ from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
-from ckptfs.manager.preemption import DEFAULT_SIGNALS, Preemption
+from ckptfs.manager.preemption import Preemption, PreemptionPolicy
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
 from ckptfs.options import resolve_save
 from ckptfs.save import SaveResult, make_backend, write_and_commit
 
 log = logging.getLogger(__name__)
+
+#: the manager's flat policy keywords, deprecated: (policy, its field)
+_FLAT = {"keep_last": ("retention", "keep_last"), "keep_every": ("retention", "keep_every"),
+         "preemption_signals": ("preemption", "signals"),
+         "preemption_timeout": ("preemption", "timeout"),
+         "exit_on_preemption": ("preemption", "exit")}
+
+
+def policies(retention: Retention | None, preemption: PreemptionPolicy | None,
+             keywords: dict[str, Any]) -> tuple[Retention, PreemptionPolicy, dict[str, Any]]:
+    """The manager's retention and preemption policies, with the deprecated flat keywords
+    (``keep_last=``, ``preemption_signals=``, ...) folded in; returns the other keywords."""
+    groups: dict[str, dict[str, Any]] = {"retention": {}, "preemption": {}}
+    rest = {}
+    for name, value in keywords.items():
+        if name not in _FLAT:
+            rest[name] = value
+            continue
+        group, field = _FLAT[name]
+        cls = "Retention" if group == "retention" else "PreemptionPolicy"
+        warnings.warn(f"CheckpointManager({name}=...) is deprecated and will be removed in the "
+                      f"next minor version: use {group}=ckptfs.{cls}({field}=...)",
+                      DeprecationWarning, stacklevel=3)
+        groups[group][field] = value
+    retention = replace(retention or Retention(), **groups["retention"])
+    preemption = replace(preemption or PreemptionPolicy(), **groups["preemption"])
+    return retention, preemption, rest
 
 
 class CheckpointManager:
@@ -48,35 +77,35 @@ class CheckpointManager:
     together; ``steps``, ``latest_step`` and ``metadata`` read storage and may be called by any
     rank alone.
 
-    - ``keep_last=K`` keeps the K newest committed steps (None: all), ``keep_every=N`` also
-      keeps every step divisible by N. Older steps are deleted (index first) by the save that
-      committed a newer one, never the newest committed one or one being written.
+    - ``retention=Retention(keep_last=K, keep_every=N)`` keeps the K newest committed steps
+      (None: all) and every step divisible by N. Older steps are deleted (index first) by the
+      save that committed a newer one, never the newest committed one or one being written.
     - ``local_dir`` (node-local disk or ``/dev/shm``): each rank's files are written there
       first, then copied to ``url`` in the background; ``restore`` reads the local copies that
       match the committed index and fetches the rest from ``url``. Ranks of a node may share it.
     - ``save_interval_steps=N``: ``should_save(step)`` is True when N divides ``step``.
-    - ``preemption_signals``: handlers installed for these (default SIGTERM, SIGUSR1; ``()``
-      installs none). A notice on any rank makes ``should_save`` True on every rank at the same
-      step; ``save`` at that step is synchronous, then (``exit_on_preemption``) raises
-      ``SystemExit(128 + signal)`` on every rank.
+    - ``preemption=PreemptionPolicy(...)``: the signals whose notice triggers a save agreed by
+      every rank (default SIGTERM, SIGUSR1), and whether the ranks exit after it.
+    - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
+      as they tune ``save`` and ``load``; ``saver``: the ``BackgroundSaver`` its saves run on
+      (default: one of its own, closed with it).
     """
 
     def __init__(self, url: str | os.PathLike, *, local_dir: str | os.PathLike | None = None,
-                 keep_last: int | None = None, keep_every: int | None = None,
+                 retention: Retention | None = None,
                  backend: str = "safetensors_chunks", backend_version: int | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  process_group: ProcessGroup | None = None,
                  save_interval_steps: int | None = None,
-                 preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
-                 preemption_timeout: float = 600.0, exit_on_preemption: bool = True,
+                 preemption: PreemptionPolicy | None = None,
                  store_options: StoreOptions | None = None,
                  save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None,
                  saver: BackgroundSaver | None = None, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
-        self.retention = Retention(keep_last, keep_every)
+        self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
         if save_interval_steps is not None and (not isinstance(save_interval_steps, int)
                                                 or save_interval_steps < 1):
             raise ConfigError(f"CheckpointManager: save_interval_steps must be a positive int or "
@@ -91,12 +120,12 @@ class CheckpointManager:
         #: runs this manager's saves (its own, on a lane named by the URL, unless one is given)
         self.saver = saver or BackgroundSaver(f"background:{self.url}")
         self._owns_saver = saver is None
-        self.exit_on_preemption = exit_on_preemption
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
             self._backend = make_backend(backend, backend_version, backend_options)
-        self._preemption = (Preemption(tuple(preemption_signals), process_group, preemption_timeout)
-                            if preemption_signals else None)
+        policy = self.preemption
+        self._preemption = (Preemption(policy.signals, process_group, policy.timeout)
+                            if policy.signals else None)
         self._preempt_step: int | None = None
         self._last: AsyncSave | None = None
         self._store: Store | None = None  # the URL's store, opened once, shared by every step
@@ -230,7 +259,7 @@ class CheckpointManager:
         self.preempted = True
         assert self._preemption is not None
         signum = self._preemption.signum
-        if self.exit_on_preemption:
+        if self.preemption.exit:
             self.close()
             raise SystemExit(128 + signum)
 

@@ -16,12 +16,32 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import FrameType
 
 from ckptfs.dist import ProcessGroup, SyncPoint
 from ckptfs.errors import ConfigError
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass(frozen=True)
+class PreemptionPolicy:
+    """How a ``CheckpointManager`` answers a preemption notice: a notice on any rank makes
+    ``should_save`` True on every rank at the same step; ``save`` at that step is synchronous,
+    then (``exit``) raises ``SystemExit(128 + signal)`` on every rank."""
+
+    #: signals whose handlers the manager installs (``()``: none, e.g. off the main thread)
+    signals: tuple[int, ...] = DEFAULT_SIGNALS
+    #: seconds the ranks may take to agree on the save step
+    timeout: float = 600.0
+    #: raise ``SystemExit`` on every rank once the preemption save is committed
+    exit: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signals", tuple(int(s) for s in self.signals))
+        if not self.timeout > 0:
+            raise ConfigError(f"PreemptionPolicy.timeout must be positive seconds, got {self.timeout!r}")
 
 
 class Preemption:
@@ -34,8 +54,9 @@ class Preemption:
         self._previous: dict[int, object] = {}
         if signals and threading.current_thread() is not threading.main_thread():
             raise ConfigError("CheckpointManager: preemption signal handlers can only be "
-                              "installed from the main thread; pass preemption_signals=() to "
-                              "create the manager elsewhere")
+                              "installed from the main thread; pass "
+                              "preemption=PreemptionPolicy(signals=()) to create the manager "
+                              "elsewhere")
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 

@@ -65,8 +65,7 @@ class Retention:
         for name in ("keep_last", "keep_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ConfigError(f"CheckpointManager: {name} must be a positive int or None, "
-                                  f"got {v!r}")
+                raise ConfigError(f"Retention.{name} must be a positive int or None, got {v!r}")
 
     def to_delete(self, committed: Sequence[int]) -> list[int]:
         """The committed steps this policy lets go, ascending."""
