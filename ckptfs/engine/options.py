@@ -51,6 +51,7 @@ class SaveOptions:
     #: bytes of pinned host memory a save of CUDA tensors streams through (``ring_slots``
     #: buffers of ``ring_bytes // ring_slots``, rounded down to a power of two)
     ring_bytes: int = 512 * MiB
+    #: buffers the ``ring_bytes`` are cut into (copies of one run while others are written)
     ring_slots: int = 8
     #: OS nice value (0-19, Linux) of an asynchronous save's threads once staged, and of the
     #: threads writing its local data files: a busy CPU serves the training loop first.
@@ -92,6 +93,7 @@ class LoadOptions:
     exchange_bytes: int = 256 * MiB
     #: pinned host memory a load into CUDA targets reads through (as ``SaveOptions.ring_bytes``)
     ring_bytes: int = 512 * MiB
+    #: buffers the ``ring_bytes`` are cut into (reads into some while others are copied)
     ring_slots: int = 8
     #: read chunks straight into CUDA targets with GPUDirect Storage (kvikio) where it can: a
     #: local store, kvikio importable, ``verify=False``; otherwise the ring, with a warning

@@ -58,7 +58,9 @@ class Retention:
     """Which committed checkpoints to keep: the ``keep_last`` newest (all when None) and every
     step divisible by ``keep_every`` (kept forever). The newest committed step is always kept."""
 
+    #: keep the newest this many committed steps (None: keep all)
     keep_last: int | None = None
+    #: also keep every committed step divisible by this (None: none more)
     keep_every: int | None = None
 
     def __post_init__(self) -> None:
