@@ -61,7 +61,7 @@ class PinnedAllocator(BufferAllocator):
     CUDA copy can use asynchronously. torch's caching host allocator keeps freed blocks for
     the next pinned allocation and rounds sizes up to a power of two. Selected only where a
     CUDA tensor takes part (``allocator_for``), since CPU-only torch cannot pin. Pinning is
-    slow (about 0.75 s per GiB on an H100 host): allocate once and reuse."""
+    slow (it locks every page): allocate once and reuse."""
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -6,10 +6,8 @@ crc32c check needs the bytes on the host, which is what GDS avoids). Otherwise `
 warns once, naming the reason, and the load goes through the pinned ring (engine/ring.py).
 Only regions that are one byte run in the file and contiguous in the target are read directly;
 the rest also go through the ring. Without the GDS driver kvikio runs in its compatibility mode
-(POSIX reads through its own bounce buffers).
-
-Tested on an H100 machine (tests/test_gpu.py), where kvikio ran in its compatibility mode
-(gVisor, no GDS driver): 6.3 GB/s against the ring's 28 GB/s (README, GPU).
+(POSIX reads through its own bounce buffers), which can be slower than the ring: the docs'
+performance page has the numbers.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ _sessions: dict[int, Any] = {}
 
 def _shared_session() -> Any:
     """One aiobotocore session per process: it caches the parsed S3 service model, so opening a
-    store costs milliseconds instead of ~0.1-0.2 s (clients stay per store and per loop)."""
+    store does not parse it again (clients stay per store and per loop)."""
     import aiobotocore.session
 
     pid = os.getpid()

@@ -69,12 +69,12 @@ def render(crc: int) -> str:
 def crc_of(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool = False) -> int:
     """The CRC of ``data``.
 
-    google_crc32c holds the GIL while it computes a buffer (about 0.2 ms per MiB): a training
-    loop running beside a background save stalls meanwhile. With ``yielding`` the CRC is
+    google_crc32c holds the GIL while it computes a buffer: a training loop running beside a
+    background save stalls meanwhile. With ``yielding`` the CRC is
     computed without holding the GIL (libcrc32c through ctypes, ``_extend_nogil``; also
     without ``yielding`` for buffers of ``NOGIL_MIN`` bytes or more); where that
     library is missing, in pieces of ``PIECE`` bytes with the GIL offered between them (each
-    hand-over costs the other thread a wake-up: measured in bench/async_save.py, far worse).
+    hand-over costs the other thread a wake-up: far worse, see bench/async_save.py).
     """
     arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     if not arr.nbytes:

@@ -3,7 +3,7 @@
 Parsing or building the index of 20,000 tensors, planning their reads or laying out their
 chunks allocates hundreds of thousands of tuples, dicts and dataclasses, none of them in a
 cycle. Every 700 allocations the collector runs, and every tenth of those runs walks all the
-survivors again: measured, about 40% of the time of parsing such an index (Index.loads). Paused
+survivors again, a large share of the time of parsing such an index (Index.loads). Paused
 during those phases, the collector catches up once afterwards.
 """
 
