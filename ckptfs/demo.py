@@ -184,61 +184,35 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def main() -> int:
-    t_start = time.perf_counter()
-    print("ckptfs demo: a 2-layer transformer + AdamW state, saved on 2 ranks, loaded on 1 and 3\n")
-    ref = train_reference()
-    n_params = sum(t.numel() for t in ref["model"].values())
-    print(f"trained TinyLM ({n_params / 1e6:.1f} M parameters) for 2 AdamW steps; "
-          f"state dict = model + optimizer state, keyed by FQN\n")
-    rows: list[list[str]] = []
-    failures: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="ckptfs-demo-") as tmp:
-        url = os.path.join(tmp, "step-2")
-        run_ranks(2, _save_rank, ref, url, os.path.join(tmp, "save.json"), threads=1)
-        saved = json.loads(Path(tmp, "save.json").read_text())
-        meta = ckptfs.load_metadata(url)
-        backend = f"{meta.backend}-{meta.backend_version}"
-        rows.append(["save", "2 ranks", "DTensor Shard(0) x2", _mb(saved["bytes"]), "-",
-                     f"{saved['seconds']:.2f} s", f"{saved['bytes'] / saved['seconds'] / 1e9:.2f}", "-"])
+def _load_here(ref: dict, url: str) -> tuple[list[str], list[str]]:
+    """2 -> 1: this process, no process group, plain full tensors: (table row, differing keys)."""
+    target = _blank(ref)
+    t0 = time.perf_counter()
+    res = ckptfs.load(target, url)
+    secs = time.perf_counter() - t0
+    bad = _compare(target, ref, lambda t: t)
+    return ["load 2->1", "1 process", "full tensors", _mb(res.bytes_needed), _mb(res.bytes_read),
+            f"{secs:.2f} s", f"{res.bytes_read / secs / 1e9:.2f}",
+            "bit-exact" if not bad else f"{len(bad)} DIFFER"], bad
 
-        # 2 -> 1: this process, no process group, plain full tensors
-        target = _blank(ref)
-        t0 = time.perf_counter()
-        res = ckptfs.load(target, url)
-        secs = time.perf_counter() - t0
-        bad = _compare(target, ref, lambda t: t)
-        failures += [f"2->1 {p}" for p in bad]
-        rows.append(["load 2->1", "1 process", "full tensors", _mb(res.bytes_needed),
-                     _mb(res.bytes_read), f"{secs:.2f} s", f"{res.bytes_read / secs / 1e9:.2f}",
-                     "bit-exact" if not bad else f"{len(bad)} DIFFER"])
 
-        # 2 -> 3: spawned ranks, DTensor Shard(0) over 3 (uneven: 4096 rows -> 1366/1366/1364)
-        out3 = os.path.join(tmp, "load3")
-        os.makedirs(out3)
-        run_ranks(3, _load_rank, ref, url, out3, threads=1)
-        per_rank = [json.loads(Path(out3, f"rank{r}.json").read_text()) for r in range(3)]
-        bad3 = sorted({p for r in per_rank for p in r["bad"]})
-        failures += [f"2->3 {p}" for p in bad3]
-        rd, nd = sum(r["bytes_read"] for r in per_rank), sum(r["bytes_needed"] for r in per_rank)
-        secs3 = max(r["seconds"] for r in per_rank)
-        rows.append(["load 2->3", "3 ranks", "DTensor Shard(0) x3", _mb(nd), _mb(rd),
-                     f"{secs3:.2f} s", f"{rd / secs3 / 1e9:.2f}",
-                     "bit-exact" if not bad3 else f"{len(bad3)} DIFFER"])
-        files = sorted(meta.files)
-        index_size = os.path.getsize(os.path.join(url, ckptfs.INDEX_FILE))
+def _load_on_three(ref: dict, url: str, tmp: str) -> tuple[list[str], list[str]]:
+    """2 -> 3: spawned ranks, DTensor Shard(0) over 3 (uneven: 4096 rows -> 1366/1366/1364)."""
+    out3 = os.path.join(tmp, "load3")
+    os.makedirs(out3)
+    run_ranks(3, _load_rank, ref, url, out3, threads=1)
+    per_rank = [json.loads(Path(out3, f"rank{r}.json").read_text()) for r in range(3)]
+    bad = sorted({p for r in per_rank for p in r["bad"]})
+    rd, nd = sum(r["bytes_read"] for r in per_rank), sum(r["bytes_needed"] for r in per_rank)
+    secs = max(r["seconds"] for r in per_rank)
+    return ["load 2->3", "3 ranks", "DTensor Shard(0) x3", _mb(nd), _mb(rd), f"{secs:.2f} s",
+            f"{rd / secs / 1e9:.2f}", "bit-exact" if not bad else f"{len(bad)} DIFFER"], bad
 
-    head = ["step", "world", "layout", "data", "read", "time", "GB/s", "check"]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    print(f"\nbackend {backend}; {len(meta.tensors)} tensors, {len(meta.values)} plain values, "
-          f"{len(files)} data files + {ckptfs.INDEX_FILE} ({index_size} bytes of JSON)\n")
-    print(_row(head, widths))
-    print(_row(["-" * w for w in widths], widths))
-    for r in rows:
-        print(_row(r, widths))
+
+def _summary(files: list[str], failures: list[str], t_start: float) -> str:
     verdict = ("and every tensor and value came back bit for bit." if not failures
                else "but SOME ENTRIES DIFFER (see below).")
-    print(f"""
+    return f"""
 What you just saw:
 - 2 ranks each wrote only their own rows of every tensor ({', '.join(f.split('/')[-1] for f in files)}),
   then rank 0 committed the index; nothing was pickled, and the index names every chunk's
@@ -248,7 +222,38 @@ What you just saw:
   byte ranges of its rows ("read" vs "data": the small excess is gaps under 64 KiB read through
   instead of issuing more requests), {verdict}
 - Timings here come from the page cache on a tiny model; `make bench` measures cold-cache
-  save/load against torch.distributed.checkpoint. Total demo time: {time.perf_counter() - t_start:.1f} s.""")
+  save/load against torch.distributed.checkpoint. Total demo time: {time.perf_counter() - t_start:.1f} s."""
+
+
+def main() -> int:
+    t_start = time.perf_counter()
+    print("ckptfs demo: a 2-layer transformer + AdamW state, saved on 2 ranks, loaded on 1 and 3\n")
+    ref = train_reference()
+    n_params = sum(t.numel() for t in ref["model"].values())
+    print(f"trained TinyLM ({n_params / 1e6:.1f} M parameters) for 2 AdamW steps; "
+          f"state dict = model + optimizer state, keyed by FQN\n")
+    with tempfile.TemporaryDirectory(prefix="ckptfs-demo-") as tmp:
+        url = os.path.join(tmp, "step-2")
+        run_ranks(2, _save_rank, ref, url, os.path.join(tmp, "save.json"), threads=1)
+        saved = json.loads(Path(tmp, "save.json").read_text())
+        meta = ckptfs.load_metadata(url)
+        rows = [["save", "2 ranks", "DTensor Shard(0) x2", _mb(saved["bytes"]), "-",
+                 f"{saved['seconds']:.2f} s", f"{saved['bytes'] / saved['seconds'] / 1e9:.2f}", "-"]]
+        row1, bad1 = _load_here(ref, url)
+        row3, bad3 = _load_on_three(ref, url, tmp)
+        rows += [row1, row3]
+        failures = [f"2->1 {p}" for p in bad1] + [f"2->3 {p}" for p in bad3]
+        files = sorted(meta.files)
+        index_size = os.path.getsize(os.path.join(url, ckptfs.INDEX_FILE))
+
+    head = ["step", "world", "layout", "data", "read", "time", "GB/s", "check"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print(f"\nbackend {meta.backend}-{meta.backend_version}; {len(meta.tensors)} tensors, "
+          f"{len(meta.values)} plain values, {len(files)} data files + {ckptfs.INDEX_FILE} "
+          f"({index_size} bytes of JSON)\n")
+    for r in [head, ["-" * w for w in widths], *rows]:
+        print(_row(r, widths))
+    print(_summary(files, failures, t_start))
     if failures:
         print(f"\nFAILED: {len(failures)} entries differ from the original: {failures[:10]}",
               file=sys.stderr)
