@@ -14,9 +14,6 @@ the API; ``supported()`` tells whether zarr-python can read the types.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -34,85 +31,12 @@ _registered: bool | None = None
 
 
 def _make_class(zarr_name: str, native: np.dtype) -> type:
-    from zarr.dtype import DataTypeValidationError, ZDType
+    """The zarr ``ZDType`` class of one ML data type (zarr imported only here: an extra)."""
+    from ckptfs.layout.backends.zarr_mlfloat import MLFloat
 
-    def _mismatch(what: object) -> Exception:
-        return DataTypeValidationError(f"not {zarr_name}: {what!r}")
-
-    @dataclass(frozen=True, kw_only=True)
-    class MLFloat(ZDType):  # type: ignore[type-arg]
-        dtype_cls: ClassVar[type] = type(native)
-        _zarr_v3_name: ClassVar[str] = zarr_name
-        endianness: str = "little"
-
-        @classmethod
-        def _check_native_dtype(cls, dtype: Any) -> bool:
-            return isinstance(dtype, np.dtype) and dtype == native
-
-        @classmethod
-        def from_native_dtype(cls, dtype: Any) -> MLFloat:
-            # must raise DataTypeValidationError on a mismatch, or the registry would resolve
-            # other dtypes (uint16, ...) to this one
-            if cls._check_native_dtype(dtype):
-                return cls()
-            raise _mismatch(dtype)
-
-        def to_native_dtype(self) -> np.dtype:
-            return native
-
-        @classmethod
-        def _from_json_v2(cls, data: Any) -> MLFloat:
-            if isinstance(data, dict) and data.get("name") == zarr_name \
-                    and data.get("object_codec_id") is None:
-                return cls()
-            raise _mismatch(data)
-
-        @classmethod
-        def _from_json_v3(cls, data: Any) -> MLFloat:
-            if data == zarr_name:
-                return cls()
-            raise _mismatch(data)
-
-        def to_json(self, zarr_format: int) -> Any:
-            if zarr_format == 2:
-                return {"name": zarr_name, "object_codec_id": None}
-            return zarr_name
-
-        @property
-        def item_size(self) -> int:
-            return native.itemsize
-
-        def _check_scalar(self, data: object) -> bool:
-            return isinstance(data, int | float | np.generic | str)
-
-        def cast_scalar(self, data: object) -> Any:
-            if data is None:
-                return self.default_scalar()
-            if not self._check_scalar(data):
-                raise TypeError(f"cannot cast {data!r} to {zarr_name}")
-            return native.type(float(data))  # type: ignore[arg-type]
-
-        def default_scalar(self) -> Any:
-            return native.type(0.0)
-
-        def from_json_scalar(self, data: Any, *, zarr_format: int) -> Any:
-            if data is None:  # Megatron/TensorStore v2 arrays have "fill_value": null
-                return self.default_scalar()
-            if isinstance(data, str) and data.startswith("0x"):  # v3 raw bit pattern
-                bits = np.array(int(data, 16), dtype=f"<u{native.itemsize}")
-                return bits.view(native)[()]
-            return native.type(float(data))
-
-        def to_json_scalar(self, data: object, *, zarr_format: int) -> Any:
-            v = float(self.cast_scalar(data))
-            if math.isnan(v):
-                return "NaN"
-            if math.isinf(v):
-                return "Infinity" if v > 0 else "-Infinity"
-            return v
-
-    MLFloat.__name__ = MLFloat.__qualname__ = "".join(p.capitalize() for p in zarr_name.split("_"))
-    return MLFloat
+    name = "".join(p.capitalize() for p in zarr_name.split("_"))
+    return type(name, (MLFloat,), {"dtype_cls": type(native), "_zarr_v3_name": zarr_name,
+                                   "native": native, "__qualname__": name})
 
 
 def register() -> bool:
