@@ -151,3 +151,16 @@ def test_manager_policies_are_grouped_and_the_flat_keywords_deprecated(tmp_path)
         ckptfs.PreemptionPolicy(timeout=0)
     with pytest.raises(TypeError, match="keep_newest"):
         ckptfs.CheckpointManager(tmp_path / "m", keep_newest=2)
+
+
+def test_the_docs_options_table_is_the_generated_one():
+    """docs/options.md lists every field of every option class with its default and meaning,
+    as tools_dev.options_table prints it from the classes (a field without a ``#:`` comment
+    fails here)."""
+    from tools_dev import options_table
+
+    text = options_table.DOC.read_text()
+    assert options_table.generated_part(text) == options_table.table()
+    for cls, _ in options_table.CLASSES:
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in text, f"{cls.__name__}.{f.name}"
