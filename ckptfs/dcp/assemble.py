@@ -4,6 +4,7 @@ the ckptfs index built from every rank's reports (engine/commit.py's ``build_ind
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -120,6 +121,15 @@ def _merge(plans: list[TensorPlan]) -> TensorPlan:
                                                              key=lambda c: c.box.offsets)))
 
 
-def abandon(store: Store) -> None:
-    """After a save that will not commit (coordinator): give the save lock back."""
-    run_sync(_abandon(store))
+def abandon(store: Store, claim: Claim) -> None:
+    """After a save that will not commit (coordinator): remove the data files its ranks wrote
+    (all under ``data/<save_id>/``) and give the save lock back."""
+
+    async def go() -> None:
+        with contextlib.suppress(Exception):
+            stale = await store.list(f"data/{claim.save_id}/")
+            if stale:
+                await store.delete(stale)
+        await _abandon(store)
+
+    run_sync(go())

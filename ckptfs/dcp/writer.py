@@ -23,7 +23,6 @@ uint8 tensor of those bytes marked ``OPAQUE``, which only DCP ever unpickles.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -39,15 +38,16 @@ from ckptfs.dcp import assemble
 from ckptfs.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.engine.commit import Claim, _claim
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.lock import Renewal
+from ckptfs.engine.lock import LockInfo, Renewal, read_lock
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import write_rank
-from ckptfs.errors import CkptfsError
+from ckptfs.errors import CkptfsError, SaveInProgressError
 from ckptfs.io import IOConfig, Store, open_store, run_sync
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.backends.torch_dist_keys import expand_value
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name, from_torch
+from ckptfs.layout.index import LOCK_FILE
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
 from ckptfs.save import make_backend
 
@@ -123,7 +123,7 @@ class StorageWriter(dcp_storage.StorageWriter):
                 renewal.stop()
                 assemble.commit_results(make_backend(*self.backend_spec), store, claim, results)
             except BaseException:
-                assemble.abandon(store)
+                assemble.abandon(store, claim)
                 raise
             finally:
                 run_sync(store.close())
@@ -142,7 +142,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         old = self._pending.pop(self.url, None)
         if old is not None:  # an earlier save of this process that never committed
             old[2].stop()
-            assemble.abandon(old[0])
+            assemble.abandon(old[0], old[1])
             run_sync(old[0].close())
         store = self._open()
         try:
@@ -152,6 +152,21 @@ class StorageWriter(dcp_storage.StorageWriter):
             raise
         self._pending[self.url] = (store, claim, Renewal(store, claim.lock))
 
+    async def _save_id(self, store: Store) -> str:
+        """The id of this save: the coordinator's claim; on the other ranks, read from the save
+        lock the coordinator holds (DCP's plan cache may hand ranks the plan of an earlier
+        save, so the id cannot travel in the plan)."""
+        pending = self._pending.get(self.url)
+        if pending is not None:
+            return pending[1].save_id
+        held = await read_lock(store)
+        if not isinstance(held, LockInfo):
+            raise SaveInProgressError(
+                f"{store.full_path(LOCK_FILE)}: no save holds {store.url} while rank "
+                f"{self.rank} writes (the coordinator's claim is gone: another job removed "
+                f"the lock, or the coordinator's save failed)")
+        return held.save_id
+
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[dcp_storage.WriteResult]:
         if not plan.items:
             return []
@@ -159,13 +174,11 @@ class StorageWriter(dcp_storage.StorageWriter):
         table = plan.storage_data if isinstance(plan.storage_data, StoredChunks) else None
         world = table.world_size if table is not None else self.rank + 1
         chunks, written = take_items(plan, planner, be, table, self.rank)
-        pending = self._pending.get(self.url)
-        save_id = pending[1].save_id if pending is not None else uuid.uuid4().hex[:12]
         staged = StagedSave(self.rank, world, _plans_of(chunks, table, self.rank), tuple(chunks),
                             {}, {}, (), False)
         store = self._open()
         try:
-            done = write_rank(staged, be, store, save_id, False)
+            done = write_rank(staged, be, store, run_sync(self._save_id(store)), False)
         finally:
             run_sync(store.close())
         return assemble.results(plan, written, done, staged.plans)
