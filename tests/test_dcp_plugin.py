@@ -1,9 +1,10 @@
 """``ckptfs.dcp``: PyTorch DCP's ``save`` / ``async_save`` / ``load`` through ckptfs's storage
 plug-in, on spawned gloo ranks. Two ranks save a DTensor-sharded state (DCP's default planner,
-its options, plan caching, an asynchronous save, ckptfs backends, moto's S3 server, DCP's own
-FileSystemWriter beside them); ckptfs reads what the plug-in wrote; three ranks load every
-checkpoint back through the reader (a 2 -> 3 reshard), bit-exact, reading no more than the
-bytes they need; errors reach the caller as ckptfs errors inside DCP's CheckpointException."""
+its options, plan caching, asynchronous saves in a thread and in DCP's saving process, ckptfs
+backends, moto's S3 server, DCP's own FileSystemWriter beside them); ckptfs reads what the
+plug-in wrote; three ranks load every checkpoint back through the reader (a 2 -> 3 reshard),
+bit-exact, reading no more than the bytes they need; errors reach the caller as ckptfs errors
+inside DCP's CheckpointException."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -30,7 +32,7 @@ PLACEMENTS = {"w": Shard(0), "emb": Shard(1), "b": Replicate()}
 PLUGIN = {"plain": "safetensors_chunks", "async": "safetensors_chunks",
           "dedup": "safetensors_chunks", "cache1": "safetensors_chunks",
           "cache2": "safetensors_chunks", "torch_dist": "torch_dist", "zarr": "zarr",
-          "retry": "safetensors_chunks"}
+          "retry": "safetensors_chunks", "process": "safetensors_chunks"}
 LOADED = [*PLUGIN, "s3", "fs"]
 
 
@@ -105,6 +107,9 @@ def _save(rank: int, world: int, root: str, endpoint: str) -> None:
         f"s3://{BUCKET}/dcp", storage_options=s3_options(endpoint)))
     dcp.save(state(mesh, objects=False), storage_writer=FileSystemWriter(f"{root}/fs"))
     dcp.async_save(sd, storage_writer=writer("async")).result()
+    # DCP's saving process: the writer is pickled and runs there on its own process group
+    dcp.async_save(sd, storage_writer=writer("process"),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
     dcp.save(sd, storage_writer=writer("dedup"),
              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     dcp.save(sd, storage_writer=writer("cache1"), planner=DefaultSavePlanner(enable_plan_caching=True))
