@@ -210,9 +210,10 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
     with paused_gc():  # a backend's own metadata per tensor (DCP's .metadata: layout/nogc.py)
         final = backend.finalize(index, plans)
     try:
-        await write_files(store, final[:-1], False)
-        await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
-        finals = file_sums(final)
+        await write_files(store, final.files, False)
+        if final.marker is not None:  # last, after the others (another tool's marker)
+            await write_files(store, [final.marker], False)
+        finals = file_sums(final.all())
         index = dataclasses.replace(
             index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
             file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
@@ -223,11 +224,11 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
             f"committed a checkpoint at {store.url} first; it is left as it is") from None
     except BaseException:  # not committed: the final files must not pose as a checkpoint
         with contextlib.suppress(Exception):  # (a DCP .metadata would read as a foreign one)
-            await store.delete([f.path for f in final])
+            await store.delete([f.path for f in final.all()])
         raise
     await release(store)  # committed: the next save may come
     if written is not None:
-        keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
+        keep = written | {f.path for f in final.all()} | set(index.files) | {INDEX_FILE}
         stale = [p for p in await store.list() if p not in keep]
         if stale:
             await store.delete(stale)
