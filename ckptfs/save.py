@@ -119,7 +119,7 @@ def write_and_commit(staged: StagedSave, be: Backend, url: str, comm: Comm, *,
     """Phases 2 and 3 of a save (collective over ``comm``): claim the target, write, commit."""
     opened: list[Store] = []
     try:  # agreed: a rank that cannot open the store fails the save everywhere
-        comm.check("save: opening the store",
+        comm.run_everywhere("save: opening the store",
                    lambda: opened.append(run_sync(open_store(url, storage_options, io_config))))
     except BaseException:
         for s in opened:

@@ -50,8 +50,8 @@ class Claim:
 
 def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend) -> Claim:
     """Collective: take the save lock and check the target (see ``_claim``)."""
-    return comm.decide("save: checking the target",
-                       lambda: run_sync(_claim(store, overwrite, backend)))
+    return comm.run_on_coordinator("save: checking the target",
+                                   lambda: run_sync(_claim(store, overwrite, backend)))
 
 
 async def _claim(store: Store, overwrite: bool, backend: Backend) -> Claim:
@@ -127,7 +127,7 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
         return index.total_bytes
 
     try:
-        return comm.decide("save: committing the index", build_and_commit)
+        return comm.run_on_coordinator("save: committing the index", build_and_commit)
     except BaseException:
         if comm.is_coordinator:  # nothing was committed: the data files are garbage
             run_sync(store.delete(sorted(written.paths())))
@@ -140,6 +140,8 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     by_key: dict[str, list[ChunkEntry]] = defaultdict(list)
     files: dict[str, int] = {}
     assert written.ranks is not None, "build_index runs on the coordinator"
+    content = staged.content
+    assert content is not None, "the coordinator staged the index's content"
     sums: dict[str, str] = {p: crc for p, (_, crc) in written.prepared_sums.items()}
     for rank in written.ranks:
         for key, e in rank.entries:
@@ -150,7 +152,7 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     tensors = {}
     # a packed index (§2.3) leaves out the extra members the backend's spec derives
     implied = backend.implied_extra if packs(sum(map(len, by_key.values()))) else frozenset()
-    for key, (dtype, shape) in staged.tensors.items():
+    for key, (dtype, shape) in content.tensors.items():
         chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
         if implied:
             chunks = tuple(dataclasses.replace(e, extra={k: v for k, v in e.extra.items()
@@ -168,9 +170,9 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
               "world_size": staged.world_size,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return Index(backend=backend.name, backend_version=backend.version, tensors=tensors,
-                 values=staged.values, containers=staged.containers,
+                 values=content.values, containers=content.containers,
                  files=dict(sorted(files.items())), backend_options=backend.index_options(),
-                 writer=writer, order=staged.order or None, per_rank=staged.per_rank,
+                 writer=writer, order=content.order or None, per_rank=content.per_rank,
                  backend_files={p: n for p, (n, _) in written.prepared_sums.items()},
                  file_checksums=sums)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,7 +196,7 @@ def schedule_reads(jobs: Sequence[TensorRead], sources: Sequence[ChunkSource], *
     it = iter(sources)
     for job in jobs:
         dt = from_name(job.entry.dtype, job.entry.key)
-        ringed = ring is not None and ring.accepts(job.target)
+        via = ring if ring is not None and ring.accepts(job.target) else None
         for piece in job.pieces:
             src = next(it)
             nbytes = piece.src.volume * dt.itemsize
@@ -206,11 +206,11 @@ def schedule_reads(jobs: Sequence[TensorRead], sources: Sequence[ChunkSource], *
                 continue
             keys[src.file].add(job.entry.key)
             file_bytes[src.file] += nbytes
-            if ringed and direct is not None and direct.add(job, piece, src, dt.itemsize):
+            if via is not None and direct is not None and direct.add(job, piece, src, dt.itemsize):
                 continue
-            if ringed:
+            if via is not None:
                 ringed_files[src.file].extend(_plan_ring(job, piece, src, dt.torch, dt.itemsize,
-                                                         verify, ring))  # type: ignore[arg-type]
+                                                         verify, via))
                 continue
             scratch[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize, max_gap,
                                                verify))
@@ -231,8 +231,8 @@ async def run_schedule(store: Store, schedule: ReadSchedule, *, pool: BufferPool
     keys = schedule.keys
     await gather_all(*(_read_file(store, f, pool, keys[f.path]) for f in schedule.scratch),
                      *(_read_small(store, group, keys) for group in schedule.small),
-                     *(_read_ring_file(store, f, ring, keys[f.path])  # type: ignore[arg-type]
-                       for f in schedule.ring),
+                     *((_read_ring_file(store, f, ring, keys[f.path]) for f in schedule.ring)
+                       if ring is not None else ()),
                      *(_read_encoded(store, pool, e, verify) for e in schedule.encoded),
                      *((direct.run(store, _damaged, keys),) if direct is not None else ()))
 
@@ -352,12 +352,12 @@ async def _read_encoded(store: Store, pool: BufferPool, e: EncodedRead, verify: 
         await _run_encoded(store, e.job, e.piece, e.source, verify)
 
 
-def _damaged(file: str, keys: set[str] | list[str], what: str) -> IntegrityError:
+def _damaged(file: str, keys: Collection[str], what: str) -> IntegrityError:
     """A data file the index lists is gone or short: the checkpoint is damaged."""
     return IntegrityError(f"key(s) {', '.join(map(repr, sorted(keys)))}: {file}: {what}")
 
 
-def _read_failed(file: str, keys: set[str], e: BaseException) -> BaseException:
+def _read_failed(file: str, keys: Collection[str], e: BaseException) -> BaseException:
     """What a failed read of ``file`` raises: a missing or short file is ``_damaged``; any other
     error is itself."""
     if isinstance(e, FileNotFoundError):

@@ -74,16 +74,16 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     """Write the layout files (coordinator), then every rank's data files (collective)."""
     prep: list[FileWrite] = []
 
-    def prepare() -> None:  # inside decide: a failure here raises on every rank, never hangs
+    def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
         with paused_gc():  # zarr: a metadata document per array (layout/nogc.py)
             prep.extend(backend.prepare(staged.plans))
         run_sync(write_files(store, prep, False))
 
-    comm.decide("save: preparing the layout", prepare)
-    mine, ranks = comm.collect("save: writing data", lambda: run_throttled(
+    comm.run_on_coordinator("save: preparing the layout", prepare)
+    mine, ranks = comm.run_everywhere("save: writing data", lambda: run_throttled(
         throttle_uploads, comm,
         lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)),
-        lambda w: w, entries=True)
+        lambda w: w, to="coordinator", entries=True)
     return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
                    file_sums(prep))
 
