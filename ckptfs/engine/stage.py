@@ -214,7 +214,8 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     entry = cache.get(ckey)
     d, agreed = _describe_and_agree(state_dict, comm, backend, min_slice, entry)
     if agreed.cached:
-        plan: SavePlan = entry.plan  # type: ignore[union-attr]
+        assert entry is not None  # this rank's own cache hit is part of the agreement
+        plan: SavePlan = entry.plan
     else:
         plan = _plan(d, comm, backend, min_slice)
         cache.put(ckey, CachedPlan(d.digest, plan.plan_id, plan))
@@ -248,7 +249,7 @@ def _describe_and_agree(state_dict: Mapping[str, Any], comm: Comm, backend: Back
     said = comm.settle(
         "save: describing the state dict", err,
         all_true={"cached": hit, "shared only": not private},
-        all_equal={"plan": entry.plan_id if hit else 0,  # type: ignore[union-attr]
+        all_equal={"plan": entry.plan_id if entry is not None and hit else 0,
                    "values": _h63(d.values_digest) if d is not None else 0})
     assert d is not None  # settle raised on every rank if any failed
     return d, Agreement(said["cached"] and said["plan"], said["values"] and said["shared only"])
@@ -265,6 +266,7 @@ def _index_content(d: Described, comm: Comm, plan: SavePlan, values_alike: bool,
     if not values_alike:
         parts = comm.gather((d.values, d.containers, d.private), "save: merging plain values")
         merged = comm.run_on_coordinator("save: merging plain values",
+                                         # a list on the coordinator, the one rank running it
                                          lambda: merge_values(parts, plan),  # type: ignore[arg-type]
                                          share=False)
         if merged is not None:
@@ -457,7 +459,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
         for (key, shape, box, data), way in zip(views, ways, strict=True):
             if way is Taking.STREAMED:
                 chunks.append(ChunkData(key, shards[key].dtype, shape, box, data,
-                                        device.part(data)))  # type: ignore[union-attr]
+                                        device.part(data)))  # type: ignore[union-attr]  # set: STREAMED
                 continue
             if way is Taking.COPIED:
                 data = copy_chunk(data, next(got), d2h, on_host)
