@@ -1,5 +1,8 @@
 """The read engine: turn read pieces into byte reads, run them, and place the bytes.
 
+A load's reads are scheduled first, without I/O (``schedule_reads``: a ``ReadSchedule`` saying
+what is read, in which order, into which buffer), then run (``run_schedule``).
+
 Bytes land directly in the target tensor when its region is contiguous CPU memory; otherwise
 they land in scratch leased from the engine's buffer pool (engine/buffers.py) and are copied
 once into the target. The pool bounds scratch held at once (``IOConfig.scratch_bytes``): each
