@@ -239,7 +239,7 @@ def ckptfs_rank(s: Shape, variant: str, rank: int, sd: dict) -> dict:
 def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") -> tuple[dict, bytes]:
     """The coordinator's index assembly from every rank's entries; (figures, index bytes)."""
     from ckptfs.engine.commit import build_index
-    from ckptfs.engine.stage import StagedSave
+    from ckptfs.engine.stage import IndexContent, StagedSave
     from ckptfs.engine.write import Written, WrittenRank
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend, tensor_name
     from ckptfs.layout.dtypes import from_name
@@ -273,8 +273,8 @@ def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") ->
         nchunks += len(entries)
         ranks.append(WrittenRank(tuple(entries), {path: pos} if entries else {}))
     written = Written((), ranks[0], tuple(ranks))
-    staged = StagedSave(0, s.world, plan.plans, (), {}, {}, (), False,
-                        tensors={k: (x.dtype, x.shape) for k, x in layouts.items()})
+    staged = StagedSave(0, s.world, plan.plans, (), (), False, content=IndexContent(
+        {}, {}, {k: (x.dtype, x.shape) for k, x in layouts.items()}))
     backend = SafetensorsChunksBackend()
     t_build, index = timed(partial(build_index, backend, staged, written))
     t_dump, raw = timed(index.dumps)

@@ -83,7 +83,7 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
                 cached = cached_index(comm, store, url, opts.work_dir)
                 index = cached.index
             else:
-                index = comm.decide(f"load: reading the index of {url}",
+                index = comm.run_on_coordinator(f"load: reading the index of {url}",
                                     lambda: run_sync(read_index(store)))
 
             return fill(state_dict, store, index, comm, url, strict=strict, options=opts,
@@ -106,7 +106,7 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
             raise MissingKeysError(url, list(plan.missing))
         return plan
 
-    plan = comm.check(f"load from {url}: matching the target", match)
+    plan = comm.run_everywhere(f"load from {url}: matching the target", match)
     reads = plan.reads
     ex = None
     if exchange:
@@ -122,8 +122,8 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
             return run_sync(read_tensors(source, index, reads, options))
 
         before = (source.stats.bytes_read, source.stats.read_requests)
-        _, peak = comm.check(f"load from {url}", read)
-        got = comm.check(f"load from {url}: exchanging", lambda: xchg.run(comm, ex)) if ex else 0
+        _, peak = comm.run_everywhere(f"load from {url}", read)
+        got = comm.run_everywhere(f"load from {url}: exchanging", lambda: xchg.run(comm, ex)) if ex else 0
         for path, value in plan.replace:
             set_path(state_dict, path, value)
         st = source.stats

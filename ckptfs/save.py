@@ -114,7 +114,7 @@ def open_agreed(comm: Comm, url: str, storage_options: Mapping[str, Any] | None,
     the save everywhere (the stores opened elsewhere are closed)."""
     opened: list[Store] = []
     try:
-        comm.check("save: opening the store", lambda: opened.append(
+        comm.run_everywhere("save: opening the store", lambda: opened.append(
             run_sync(open_store(url, storage_options, store_options, nice=nice))))
     except BaseException:
         for s in opened:

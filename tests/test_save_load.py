@@ -353,7 +353,7 @@ def test_local_commit_is_create_if_absent(tmp_path, own_registry):
     """Another writer's index appears at the root between the save's check and its commit (a
     backend's finalize hook plants it, the last step before the commit): the commit refuses to
     replace it, the rival index is left as it was, and this save's data files are removed."""
-    from ckptfs.layout.backend import FileWrite
+    from ckptfs.layout.backend import FileWrite, FinalFiles
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 
     rival = b'{"written by": "another save"}'
@@ -362,7 +362,8 @@ def test_local_commit_is_create_if_absent(tmp_path, own_registry):
         name, version = "commit_race", 1
 
         def finalize(self, index, *args):
-            return [*super().finalize(index, *args), FileWrite(ckptfs.INDEX_FILE, (rival,))]
+            return FinalFiles(super().finalize(index, *args).all(),
+                              FileWrite(ckptfs.INDEX_FILE, (rival,)))
 
     ckptfs.register_backend("commit_race", 1, CommitRace)
     url = tmp_path / "c"

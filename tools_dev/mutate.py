@@ -153,11 +153,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("async-staged-before-copy",
            "async_save resolves `staged` before this rank's bytes are copied",
            (("engine/stage.py",
-             "        taken.append(_take(views, shards, pool, copy))\n"
+             "        taken.append(_take(views, shards, pool, copy, threads, device))\n"
              "        if on_copied is not None:\n            on_copied()\n",
              "        if on_copied is not None:\n            on_copied()\n"
              "        __import__('time').sleep(0.5)\n"
-             "        taken.append(_take(views, shards, pool, copy))\n"),),
+             "        taken.append(_take(views, shards, pool, copy, threads, device))\n"),),
            ("tests/test_async_save.py",), k="two_ranks"),
     Mutant("async-on-callers-group",
            "the background save runs its collectives on the caller's process group",

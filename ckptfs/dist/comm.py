@@ -1,15 +1,18 @@
 """The collectives ckptfs needs, over any torch.distributed group or a world of one.
 
-Every phase that can fail on one rank ends in a collective that settles the outcome (``check``,
-``collect``, ``agree``, ``decide``): a failure anywhere raises everywhere instead of leaving the
-others waiting. On success the settling costs one small fixed-size all-gather (``all_min``:
-8 bytes per value and rank; ``check``, ``collect``);
-error messages travel only when something failed. What only the coordinator needs (index
-entries) is gathered, not all-gathered, and what every rank holds alike is exchanged once per
-distinct value (``distinct``). The collectives run on a gloo group of ckptfs's own with a
-timeout (dist/groups.py, dist/guard.py): a rank that dies, hangs or never arrives makes every
-other rank raise ``CollectiveError`` naming the phase (``what``), at once or within the timeout.
-This module and the DTensor code in state/ are the only places that call ``torch.distributed``.
+Every phase that can fail on one rank ends in a collective that settles the outcome: a failure
+anywhere raises everywhere, naming the rank and the phase, instead of leaving the others
+waiting. Two verbs say who runs the phase's work, ``run_everywhere`` (every rank) and
+``run_on_coordinator`` (rank 0), and take what travels besides the verdict as a parameter;
+``settle`` settles work already done and answers named questions (all ranks true, all ranks
+equal) in the same collective. On success the settling costs one small fixed-size all-gather
+(``all_min``: 8 bytes per value and rank); error messages travel only when something failed.
+What only the coordinator needs (index entries) is gathered, not all-gathered, and what every
+rank holds alike is exchanged once per distinct value (``distinct``). The collectives run on a
+gloo group of ckptfs's own with a timeout (dist/groups.py, dist/guard.py): a rank that dies,
+hangs or never arrives makes every other rank raise ``CollectiveError`` naming the phase
+(``what``), at once or within the timeout. This module and the DTensor code in state/ are the
+only places that call ``torch.distributed``.
 
 Object collectives pickle into byte tensors on the group's device (CPU on ckptfs's gloo group)
 and count the bytes they move in ``Comm.stats``.
@@ -18,10 +21,10 @@ and count the bytes they move in ``Comm.stats``.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -191,21 +194,6 @@ class Comm:
         self.stats.tensor_bytes += sum(t.numel() * t.element_size() for _, t, _, _ in ops)
         self.stats.collectives += 1
 
-    def all_to_all(self, send: torch.Tensor, send_sizes: Sequence[int],
-                   recv_sizes: Sequence[int], what: str = "an exchange") -> torch.Tensor:
-        """Bytes to and from every rank in one collective: ``send`` (uint8 on ``device``) holds
-        ``send_sizes[r]`` bytes for rank r, in rank order; returns the bytes received, in rank
-        order, ``recv_sizes[r]`` from rank r."""
-        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        if self.size == 1:
-            recv.copy_(send[: recv.numel()])
-            return recv
-        with self._guard(what):
-            dist.all_to_all_single(recv, send, output_split_sizes=list(recv_sizes),
-                                   input_split_sizes=list(send_sizes), group=self.group)
-        self._count_tensor(send.numel() + recv.numel())
-        return recv
-
     def _count_tensor(self, nbytes: int) -> None:
         self.stats.tensor_bytes += nbytes
         self.stats.collectives += 1
@@ -276,13 +264,30 @@ class Comm:
         return pickle.loads(out)  # type: ignore[no-any-return]
 
     # -- outcomes: a failure anywhere raises everywhere --------------------------------------
+    #
+    # Two verbs, by who runs: ``run_everywhere`` (every rank runs ``fn``) and
+    # ``run_on_coordinator`` (rank 0 runs it); what travels besides the verdict is their
+    # parameter. ``settle`` is the step under both: it settles work a rank already did, and
+    # answers named questions (all ranks true, all ranks equal) in the same collective.
 
-    def settle(self, what: str, err: BaseException | None) -> None:
-        """Collective: raise ``err`` here, or a RankError when only other ranks failed. Costs
-        one small ``all_min`` when nobody failed."""
-        self.check_min(what, err, [])
+    def settle(self, what: str, err: BaseException | None, *,
+               all_true: Mapping[str, bool] | None = None,
+               all_equal: Mapping[str, int] | None = None) -> dict[str, bool]:
+        """Collective: raise ``err`` here, or a RankError naming the failed ranks and ``what``
+        when only other ranks failed; else answer, by name, whether each ``all_true`` flag is
+        true on every rank and each ``all_equal`` value (int64 above -2**63) is the same on
+        every rank. One small ``all_min`` when nobody failed."""
+        true, equal = dict(all_true or {}), dict(all_equal or {})
+        if true.keys() & equal.keys():
+            raise ValueError(f"{what}: a question asked twice: {sorted(true.keys() & equal.keys())}")
+        mins = self._settle_min(what, err, [*(int(bool(v)) for v in true.values()),
+                                            *(x for v in equal.values() for x in (v, -v))])
+        out = {k: m == 1 for k, m in zip(true, mins)}
+        rest = mins[len(true):]
+        out.update((k, rest[2 * i] == -rest[2 * i + 1]) for i, k in enumerate(equal))
+        return out
 
-    def check_min(self, what: str, err: BaseException | None, values: Sequence[int]) -> list[int]:
+    def _settle_min(self, what: str, err: BaseException | None, values: Sequence[int]) -> list[int]:
         """``settle`` and ``all_min(values)`` in one collective (``values`` of a failed rank are
         ignored)."""
         if self.size == 1:
@@ -297,9 +302,31 @@ class Comm:
             raise err
         raise RankError(what, {r: m for r, m in enumerate(msgs) if m is not None})
 
-    def check(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` here; if it failed on any rank, raise on every rank. Returns this rank's
-        result (nobody else's)."""
+    @overload
+    def run_everywhere(self, what: str, fn: Callable[[], T]) -> T: ...
+
+    @overload
+    def run_everywhere(self, what: str, fn: Callable[[], T], share: Callable[[T], S], *,
+                       to: Literal["all"]) -> tuple[T, list[S]]: ...
+
+    @overload
+    def run_everywhere(self, what: str, fn: Callable[[], T], share: Callable[[T], S], *,
+                       to: Literal["coordinator"], entries: bool = False
+                       ) -> tuple[T, list[S] | None]: ...
+
+    def run_everywhere(self, what: str, fn: Callable[[], Any],
+                       share: Callable[[Any], Any] | None = None, *,
+                       to: Literal["all", "coordinator"] = "all", entries: bool = False) -> Any:
+        """Run ``fn`` on every rank; if it failed on any rank, raise on every rank (this rank's
+        own exception, or a RankError naming the failed ranks and ``what``).
+
+        What travels: without ``share``, only the verdict: returns this rank's result. With
+        ``share``, ``share(result)`` of every rank too, ``to`` every rank (one all-gather of
+        the outcomes) or only ``to`` the coordinator (gathered after the verdict; None
+        elsewhere; ``entries`` counts the bytes as index entries): returns (this rank's
+        result, every rank's shared part). What is not shared never leaves the rank."""
+        if share is not None and to == "all":
+            return self._exchange(what, fn, share)
         err: BaseException | None = None
         result: Any = None
         try:
@@ -307,27 +334,12 @@ class Comm:
         except Exception as e:
             err = e
         self.settle(what, err)
-        return result
-
-    def collect(self, what: str, fn: Callable[[], T], share: Callable[[T], S], *,
-                entries: bool = False) -> tuple[T, list[S] | None]:
-        """``check`` then gather ``share(result)`` on the coordinator: (this rank's result,
-        every rank's shared part on rank 0 / None elsewhere)."""
-        result = self.check(what, fn)
+        if share is None:
+            return result
         return result, self.gather(share(result), what, entries=entries)
 
-    def agree(self, what: str, fn: Callable[[], T]) -> list[T]:
-        """Run ``fn`` here, exchange outcomes, and return every rank's result.
-
-        If this rank failed, its own exception is re-raised (after the exchange); if only
-        other ranks failed, a RankError lists their messages.
-        """
-        return self.exchange(what, fn, lambda r: r)[1]
-
-    def exchange(self, what: str, fn: Callable[[], T], share: Callable[[T], S]) -> tuple[T, list[S]]:
-        """Run ``fn`` here and exchange ``share(result)``: (this rank's whole result, every
-        rank's shared part). What is not shared (tensors, views) never leaves the rank. A failure
-        anywhere raises on every rank, as in ``agree``."""
+    def _exchange(self, what: str, fn: Callable[[], T], share: Callable[[T], S]) -> tuple[T, list[S]]:
+        """``run_everywhere`` sharing with every rank: the outcomes travel in one all-gather."""
         err: BaseException | None = None
         result: Any = None
         try:
@@ -344,13 +356,27 @@ class Comm:
             raise RankError(what, failed)
         return result, [payload for _, payload in outcomes]
 
-    def decide(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on rank 0 only and give its result (or its failure) to every rank."""
+    @overload
+    def run_on_coordinator(self, what: str, fn: Callable[[], T],
+                           share: Literal[True] = True) -> T: ...
+
+    @overload
+    def run_on_coordinator(self, what: str, fn: Callable[[], T],
+                           share: Literal[False]) -> T | None: ...
+
+    def run_on_coordinator(self, what: str, fn: Callable[[], T], share: bool = True) -> T | None:
+        """Run ``fn`` on rank 0 only; every rank learns whether it failed and raises if so (rank
+        0 its own exception, the others a RankError naming rank 0 and ``what``).
+
+        What travels: with ``share``, ``fn``'s result, which every rank returns; without, only
+        the verdict: rank 0 returns the result, the others None."""
         outcome: tuple[bool, Any] | None = None
         err: BaseException | None = None
+        result: Any = None
         if self.is_coordinator:
             try:
-                outcome = (True, fn())
+                result = fn()
+                outcome = (True, result if share else None)
             except Exception as e:
                 err = e
                 outcome = (False, f"{type(e).__name__}: {e}")
@@ -361,24 +387,7 @@ class Comm:
         ok, payload = outcome  # type: ignore[misc]
         if not ok:
             raise RankError(what, {0: payload})
-        return payload
-
-    def lead(self, what: str, fn: Callable[[], T]) -> T | None:
-        """Run ``fn`` on rank 0 only; every rank learns whether it failed (and raises if so).
-        Returns ``fn``'s result on rank 0 and None elsewhere: only the verdict travels."""
-        err: BaseException | None = None
-        result: Any = None
-        if self.is_coordinator:
-            try:
-                result = fn()
-            except Exception as e:
-                err = e
-        verdict = self.broadcast(None if err is None else f"{type(err).__name__}: {err}", what)
-        if err is not None:
-            raise err
-        if verdict is not None:
-            raise RankError(what, {0: verdict})
-        return result
+        return payload if share else result
 
     def distinct(self, obj: T, digest: bytes,
                  what: str = "exchanging descriptions") -> tuple[list[T], list[int]]:

@@ -2,7 +2,7 @@
 
 Ranks upload in rounds: the rank with local index i on its node goes in round ``i // K``; a
 barrier ends each round. Every rank takes part in every round, also after a local failure (the
-failure is re-raised after the last round and reported by the caller's ``agree``), so a failed
+failure is re-raised after the last round and reported by the caller's ``Comm.run_everywhere``), so a failed
 rank never leaves the others waiting. Rounds waste some time when ranks' files differ in size;
 they need nothing but the process group (no store, no server).
 """

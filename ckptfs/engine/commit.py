@@ -50,8 +50,8 @@ class Claim:
 
 def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend) -> Claim:
     """Collective: take the save lock and check the target (see ``_claim``)."""
-    return comm.decide("save: checking the target",
-                       lambda: run_sync(_claim(store, overwrite, backend)))
+    return comm.run_on_coordinator("save: checking the target",
+                                   lambda: run_sync(_claim(store, overwrite, backend)))
 
 
 async def _claim(store: Store, overwrite: bool, backend: Backend) -> Claim:
@@ -127,7 +127,7 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
         return index.total_bytes
 
     try:
-        return comm.decide("save: committing the index", build_and_commit)
+        return comm.run_on_coordinator("save: committing the index", build_and_commit)
     except BaseException:
         if comm.is_coordinator:  # nothing was committed: the data files are garbage
             run_sync(store.delete(sorted(written.paths())))
@@ -140,6 +140,8 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     by_key: dict[str, list[ChunkEntry]] = defaultdict(list)
     files: dict[str, int] = {}
     assert written.ranks is not None, "build_index runs on the coordinator"
+    content = staged.content
+    assert content is not None, "the coordinator staged the index's content"
     sums: dict[str, str] = {p: crc for p, (_, crc) in written.prepared_sums.items()}
     for rank in written.ranks:
         for key, e in rank.entries:
@@ -150,7 +152,7 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     tensors = {}
     # a packed index (§2.3) leaves out the extra members the backend's spec derives
     implied = backend.implied_extra if packs(sum(map(len, by_key.values()))) else frozenset()
-    for key, (dtype, shape) in staged.tensors.items():
+    for key, (dtype, shape) in content.tensors.items():
         chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
         if implied:
             chunks = tuple(dataclasses.replace(e, extra={k: v for k, v in e.extra.items()
@@ -168,9 +170,9 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
               "world_size": staged.world_size,
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return Index(backend=backend.name, backend_version=backend.version, tensors=tensors,
-                 values=staged.values, containers=staged.containers,
+                 values=content.values, containers=content.containers,
                  files=dict(sorted(files.items())), backend_options=backend.index_options(),
-                 writer=writer, order=staged.order or None, per_rank=staged.per_rank,
+                 writer=writer, order=content.order or None, per_rank=content.per_rank,
                  backend_files={p: n for p, (n, _) in written.prepared_sums.items()},
                  file_checksums=sums)
 
@@ -210,9 +212,10 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
     with paused_gc():  # a backend's own metadata per tensor (DCP's .metadata: layout/nogc.py)
         final = backend.finalize(index, plans)
     try:
-        await write_files(store, final[:-1], False)
-        await write_files(store, final[-1:], False)  # last, after the others (a foreign marker)
-        finals = file_sums(final)
+        await write_files(store, final.files, False)
+        if final.marker is not None:  # last, after the others (another tool's marker)
+            await write_files(store, [final.marker], False)
+        finals = file_sums(final.all())
         index = dataclasses.replace(
             index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
             file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
@@ -223,11 +226,11 @@ async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapp
             f"committed a checkpoint at {store.url} first; it is left as it is") from None
     except BaseException:  # not committed: the final files must not pose as a checkpoint
         with contextlib.suppress(Exception):  # (a DCP .metadata would read as a foreign one)
-            await store.delete([f.path for f in final])
+            await store.delete([f.path for f in final.all()])
         raise
     await release(store)  # committed: the next save may come
     if written is not None:
-        keep = written | {f.path for f in final} | set(index.files) | {INDEX_FILE}
+        keep = written | {f.path for f in final.all()} | set(index.files) | {INDEX_FILE}
         stale = [p for p in await store.list() if p not in keep]
         if stale:
             await store.delete(stale)

@@ -16,7 +16,7 @@ import asyncio
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -82,8 +82,8 @@ class DirectReads:
         self.items[src.file].append((src.offset + int(starts[0]), dst.reshape(-1).view(torch.uint8)))
         return True
 
-    async def run(self, store: Store, damaged: Callable[[str, set[str], str], Exception],
-                  keys_of: dict[str, set[str]]) -> None:
+    async def run(self, store: Store, damaged: Callable[[str, Collection[str], str], Exception],
+                  keys_of: Mapping[str, Collection[str]]) -> None:
         """Run every read; a missing or short file is ``damaged(file, keys, what)``."""
 
         def one_file(path: str, items: list[tuple[int, torch.Tensor]]) -> int:

@@ -63,7 +63,7 @@ def pre_download(comm: Comm, store: Store, url: str, work_dir: str | os.PathLike
     """Fill this node's cache for ``url`` and return the index and a LocalStore over the cache.
     ``chunk_files(index)`` names the files this rank's reads touch. Collective."""
     cached = cached_index(comm, store, url, work_dir)
-    files = comm.check("load: planning the pre-download", lambda: chunk_files(cached.index))
+    files = comm.run_everywhere("load: planning the pre-download", lambda: chunk_files(cached.index))
     return cached.index, fill_cache(comm, store, cached, files)
 
 
@@ -91,7 +91,7 @@ def cached_index(comm: Comm, store: Store, url: str,
 
         return run_sync(go())
 
-    tag, index = comm.decide(f"load: reading the index of {url}", head_and_index)
+    tag, index = comm.run_on_coordinator(f"load: reading the index of {url}", head_and_index)
     return CachedIndex(index, url, cdir, tag)
 
 
@@ -100,8 +100,9 @@ def fill_cache(comm: Comm, store: Store, cached: CachedIndex,
     """Steps 2-3 (collective): fill each node's cache with the files its ranks' reads touch
     (``chunk_files``: this rank's); returns a LocalStore over the cache."""
     index, url, cdir, tag = cached.index, cached.url, cached.cdir, cached.tag
-    needed = comm.agree("load: planning the pre-download",
-                        lambda: (node_id(), files_needed(chunk_files, index)))
+    _, needed = comm.run_everywhere("load: planning the pre-download",
+                                    lambda: (node_id(), files_needed(chunk_files, index)),
+                                    lambda r: r, to="all")
     layout = NodeLayout.from_ids([nid for nid, _ in needed])
     mine = sorted({f for r in layout.ranks_on(layout.node_of[comm.rank]) for f in needed[r][1]})
 
@@ -110,7 +111,7 @@ def fill_cache(comm: Comm, store: Store, cached: CachedIndex,
             return 0
         return run_sync(_fill(store, cdir, url, tag, index, mine))
 
-    comm.check(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
+    comm.run_everywhere(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
     return LocalStore(cdir, store.options)
 
 

@@ -1,5 +1,8 @@
 """The read engine: turn read pieces into byte reads, run them, and place the bytes.
 
+A load's reads are scheduled first, without I/O (``schedule_reads``: a ``ReadSchedule`` saying
+what is read, in which order, into which buffer), then run (``run_schedule``).
+
 Bytes land directly in the target tensor when its region is contiguous CPU memory; otherwise
 they land in scratch leased from the engine's buffer pool (engine/buffers.py) and are copied
 once into the target. The pool bounds scratch held at once (``LoadOptions.scratch_bytes``): each
@@ -13,7 +16,8 @@ to the device asynchronously, the copy started before the slot's check so that t
 of its pieces, combined). With ``LoadOptions.gds`` chunks may go straight to the device
 (engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (README, GPU).
 
-A batch's reads go to the store in waves of about ``_WAVE`` bytes that run concurrently; each
+A batch's reads go to the store in waves of about ``LoadOptions.read_wave`` bytes that run
+concurrently; each
 wave's checksums and copies start as soon as its own reads are done, so they overlap the later
 reads instead of following the last one (a chunk larger than a wave is read in parts whose
 CRCs are combined).
@@ -24,21 +28,22 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.buffers import BufferPool, Lease
 from ckptfs.engine.gds import DirectReads, gds_reader
 from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.ring import Completion, Ring, cuda_ring
+from ckptfs.engine.small_files import group_small
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all, settled
-from ckptfs.layout.backend import Backend, EncodedChunk, RawChunk
+from ckptfs.layout.backend import Backend, ChunkSource, EncodedChunk, RawChunk
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum, combine, crc_of, render
 from ckptfs.layout.dtypes import from_name
@@ -61,29 +66,72 @@ class TensorRead:
 
 @dataclass
 class _FileWork:
-    """The reads of one batch and what runs after them (checks, copies into targets)."""
+    """The reads of one wave and what runs after them (checks, copies into targets)."""
 
     reads: list[ReadInto]
     after: list[Callable[[], None]]
     pending: list[Completion]  #: copies started out of the batch's buffer (ring batches)
 
 
-#: (scratch bytes, fn(work, scratch view of exactly that many bytes)) for one piece
-_Planned = tuple[int, Callable[[_FileWork, memoryview], None]]
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One planned read: ``scratch`` bytes of its batch's buffer (0: read straight into the
+    target), and ``place``, which adds the reads and the work after them (checks, copies) to
+    a wave, given a view of exactly ``scratch`` bytes."""
 
-#: bytes of reads per wave: a wave's checks and copies run while later waves are read
-_WAVE = 32 << 20
+    scratch: int
+    place: Callable[[_FileWork, memoryview], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Consecutive pieces of one file read into one buffer of ``scratch`` bytes (a lease from
+    the scratch pool or a ring slot), placed in it one after the other."""
+
+    scratch: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FileReads:
+    """The batches of one file, in file order."""
+
+    path: str
+    batches: tuple[Batch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRead:
+    """A chunk fetched whole and decoded (``EncodedChunk``) into region ``piece`` of a target."""
+
+    job: TensorRead
+    piece: ReadPiece
+    source: EncodedChunk
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSchedule:
+    """What a load reads, in which order, into which buffer (``schedule_reads``: no I/O)."""
+
+    needed: int  #: bytes the targets need
+    scratch: tuple[FileReads, ...]  #: files read through the scratch pool, batches within budget
+    #: groups of small files read straight into their targets, one store call per group
+    small: tuple[tuple[FileReads, ...], ...]
+    ring: tuple[FileReads, ...]  #: files read through the pinned ring, a batch per slot
+    encoded: tuple[EncodedRead, ...]
+    keys: Mapping[str, frozenset[str]]  #: file -> keys read from it (for errors)
+    wave: int  #: bytes of reads per wave of a scratch batch
+
+
 #: a file whose pieces all go straight into their targets and need at most this many bytes is
-#: small; at least ``_SMALL_GROUP`` of them are read in groups of that many (``Store.read_files``):
-#: 20,000 one-array zarr files, cold, took 10 s one ``read_into`` each, against 3.3 s for plain
-#: reads from 16 threads
+#: small; at least ``_SMALL_GROUP`` of them are read in groups of that many (``Store.read_files``,
+#: engine/small_files.py): one read call per file costs far more than the reads themselves
 _SMALL_FILE = 1 << 20
 _SMALL_GROUP = 64
 _NO_SCRATCH = memoryview(b"")
 #: bytes of each part of a region read through the ring (at most a slot), and of its waves:
-#: each part is read, checked and copied to the device on its own. Large parts measured fastest
-#: on an H100 host (bench/gpu.py; 4-16 MiB parts were 2-5x slower: each device copy costs
-#: about 0.2 ms to start there), so a slot of the default ring holds one part
+#: each part is read, checked and copied to the device on its own. Large parts are faster (each
+#: device copy has a start-up cost: bench/gpu.py), so a slot of the default ring holds one part
 RING_PIECE = 64 << 20
 
 
@@ -107,7 +155,7 @@ async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead],
     try:
         with paused_gc():  # a piece of planning per small tensor (layout/nogc.py)
             needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify,
-                                         ring=ring, direct=direct)
+                                         ring=ring, direct=direct, wave=options.read_wave)
     except BaseException:
         if ring is not None:
             await ring.close(quiet=True)  # the first error is the one to raise
@@ -119,7 +167,8 @@ async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead],
 
 async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
                         pool: BufferPool, verify: bool = True, ring: Ring | None = None,
-                        direct: DirectReads | None = None) -> int:
+                        direct: DirectReads | None = None,
+                        wave: int = LoadOptions.read_wave) -> int:
     """Run every read; returns the number of bytes the targets needed.
 
     Reads into contiguous CPU targets need no scratch; the others lease it from ``pool``, or
@@ -127,146 +176,198 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     ``verify`` checks the crc32c of every chunk read whole. A missing or short data file is an
     IntegrityError naming the file and the keys read from it.
     """
-    per_file: dict[str, list[_Planned]] = defaultdict(list)
-    ring_file: dict[str, list[_Planned]] = defaultdict(list)  # pieces through the ring
-    encoded: list[tuple[TensorRead, ReadPiece, EncodedChunk]] = []
-    keys_of: dict[str, set[str]] = defaultdict(set)  # file -> keys read from it (for errors)
-    file_bytes: dict[str, int] = defaultdict(int)  # file -> bytes its pieces need
-    needed = 0
     sources = await backend.chunk_sources(
         [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
+    schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
+                              budget=pool.budget.limit, ring=ring, direct=direct, wave=wave)
+    await run_schedule(store, schedule, pool=pool, verify=verify, ring=ring, direct=direct)
+    return schedule.needed
+
+
+def schedule_reads(jobs: Sequence[TensorRead], sources: Sequence[ChunkSource], *, max_gap: int,
+                   verify: bool, budget: int | None, ring: Ring | None = None,
+                   direct: DirectReads | None = None,
+                   wave: int = LoadOptions.read_wave) -> ReadSchedule:
+    """The reads of ``jobs`` (``sources``: where each piece's chunk is, in the jobs' order):
+    pieces into targets that ``ring`` accepts go through it (or to ``direct``, which takes the
+    ones it can read in place), the other raw pieces through scratch in batches of at most
+    ``budget`` bytes (None: one batch a file), many small files read straight into their
+    targets in groups; ``max_gap``: bytes of gap read through rather than cut a read;
+    ``wave``: bytes of reads whose checks and copies start together (a region read in place is
+    cut into pieces of this size)."""
+    scratch: dict[str, list[Piece]] = defaultdict(list)
+    ringed_files: dict[str, list[Piece]] = defaultdict(list)
+    encoded: list[EncodedRead] = []
+    keys: dict[str, set[str]] = defaultdict(set)
+    file_bytes: dict[str, int] = defaultdict(int)  # file -> bytes its pieces need
+    needed = 0
     it = iter(sources)
     for job in jobs:
         dt = from_name(job.entry.dtype, job.entry.key)
-        ringed = ring is not None and ring.accepts(job.target)
+        via = ring if ring is not None and ring.accepts(job.target) else None
         for piece in job.pieces:
             src = next(it)
-            needed += piece.src.volume * dt.itemsize
-            if isinstance(src, RawChunk):
-                keys_of[src.file].add(job.entry.key)
-                file_bytes[src.file] += piece.src.volume * dt.itemsize
-                if ringed and direct is not None and direct.add(job, piece, src, dt.itemsize):
-                    continue
-                if ringed:
-                    ring_file[src.file].extend(_plan_ring(job, piece, src, dt.torch, dt.itemsize,
-                                                          verify, ring))
-                    continue
-                per_file[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize,
-                                                    store.options.max_gap, verify))
-            else:
-                encoded.append((job, piece, src))
-    limit = pool.budget.limit
+            nbytes = piece.src.volume * dt.itemsize
+            needed += nbytes
+            if not isinstance(src, RawChunk):
+                encoded.append(EncodedRead(job, piece, src))
+                continue
+            keys[src.file].add(job.entry.key)
+            file_bytes[src.file] += nbytes
+            if via is not None and direct is not None and direct.add(job, piece, src, dt.itemsize):
+                continue
+            if via is not None:
+                ringed_files[src.file].extend(_plan_ring(job, piece, src, dt.torch, dt.itemsize,
+                                                         verify, via))
+                continue
+            scratch[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize, max_gap,
+                                               verify, wave=wave))
+    groups, rest = group_small(list(scratch.items()), lambda f: file_bytes[f[0]] <= _SMALL_FILE
+                               and all(p.scratch == 0 for p in f[1]), _SMALL_GROUP)
+    slot = ring.slot_bytes if ring is not None else None
+    return ReadSchedule(needed, tuple(FileReads(p, _batches(w, budget)) for p, w in rest),
+                        tuple(tuple(FileReads(p, (Batch(0, tuple(w)),)) for p, w in g)
+                              for g in groups),
+                        tuple(FileReads(p, _batches(w, slot)) for p, w in ringed_files.items()),
+                        tuple(encoded), {f: frozenset(k) for f, k in keys.items()}, wave)
 
-    async def read_wave(path: str, wave: _FileWork) -> None:
-        try:
-            await store.read_into(path, wave.reads)
-        except (FileNotFoundError, EOFError) as e:
-            raise _read_failed(path, keys_of[path], e) from None
 
-    async def run_stream(path: str, waves: list[_FileWork]) -> None:
-        """Read ``waves`` one after the other; each wave's checks and copies run while the
-        next waves are read."""
-        afters: list[asyncio.Future[None]] = []
-        try:
-            for wave in waves:
-                await read_wave(path, wave)
-                if wave.after:
-                    afters.append(asyncio.ensure_future(_run_after(wave.after)))
-        except BaseException:
-            for a in afters:
-                a.cancel()
-            if afters:
-                await asyncio.wait(afters)  # nothing copies out of the lease once it is back
-            raise
-        await gather_all(*afters)
+async def run_schedule(store: Store, schedule: ReadSchedule, *, pool: BufferPool, verify: bool,
+                       ring: Ring | None = None, direct: DirectReads | None = None) -> None:
+    """Run every read of ``schedule`` concurrently (a failure cancels the rest): scratch from
+    ``pool``, ring slots from ``ring``, and ``direct``'s reads beside them."""
+    keys = schedule.keys
+    await gather_all(*(_read_file(store, f, pool, keys[f.path], schedule.wave)
+                       for f in schedule.scratch),
+                     *(_read_small(store, group, keys) for group in schedule.small),
+                     *((_read_ring_file(store, f, ring, keys[f.path]) for f in schedule.ring)
+                       if ring is not None else ()),
+                     *(_read_encoded(store, pool, e, verify) for e in schedule.encoded),
+                     *((direct.run(store, _damaged, keys),) if direct is not None else ()))
 
-    async def run_batch(path: str, lease, batch, via: Ring | None) -> None:
-        pending: list[Completion] = []  # copies started out of the lease (ring batches)
-        wave = _WAVE if via is None else RING_PIECE
+
+async def _read_wave(store: Store, path: str, wave: _FileWork, keys: frozenset[str]) -> None:
+    try:
+        await store.read_into(path, wave.reads)
+    except (FileNotFoundError, EOFError) as e:
+        raise _read_failed(path, keys, e) from None
+
+
+async def _read_stream(store: Store, path: str, waves: list[_FileWork],
+                       keys: frozenset[str]) -> None:
+    """Read ``waves`` one after the other; each wave's checks and copies run while the next
+    waves are read."""
+    afters: list[asyncio.Future[None]] = []
+    try:
+        for wave in waves:
+            await _read_wave(store, path, wave, keys)
+            if wave.after:
+                afters.append(asyncio.ensure_future(_run_after(wave.after)))
+    except BaseException:
+        for a in afters:
+            a.cancel()
+        if afters:
+            await asyncio.wait(afters)  # nothing copies out of the lease once it is back
+        raise
+    await gather_all(*afters)
+
+
+def _waves(batch: Batch, buf: memoryview, wave: int, pending: list[Completion]) -> list[_FileWork]:
+    """``batch``'s pieces placed one after the other in ``buf``, cut into waves of about
+    ``wave`` bytes of reads."""
+    waves = [_FileWork([], [], pending)]
+    pos = size = 0
+    for piece in batch.pieces:
+        if size >= wave:
+            waves.append(_FileWork([], [], pending))
+            size = 0
+        n = len(waves[-1].reads)
+        piece.place(waves[-1], buf[pos : pos + piece.scratch])
+        size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
+        pos += piece.scratch
+    return waves
+
+
+async def _read_batch(store: Store, path: str, batch: Batch, buf: memoryview, wave: int,
+                      pending: list[Completion], keys: frozenset[str]) -> None:
+    """``batch`` read into ``buf`` as the store's read streams, checked and placed."""
+    waves = _waves(batch, buf, wave, pending)
+    await gather_all(*(_read_stream(store, path, s, keys)
+                       for s in _streams(waves, store.read_streams(path))))
+
+
+async def _read_file(store: Store, f: FileReads, pool: BufferPool, keys: frozenset[str],
+                     wave: int) -> None:
+    """``f``'s batches one after the other, each in scratch leased from ``pool``."""
+    for batch in f.batches:
+        lease = await pool.lease(batch.scratch)
         try:
-            waves = [_FileWork([], [], pending)]
-            scratch, pos, size = lease.view, 0, 0
-            for c, materialize in batch:
-                if size >= wave:
-                    waves.append(_FileWork([], [], pending))
-                    size = 0
-                n = len(waves[-1].reads)
-                materialize(waves[-1], scratch[pos : pos + c])
-                size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
-                pos += c
-            await gather_all(*(run_stream(path, s)
-                               for s in _streams(waves, store.read_streams(path))))
+            await _read_batch(store, f.path, batch, lease.view, wave, [], keys)
         finally:
-            if via is None:
-                await pool.release(lease)
-            else:  # reused once the copies out of it complete
-                await via.release(lease, pending)
-
-    async def run_file(path: str, planned: list[_Planned]) -> None:
-        for cost, batch in _batches(planned, limit):
-            await run_batch(path, await pool.lease(cost), batch, None)
-
-    async def run_ring_file(path: str, planned: list[_Planned], via: Ring) -> None:
-        """The file's batches in file order, each in a slot of its own as soon as one is free:
-        the reads into one slot overlap the checks and device copies out of the others."""
-        started: list[asyncio.Future[None]] = []
-        try:
-            for cost, batch in _batches(planned, via.slot_bytes):
-                if any(t.done() and not t.cancelled() and t.exception() for t in started):
-                    break  # a batch failed: lease no more (gather_all below raises it)
-                started.append(asyncio.ensure_future(
-                    run_batch(path, await via.lease(cost), batch, via)))
-        except BaseException:
-            for t in started:
-                t.cancel()
-            if started:
-                await asyncio.wait(started)
-            raise
-        await gather_all(*started)
-
-    async def run_small(files: list[tuple[str, list[_Planned]]]) -> None:
-        """Small files read straight into their targets (no scratch), as one group: one store
-        call (a local store reads them in one worker thread) and one run of their checks."""
-        works = []
-        for path, planned in files:
-            work = _FileWork([], [], [])
-            for _, materialize in planned:
-                materialize(work, _NO_SCRATCH)
-            works.append((path, work))
-        errors = await store.read_files([(path, w.reads) for path, w in works])
-        for (path, _), e in zip(works, errors):
-            if e is not None:  # returned, not raised here: no context to suppress
-                raise _read_failed(path, keys_of[path], e)
-        after = [fn for _, w in works for fn in w.after]
-        if after:
-            await _run_after(after)
-
-    small = [(p, w) for p, w in per_file.items()
-             if file_bytes[p] <= _SMALL_FILE and all(c == 0 for c, _ in w)]
-    if len(small) < _SMALL_GROUP:  # only many small files are grouped (W4, zarr's file per array)
-        small = []
-    for p, _ in small:
-        del per_file[p]
-
-    async def run_encoded(job: TensorRead, piece: ReadPiece, src: EncodedChunk) -> None:
-        cost = 2 * _nbytes(piece.chunk.shape, from_name(job.entry.dtype).itemsize)
-        async with pool.budget.hold(cost):  # the fetched bytes and the decoded ones
-            await _run_encoded(store, job, piece, src, verify)
-
-    await gather_all(*(run_file(p, w) for p, w in per_file.items()),  # a failure cancels the rest
-                     *(run_small(small[i : i + _SMALL_GROUP]) for i in range(0, len(small), _SMALL_GROUP)),
-                     *(run_ring_file(p, w, ring) for p, w in ring_file.items()),  # type: ignore[arg-type]
-                     *(run_encoded(j, p, s) for j, p, s in encoded),
-                     *((direct.run(store, _damaged, keys_of),) if direct is not None else ()))
-    return needed
+            await pool.release(lease)
 
 
-def _damaged(file: str, keys: set[str] | list[str], what: str) -> IntegrityError:
+async def _read_ring_batch(store: Store, path: str, batch: Batch, lease: Lease, ring: Ring,
+                           keys: frozenset[str]) -> None:
+    pending: list[Completion] = []  # copies started out of the slot
+    try:
+        await _read_batch(store, path, batch, lease.view, RING_PIECE, pending, keys)
+    finally:  # reused once the copies out of it complete
+        await ring.release(lease, pending)
+
+
+async def _read_ring_file(store: Store, f: FileReads, ring: Ring, keys: frozenset[str]) -> None:
+    """The file's batches in file order, each in a slot of its own as soon as one is free:
+    the reads into one slot overlap the checks and device copies out of the others."""
+    started: list[asyncio.Future[None]] = []
+    try:
+        for batch in f.batches:
+            if any(t.done() and not t.cancelled() and t.exception() for t in started):
+                break  # a batch failed: lease no more (gather_all below raises it)
+            started.append(asyncio.ensure_future(
+                _read_ring_batch(store, f.path, batch, await ring.lease(batch.scratch), ring,
+                                 keys)))
+    except BaseException:
+        for t in started:
+            t.cancel()
+        if started:
+            await asyncio.wait(started)
+        raise
+    await gather_all(*started)
+
+
+async def _read_small(store: Store, files: tuple[FileReads, ...],
+                      keys: Mapping[str, frozenset[str]]) -> None:
+    """Small files read straight into their targets (no scratch), as one group: one store
+    call (a local store reads them in one worker thread) and one run of their checks."""
+    works = []
+    for f in files:
+        work = _FileWork([], [], [])
+        for batch in f.batches:
+            for piece in batch.pieces:
+                piece.place(work, _NO_SCRATCH)
+        works.append((f.path, work))
+    errors = await store.read_files([(path, w.reads) for path, w in works])
+    for (path, _), e in zip(works, errors):
+        if e is not None:  # returned, not raised here: no context to suppress
+            raise _read_failed(path, keys[path], e)
+    after = [fn for _, w in works for fn in w.after]
+    if after:
+        await _run_after(after)
+
+
+async def _read_encoded(store: Store, pool: BufferPool, e: EncodedRead, verify: bool) -> None:
+    cost = 2 * _nbytes(e.piece.chunk.shape, from_name(e.job.entry.dtype).itemsize)
+    async with pool.budget.hold(cost):  # the fetched bytes and the decoded ones
+        await _run_encoded(store, e.job, e.piece, e.source, verify)
+
+
+def _damaged(file: str, keys: Collection[str], what: str) -> IntegrityError:
     """A data file the index lists is gone or short: the checkpoint is damaged."""
     return IntegrityError(f"key(s) {', '.join(map(repr, sorted(keys)))}: {file}: {what}")
 
 
-def _read_failed(file: str, keys: set[str], e: BaseException) -> BaseException:
+def _read_failed(file: str, keys: Collection[str], e: BaseException) -> BaseException:
     """What a failed read of ``file`` raises: a missing or short file is ``_damaged``; any other
     error is itself."""
     if isinstance(e, FileNotFoundError):
@@ -303,18 +404,20 @@ def _streams(waves: list[_FileWork], streams: int | None) -> list[list[_FileWork
     return [waves[i * n // streams : (i + 1) * n // streams] for i in range(streams)]
 
 
-def _batches(planned: list[_Planned], budget: int | None):
+def _batches(pieces: list[Piece], budget: int | None) -> tuple[Batch, ...]:
     """Consecutive pieces whose scratch fits the budget (a lone oversized piece is a batch)."""
-    batch: list[tuple[int, Callable[[_FileWork, memoryview], None]]] = []
+    out: list[Batch] = []
+    batch: list[Piece] = []
     cost = 0
-    for c, fn in planned:
-        if batch and budget is not None and cost + c > budget:
-            yield cost, batch
+    for p in pieces:
+        if batch and budget is not None and cost + p.scratch > budget:
+            out.append(Batch(cost, tuple(batch)))
             batch, cost = [], 0
-        batch.append((c, fn))
-        cost += c
+        batch.append(p)
+        cost += p.scratch
     if batch:
-        yield cost, batch
+        out.append(Batch(cost, tuple(batch)))
+    return tuple(out)
 
 
 def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
@@ -365,7 +468,7 @@ def _combined_checkers(key: str, chunk: ChunkEntry, file: str, sizes: list[int],
 
 
 def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
-               itemsize: int, verify: bool, ring: Ring) -> list[_Planned]:
+               itemsize: int, verify: bool, ring: Ring) -> list[Piece]:
     """``piece`` cut to fit ``ring``'s slots, each part read compact into a slot and copied out
     by ``ring.copier``; a chunk read whole is checked across its parts (their CRCs computed in
     any order, on any thread, and combined by the last), after its device copy was started."""
@@ -397,10 +500,10 @@ def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dtype,
               itemsize: int, max_gap: int,
               check: bool | Callable[[memoryview | torch.Tensor], None] | None,
-              copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None = None,
-              ) -> list[_Planned]:
-    """(scratch bytes, a function adding reads and post-copies to a _FileWork) for ``piece``:
-    one, or for a region read in place, one per ``_WAVE`` bytes of it. ``check``: the checker
+              copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None = None, *,
+              wave: int = LoadOptions.read_wave) -> list[Piece]:
+    """The pieces reading ``piece``: one, or for a region read in place, one per ``wave``
+    bytes of it. ``check``: the checker
     to run on the piece's bytes, or (True) that the engine verifies chunks read whole.
     With ``copier`` (a ring piece) the region is read compact and copied out by it."""
     chunk = piece.chunk
@@ -418,11 +521,11 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
         # straight into the target, in parts of a wave each, every part checked on arrival
         mv = tensor_bytes(dst)
         at = src.offset + int(starts[0])
-        cuts = range(0, mv.nbytes, _WAVE)
+        cuts = range(0, mv.nbytes, wave)
         checks = _combined_checkers(job.entry.key, chunk, src.file,
-                                    [min(_WAVE, mv.nbytes - o) for o in cuts],
+                                    [min(wave, mv.nbytes - o) for o in cuts],
                                     check is True and piece.whole_chunk)
-        return [(0, _direct(ReadInto(at + o, mv[o : o + _WAVE]), c))
+        return [Piece(0, _direct(ReadInto(at + o, mv[o : o + wave]), c))
                 for o, c in zip(cuts, checks, strict=True)]
     if check is True:
         check = _checker(job.entry.key, chunk, src.file, True, piece.whole_chunk)
@@ -444,7 +547,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
                  max_gap: int, check: Callable[[memoryview | torch.Tensor], None] | None,
                  copier: Callable[[torch.Tensor, torch.Tensor], Completion] | None,
                  layout: tuple[int, ...], dst: torch.Tensor, starts, run: int,
-                 offset: int) -> _Planned:
+                 offset: int) -> Piece:
     """A piece read into scratch, then checked and copied into ``dst`` (or by ``copier``)."""
 
     def place(work: _FileWork, buf: memoryview) -> None:
@@ -463,7 +566,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
             work.reads.append(ReadInto(offset + int(starts[0]), buf))
             work.after.append(lambda: place(work, buf))
 
-        return run, compact
+        return Piece(run, compact)
     span = int(starts[-1]) + run - int(starts[0])
     gaps = span - run * len(starts)
     if copier is None and gaps <= max_gap * (len(starts) - 1):
@@ -481,7 +584,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
 
             work.after.append(place)
 
-        return span, spanned
+        return Piece(span, spanned)
 
     def runs(work: _FileWork, buf: memoryview) -> None:
         # far-apart runs: read each into its slot of a compact buffer
@@ -489,7 +592,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
             work.reads.append(ReadInto(offset + s, buf[i * run : (i + 1) * run]))
         work.after.append(lambda: place(work, buf))
 
-    return run * len(starts), runs
+    return Piece(run * len(starts), runs)
 
 
 async def _run_encoded(store: Store, job: TensorRead, piece: ReadPiece, src: EncodedChunk,

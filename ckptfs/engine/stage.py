@@ -4,10 +4,9 @@ Every rank flattens its state dict and describes its tensors without data (plann
 one layout per tensor; a DTensor's mesh and placements stand for every rank's shard). The ranks
 then agree on one plan with as little traffic as the layouts allow:
 
-1. One small collective (``Comm.check_min``) settles, at once, whether any rank failed,
-   whether every rank may reuse its cached plan (planning/plan_cache.py), whether all ranks'
-   descriptions and all ranks' plain values are equal, and whether any rank holds ``PerRank``
-   state.
+1. One small collective (``Comm.settle``, read as an ``Agreement``) settles, at once, whether
+   any rank failed, whether every rank may reuse the same cached plan (planning/plan_cache.py),
+   whether all ranks' plain values are equal, and whether any rank holds ``PerRank`` state.
 2. On a cache miss the distinct descriptions are exchanged (``Comm.distinct``: nothing more when
    all are equal, e.g. SPMD training; one per pipeline stage otherwise), every rank checks them
    the same way and plans; each rank computes only its own writes (planning/save_plan.py).
@@ -39,6 +38,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -95,32 +95,62 @@ class Described:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexContent:
+    """What only the coordinator holds after staging: the index's content besides the chunks
+    (every rank's plain values and containers, merged, and every tensor)."""
+
+    values: Mapping[str, Json]
+    containers: Mapping[str, str]
+    #: (dtype, global shape) of every tensor, PerRank ones included, without building plans
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]
+    order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
+    per_rank: tuple[str, ...] = ()  #: the PerRank keys of the checkpoint
+
+
+@dataclass(frozen=True, slots=True)
 class StagedSave:
-    """One rank's staged save: the plan every rank agreed on and the bytes this rank writes."""
+    """One rank's staged save: the plan every rank agreed on and the bytes this rank writes;
+    ``content`` on the coordinator only."""
 
     rank: int
     world_size: int
     plans: Mapping[str, TensorPlan]  #: every tensor (built on access: the coordinator uses all)
     chunks: tuple[ChunkData, ...]  #: the chunks this rank writes, CPU and C-contiguous
-    values: Mapping[str, Json]  #: coordinator: plain values of all ranks; others: their own
-    containers: Mapping[str, str]
     leases: tuple[Lease, ...]  #: buffers holding copied chunks; release after the write
     copied: bool  #: every chunk is a copy: the caller's tensors are no longer read
-    order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
     #: (key, slice, checksum) of plain-tensor slices this rank holds and another rank writes
+    #: (``copy=True``: computed while staging)
     replica_sums: tuple[tuple[str, Box, str], ...] = ()
     #: (key, slice, view) of such slices still to checksum (``copy=False``: the write phase
     #: checksums them, ``replica_sums``, while the files are written)
     replicas: tuple[tuple[str, Box, torch.Tensor], ...] = ()
-    per_rank: tuple[str, ...] = ()  #: coordinator: the PerRank keys of the checkpoint
     cached: bool = False  #: the plan came from the plan cache
-    #: (dtype, global shape) of every tensor in ``plans``, without building the plans
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    content: IndexContent | None = None  #: the coordinator's; None on the other ranks
 
     @property
     def nbytes(self) -> int:
         """Bytes of the chunks this rank writes."""
         return sum(c.data.numel() * c.dtype.itemsize for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    """What the ranks settle in the stage's first collective (one ``Comm.settle``)."""
+
+    #: every rank may reuse its cached plan, and all ranks cached the same plan
+    cached: bool
+    #: all ranks' plain values and containers are alike and no rank holds PerRank state: the
+    #: coordinator's own stand for all, and nothing is gathered
+    values_alike: bool
+
+
+class Taking(Enum):
+    """How ``_take`` takes the bytes of one chunk."""
+
+    STREAMED = "streamed"  #: streamed off its device while written (engine/device_parts.py)
+    VIEW = "view"  #: the caller's CPU, contiguous bytes as they are (``copy=False``)
+    EMPTY = "empty"  #: a copy of no bytes: a new empty tensor
+    COPIED = "copied"  #: copied into a buffer leased from the pool
 
 
 def _digest(*parts: Any) -> bytes:
@@ -180,73 +210,108 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     streamed off their device while they are written (engine/device_parts.py)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
-    what = "save: describing the state dict"
+    ckey = (comm.members, comm.rank)
+    entry = cache.get(ckey)
+    d, agreed = _describe_and_agree(state_dict, comm, backend, min_slice, entry)
+    if agreed.cached:
+        assert entry is not None  # this rank's own cache hit is part of the agreement
+        plan: SavePlan = entry.plan
+    else:
+        plan = _plan(d, comm, backend, min_slice)
+        cache.put(ckey, CachedPlan(d.digest, plan.plan_id, plan))
+    content, private_plans = _index_content(d, comm, plan, agreed.values_alike)
+    views = _write_views(d, plan)
+    replicas = _replica_views(d, plan)
+    sums: tuple[tuple[str, Box, str], ...] = ()
+    if copy:  # the caller may change its tensors once stage returns: checksum them now
+        sums = comm.run_everywhere("save: checksumming replicas", lambda: replica_sums(replicas))
+        replicas = ()
+    shards = {**d.shards, **d.own}
+    chunks, leases = _take_agreed(comm, views, shards, pool, copy, copy_threads(threads),
+                                  None if copy else device, on_copied)
+    return StagedSave(comm.rank, comm.size, _Plans(plan.plans, private_plans), chunks, leases,
+                      copy, sums, replicas, agreed.cached, content)
+
+
+def _describe_and_agree(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
+                        min_slice: int, entry: CachedPlan | None) -> tuple[Described, Agreement]:
+    """This rank's description, and what the ranks settle about theirs in one collective:
+    whether any failed, whether all may reuse the same cached plan (``entry``), whether all
+    plain values are alike and no rank holds PerRank state."""
     err: BaseException | None = None
     d: Described | None = None
     try:
         d = describe(state_dict, comm, backend, min_slice)
     except Exception as e:
         err = e
-    ckey = (comm.members, comm.rank)
-    entry = cache.get(ckey)
     hit = d is not None and entry is not None and entry.digest == d.digest
-    pid = entry.plan_id if hit else 0  # type: ignore[union-attr]
-    vh = _h63(d.values_digest) if d is not None else 0
-    extra = d is not None and bool(d.private.tensors or d.private.values or d.private.per_rank)
-    mins = comm.check_min(what, err, [int(hit), pid, -pid, vh, -vh, -int(extra)])
-    assert d is not None
-    if mins[0] == 1 and mins[1] == -mins[2]:
-        plan: SavePlan = entry.plan  # type: ignore[union-attr]
-        cached = True
-    else:
-        plan = _plan(d, comm, backend, min_slice)
-        cache.put(ckey, CachedPlan(d.digest, plan.plan_id, plan))
-        cached = False
-    values, containers, per_rank, private_plans = d.values, d.containers, (), {}
+    private = d is not None and bool(d.private.tensors or d.private.values or d.private.per_rank)
+    said = comm.settle(
+        "save: describing the state dict", err,
+        all_true={"cached": hit, "shared only": not private},
+        all_equal={"plan": entry.plan_id if entry is not None and hit else 0,
+                   "values": _h63(d.values_digest) if d is not None else 0})
+    assert d is not None  # settle raised on every rank if any failed
+    return d, Agreement(said["cached"] and said["plan"], said["values"] and said["shared only"])
+
+
+def _index_content(d: Described, comm: Comm, plan: SavePlan, values_alike: bool,
+                   ) -> tuple[IndexContent | None, dict[str, TensorPlan]]:
+    """(the coordinator's ``IndexContent``, None elsewhere; the plans of the PerRank tensors
+    this rank knows: its own, every rank's on the coordinator). Unless ``values_alike``, every
+    rank's values, containers and PerRank state go to the coordinator, which checks them."""
+    values, containers, per_rank = d.values, d.containers, ()
     private_plans = {k: _own_plan(k, s, comm.rank) for k, s in d.own.items()}
     orders: list[tuple[str, ...]] = [d.order]
-    if mins[3] != -mins[4] or mins[5] < 0:  # values differ between ranks, or PerRank state
+    if not values_alike:
         parts = comm.gather((d.values, d.containers, d.private), "save: merging plain values")
-        merged = comm.lead("save: merging plain values",
-                           lambda: merge_values(parts, plan))  # type: ignore[arg-type]
+        merged = comm.run_on_coordinator("save: merging plain values",
+                                         # a list on the coordinator, the one rank running it
+                                         lambda: merge_values(parts, plan),  # type: ignore[arg-type]
+                                         share=False)
         if merged is not None:
             values, containers, per_rank, private_plans, orders = merged
-    plans = _Plans(plan.plans, private_plans)
-    views: list[tuple[str, tuple[int, ...], Box, torch.Tensor]] = []
-    local = dict(d.shards)
+    if not comm.is_coordinator:
+        return None, private_plans
+    tensors = {k: (lay.dtype, lay.shape) for k, lay in plan.layouts.items()}
+    tensors.update((k, (p.dtype, p.shape)) for k, p in private_plans.items())
+    order = merge_order(orders, [*containers, *values, *tensors])
+    return IndexContent(values, containers, tensors, tuple(order), per_rank), private_plans
+
+
+def _write_views(d: Described, plan: SavePlan) -> list[tuple[str, tuple[int, ...], Box, torch.Tensor]]:
+    """(key, global shape, box, view) of every chunk this rank writes: its planned writes, then
+    its PerRank tensors."""
+    views = []
     for key, box in plan.writes():
         s = d.shards[key]
         views.append((key, s.global_shape, box, s.local.detach()[box.relative_to(s.box).slices()]))
     for key, s in d.own.items():
-        local[key] = s
         if s.box.volume:
             views.append((key, s.global_shape, s.box, s.local.detach()))
-    replicas = _replica_views(d, plan)
-    sums: tuple[tuple[str, Box, str], ...] = ()
-    if copy:  # the caller may change its tensors once stage returns: checksum them now
-        sums = comm.check("save: checksumming replicas", lambda: replica_sums(replicas))
-        replicas = ()
-    shards = {k: local[k] for k, *_ in views}
+    return views
+
+
+def _take_agreed(comm: Comm, views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
+                 copy: bool, threads: int, device: DeviceParts | None,
+                 on_copied: Callable[[], None] | None,
+                 ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
+    """``_take``, then ``on_copied``; the ranks settle the outcome (a failed rank fails all,
+    its leases given back)."""
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
     def take() -> None:
-        taken.append(_take(views, shards, pool, copy, copy_threads(threads),
-                           None if copy else device))
+        taken.append(_take(views, shards, pool, copy, threads, device))
         if on_copied is not None:
             on_copied()
 
     try:
-        comm.check("save: copying the chunks", take)
+        comm.run_everywhere("save: copying the chunks", take)
     except BaseException:
         if taken:
             _release(taken[0][1], pool)
         raise
-    chunks, leases = taken[0]
-    tensors = {k: (lay.dtype, lay.shape) for k, lay in plan.layouts.items()}
-    tensors.update((k, (p.dtype, p.shape)) for k, p in private_plans.items())
-    order = merge_order(orders, [*containers, *values, *tensors]) if comm.is_coordinator else ()
-    return StagedSave(comm.rank, comm.size, plans, chunks, values, containers, leases, copy,
-                      tuple(order), sums, replicas, per_rank, cached, tensors)
+    return taken[0]
 
 
 def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePlan:
@@ -263,7 +328,7 @@ def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePla
         plan.writes()  # this rank's part of the plan, computed now (it is cached with it)
         return plan
 
-    return comm.check("save: checking the shards of every rank", agree)
+    return comm.run_everywhere("save: checking the shards of every rank", agree)
 
 
 def _own_plan(key: str, s: LocalShard, rank: int) -> TensorPlan:
@@ -367,31 +432,38 @@ def _needs_copy(data: torch.Tensor) -> bool:
     return data.device.type != "cpu" or not data.is_contiguous()
 
 
+def _taking(data: torch.Tensor, copy: bool, device: DeviceParts | None) -> Taking:
+    if device is not None and device.accepts(data):
+        return Taking.STREAMED
+    if not (copy or _needs_copy(data)):
+        return Taking.VIEW
+    return Taking.COPIED if data.numel() else Taking.EMPTY
+
+
 def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy: bool,
           threads: int, device: DeviceParts | None = None
           ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """ChunkData for every view: copied into leased buffers (all of them with ``copy``,
     otherwise only those that are not CPU and contiguous, and not streamed by ``device``); CPU
     copies on ``threads`` threads."""
-    streamed = [device is not None and device.accepts(data) for *_, data in views]
-    sizes = [-2 if s else data.numel() * data.element_size() if copy or _needs_copy(data) else -1
-             for s, (*_, data) in zip(streamed, views, strict=True)]
-    wanted = [n for n in sizes if n > 0]
+    ways = [_taking(data, copy, device) for *_, data in views]
+    wanted = [data.numel() * data.element_size()
+              for way, (*_, data) in zip(ways, views, strict=True) if way is Taking.COPIED]
     leases = run_sync(_lease_all(pool, wanted)) if wanted else []
     got = iter(leases)
-    d2h = DeviceToHost() if any(n > 0 and v[-1].device.type == "cuda"
-                                for v, n in zip(views, sizes, strict=True)) else None
+    d2h = DeviceToHost() if any(way is Taking.COPIED and v[-1].device.type == "cuda"
+                                for v, way in zip(views, ways, strict=True)) else None
     chunks: list[ChunkData] = []
     on_host: list[tuple[torch.Tensor, torch.Tensor]] = []  #: (buffer, source) of CPU data
     try:
-        for (key, shape, box, data), n in zip(views, sizes, strict=True):
-            if n == -2:
+        for (key, shape, box, data), way in zip(views, ways, strict=True):
+            if way is Taking.STREAMED:
                 chunks.append(ChunkData(key, shards[key].dtype, shape, box, data,
-                                        device.part(data)))  # type: ignore[union-attr]
+                                        device.part(data)))  # type: ignore[union-attr]  # set: STREAMED
                 continue
-            if n > 0:
+            if way is Taking.COPIED:
                 data = copy_chunk(data, next(got), d2h, on_host)
-            elif n == 0:
+            elif way is Taking.EMPTY:
                 data = torch.empty(data.shape, dtype=data.dtype)
             chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
         copy_all(on_host, threads)

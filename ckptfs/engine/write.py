@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptfs.dist import Comm, run_throttled
+from ckptfs.engine.small_files import group_small
 from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.io import run_sync
 from ckptfs.io.loop import submit
@@ -73,16 +74,16 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     """Write the layout files (coordinator), then every rank's data files (collective)."""
     prep: list[FileWrite] = []
 
-    def prepare() -> None:  # inside decide: a failure here raises on every rank, never hangs
+    def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
         with paused_gc():  # zarr: a metadata document per array (layout/nogc.py)
             prep.extend(backend.prepare(staged.plans))
         run_sync(write_files(store, prep, False))
 
-    comm.decide("save: preparing the layout", prepare)
-    mine, ranks = comm.collect("save: writing data", lambda: run_throttled(
+    comm.run_on_coordinator("save: preparing the layout", prepare)
+    mine, ranks = comm.run_everywhere("save: writing data", lambda: run_throttled(
         throttle_uploads, comm,
         lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)),
-        lambda w: w, entries=True)
+        lambda w: w, to="coordinator", entries=True)
     return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
                    file_sums(prep))
 
@@ -144,6 +145,11 @@ def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:
                       value if e.checksum is None else e.checksum, e.extra)
 
 
+def _small(f: FileWrite) -> bool:
+    """A file written in a group: small and all in host memory."""
+    return f.nbytes <= _SMALL_FILE and not any(isinstance(p, StreamedPart) for p in f.parts)
+
+
 async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) -> None:
     """Write ``files`` concurrently; a failure cancels the other uploads."""
     bar = None
@@ -166,15 +172,9 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
         if bar is not None:
             bar.update(sum(f.nbytes for f in fs))
 
-    small = [f for f in files if f.nbytes <= _SMALL_FILE
-             and not any(isinstance(p, StreamedPart) for p in f.parts)]
-    if len(small) < _SMALL_GROUP:  # only many small files are grouped (W4, zarr's file per array)
-        small = []
-    grouped = {id(f) for f in small}
+    groups, single = group_small(files, _small, _SMALL_GROUP)
     try:
-        await gather_all(*(one(f) for f in files if id(f) not in grouped),
-                         *(group(small[i : i + _SMALL_GROUP])
-                           for i in range(0, len(small), _SMALL_GROUP)))
+        await gather_all(*(one(f) for f in single), *(group(g) for g in groups))
     finally:
         if bar is not None:
             bar.close()

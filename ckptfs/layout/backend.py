@@ -81,6 +81,20 @@ class FileWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class FinalFiles:
+    """What ``Backend.finalize`` returns: ``files``, written concurrently, then ``marker`` alone,
+    once every other file of the checkpoint is durable (another tool's completion mark, such
+    as DCP's ``.metadata`` or Megatron's ``metadata.json``)."""
+
+    files: tuple[FileWrite, ...] = ()
+    marker: FileWrite | None = None
+
+    def all(self) -> tuple[FileWrite, ...]:
+        """Every file, the marker last."""
+        return self.files if self.marker is None else (*self.files, self.marker)
+
+
+@dataclass(frozen=True, slots=True)
 class RankWrite:
     """What a rank writes and where each chunk ended up (index entries without checksums)."""
 
@@ -135,7 +149,7 @@ class Backend(ABC):
       4. ``index_options()``                         coordinator, building the index
       5. ``finalize(index, plans)``                  coordinator, after every rank's data is
                                                      durable and before the index is committed;
-                                                     its last file is written after the others
+                                                     its ``marker`` is written after the others
     Load
       1. ``sniff(reader)`` (classmethod)             when a root has no index, for each backend
       2. ``chunk_sources(items, reader)``            every loading rank, once per load
@@ -191,11 +205,11 @@ class Backend(ABC):
     def write_rank(self, job: RankWriteJob) -> RankWrite:
         """Lay out this rank's chunks as files."""
 
-    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
+    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> FinalFiles:
         """Files the coordinator writes after all data and before the index (``index`` is the
-        one about to be committed). All but the last are written concurrently, then the last
-        one, so it can be another tool's completion marker (Megatron's ``metadata.json``)."""
-        return []
+        one about to be committed): ``FinalFiles.files`` concurrently, then its ``marker``, so
+        that it can be another tool's completion marker (Megatron's ``metadata.json``)."""
+        return FinalFiles()
 
     @abstractmethod
     async def chunk_source(self, tensor: TensorEntry, chunk: ChunkEntry,

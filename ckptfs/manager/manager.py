@@ -151,7 +151,7 @@ class CheckpointManager:
 
     def _open_agreed(self, comm: Comm, what: str) -> Store:
         """``_root()`` on every rank of ``comm``; a rank that cannot open it fails all."""
-        comm.agree(what, lambda: self._root() and None)
+        comm.run_everywhere(what, lambda: self._root() and None)
         return self._root()
 
     def _at(self, name: str) -> PrefixedStore:
@@ -240,7 +240,7 @@ class CheckpointManager:
         store = self._open_agreed(comm, f"save: opening {self.url}")
         target = PrefixedStore(store, name)
         with claimed(target, comm, force, be) as claim:
-            comm.decide(f"save: clearing a dead save's files at {url}",
+            comm.run_on_coordinator(f"save: clearing a dead save's files at {url}",
                         lambda: run_sync(_clear_dead(target, claim)))
             if local is None:
                 return write_and_commit(staged, be, target, url, comm, claim, progress=False,
@@ -280,7 +280,7 @@ class CheckpointManager:
             return sorted(set(listing.committed) - set(drop))
 
         try:
-            kept = set(comm.decide(f"retention at {self.url}", coordinator))
+            kept = set(comm.run_on_coordinator(f"retention at {self.url}", coordinator))
         except CkptfsError as e:
             log.warning("ckptfs: retention at %s failed (retried after the next save): %s",
                         self.url, e)
@@ -306,7 +306,7 @@ class CheckpointManager:
         with public_errors(self.url):
             comm = Comm(self.process_group)
             store = self._open_agreed(comm, f"restore: opening {self.url}")
-            found = comm.decide(f"restore: listing the steps at {self.url}", self._listing)
+            found = comm.run_on_coordinator(f"restore: listing the steps at {self.url}", self._listing)
             if step is None and not found.committed:
                 return None
             step = self._committed(found, step)

@@ -78,14 +78,14 @@ def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_
     local = LocalStore(local_root, local_options(store_options))
     # the step is ours to write: a killed attempt's local files (other names) go first, on
     # every rank before any rank writes (a refused save never gets here)
-    comm.agree(f"save: clearing {local_root}",
+    comm.run_everywhere(f"save: clearing {local_root}",
                lambda: shutil.rmtree(local_root, ignore_errors=True))
     written = write(staged, be, local, comm, claim.save_id)
     release()
     mine = sorted(written.mine.files)
     if comm.is_coordinator:
         mine = sorted({*mine, *written.prepared})
-    comm.agree(f"save: persisting the local tier to {url}",
+    comm.run_everywhere(f"save: persisting the local tier to {url}",
                lambda: run_sync(copy_files(local, remote, mine)))
     total = commit(staged, written, be, remote, comm, replacing=claim.replacing)
     files = written.mine.files
@@ -100,7 +100,8 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
     every rank), reading the local tier's copies under ``local_root`` (None: none) where they
     hold what the index says (see the module doc)."""
     t0 = time.perf_counter()
-    index = comm.decide(f"restore: reading the index of {url}", lambda: run_sync(read_index(remote)))
+    index = comm.run_on_coordinator(f"restore: reading the index of {url}",
+                                    lambda: run_sync(read_index(remote)))
     local = LocalStore(local_root or os.curdir, local_options(store_options))
     checked_options = replace(options, verify=True)  # local copies are always checked
     tiered = local_root is not None and os.path.isdir(local_root)
@@ -118,8 +119,8 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
             local, index, cut, chunks=cut, scratch_bytes=options.scratch_bytes)))
 
     # every rank learns only whether any rank reads local copies (the chunk lists stay here)
-    (read, good), routed = comm.exchange("restore: routing reads to the local tier", route,
-                                         lambda r: bool(r[1]))
+    (read, good), routed = comm.run_everywhere("restore: routing reads to the local tier", route,
+                                               lambda r: bool(r[1]), to="all")
     checked = local.stats.bytes_read
     far_before = remote.stats.bytes_read
     try:
@@ -132,10 +133,11 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
             raise  # nothing was read locally: the failure is not the local tier's
         # which local copies failed: their chunks read whole once more; the rest is not ours
         before = local.stats.bytes_read
-        bad, found = comm.exchange(
+        bad, found = comm.run_everywhere(
             "restore: checking the local copies after a failed read",
             lambda: good - run_sync(intact_files(local, index, good, chunks=read,
-                                                 scratch_bytes=options.scratch_bytes)), bool)
+                                                 scratch_bytes=options.scratch_bytes)),
+            bool, to="all")
         checked += local.stats.bytes_read - before
         if not any(found):
             raise

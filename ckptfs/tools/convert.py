@@ -21,7 +21,7 @@ from typing import Any
 from ckptfs.dist import Comm
 from ckptfs.engine.commit import Claim, build_index, claimed, commit_index
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.stage import IndexContent, StagedSave
 from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files, write_rank
 from ckptfs.errors import UsageError
 from ckptfs.io import StoreOptions, open_store, run_sync
@@ -128,9 +128,10 @@ def _write_and_commit(source: Source, be: Backend, store: Store, plans: dict[str
             bar.update(sum(r.nbytes for r in batch))
         written = Written(tuple(prepared), ranks[0] if ranks else WrittenRank((), {}),
                           tuple(ranks), prepared_sums)
-        staged = StagedSave(0, 1, plans, (), dict(index.values), dict(index.containers), (), False,
-                            tuple(index.order or ()),
-                            tensors={k: (p.dtype, p.shape) for k, p in plans.items()})
+        content = IndexContent(dict(index.values), dict(index.containers),
+                               {k: (p.dtype, p.shape) for k, p in plans.items()},
+                               tuple(index.order or ()))
+        staged = StagedSave(0, 1, plans, (), (), False, content=content)
         new = build_index(be, staged, written)
         new = dataclasses.replace(new, writer={**new.writer, "converted_from": {
             "url": source.url, "backend": index.backend, "backend_version": index.backend_version,
@@ -157,5 +158,5 @@ def _write_batch(source: Source, be: Backend, store: Store, plans: dict[str, Ten
     chunks = tuple(
         ChunkData(r.entry.key, from_name(r.entry.dtype, r.entry.key), r.entry.shape, r.box, data)
         for r, data in read_regions(source, batch, buffer_bytes=buffer_bytes, verify=verify))
-    staged = StagedSave(batch_no, 1, plans, chunks, {}, {}, (), False)
+    staged = StagedSave(batch_no, 1, plans, chunks, (), False)
     return write_rank(staged, be, store, save_id, False)

@@ -43,6 +43,7 @@ from ckptfs.layout.backend import (
     ChunkSource,
     EncodedChunk,
     FileWrite,
+    FinalFiles,
     RankWrite,
     RankWriteJob,
     RawChunk,
@@ -140,7 +141,7 @@ class TorchDistBackend(Backend):
             del out["megatron"]
         return out
 
-    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
+    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> FinalFiles:
         """DCP's ``.metadata`` and the BYTE_IO file of the plain values (coordinator). With
         option ``megatron``, the values are Megatron's common state instead (one BYTE_IO item
         ``common_state/shard_0_1``, or ``common.pt``), and ``metadata.json`` comes last: its
@@ -207,12 +208,14 @@ class TorchDistBackend(Backend):
                       storage_meta=StorageMeta(save_id=values_path.split("/")[1]),
                       version=DCP_VERSION)
         out = [FileWrite(values_path, tuple(parts))] if parts else []
-        out.append(FileWrite(METADATA, (pickle.dumps(md),)))
+        metadata = FileWrite(METADATA, (pickle.dumps(md),))
+        if megatron is None:  # DCP's own mark of a complete checkpoint
+            return FinalFiles(tuple(out), metadata)
+        out.append(metadata)
         if megatron == "common.pt":
             out.append(FileWrite(mc.COMMON_FILE, (_torch_save(common),)))
-        if megatron is not None:
-            out.append(FileWrite(mc.CONFIG, (json.dumps(mc.config(megatron)).encode(),)))
-        return out
+        return FinalFiles(tuple(out),
+                          FileWrite(mc.CONFIG, (json.dumps(mc.config(megatron)).encode(),)))
 
     # -- load ---------------------------------------------------------------------------------
 

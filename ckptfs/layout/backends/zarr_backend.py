@@ -35,6 +35,7 @@ from ckptfs.layout.backend import (
     ChunkSource,
     EncodedChunk,
     FileWrite,
+    FinalFiles,
     RankWrite,
     RankWriteJob,
     RawChunk,
@@ -138,11 +139,12 @@ class _ZarrBackend(Backend):
                            if g == "" else None)
         return meta
 
-    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
-        """Consolidated metadata (option ``consolidated``), after all chunks."""
+    def finalize(self, index: Index, plans: Mapping[str, TensorPlan]) -> FinalFiles:
+        """Consolidated metadata (option ``consolidated``), after all chunks: the marker."""
         if not self.options["consolidated"]:
-            return []
-        return [FileWrite(k, (v,)) for k, v in self._metadata(plans).consolidated().items()]
+            return FinalFiles()
+        (path, doc), = self._metadata(plans).consolidated().items()
+        return FinalFiles(marker=FileWrite(path, (doc,)))
 
     # -- writing ----------------------------------------------------------------------------
     def write_rank(self, job: RankWriteJob) -> RankWrite:

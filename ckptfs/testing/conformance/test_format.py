@@ -13,6 +13,11 @@ from typing import Any
 import pytest
 
 import ckptfs
+from ckptfs.layout.backend import FinalFiles
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.plan import PlannedChunk, TensorPlan
+from ckptfs.layout.registry import get_backend
 from ckptfs.testing.conformance import reshard
 from ckptfs.testing.conformance.cases import assert_same, basic_state, flatten, zeros_like_state
 from ckptfs.testing.conformance.golden import SCHEMA_FILE, locate
@@ -76,6 +81,24 @@ def test_every_chunk_has_a_checksum(which: str, pair: Pair, workspace: Workspace
     bad = [(key, c["offsets"]) for key, t in doc["tensors"].items() for c in t["chunks"]
            if math.prod(c["shape"]) and not re.fullmatch(r"crc32c:[0-9a-f]{8}", c.get("checksum", ""))]
     assert not bad, f"{len(bad)} chunk(s) without a crc32c checksum, e.g. {bad[:5]}"
+
+
+def test_finalize_names_its_marker(pair: Pair, workspace: Workspace) -> None:
+    """``Backend.finalize`` returns ``FinalFiles``: its files and its marker (written last, after
+    every other file) are in the committed checkpoint and recorded in the index."""
+    require_writable(pair)
+    root = workspace.basic(pair)
+    index = ckptfs.load_metadata(root)
+    backend = get_backend(pair.name, pair.version)(index.backend_options)
+    plans = {k: TensorPlan(k, t.dtype, t.shape, from_name(t.dtype, k).itemsize,
+                           tuple(PlannedChunk(Box(c.offsets, c.shape), 0, (0,)) for c in t.chunks))
+             for k, t in index.tensors.items()}
+    final = backend.finalize(index, plans)
+    assert isinstance(final, FinalFiles), f"finalize returned {type(final).__name__}"
+    paths = [f.path for f in final.all()]
+    assert len(set(paths)) == len(paths), paths
+    missing = [p for p in paths if p not in index.backend_files or not (root / p).is_file()]
+    assert not missing, f"final files not in the committed checkpoint: {missing}"
 
 
 @pytest.mark.parametrize("which", CHECKPOINTS)
