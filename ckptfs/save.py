@@ -96,7 +96,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         pool = BufferPool(HostAllocator() if device is not None else staging_allocator(state_dict))
         try:
             staged = stage(state_dict, comm, be, pool, copy=False, threads=opts.copy_threads,
-                           device=device)
+                           copy_piece=opts.copy_piece, device=device)
             try:
                 store = open_agreed(comm, url, storage_options, store_options)
                 return save_staged(staged, be, store, url, comm, overwrite=overwrite,

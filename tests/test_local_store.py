@@ -205,9 +205,6 @@ def test_a_load_reads_each_stream_front_to_back(tmp_path, monkeypatch):
     import torch
 
     import ckptfs
-    from ckptfs.engine import read as engine_read
-
-    monkeypatch.setattr(engine_read, "_WAVE", 64 << 10)  # ~80 waves from 5 MB
     state = {"w": torch.randn(1 << 20), "v": torch.randn(300_000)}
     ckptfs.save(state, tmp_path / "ck")
     calls: list[int] = []
@@ -229,7 +226,8 @@ def test_a_load_reads_each_stream_front_to_back(tmp_path, monkeypatch):
         calls.clear()
         peak[0] = 0
         target = {k: torch.zeros_like(v) for k, v in state.items()}
-        ckptfs.load(target, tmp_path / "ck", store_options=StoreOptions(read_streams=streams))
+        ckptfs.load(target, tmp_path / "ck", store_options=StoreOptions(read_streams=streams),
+                    options=ckptfs.LoadOptions(read_wave=64 << 10))  # ~80 waves from 5 MB
         assert all(torch.equal(target[k], state[k]) for k in state)
         return list(calls)
 

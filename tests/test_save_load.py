@@ -204,17 +204,15 @@ def test_corrupted_chunk_is_detected(tmp_path):
     assert not torch.equal(t["a"], torch.arange(100, dtype=torch.float32))
 
 
-def test_a_chunk_read_in_waves_is_checked_whole(tmp_path, monkeypatch):
+def test_a_chunk_read_in_waves_is_checked_whole(tmp_path):
     """A chunk larger than a wave is read into its target in parts whose CRCs are combined as
     they arrive: every part is read, a flipped byte in any part fails the whole chunk."""
-    from ckptfs.engine import read
-
-    monkeypatch.setattr(read, "_WAVE", 256)
+    waves = ckptfs.LoadOptions(read_wave=256)
     url = tmp_path / "c"
     src = {"a": torch.randn(1000), "b": torch.randn(10)}  # "a": 4000 bytes, 16 parts
     ckptfs.save(src, url)
     t = {"a": torch.zeros(1000), "b": torch.zeros(10)}
-    res = ckptfs.load(t, url)
+    res = ckptfs.load(t, url, options=waves)
     assert torch.equal(t["a"], src["a"]) and torch.equal(t["b"], src["b"])
     assert res.read_requests >= 16  # one request per wave at least
     chunk = ckptfs.load_metadata(url).tensors["a"].chunks[0]
@@ -225,7 +223,7 @@ def test_a_chunk_read_in_waves_is_checked_whole(tmp_path, monkeypatch):
         raw[chunk.byte_offset + pos] ^= 0x10
         p.write_bytes(bytes(raw))
         with pytest.raises(ckptfs.IntegrityError, match=r"key 'a'.*fails its checksum"):
-            ckptfs.load({"a": torch.zeros(1000), "b": torch.zeros(10)}, url)
+            ckptfs.load({"a": torch.zeros(1000), "b": torch.zeros(10)}, url, options=waves)
     p.write_bytes(good)
 
 

@@ -108,7 +108,7 @@ class BackgroundSaver:
             def job(on_copied: Callable[[], None]) -> T:
                 with public_errors(url):
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                                   threads=options.copy_threads)
+                                   threads=options.copy_threads, copy_piece=options.copy_piece)
                     lower_priority(options.background_nice)  # the caller goes on
                     given: list[StagedSave] = [staged]
 

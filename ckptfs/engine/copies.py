@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-PIECE = 8 << 20  #: bytes of one piece of a large copy
+PIECE = 8 << 20  #: bytes of one piece of a large copy (the default of ``SaveOptions.copy_piece``)
 MAX_AUTO_THREADS = 4  #: ``SaveOptions.copy_threads=None``: at most this many
 
 _pool: ThreadPoolExecutor | None = None
@@ -53,16 +53,17 @@ def _helpers(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def _pieces(buf: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(buf, src)`` cut into pieces of about PIECE bytes: flat byte ranges where the source is
-    contiguous, blocks of rows (the first dimension) where it is not."""
+def _pieces(buf: torch.Tensor, src: torch.Tensor,
+            piece: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(buf, src)`` cut into pieces of about ``piece`` bytes: flat byte ranges where the
+    source is contiguous, blocks of rows (the first dimension) where it is not."""
     nbytes = src.numel() * src.element_size()
     if src.is_contiguous():
         b = buf.reshape(-1).view(torch.uint8)
         s = src.reshape(-1).view(torch.uint8)
-        return [(b[i:i + PIECE], s[i:i + PIECE]) for i in range(0, nbytes, PIECE)]
+        return [(b[i:i + piece], s[i:i + piece]) for i in range(0, nbytes, piece)]
     rows = src.shape[0]
-    per = max(1, rows * PIECE // nbytes)
+    per = max(1, rows * piece // nbytes)
     return [(buf[i:i + per], src[i:i + per]) for i in range(0, rows, per)]
 
 
@@ -75,17 +76,19 @@ def _copy(buf: torch.Tensor, src: torch.Tensor) -> None:
         buf.copy_(src)
 
 
-def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int,
+             piece: int = PIECE) -> None:
     """``buf.copy_(src)`` for every (buf, src) of CPU tensors, on ``threads`` threads (the caller
-    and ``threads - 1`` helpers). Raises the first failure, after every copy has stopped."""
-    large = [p for p in pairs if p[1].numel() * p[1].element_size() >= 2 * PIECE
+    and ``threads - 1`` helpers), tensors of two ``piece`` bytes or more cut into pieces of that
+    size. Raises the first failure, after every copy has stopped."""
+    large = [p for p in pairs if p[1].numel() * p[1].element_size() >= 2 * piece
              and (p[1].is_contiguous() or (p[1].dim() > 0 and p[1].shape[0] > 1))]
     if threads <= 1 or not large:
         for buf, src in pairs:
             buf.copy_(src)
         return
     big = {id(p) for p in large}
-    work = [piece for buf, src in large for piece in _pieces(buf, src)]
+    work = [part for buf, src in large for part in _pieces(buf, src, piece)]
     lock = threading.Lock()
     nxt = [0]
 

@@ -45,7 +45,7 @@ import torch
 
 from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
-from ckptfs.engine.copies import copy_all, copy_threads
+from ckptfs.engine.copies import PIECE, copy_all, copy_threads
 from ckptfs.engine.device_parts import DeviceParts
 from ckptfs.engine.ring import SideStreams
 from ckptfs.errors import ShardingError
@@ -198,13 +198,15 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
           copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
           on_copied: Callable[[], None] | None = None,
-          threads: int | None = None, device: DeviceParts | None = None) -> StagedSave:
+          threads: int | None = None, copy_piece: int = PIECE,
+          device: DeviceParts | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
     called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
     asynchronous save resolves its ``staged`` future there). ``threads``: the threads copying
-    CPU data (``SaveOptions.copy_threads``; engine/copies.py). The garbage collector is paused
+    CPU data (``SaveOptions.copy_threads``), ``copy_piece`` the bytes of one piece of a large
+    copy (``SaveOptions.copy_piece``; engine/copies.py). The garbage collector is paused
     meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py).
     ``device`` (a synchronous save, ``copy=False``): the chunks it accepts are not copied but
     streamed off their device while they are written (engine/device_parts.py)."""
@@ -227,8 +229,9 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
         sums = comm.run_everywhere("save: checksumming replicas", lambda: replica_sums(replicas))
         replicas = ()
     shards = {**d.shards, **d.own}
-    chunks, leases = _take_agreed(comm, views, shards, pool, copy, copy_threads(threads),
-                                  None if copy else device, on_copied)
+    chunks, leases = _take_agreed(comm, views, shards, pool, copy,
+                                  (copy_threads(threads), copy_piece), None if copy else device,
+                                  on_copied)
     return StagedSave(comm.rank, comm.size, _Plans(plan.plans, private_plans), chunks, leases,
                       copy, sums, replicas, agreed.cached, content)
 
@@ -293,7 +296,7 @@ def _write_views(d: Described, plan: SavePlan) -> list[tuple[str, tuple[int, ...
 
 
 def _take_agreed(comm: Comm, views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
-                 copy: bool, threads: int, device: DeviceParts | None,
+                 copy: bool, threads: tuple[int, int], device: DeviceParts | None,
                  on_copied: Callable[[], None] | None,
                  ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """``_take``, then ``on_copied``; the ranks settle the outcome (a failed rank fails all,
@@ -441,11 +444,11 @@ def _taking(data: torch.Tensor, copy: bool, device: DeviceParts | None) -> Takin
 
 
 def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy: bool,
-          threads: int, device: DeviceParts | None = None
+          threads: tuple[int, int], device: DeviceParts | None = None
           ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """ChunkData for every view: copied into leased buffers (all of them with ``copy``,
     otherwise only those that are not CPU and contiguous, and not streamed by ``device``); CPU
-    copies on ``threads`` threads."""
+    copies on ``threads`` = (threads, bytes of one piece of a large copy)."""
     ways = [_taking(data, copy, device) for *_, data in views]
     wanted = [data.numel() * data.element_size()
               for way, (*_, data) in zip(ways, views, strict=True) if way is Taking.COPIED]
@@ -466,7 +469,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
             elif way is Taking.EMPTY:
                 data = torch.empty(data.shape, dtype=data.dtype)
             chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
-        copy_all(on_host, threads)
+        copy_all(on_host, *threads)
         if d2h is not None:
             d2h.wait()  # the bytes are on the host before anyone reads them (or ``staged``)
     except BaseException:
