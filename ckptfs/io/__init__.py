@@ -1,9 +1,13 @@
-"""How bytes move: one asyncio layer over fsspec that every backend goes through."""
+"""How bytes move: the ``Store`` ABC (store.py) and its implementations: local files
+(local_store.py), any fsspec filesystem (fsspec_store.py, s3fs in s3.py), obstore
+(obstore_store.py), and stores that forward to others (wrapper.py, prefixed.py, routed.py).
+The engine reads and writes through a store; backends never touch one."""
 
 from ckptfs.io.loop import run_sync
 from ckptfs.io.open import open_store
 from ckptfs.io.ranges import ByteRange, ReadInto, coalesce
 from ckptfs.io.store import IOConfig, IOStats, Store
+from ckptfs.io.wrapper import ReadOnlyStore, WrapperStore
 
-__all__ = ["ByteRange", "IOConfig", "IOStats", "ReadInto", "Store", "coalesce", "open_store",
-           "run_sync"]
+__all__ = ["ByteRange", "IOConfig", "IOStats", "ReadInto", "ReadOnlyStore", "Store",
+           "WrapperStore", "coalesce", "open_store", "run_sync"]
