@@ -27,7 +27,7 @@ from obstore.exceptions import (
 from ckptfs.errors import StorageError
 from ckptfs.io.parts import joined, part_size_for, pieces_async, total_bytes
 from ckptfs.io.retry import RetryPolicy, is_transient, retrying
-from ckptfs.io.store import Buffer, IOConfig, Part, Store
+from ckptfs.io.store import Buffer, IOConfig, Part, Store, inside_root
 
 T = TypeVar("T")
 
@@ -198,7 +198,7 @@ class ObstoreStore(Store):
             return await obstore.list(self.store, prefix=prefix.strip("/") or None).collect_async()
 
         try:
-            metas = await self._call(prefix or "/", collect)
+            metas = await self._call(prefix, collect)
         except FileNotFoundError:
             return []
         return sorted(m["path"] for m in metas)
@@ -206,6 +206,8 @@ class ObstoreStore(Store):
     async def delete(self, paths: Sequence[str]) -> None:
         if not paths:
             return
+        for p in paths[1:]:  # the first is checked by _call
+            inside_root(p, self.url)
         async with self.semaphore:
             try:
                 await self._call(paths[0], lambda: obstore.delete_async(self.store, list(paths)))
@@ -218,8 +220,9 @@ class ObstoreStore(Store):
 
     async def _call(self, path: str, op: Callable[[], Awaitable[T]], retry: bool = True) -> T:
         """Run ``op``, retried by ckptfs unless ``retry`` is False (obstore retried its requests
-        already); obstore's errors become the builtin ones, naming the URL."""
-        url = self.full_path(path)
+        already); obstore's errors become the builtin ones, naming the URL. A path that could
+        leave the root is refused before any request."""
+        url = self.full_path(inside_root(path, self.url))
         policy = self.config.retry_policy
         try:
             if retry:

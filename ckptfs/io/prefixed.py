@@ -3,7 +3,7 @@ session, one connection pool) open for every step folder under its URL."""
 
 from __future__ import annotations
 
-from ckptfs.io.store import Store
+from ckptfs.io.store import Store, inside_root
 from ckptfs.io.wrapper import WrapperStore
 
 
@@ -19,6 +19,7 @@ class PrefixedStore(WrapperStore):
         super().__init__(base, base.full_path(self.prefix))
 
     def route(self, path: str) -> tuple[Store, str]:
+        inside_root(path, self.url)  # an absolute path would become one inside the folder
         return self.base, (f"{self.prefix}/{path}" if path else self.prefix)
 
     def unroute(self, path: str) -> str | None:
