@@ -84,6 +84,10 @@ class AccessDeniedError(StorageError, PermissionError):
     """The storage refused access (HTTP 403, a local permission error): not retried."""
 
 
+class ReadOnlyStoreError(StorageError, PermissionError):
+    """A write or delete reached a read-only store; refused before any request."""
+
+
 class RankError(CkptfsError):
     """One or more ranks failed; the message lists each rank's error."""
 

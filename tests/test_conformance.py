@@ -226,8 +226,7 @@ def test_broken_entry_point_does_not_break_ckptfs(tmp_path: Path, monkeypatch: p
     })
     (site / "ckptfs_raising_plugin.py").write_text("raise RuntimeError('plugin import exploded')\n")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_default", registry.BackendRegistry())
     with caplog.at_level(logging.WARNING, logger="ckptfs.layout.registry"):
         pairs = ckptfs.available_backends()
     assert ("safetensors_chunks", 1) in pairs and ("npy_chunks", 1) in pairs

@@ -1,11 +1,14 @@
-"""How bytes move: the async Store ABC and its stores (local files; fsspec, s3fs and obstore
-for remote URLs), with the options that tune them."""
+"""How bytes move: the ``Store`` ABC (store.py) and its implementations: local files
+(local_store.py), any fsspec filesystem (fsspec_store.py, s3fs in s3.py), obstore
+(obstore_store.py), and stores that forward to others (wrapper.py, prefixed.py, routed.py).
+The engine reads and writes through a store; backends never touch one."""
 
 from ckptfs.io.loop import run_sync
 from ckptfs.io.open import open_store
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.ranges import ByteRange, ReadInto, coalesce
 from ckptfs.io.store import IOStats, Store
+from ckptfs.io.wrapper import ReadOnlyStore, WrapperStore
 
-__all__ = ["ByteRange", "IOStats", "ReadInto", "Store", "StoreOptions", "coalesce", "open_store",
-           "run_sync"]
+__all__ = ["ByteRange", "IOStats", "ReadInto", "ReadOnlyStore", "Store", "StoreOptions",
+           "WrapperStore", "coalesce", "open_store", "run_sync"]

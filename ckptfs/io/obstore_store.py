@@ -28,7 +28,7 @@ from ckptfs.errors import StorageError
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, part_size_for, pieces_async, total_bytes
 from ckptfs.io.retry import RetryPolicy, is_transient, retrying
-from ckptfs.io.store import Buffer, Part, Store
+from ckptfs.io.store import Buffer, Part, Store, inside_root
 
 T = TypeVar("T")
 
@@ -199,7 +199,7 @@ class ObstoreStore(Store):
             return await obstore.list(self.store, prefix=prefix.strip("/") or None).collect_async()
 
         try:
-            metas = await self._call(prefix or "/", collect)
+            metas = await self._call(prefix, collect)
         except FileNotFoundError:
             return []
         return sorted(m["path"] for m in metas)
@@ -207,6 +207,8 @@ class ObstoreStore(Store):
     async def delete(self, paths: Sequence[str]) -> None:
         if not paths:
             return
+        for p in paths[1:]:  # the first is checked by _call
+            inside_root(p, self.url)
         async with self.semaphore:
             try:
                 await self._call(paths[0], lambda: obstore.delete_async(self.store, list(paths)))
@@ -219,8 +221,9 @@ class ObstoreStore(Store):
 
     async def _call(self, path: str, op: Callable[[], Awaitable[T]], retry: bool = True) -> T:
         """Run ``op``, retried by ckptfs unless ``retry`` is False (obstore retried its requests
-        already); obstore's errors become the builtin ones, naming the URL."""
-        url = self.full_path(path)
+        already); obstore's errors become the builtin ones, naming the URL. A path that could
+        leave the root is refused before any request."""
+        url = self.full_path(inside_root(path, self.url))
         policy = self.options.retry_policy
         try:
             if retry:

@@ -3,14 +3,15 @@ how a restore reads the files its local tier holds intact locally and the rest r
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
-from ckptfs.io.ranges import ReadInto
-from ckptfs.io.store import Buffer, IOStats, Part, Store
+from ckptfs.io.store import IOStats, Store
+from ckptfs.io.wrapper import WrapperStore
 
 
-class RoutedStore(Store):
-    """Reads ``near_paths`` from ``near`` and every other path from ``far``; writes nothing.
+class RoutedStore(WrapperStore):
+    """Reads ``near_paths`` from ``near`` and every other path from ``far``; writes nothing
+    (``read_only``: writes and deletes raise ``ReadOnlyStoreError``).
 
     Each underlying store keeps its own ``stats``, so a caller can tell the bytes read from
     each side; this store's ``stats`` are their sums. Listing and metadata come from ``far``,
@@ -18,46 +19,20 @@ class RoutedStore(Store):
     """
 
     def __init__(self, near: Store, far: Store, near_paths: Collection[str]) -> None:
-        super().__init__(far.url, far.options)
+        super().__init__(far)
         self.near, self.far = near, far
         self.near_paths = frozenset(near_paths)
-        self.stats = _Sum(near.stats, far.stats)  # type: ignore[assignment]
+        self.stats = _Sum(near.stats, far.stats)  # type: ignore[assignment]  # read-only sums
 
-    def _for(self, path: str) -> Store:
-        return self.near if path in self.near_paths else self.far
+    @property
+    def read_only(self) -> bool:
+        return True
 
-    def full_path(self, path: str) -> str:
-        return self._for(path).full_path(path)
-
-    def read_streams(self, path: str) -> int | None:
-        return self._for(path).read_streams(path)
-
-    async def get_range(self, path: str, start: int, end: int) -> Buffer:
-        return await self._for(path).get_range(path, start, end)
-
-    async def get(self, path: str) -> Buffer:
-        return await self._for(path).get(path)
-
-    async def read_into(self, path: str, reads: Sequence[ReadInto]) -> None:
-        await self._for(path).read_into(path, reads)
-
-    async def put(self, path: str, parts: Sequence[Part]) -> None:
-        raise PermissionError(f"{self.full_path(path)}: a routed store is read-only")
-
-    async def put_if_absent(self, path: str, data: Buffer) -> None:
-        raise PermissionError(f"{self.full_path(path)}: a routed store is read-only")
-
-    async def exists(self, path: str) -> bool:
-        return await self._for(path).exists(path)
-
-    async def size(self, path: str) -> int:
-        return await self._for(path).size(path)
+    def route(self, path: str) -> tuple[Store, str]:
+        return (self.near if path in self.near_paths else self.far), path
 
     async def list(self, prefix: str = "") -> list[str]:
         return await self.far.list(prefix)
-
-    async def delete(self, paths: Sequence[str]) -> None:
-        raise PermissionError(f"{self.url}: a routed store is read-only")
 
 
 class _Sum:

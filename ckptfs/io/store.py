@@ -6,8 +6,10 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
 
-from ckptfs.errors import MalformedIndexError
+from ckptfs.errors import MalformedIndexError, ReadOnlyStoreError
 from ckptfs.io.budget import ByteBudget
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.ranges import ReadInto, coalesce
@@ -59,7 +61,15 @@ class IOStats:
 
 
 class Store(ABC):
-    """Async access to the files under one checkpoint root. Paths are relative, '/'-separated."""
+    """Async access to the files under one checkpoint root. Paths are relative, '/'-separated.
+
+    A store is opened (``open_store``, or its constructor inside the ckptfs I/O loop), used,
+    then closed once: ``await store.close()``, or ``async with store:`` which closes it on exit.
+    What a store can do is stated by its capability properties (``supports_writes``,
+    ``supports_deletes``, ``supports_listing``, ``supports_ranged_reads``, ``streams_parts``)
+    and ``read_only``; callers ask them instead of testing the store's class.
+    ``ckptfs.testing.store_tests.StoreTests`` checks an implementation against this contract.
+    """
 
     def __init__(self, url: str, options: StoreOptions | None = None) -> None:
         self.url = url
@@ -81,6 +91,55 @@ class Store(ABC):
         if self._budget is None:
             self._budget = ByteBudget(self.options.max_bytes_in_flight)
         return self._budget
+
+    # -- capabilities --------------------------------------------------------------------
+    @property
+    def read_only(self) -> bool:
+        """True when this store refuses every write and delete with ``ReadOnlyStoreError``
+        (a ``RoutedStore``, a ``ReadOnlyStore`` view); reads work as usual."""
+        return False
+
+    @property
+    def supports_writes(self) -> bool:
+        """Whether this kind of store can write (``put``, ``put_files``, ``put_if_absent``)."""
+        return True
+
+    @property
+    def supports_deletes(self) -> bool:
+        """Whether this kind of store can remove files (``delete``)."""
+        return True
+
+    @property
+    def supports_listing(self) -> bool:
+        """Whether ``list`` returns the files under a prefix."""
+        return True
+
+    @property
+    def supports_ranged_reads(self) -> bool:
+        """Whether ``get_range`` fetches only the bytes asked for (False: it reads the whole
+        file and slices it; the results are the same, the bytes moved are not)."""
+        return True
+
+    @property
+    def streams_parts(self) -> bool:
+        """Whether ``put`` takes ``StreamedPart``s (writing each view before asking for the
+        next); the engine gives other stores host bytes only."""
+        return False
+
+    def check_writable(self, path: str) -> None:
+        """Raise ``ReadOnlyStoreError`` naming the store and ``path`` if this store is read-only
+        (every write and delete method of a store that can be read-only calls it first)."""
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{self.full_path(path)}: the store {self.url} is "
+                                     f"read-only; refused to write or delete {path!r}")
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
 
     def full_path(self, path: str) -> str:
         """The URL of ``path``, for messages."""
@@ -131,10 +190,6 @@ class Store(ABC):
         return [g if isinstance(g, BaseException) else None for g in got]
 
     # -- writing ---------------------------------------------------------------------------
-    #: whether ``put`` takes ``StreamedPart``s (writing each view before asking for the next);
-    #: the engine gives other stores host bytes only
-    streams_parts: bool = False
-
     @abstractmethod
     async def put(self, path: str, parts: Sequence[Part]) -> None:
         """Write the concatenation of ``parts`` as ``path`` (overwriting)."""
@@ -180,4 +235,5 @@ class Store(ABC):
         """Remove files; missing ones are ignored."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release sessions and connections."""
+        """Release sessions and connections. Closing twice is harmless; a store is not used
+        after it is closed."""
