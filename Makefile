@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 # much of the time: two workers on CI's 2 cores cut its wall time by about a third)
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test lint bench bench-async bench-perf bench-venvs mutate clean interop megatron-venvs \
+.PHONY: venv demo test test-fast lint bench bench-async bench-perf bench-venvs mutate clean interop megatron-venvs \
 	megatron-fixtures crash-trials
 
 $(BIN)/python:
@@ -30,6 +30,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
+
+# The fast lane: the tests that start no processes and no servers (`pytest -m "not slow"`).
+# A test that spawns ranks, runs a program in a subprocess or starts moto is marked
+# `@pytest.mark.slow` (a module that only has such tests: `pytestmark = pytest.mark.slow`); tests
+# using the S3 fixtures are marked by tests/conftest.py. In this lane, starting a process or moto
+# fails the test with a message naming the marker it lacks. `make test` runs everything.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=10 -m "not slow" -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev

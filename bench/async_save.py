@@ -540,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.plain and args.world != 1:
         sys.exit("--plain needs --world 1")
+    if args.reps < 2:
+        sys.exit("--reps needs at least 2 (the steady state is the median from the 3rd save on)")
     libs = [x for x in args.libs.split(",") if x]
     if unknown := set(libs) - set(ALL_LIBS):
         sys.exit(f"unknown checkpointers {sorted(unknown)}; choose from {ALL_LIBS}")

@@ -33,7 +33,7 @@ libraries describe and plan it through their own code:
 
 Growth: every figure is also divided by the stored chunk count, per world. Results go to
 bench/results/scale-<time>.json. ``--quick`` runs a small layout (TP4 x PP2 x DP 8/32, 4
-layers) in seconds (tests/test_scale.py runs it).
+layers) in seconds (tests/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations

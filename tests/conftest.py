@@ -1,4 +1,12 @@
-"""Shared fixtures, and the session-wide spec audit (tests/spec_audit.py)."""
+"""Shared fixtures, the session-wide spec audit (tests/spec_audit.py) and the fast lane.
+
+The fast lane (``make test-fast``: ``pytest -m "not slow"``) runs the tests that spawn no ranks
+and start no servers. A test that spawns ranks or runs a program carries ``@pytest.mark.slow``
+(a module of only such tests: ``pytestmark = pytest.mark.slow``); a test that uses the S3
+fixtures (``s3``, ``moto_server``, ``fault_proxy``) is marked here. In the fast lane, starting a process (``multiprocessing``, which spawned ranks use,
+or ``subprocess``) or moto fails the test with a message saying to mark it, so an unmarked slow
+test cannot slip into the lane.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +18,52 @@ import pytest
 
 from tests import spec_audit
 
+SERVER_FIXTURES = frozenset({"moto_server", "fault_proxy", "s3"})
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Before any test (and so before any rank is spawned): where audit records go."""
+    """Before any test (and so before any rank is spawned): the ``slow`` marker, and where
+    audit records go."""
+    config.addinivalue_line("markers", "slow: starts processes (spawned ranks, programs) or a "
+                                       "server (`make test-fast` leaves it out; `make test` runs it)")
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses an S3 server fixture is slow (it starts moto, once per process)."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fast_lane_guard(request):
+    """In the fast lane (a ``-m`` expression with ``not slow``), starting a process (spawned
+    ranks, a subprocess) or moto fails the test at once, naming the marker it lacks. A fixture,
+    not a configure hook: it runs where the tests run, never in xdist's controller."""
+    if "not slow" not in (request.config.getoption("markexpr", "") or ""):
+        yield
+        return
+    import subprocess
+    from multiprocessing.process import BaseProcess
+
+    from moto.server import ThreadedMotoServer
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            pytest.fail(f"this test {what} but is not marked slow: add @pytest.mark.slow (the "
+                        "fast lane, `pytest -m 'not slow'`, starts no processes and no servers)",
+                        pytrace=False)
+        return refused
+
+    saved = BaseProcess.start, subprocess.Popen, ThreadedMotoServer.start
+    BaseProcess.start = refuse("starts a process (spawned ranks?)")
+    subprocess.Popen = refuse("runs a program in a subprocess")  # type: ignore[misc]
+    ThreadedMotoServer.start = refuse("starts a moto server")
+    yield
+    BaseProcess.start, subprocess.Popen, ThreadedMotoServer.start = saved
 
 
 @pytest.fixture(scope="session", autouse=True)

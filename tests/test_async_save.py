@@ -6,11 +6,13 @@ plain subprocess that exits with a save in flight."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -65,24 +67,26 @@ class PausingInCommit(SafetensorsChunksBackend):
 
 
 @contextlib.contextmanager
-def spied_copies(piece: int = 4096):
-    """engine/copies.py with pieces of ``piece`` bytes, each copy slowed a little (so that
-    every thread gets some) and recording the threads that ran them: yields that set of names."""
+def spied_copies():
+    """engine/copies.py's piece copies, each slowed a little (so that every thread gets some)
+    and recording the threads that ran them: yields that set of names (the callers pick small
+    pieces with ``SaveOptions.copy_piece`` or ``copy_all``'s ``piece``)."""
     from ckptfs.engine import copies
 
-    saved = copies.PIECE, copies._copy
+    real = copies._copy
     by: set[str] = set()
 
     def spy(buf, src):
         by.add(threading.current_thread().name)
         time.sleep(0.002)
-        saved[1](buf, src)
+        real(buf, src)
 
-    copies.PIECE, copies._copy = piece, spy
+    copies._copy = spy
     try:
         yield by
     finally:
-        copies.PIECE, copies._copy = saved
+        copies._copy = real
+
 
 def rss() -> int:
     with open("/proc/self/statm") as f:
@@ -115,10 +119,11 @@ def check_loads(rank: int, url: str, value: float) -> None:
     assert target["step"] == int(value)
 
 
-def scenarios(rank: int, world: int, root: str) -> None:
-    index = ckptfs.INDEX_FILE
+INDEX = ckptfs.INDEX_FILE
 
-    # 1. values changed after `staged` do not leak into the checkpoint
+
+def snapshot(rank: int, world: int, root: str) -> None:
+    """Values changed after `staged` do not leak into the checkpoint."""
     sd = state(rank, 1.0)
     h = ckptfs.async_save(sd, f"{root}/snap")
     assert isinstance(h, ckptfs.AsyncSave)
@@ -128,13 +133,15 @@ def scenarios(rank: int, world: int, root: str) -> None:
     res = h.result(timeout=60)
     assert res.url == f"{root}/snap" and res.bytes_written > 0
     check_loads(rank, f"{root}/snap", 1.0)
-    #    staging holds what this rank writes: its shards, and the replicated bias on one rank only
+    # staging holds what this rank writes: its shards, and the replicated bias on one rank only
     per_rank = [0] * world
     dist.all_gather_object(per_rank, background.default_saver().staging_pool().allocator.cached_bytes)
     shards = 2 * 64 * 16 * 4  # w and exp_avg: 64 x 16 fp32 per rank
     assert sorted(per_rank) == [shards, shards + 8 * 8], per_rank
 
-    # 2. a staging failure on rank 1 resolves `staged` and `done` on both ranks; nothing written
+
+def staging_failure(rank: int, world: int, root: str) -> None:
+    """A staging failure on rank 1 resolves `staged` and `done` on both ranks; nothing written."""
     bad = state(rank, 2.0) | ({"x": object()} if rank == 1 else {})
     h = ckptfs.async_save(bad, f"{root}/stagefail")
     err = h.staged.exception(timeout=60)
@@ -142,10 +149,12 @@ def scenarios(rank: int, world: int, root: str) -> None:
     assert isinstance(err, want), repr(err)
     assert "'x'" in str(err)
     assert isinstance(h.done.exception(timeout=60), want)
-    assert not os.path.exists(f"{root}/stagefail/{index}")
+    assert not os.path.exists(f"{root}/stagefail/{INDEX}")
 
-    # 3. a write failure on rank 1: `staged` succeeded, `done` fails on every rank, no index is
-    #    written and the previous checkpoint is untouched
+
+def write_failure(rank: int, world: int, root: str) -> None:
+    """A write failure on rank 1: `staged` succeeded, `done` fails on every rank, no index is
+    written and the previous checkpoint is untouched."""
     register_backend(FailingOnRank1.name, 1, FailingOnRank1, replace=True)
     ckptfs.async_save(state(rank, 3.0), f"{root}/step3").result(timeout=60)
     h = ckptfs.async_save(state(rank, 4.0), f"{root}/step4", backend=FailingOnRank1.name)
@@ -155,20 +164,22 @@ def scenarios(rank: int, world: int, root: str) -> None:
         assert isinstance(err, ckptfs.StorageError) and "disk is full" in str(err), repr(err)
     else:
         assert isinstance(err, ckptfs.RankError) and "disk is full" in str(err), repr(err)
-    assert not os.path.exists(f"{root}/step4/{index}")
+    assert not os.path.exists(f"{root}/step4/{INDEX}")
     check_loads(rank, f"{root}/step3", 3.0)
-    #    the same for a failure in rank 0's commit, once every rank has written its data
+    # the same for a failure in rank 0's commit, once every rank has written its data
     register_backend(FailingInCommit.name, 1, FailingInCommit, replace=True)
     h = ckptfs.async_save(state(rank, 4.5), f"{root}/step4b", backend=FailingInCommit.name)
     err = h.done.exception(timeout=60)
     want = ckptfs.StorageError if rank == 0 else ckptfs.RankError
     assert isinstance(err, want) and "committing" in str(err), repr(err)
     assert h.staged.exception() is None
-    assert not os.path.exists(f"{root}/step4b/{index}")
+    assert not os.path.exists(f"{root}/step4b/{INDEX}")
     check_loads(rank, f"{root}/step3", 3.0)
 
-    # 4. one save in flight: a second async_save returns only after the first is done, and
-    #    save() starts reading its state dict only after the async save in flight is done
+
+def one_save_in_flight(rank: int, world: int, root: str) -> None:
+    """One save in flight: a second async_save returns only after the first is done, and save()
+    starts reading its state dict only after the async save in flight is done."""
     h1 = ckptfs.async_save(state(rank, 5.0, rows=4096), f"{root}/first")
     h2 = ckptfs.async_save(state(rank, 6.0), f"{root}/second")
     assert h1.done.done(), "async_save started while another save was in flight"
@@ -184,10 +195,12 @@ def scenarios(rank: int, world: int, root: str) -> None:
     check_loads(rank, f"{root}/second", 6.0)
     check_loads(rank, f"{root}/third", 7.0)
 
-    # 5. the caller's collectives on the default group, and a ckptfs.load, run while the
-    #    background save sits in its commit collective (rank 0 paused inside it, rank 1 waiting;
-    #    on a shared group this hangs). First: the background's group is gloo, neither the
-    #    caller's nor ckptfs's foreground group (a ckptfs.load runs on that)
+
+def foreground_collectives(rank: int, world: int, root: str) -> None:
+    """The caller's collectives on the default group, and a ckptfs.load, run while the background
+    save sits in its commit collective (rank 0 paused inside it, rank 1 waiting; on a shared group
+    this hangs). First: the background's group is gloo, neither the caller's nor ckptfs's foreground
+    group (a ckptfs.load runs on that)."""
     bg = Comm(None, background=True).group
     assert bg is not None and bg is not dist.group.WORLD, "the background shares the caller's group"
     assert bg is not Comm(None).group, "the background shares ckptfs's foreground group"
@@ -213,7 +226,9 @@ def scenarios(rank: int, world: int, root: str) -> None:
     h.result(timeout=60)
     check_loads(rank, f"{root}/fg", 8.0)
 
-    # 6. buffer reuse: 10 saves of the same structure allocate once, RSS stays flat
+
+def buffer_reuse(rank: int, world: int, root: str) -> None:
+    """Buffer reuse: 10 saves of the same structure allocate once, RSS stays flat."""
     rows = RSS_STATE_MB * 2**20 // (3 * 4 * 16 * 2)  # w + exp_avg (rows x 16 fp32) ~ state / 3
     big = {f"layer{i}": state(rank, 9.0, rows=rows) for i in range(3)}
     mine = sum(t.numel() * t.element_size() for lay in big.values()
@@ -233,9 +248,11 @@ def scenarios(rank: int, world: int, root: str) -> None:
     ckptfs.close()
     assert alloc.cached_bytes == 0
 
-    # 8. staging copies on several threads (pieces of 4 KiB here, so that small tensors are cut)
-    #    give bit-exact checkpoints: DTensor shards (rows and columns), bf16, a non-contiguous
-    #    replicated tensor whose slices the ranks share; values changed after `staged` stay out
+
+def threaded_copies(rank: int, world: int, root: str) -> None:
+    """Staging copies on several threads (pieces of 4 KiB here, so that small tensors are cut) give
+    bit-exact checkpoints: DTensor shards (rows and columns), bf16, a non-contiguous replicated
+    tensor whose slices the ranks share; values changed after `staged` stay out."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -250,7 +267,8 @@ def scenarios(rank: int, world: int, root: str) -> None:
                                          [Shard(1)]),
               "t": full["t"].clone().t().contiguous().t(), "small": full["small"].clone()}
         assert not sd["t"].is_contiguous()
-        h = ckptfs.async_save(sd, f"{root}/threads", options=ckptfs.SaveOptions(copy_threads=3))
+        h = ckptfs.async_save(sd, f"{root}/threads",
+                              options=ckptfs.SaveOptions(copy_threads=3, copy_piece=4096))
         h.wait_staged(timeout=60)
         for t in (sd["rows"].to_local(), sd["cols"].to_local(), sd["t"], sd["small"]):
             t.fill_(7.0)
@@ -261,7 +279,9 @@ def scenarios(rank: int, world: int, root: str) -> None:
     for k, v in full.items():
         assert torch.equal(target[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
 
-    # 7. a subgroup's background group is created by that subgroup's members alone
+
+def subgroup(rank: int, world: int, root: str) -> None:
+    """A subgroup's background group is created by that subgroup's members alone."""
     groups = [dist.new_group([0]), dist.new_group([1])]
     sd = {"v": torch.full((4,), float(rank))}
     ckptfs.async_save(sd, f"{root}/sub{rank}", process_group=groups[rank]).result(timeout=60)
@@ -270,9 +290,88 @@ def scenarios(rank: int, world: int, root: str) -> None:
     assert torch.equal(target["v"], torch.full((4,), float(rank)))
 
 
+#: the scenario's steps, in the order they run on the ranks (later steps load earlier ones'
+#: checkpoints: ``foreground_collectives`` loads ``snapshot``'s)
+STEPS = (snapshot, staging_failure, write_failure, one_save_in_flight, foreground_collectives,
+         buffer_reuse, threaded_copies, subgroup)
+
+
+def scenarios(rank: int, world: int, root: str, out: str) -> None:
+    """Every step in turn on every rank; a step that fails is recorded (its traceback) and the
+    next one runs, after the ranks meet again."""
+    failed: dict[str, str | None] = {}
+    for step in STEPS:
+        try:
+            step(rank, world, root)
+            failed[step.__name__] = None
+        except Exception:
+            failed[step.__name__] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(failed, f)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> list[dict[str, str | None]]:
+    """One spawn of 2 ranks for every step: per rank, each step's traceback or None."""
+    root = tmp_path_factory.mktemp("async_save")
+    out = root / "out"
+    out.mkdir()
+    run_ranks(2, scenarios, str(root / "ck"), str(out), timeout=200)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def passed(outcomes: list[dict[str, str | None]], step) -> None:
+    failed = {r: o[step.__name__] for r, o in enumerate(outcomes) if o[step.__name__] is not None}
+    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_async_save_on_two_ranks(tmp_path):
-    run_ranks(2, scenarios, str(tmp_path), timeout=200)
+def test_values_changed_after_staged_stay_out(outcomes):
+    passed(outcomes, snapshot)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_staging_failure_on_one_rank_fails_every_rank(outcomes):
+    passed(outcomes, staging_failure)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_write_and_commit_failures_leave_the_previous_checkpoint(outcomes):
+    passed(outcomes, write_failure)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_one_save_in_flight(outcomes):
+    passed(outcomes, one_save_in_flight)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_callers_collectives_run_beside_the_background_commit(outcomes):
+    passed(outcomes, foreground_collectives)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_staging_buffers_are_reused_and_rss_stays_flat(outcomes):
+    passed(outcomes, buffer_reuse)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_threaded_staging_copies_are_bit_exact(outcomes):
+    passed(outcomes, threaded_copies)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_subgroups_background_group_needs_only_its_members(outcomes):
+    passed(outcomes, subgroup)
 
 
 EXIT_SCRIPT = """
@@ -285,6 +384,7 @@ print("in flight at exit:", not h.done.done())
 """
 
 
+@pytest.mark.slow  # a subprocess that saves
 def test_exit_waits_for_the_save_in_flight(tmp_path):
     url = str(tmp_path / "ckpt")
     out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, url], check=True, timeout=120,
@@ -308,11 +408,10 @@ def test_threaded_copies_are_bit_exact(monkeypatch):
             torch.randint(0, 255, (40001,), dtype=torch.uint8, generator=g)]
     bufs = [torch.full(s.shape, -1).to(s.dtype) for s in srcs]
     with spied_copies() as by:
-        copies.copy_all(list(zip(bufs, srcs, strict=True)), 3)
+        copies.copy_all(list(zip(bufs, srcs, strict=True)), 3, 4096)
     for b, s in zip(bufs, srcs, strict=True):
         assert torch.equal(b.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
     assert len(by) >= 2, f"the copies ran on {by} only"
-    monkeypatch.setattr(copies, "PIECE", 4096)
 
     def broken(buf, src):
         if src.data_ptr() == srcs[0].data_ptr() + 8192:
@@ -321,7 +420,7 @@ def test_threaded_copies_are_bit_exact(monkeypatch):
 
     monkeypatch.setattr(copies, "_copy", broken)
     with pytest.raises(RuntimeError, match="byte 8192"):
-        copies.copy_all(list(zip(bufs, srcs, strict=True)), 3)
+        copies.copy_all(list(zip(bufs, srcs, strict=True)), 3, 4096)
 
 
 def test_yielding_checksum_equals_one_shot(monkeypatch):

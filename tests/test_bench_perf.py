@@ -15,6 +15,7 @@ CASES = {"W1 save 1", "W1 save 2", "W1 load 1->1", "W1 load 2->2", "W2 load 2->1
          "W6 warm load 2->2"}
 
 
+@pytest.mark.slow
 def test_perf_tiny(tmp_path, capsys):
     rc = perf.main(["--gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
                     "--backends", "safetensors_chunks", "--peers", "DCP,OLMo-core",
@@ -103,6 +104,7 @@ def _order_rank(rank: int, world: int, folder: str, rep: int, out: str) -> None:
         json.dump(log, f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rep", [0, 1])
 def test_the_floor_beside_a_cold_load_leaves_that_load_cold(tmp_path, rep):
     """The own-files floor reads the checkpoint into the page cache: before a load it must come

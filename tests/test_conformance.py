@@ -122,6 +122,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # the whole suite over every pair, in a subprocess (about 90 s quiet)
 def test_conformance_passes_from_an_installed_wheel(wheel_venv: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -150,6 +151,7 @@ def test_conformance_passes_from_an_installed_wheel(wheel_venv: Path, tmp_path: 
             assert any(must in k for k in passed), f"{pair}: {must} did not pass"
 
 
+@pytest.mark.slow
 def test_changed_golden_byte_makes_the_suite_fail(tmp_path: Path) -> None:
     golden = tmp_path / "golden"
     shutil.copytree(GOLDEN_ROOT, golden)
@@ -192,6 +194,7 @@ def _digests(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_make_golden_adds_missing_directories_only(tmp_path: Path) -> None:
     st, npy = Pair("safetensors_chunks", 1), NPY
     shutil.copytree(GoldenDir(GOLDEN_ROOT, st).path, GoldenDir(tmp_path, st).path)
@@ -279,6 +282,7 @@ class NoChecksumNpy(NpyChunksBackend):
 '''
 
 
+@pytest.mark.slow
 def test_suite_fails_backends_that_read_whole_chunks_or_skip_checksums(tmp_path: Path) -> None:
     """The conformance cases that judge reads and integrity, run on two broken variants of the
     example plugin (registered by entry point from a temporary site directory): the variant that

@@ -10,6 +10,8 @@ import pytest
 from tests import crash_trials
 from tests.s3_fixtures import s3_options
 
+pytestmark = pytest.mark.slow  # kills saving processes (and starts moto)
+
 #: (timed kills, step kills) of each backend; on S3 one random step per backend (moto is slow)
 TRIALS = {"local": [(1, 1)] * 4, "s3": [(0, 1)] * 4}
 CALLS: dict[str, int] = {}  #: mutating storage calls per save, by backend (from the local run)

@@ -15,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -22,6 +23,8 @@ import torch.multiprocessing as mp
 import ckptfs
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.testing.ranks import free_port
+
+pytestmark = pytest.mark.slow  # every test spawns ranks
 
 SHORT = 5.0  #: the collective timeout of the never-arriving scenario (seconds)
 LONG = 120.0  #: the timeout of the killed-rank scenarios: an error long before it is no timeout

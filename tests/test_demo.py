@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the examples in subprocesses, on spawned ranks
+
 
 @pytest.mark.timeout(240)
 def test_demo_runs_and_checks_bit_for_bit():

@@ -20,6 +20,8 @@ import ckptfs
 from ckptfs.testing.ranks import run_ranks
 from tests.s3_fixtures import BUCKET, s3_options
 
+pytestmark = pytest.mark.slow  # every test spawns ranks
+
 
 def gather(obj) -> list:
     out = [None] * dist.get_world_size()

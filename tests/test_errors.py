@@ -140,6 +140,7 @@ def _save_uneven(rank: int, world: int, root: str) -> None:
         ckptfs.save(sd, f"{root}/zarr{version}", backend="zarr", backend_version=version)
 
 
+@pytest.mark.slow
 def test_padded_zarr_edge_chunks_are_verified(tmp_path):
     """verify=True checks the crc32c of padded edge chunks too (their real elements)."""
     from ckptfs.testing.ranks import run_ranks

@@ -126,6 +126,7 @@ def _full_disk(root: str, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_save_cleanly(tmp_path):
     prev = _state(4)
     ckptfs.save(prev, tmp_path / "step1")

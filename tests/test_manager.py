@@ -6,6 +6,7 @@ persistence, and the README's training-loop example run as written."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -70,12 +73,23 @@ def flip(path: str, at: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str) -> None:
-    # 1. retention over 20 steps: keep_last=3, keep_every=5; async saves, tensors changed
-    #    as soon as `staged`; after each commit the committed steps are exactly the kept ones
-    mgr = ckptfs.CheckpointManager(url, local_dir=local, retention=ckptfs.Retention(keep_last=3, keep_every=5),
-                                   storage_options=opts, preemption=ckptfs.PreemptionPolicy(signals=()))
-    assert mgr.latest_step() is None and mgr.restore(blank(rank, world)) is None
+@dataclass
+class Run:
+    """What the steps on one rank share: where they save, and the manager steps hand on."""
+
+    url: str
+    local: str
+    opts: dict
+    url2: str
+    mgr: ckptfs.CheckpointManager | None = None
+
+
+def retention(rank: int, world: int, run: Run) -> None:
+    """Retention over 20 steps: keep_last=3, keep_every=5; async saves, tensors changed as soon as
+    `staged`; after each commit the committed steps are exactly the kept ones."""
+    run.mgr = ckptfs.CheckpointManager(run.url, local_dir=run.local, retention=ckptfs.Retention(keep_last=3, keep_every=5),
+                                       storage_options=run.opts, preemption=ckptfs.PreemptionPolicy(signals=()))
+    assert run.mgr.latest_step() is None and run.mgr.restore(blank(rank, world)) is None
     sd = state(rank, world, 1)
     for step in range(1, 21):
         for k, v in state(rank, world, step).items():
@@ -85,54 +99,58 @@ def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str
                 sd["b"].copy_(v)
             else:
                 sd[k] = v
-        h = mgr.save(step, sd)
+        h = run.mgr.save(step, sd)
         assert h.staged.done()  # save() returns once staged, as the README's loop relies on
         sd["w"].local_tensor.fill_(-7)  # after `staged`: must not reach the checkpoint
         h.result(timeout=60)
         kept = expected_kept(list(range(1, step + 1)), 3, 5)
-        assert mgr.steps() == kept, (step, mgr.steps(), kept)
+        assert run.mgr.steps() == kept, (step, run.mgr.steps(), kept)
         dist.barrier()  # every rank's local pruning of this step is over
-        on_disk = sorted(int(n[5:]) for n in os.listdir(local) if n.startswith("step-"))
+        on_disk = sorted(int(n[5:]) for n in os.listdir(run.local) if n.startswith("step-"))
         assert on_disk == kept, (step, on_disk)
-    assert mgr.latest_step() == 20 and mgr.metadata(20).values["step"] == 20
+    assert run.mgr.latest_step() == 20 and run.mgr.metadata(20).values["step"] == 20
     with pytest.raises(ckptfs.CheckpointNotFoundError, match="step 4 is not committed"):
-        mgr.metadata(4)
+        run.mgr.metadata(4)
     # a committed step is refused without force (nothing lost), replaced with it
-    err = mgr.save(20, state(rank, world, 99)).done.exception(timeout=60)
+    err = run.mgr.save(20, state(rank, world, 99)).done.exception(timeout=60)
     assert isinstance(err, (ckptfs.CheckpointExistsError, ckptfs.RankError)), repr(err)
     target = blank(rank, world)
-    assert mgr.restore(target) == 20
+    assert run.mgr.restore(target) == 20
     check(target, rank, world, 20)
 
-    # 2. restore from the local tier: every file local and intact -> 0 remote data bytes
+
+def local_restore(rank: int, world: int, run: Run) -> None:
+    """Restore from the local tier: every file local and intact -> 0 remote data bytes."""
     target = blank(rank, world)
-    assert mgr.restore(target) == 20
+    assert run.mgr.restore(target) == 20
     check(target, rank, world, 20)
-    r = mgr.last_restore
+    r = run.mgr.last_restore
     assert r.remote_bytes == 0 and r.remote_files == () and r.local_bytes > 0, r
     # read once: every chunk checked as it lands, nothing read only to check it
     assert r.local_files and r.checked_bytes == 0 and r.local_bytes == r.load.bytes_read, r
 
-    # 3. a corrupt local copy (rank 0's file, which also holds the replicated bias that both
-    #    ranks read), then a missing one (rank 1's file): each falls back alone, values exact.
-    #    First only rank 0's rows of the weight are spoiled: rank 1 reads nothing else from
-    #    that file (the bias) and keeps reading its copy; then the bias too: both fall back
+
+def local_fallback(rank: int, world: int, run: Run) -> None:
+    """A corrupt local copy (rank 0's file, which also holds the replicated bias that both ranks
+    read), then a missing one (rank 1's file): each falls back alone, values exact. First only rank
+    0's rows of the weight are spoiled: rank 1 reads nothing else from that file (the bias) and
+    keeps reading its copy; then the bias too: both fall back."""
     dist.barrier()
-    f0, f1 = local_files(local, 20)
+    f0, f1 = local_files(run.local, 20)
     assert "r00000" in f0 and "r00001" in f1, (f0, f1)
-    index = mgr.metadata(20)
+    index = run.mgr.metadata(20)
     w0 = next(c for c in index.tensors["w"].chunks if c.offsets == (0, 0))
     bias = index.tensors["b"].chunks[0]
     assert w0.file == bias.file == f0, (w0, bias)
     for spoiled, chunk in ((False, w0), (True, bias)):
         dist.barrier()
         if rank == 0:  # a data byte of the chunk: the size stays right
-            flip(os.path.join(local, "step-00000020", f0), chunk.byte_offset + chunk.byte_length - 3)
+            flip(os.path.join(run.local, "step-00000020", f0), chunk.byte_offset + chunk.byte_length - 3)
         dist.barrier()
         target = blank(rank, world)
-        assert mgr.restore(target, 20) == 20
+        assert run.mgr.restore(target, 20) == 20
         check(target, rank, world, 20)
-        r = mgr.last_restore
+        r = run.mgr.last_restore
         if rank == 1 and not spoiled:
             assert r.remote_files == () and r.local_files == (f0, f1) and r.rejected == (), r
             continue
@@ -140,18 +158,20 @@ def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str
         assert r.local_files == ((f1,) if rank == 1 else ()), r
     dist.barrier()
     if rank == 1:
-        os.remove(os.path.join(local, "step-00000020", f1))
+        os.remove(os.path.join(run.local, "step-00000020", f1))
     dist.barrier()
     target = blank(rank, world)
-    mgr.restore(target, 20)
+    run.mgr.restore(target, 20)
     check(target, rank, world, 20)
-    r = mgr.last_restore
+    r = run.mgr.last_restore
     assert r.remote_files == ((f0, f1) if rank == 1 else (f0,)) and r.rejected == (f0,), r
-    mgr.close()
+    run.mgr.close()
 
-    # 4. SIGTERM on rank 1 at a moment of its own: both ranks save the same step, synchronously,
-    #    then leave with SystemExit(128 + SIGTERM); the training loop runs a collective per step
-    mgr = ckptfs.CheckpointManager(url2, storage_options=opts, save_interval_steps=1000)
+
+def preemption(rank: int, world: int, run: Run) -> None:
+    """SIGTERM on rank 1 at a moment of its own: both ranks save the same step, synchronously, then
+    leave with SystemExit(128 + SIGTERM); the training loop runs a collective per step."""
+    mgr = ckptfs.CheckpointManager(run.url2, storage_options=run.opts, save_interval_steps=1000)
     sd = state(rank, world, 0)
     saved = None
     try:
@@ -173,30 +193,47 @@ def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str
     both = [None, None]
     dist.all_gather_object(both, saved)
     assert both[0] == both[1] and both[0] >= 5, both
-    check_mgr = ckptfs.CheckpointManager(url2, storage_options=opts, preemption=ckptfs.PreemptionPolicy(signals=()))
+    check_mgr = ckptfs.CheckpointManager(run.url2, storage_options=run.opts, preemption=ckptfs.PreemptionPolicy(signals=()))
     assert check_mgr.steps() == [saved]  # committed before SystemExit was raised
     target = blank(rank, world)
     assert check_mgr.restore(target) == saved
     check(target, rank, world, saved)
 
 
-@pytest.mark.timeout(400)
-def test_manager_on_spawned_ranks(tmp_path, s3):
-    url, url2 = f"{s3.url}/run", f"{s3.url}/preempt"
-    local = str(tmp_path / "local")
-    run_ranks(2, two_ranks, url, local, s3.options, url2, timeout=240)
-    # another world size: one process (2 -> 1) takes the whole weight, then a block of rows
-    # that splits both saved shards (partial reads of local copies checked whole); every local
-    # copy but the two spoiled ones is intact: no GET of another data file
-    s3.proxy.reset()
-    mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
+#: the steps on the ranks, in order: ``local_restore`` and ``local_fallback`` use the manager
+#: and the checkpoints of ``retention``
+STEPS = (retention, local_restore, local_fallback, preemption)
+
+
+def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str, out: str) -> None:
+    """Every step in turn; a step that fails is recorded (its traceback), the next one runs
+    after the ranks meet again."""
+    run = Run(url, local, opts, url2)
+    failed: dict[str, str | None] = {}
+    for step in STEPS:
+        try:
+            step(rank, world, run)
+            failed[step.__name__] = None
+        except Exception:
+            failed[step.__name__] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(failed, f)
+
+
+def one_process(url: str, local: str, opts: dict, proxy) -> None:
+    """Another world size: one process (2 -> 1) takes the whole weight, then a block of rows
+    that splits both saved shards (partial reads of local copies checked whole); every local
+    copy but the two spoiled ones is intact: no GET of another data file."""
+    proxy.reset()
+    mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts,
                                    preemption=ckptfs.PreemptionPolicy(signals=()))
     full = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4) + 20000
     target = {"w": torch.zeros(2 * ROWS, 4), "b": torch.zeros(3), "step": -1}
     assert mgr.restore(target) == 20
     assert torch.equal(target["w"], full) and target["step"] == 20
     r = mgr.last_restore
-    gets = {rec.path.split("/step-00000020/")[1] for rec in s3.proxy.log()
+    gets = {rec.path.split("/step-00000020/")[1] for rec in proxy.log()
             if rec.method == "GET" and "/step-00000020/data/" in rec.path}
     assert gets == set(r.remote_files) and len(gets) == 2, (gets, r)
     part = {"w": ckptfs.ShardedTensor(torch.zeros(ROWS, 4), (2 * ROWS, 4), (ROWS // 2, 0))}
@@ -206,6 +243,69 @@ def test_manager_on_spawned_ranks(tmp_path, s3):
     r = mgr.last_restore  # both weight chunks read in part: checked whole before the read
     assert r.remote_files == (f0, f1) and r.rejected == (f0,) and r.checked_bytes > 0, r
     mgr.close()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, moto_server, fault_proxy) -> dict[str, list[str | None]]:
+    """One spawn of 2 ranks for every step, then the one-process restores of what they saved
+    (a clean bucket, through the fault proxy, as the ``s3`` fixture gives): per step, each
+    rank's traceback or None."""
+    from tests.s3_fixtures import BUCKET, reset_bucket, s3_options
+
+    reset_bucket(moto_server)
+    fault_proxy.reset()
+    root = tmp_path_factory.mktemp("manager")
+    out = root / "out"
+    out.mkdir()
+    opts = s3_options(fault_proxy.url)
+    url, url2, local = f"s3://{BUCKET}/run", f"s3://{BUCKET}/preempt", str(root / "local")
+    try:
+        run_ranks(2, two_ranks, url, local, opts, url2, str(out), timeout=240)
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        got = {step.__name__: [o[step.__name__] for o in ranks] for step in STEPS}
+        try:
+            one_process(url, local, opts, fault_proxy)
+            got["one_process"] = [None]
+        except Exception:
+            got["one_process"] = [traceback.format_exc()]
+        return got
+    finally:
+        fault_proxy.reset()
+
+
+def passed(outcomes: dict[str, list[str | None]], step) -> None:
+    failed = {r: tb for r, tb in enumerate(outcomes[step.__name__]) if tb is not None}
+    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_retention_over_20_steps(outcomes):
+    passed(outcomes, retention)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_restore_from_the_local_tier_reads_nothing_remote(outcomes):
+    passed(outcomes, local_restore)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_corrupt_or_missing_local_copy_falls_back_alone(outcomes):
+    passed(outcomes, local_fallback)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigterm_on_one_rank_saves_the_same_step_on_both(outcomes):
+    passed(outcomes, preemption)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_one_process_restores_the_whole_weight_and_a_block_of_rows(outcomes):
+    passed(outcomes, one_process)
 
 
 KILLED = """
@@ -328,6 +428,7 @@ def readme_example() -> str:
     return m.group(1)
 
 
+@pytest.mark.slow  # two processes as ranks
 @pytest.mark.timeout(200)
 def test_readme_training_loop_example(tmp_path):
     """The README's example as written, twice with 2 ranks (torchrun's environment): the first

@@ -21,6 +21,8 @@ import torch
 
 import ckptfs
 
+pytestmark = pytest.mark.slow  # every test spawns ranks
+
 MiB = 1 << 20
 TENSOR = 4 * MiB  #: most tensors
 LARGEST = 8 * MiB  #: one tensor twice as large

@@ -16,6 +16,8 @@ from torch import nn
 import ckptfs
 from ckptfs.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # every test spawns ranks
+
 WORLD = 2
 
 

@@ -12,6 +12,8 @@ import ckptfs
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.testing.ranks import RanksFailed, run_ranks
 
+pytestmark = pytest.mark.slow  # every test spawns ranks
+
 
 def expect_error(fn, *types) -> str:
     try:

@@ -176,6 +176,7 @@ def _save_sharded(rank: int, world: int, root: str, backends: list[tuple[str, in
         ckptfs.save(sd, f"{root}/{name}-{version}", backend=name, backend_version=version)
 
 
+@pytest.mark.slow
 def test_sharded_indexes_validate(tmp_path):
     run_ranks(2, _save_sharded, str(tmp_path), BACKENDS)
     if spec_audit.enabled():  # the session audit read these saves in the spawned coordinator

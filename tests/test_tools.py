@@ -398,6 +398,7 @@ def test_storage_options_and_sizes(tmp_path):
         storage_options(argparse.Namespace(storage_options_file=None, storage_option=["novalue"]))
 
 
+@pytest.mark.slow
 def test_python_m_ckptfs(ckpts, capsys):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "ckptfs", "verify", str(ckpts["hf"][0]), "--quiet"],

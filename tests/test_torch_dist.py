@@ -233,10 +233,12 @@ def root4(root) -> str:
     return root
 
 
+@pytest.mark.slow
 def test_two_to_three_ranks_both_directions(root):
     run_ranks(3, load_world3, root)
 
 
+@pytest.mark.slow
 def test_two_d_mesh_both_directions(root4):
     idx = ckptfs.load_metadata(f"{root4}/ck4")
     assert idx.backend == "torch_dist"
@@ -250,6 +252,7 @@ def test_two_d_mesh_both_directions(root4):
     assert sorted(idx.files) == [f"data/{save_id}/{f}" for f in files[:4]]
 
 
+@pytest.mark.slow
 def test_two_and_four_to_one(root4):
     for src in ("ck2", "ck4"):  # DCP, one process, plain tensors
         sd = make_state(None, None, False)
@@ -271,6 +274,7 @@ def test_two_and_four_to_one(root4):
     assert torch.equal(whole["model"]["big"], reference()["big"])
 
 
+@pytest.mark.slow
 def test_sniffed_index_describes_dcp_checkpoint(root):
     idx = ckptfs.load_metadata(f"{root}/dcp2")
     assert idx.backend == "torch_dist" and idx.writer["library"] == "torch.distributed.checkpoint"

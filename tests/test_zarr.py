@@ -234,10 +234,12 @@ def saved(tmp_path_factory) -> str:
 
 
 # -- round trips -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_resharded_loads_every_variant_and_megatron(saved):
     run_ranks(3, load_all, saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_plain_zarr_python_reads_every_array(saved, name):
     ckptfs.register_zarr_dtypes()  # the one ckptfs hook zarr-python needs: bf16/float8 data types
@@ -255,6 +257,7 @@ def test_plain_zarr_python_reads_every_array(saved, name):
             assert _np_bits(a[1:5, 2:4]) == _bits(t[1:5, 2:4]), (name, path)
 
 
+@pytest.mark.slow
 def test_plain_zarr_python_without_ckptfs_in_the_process(saved):
     """A fresh interpreter that imports only zarr and numpy reads the standard dtypes; the ML
     dtypes need zarr_dtypes.register() (documented), without it zarr-python refuses them."""
@@ -282,6 +285,7 @@ for root in sys.argv[1:]:
     assert lines[1::2] == ["bf16 refused ValueError"] * 2
 
 
+@pytest.mark.slow
 def test_load_keys_and_metadata(saved):
     idx = ckptfs.load_metadata(f"{saved}/v3-shard")
     assert (idx.backend, idx.backend_version) == ("zarr", 3)
@@ -293,6 +297,7 @@ def test_load_keys_and_metadata(saved):
     assert _bits(out[".hidden"]["__dunder"]) == _bits(ref["%2Ehidden/%5F_dunder"])
 
 
+@pytest.mark.slow
 def test_layout_on_disk(saved):
     def files(name, sub):
         return sorted(f for f in os.listdir(f"{saved}/{name}/{sub}") if not f.startswith("."))
@@ -351,6 +356,7 @@ def _target(root: str) -> dict:
     return {"model": {"float32": torch.zeros(ROWS, COLS)}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,chunk", [("v3-blosc-crc", "model/float32/c/0/0"),
                                         ("v2-zstd-crc", "model/float32/0.0"),
                                         ("v3-shard-zstd-crc", "model/float32/c/1/0")])
@@ -366,6 +372,7 @@ def test_codec_checksum_detects_a_flipped_byte(saved, tmp_path, name, chunk):
         zarr.open_group(root, mode="r")["model/float32"][...]
 
 
+@pytest.mark.slow
 def test_v2_crc32c_filter_detects_damage_the_compressor_cannot(saved, tmp_path):
     """v2 applies the crc32c filter inside the compression: a chunk whose raw bytes changed and
     were then compressed again is valid zstd, so only the crc32c filter can catch it (with
@@ -386,6 +393,7 @@ def test_v2_crc32c_filter_detects_damage_the_compressor_cannot(saved, tmp_path):
         ckptfs.load(_target(root), root, strict=False)  # and ckptfs's checksum, when on
 
 
+@pytest.mark.slow
 def test_raw_chunk_corruption_fails_the_index_checksum(saved, tmp_path):
     root = _copy(saved, "v3", tmp_path)
     _flip(f"{root}/model/float32/c/0/0")
@@ -393,6 +401,7 @@ def test_raw_chunk_corruption_fails_the_index_checksum(saved, tmp_path):
         ckptfs.load(_target(root), root, strict=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,chunk", [("v2", "model/float32/1.0"),
                                         ("v3-blosc-crc", "model/float32/c/1/0")])
 def test_missing_chunk_is_an_error_naming_the_key(saved, tmp_path, name, chunk):
@@ -407,6 +416,7 @@ def test_missing_chunk_is_an_error_naming_the_key(saved, tmp_path, name, chunk):
 
 
 # -- Megatron-Core ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_megatron_metadata_and_whole_tensors(saved):
     root = f"{saved}/megatron"
     idx = ckptfs.load_metadata(root)
@@ -421,6 +431,7 @@ def test_megatron_metadata_and_whole_tensors(saved):
     assert {k: out[k] for k in MEGATRON_COMMON} == MEGATRON_COMMON
 
 
+@pytest.mark.slow
 def test_megatron_missing_chunk_named(saved, tmp_path):
     root = str(tmp_path / "m")
     shutil.copytree(f"{saved}/megatron", root)

@@ -16,6 +16,10 @@ thread, where every rank calls save/load/``async_save`` in the same order: over 
 group it is a plain ``new_group`` (every rank of the job takes part); over a subgroup it uses
 ``use_local_synchronization`` so only that subgroup's members need to call it.
 
+On torch's "fake" backend (a world of one real process whose collectives do nothing, for
+planning at a scale no machine runs) there are no peers to connect: ckptfs's groups are fake
+groups too, so a save or load can be planned in such a world.
+
 A group that failed a collective is forgotten (``drop``), not destroyed: destroying it on the
 ranks that noticed would change the number of groups torch counts there but not on the others,
 and torch names later groups by that count. The background groups are destroyed by
@@ -51,10 +55,11 @@ def own_group(group: dist.ProcessGroup | None, lane: str, timeout: float) -> dis
             return g
         t = timedelta(seconds=timeout)
         desc = f"ckptfs_{lane}"
+        backend = "fake" if dist.get_backend() == "fake" else "gloo"
         if whole:
-            g = dist.new_group(backend="gloo", timeout=t, group_desc=desc)
+            g = dist.new_group(backend=backend, timeout=t, group_desc=desc)
         else:
-            g = dist.new_group(list(ranks), backend="gloo", timeout=t,
+            g = dist.new_group(list(ranks), backend=backend, timeout=t,
                                use_local_synchronization=True, group_desc=desc)
         _groups[key] = g
         return g

@@ -335,47 +335,9 @@ class Index:
     def from_dict(cls, d: Mapping[str, Json], source: str = INDEX_FILE) -> Index:
         """Parse and check in the order of formats/README.md §7: ``format``, ``format_version``,
         ``required_features``, then every other field. Errors name ``source`` and the field."""
-        if not isinstance(d, Mapping):
-            raise MalformedIndexError(f"{source}: the index must be a JSON object")
-        fmt = d.get("format")
-        if fmt != FORMAT_NAME:
-            raise FormatVersionError(f"{source}: field 'format' is {fmt!r}, expected 'ckptfs'")
-        ver = _req(d, "format_version", int, source)
-        if ver not in SUPPORTED_FORMAT_VERSIONS:
-            raise FormatVersionError(
-                f"{source}: format_version {ver} is not supported by this ckptfs; "
-                f"supported format versions: {list(SUPPORTED_FORMAT_VERSIONS)}"
-            )
-        features = tuple(_opt(d, "required_features", list, source) or ())
-        if not all(isinstance(f, str) for f in features):
-            raise MalformedIndexError(f"{source}: field 'required_features' must be a list of "
-                                      f"strings: {list(features)!r}")
-        unknown = sorted(set(features) - KNOWN_FEATURES)
-        if unknown:
-            raise FormatVersionError(
-                f"{source}: required feature(s) {unknown} are unknown to this ckptfs; "
-                f"known features: {sorted(KNOWN_FEATURES)}"
-            )
+        ver, features = _header(d, source)
         be = _req(d, "backend", dict, source)
-        files = _file_sizes(d, "files", source)
-        table: list[str] | None = None
-        if PACKED_CHUNKS in features:  # the data files come from the file table (§2.3)
-            if "files" in d:
-                raise MalformedIndexError(f"{source}: a packed index lists its data files in "
-                                          f"'file_table', not in 'files' (formats/README.md §2.3)")
-            table = _file_table(_req(d, "file_table", dict, source), files, source)
-        backend_files = _file_sizes(d, "backend_files", source)
-        both = sorted(files.keys() & backend_files.keys())
-        if both:
-            raise MalformedIndexError(f"{source}: {both[0]!r} is in both 'files' and 'backend_files'")
-        sums = _opt(d, "file_checksums", dict, source) or {}
-        for path, value in sums.items():
-            if path not in files and path not in backend_files:
-                raise MalformedIndexError(f"{source}: file_checksums[{path!r}]: the file is in "
-                                          f"neither 'files' nor 'backend_files'")
-            if not isinstance(value, str) or not CHECKSUM_PATTERN.fullmatch(value):
-                raise MalformedIndexError(f"{source}: file_checksums[{path!r}] is {value!r}, not "
-                                          f"'crc32c:' and 8 lowercase hex digits")
+        files, table, backend_files, sums = _file_fields(d, features, source)
         own = _opt(d, "index_checksum", str, source)
         if own is not None and not CHECKSUM_PATTERN.fullmatch(own):
             raise MalformedIndexError(f"{source}: index_checksum is {own!r}, not 'crc32c:' and 8 "
@@ -567,6 +529,61 @@ def _lone_surrogate(node: Any, where: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+# -- the header and the file fields (formats/README.md §7, §2.3) ---------------------------------
+
+def _header(d: Mapping[str, Json], source: str) -> tuple[int, tuple[str, ...]]:
+    """``format``, ``format_version`` and ``required_features`` checked first (formats/README.md
+    §7): the version and the features."""
+    if not isinstance(d, Mapping):
+        raise MalformedIndexError(f"{source}: the index must be a JSON object")
+    fmt = d.get("format")
+    if fmt != FORMAT_NAME:
+        raise FormatVersionError(f"{source}: field 'format' is {fmt!r}, expected 'ckptfs'")
+    ver = _req(d, "format_version", int, source)
+    if ver not in SUPPORTED_FORMAT_VERSIONS:
+        raise FormatVersionError(
+            f"{source}: format_version {ver} is not supported by this ckptfs; "
+            f"supported format versions: {list(SUPPORTED_FORMAT_VERSIONS)}"
+        )
+    features = tuple(_opt(d, "required_features", list, source) or ())
+    if not all(isinstance(f, str) for f in features):
+        raise MalformedIndexError(f"{source}: field 'required_features' must be a list of "
+                                  f"strings: {list(features)!r}")
+    unknown = sorted(set(features) - KNOWN_FEATURES)
+    if unknown:
+        raise FormatVersionError(
+            f"{source}: required feature(s) {unknown} are unknown to this ckptfs; "
+            f"known features: {sorted(KNOWN_FEATURES)}"
+        )
+    return ver, features
+
+
+def _file_fields(d: Mapping[str, Json], features: tuple[str, ...], source: str
+                 ) -> tuple[dict[str, int], list[str] | None, dict[str, int], dict[str, str]]:
+    """``files`` (or the packed ``file_table``), ``backend_files`` and ``file_checksums``,
+    checked against each other: (data files, the file table or None, backend files, checksums)."""
+    files = _file_sizes(d, "files", source)
+    table: list[str] | None = None
+    if PACKED_CHUNKS in features:  # the data files come from the file table (§2.3)
+        if "files" in d:
+            raise MalformedIndexError(f"{source}: a packed index lists its data files in "
+                                      f"'file_table', not in 'files' (formats/README.md §2.3)")
+        table = _file_table(_req(d, "file_table", dict, source), files, source)
+    backend_files = _file_sizes(d, "backend_files", source)
+    both = sorted(files.keys() & backend_files.keys())
+    if both:
+        raise MalformedIndexError(f"{source}: {both[0]!r} is in both 'files' and 'backend_files'")
+    sums = _opt(d, "file_checksums", dict, source) or {}
+    for path, value in sums.items():
+        if path not in files and path not in backend_files:
+            raise MalformedIndexError(f"{source}: file_checksums[{path!r}]: the file is in "
+                                      f"neither 'files' nor 'backend_files'")
+        if not isinstance(value, str) or not CHECKSUM_PATTERN.fullmatch(value):
+            raise MalformedIndexError(f"{source}: file_checksums[{path!r}] is {value!r}, not "
+                                      f"'crc32c:' and 8 lowercase hex digits")
+    return files, table, backend_files, sums
 
 
 # -- keys and order (formats/README.md §3) ---------------------------------------------------------

@@ -21,6 +21,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ckptfs.errors import ShardingError
 from ckptfs.layout.boxes import Box, full_box
@@ -55,19 +56,78 @@ class Group:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class KeyLayout:
-    """The agreed layout of one key over the whole process group."""
+    """The agreed layout of one key over the whole process group: one of ``PlainLayout``,
+    ``MeshLayout``, ``ExplicitLayout`` (planning/layouts.py's three kinds)."""
 
+    kind: ClassVar[str]  #: "plain", "mesh" or "explicit"
     key: str
     dtype: str
     shape: tuple[int, ...]
     itemsize: int
-    kind: str  #: "plain", "mesh" or "explicit" (planning/layouts.py)
-    scope: Group | None = None  #: plain: the ranks holding a replica
-    mesh: MeshSpec | None = None  #: mesh: the DTensor's mesh ...
-    placements: tuple[int, ...] = ()  #: ... and placements
-    shards: Mapping[Box, Group] | None = None  #: explicit: every non-empty box -> its holders
-    owned: Mapping[int, Box] | None = None  #: explicit: rank -> the non-empty box it holds
-    groups: dict | None = None  #: mesh: memo of holder groups (shared by the mesh's keys)
+
+    def region_of(self, rank: int) -> tuple[Box, Group] | None:
+        """The region ``rank`` holds, or None."""
+        raise NotImplementedError
+
+    def regions(self) -> Iterator[tuple[Box, Group]]:
+        """Every region (distinct non-empty boxes and their holders)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlainLayout(KeyLayout):
+    """A plain tensor: one replica on every rank of ``scope``."""
+
+    kind: ClassVar[str] = "plain"
+    scope: Group  #: the ranks holding a replica
+
+    def region_of(self, rank: int) -> tuple[Box, Group] | None:
+        return None if _empty(self.shape) else (full_box(self.shape), self.scope)
+
+    def regions(self) -> Iterator[tuple[Box, Group]]:
+        if not _empty(self.shape):
+            yield full_box(self.shape), self.scope
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MeshLayout(KeyLayout):
+    """A DTensor: its boxes and holders follow from the mesh and the placements."""
+
+    kind: ClassVar[str] = "mesh"
+    mesh: MeshSpec
+    placements: tuple[int, ...]
+    groups: dict  #: memo of holder groups (shared by the mesh's keys)
+
+    def region_of(self, rank: int) -> tuple[Box, Group] | None:
+        coord = self.mesh.coordinate(rank)
+        if coord is None:
+            return None
+        box = mesh_box(self.shape, self.mesh, self.placements, coord)
+        return (box, _mesh_group(self, coord)) if box.volume else None
+
+    def regions(self) -> Iterator[tuple[Box, Group]]:
+        axes = [range(n) if d != REPLICATE else range(1)
+                for n, d in zip(self.mesh.shape, self.placements, strict=True)]
+        for coord in itertools.product(*axes):
+            box = mesh_box(self.shape, self.mesh, self.placements, coord)
+            if box.volume:
+                yield box, _mesh_group(self, coord)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExplicitLayout(KeyLayout):
+    """Shards given box by box (ShardedTensor, or a key held in several ways)."""
+
+    kind: ClassVar[str] = "explicit"
+    shards: Mapping[Box, Group]  #: every non-empty box -> its holders
+    owned: Mapping[int, Box]  #: rank -> the non-empty box it holds
+
+    def region_of(self, rank: int) -> tuple[Box, Group] | None:
+        box = self.owned.get(rank)
+        return None if box is None else (box, self.shards[box])
+
+    def regions(self) -> Iterator[tuple[Box, Group]]:
+        yield from self.shards.items()
 
 
 def _empty(shape: tuple[int, ...]) -> bool:
@@ -76,42 +136,17 @@ def _empty(shape: tuple[int, ...]) -> bool:
 
 def region_of(lay: KeyLayout, rank: int) -> tuple[Box, Group] | None:
     """The region ``rank`` holds of ``lay``, or None."""
-    if lay.kind == "plain":
-        if _empty(lay.shape):
-            return None
-        return full_box(lay.shape), lay.scope  # type: ignore[return-value]
-    if lay.kind == "mesh":
-        coord = lay.mesh.coordinate(rank)  # type: ignore[union-attr]
-        if coord is None:
-            return None
-        box = mesh_box(lay.shape, lay.mesh, lay.placements, coord)  # type: ignore[arg-type]
-        return (box, _mesh_group(lay, coord)) if box.volume else None
-    box = lay.owned.get(rank)  # type: ignore[union-attr]
-    return None if box is None else (box, lay.shards[box])  # type: ignore[index]
+    return lay.region_of(rank)
 
 
 def regions(lay: KeyLayout) -> Iterator[tuple[Box, Group]]:
     """Every region of ``lay`` (distinct non-empty boxes and their holders)."""
-    if lay.kind == "plain":
-        if not _empty(lay.shape):
-            yield full_box(lay.shape), lay.scope  # type: ignore[misc]
-    elif lay.kind == "mesh":
-        mesh = lay.mesh
-        assert mesh is not None
-        axes = [range(n) if d != REPLICATE else range(1)
-                for n, d in zip(mesh.shape, lay.placements, strict=True)]
-        for coord in itertools.product(*axes):
-            box = mesh_box(lay.shape, mesh, lay.placements, coord)
-            if box.volume:
-                yield box, _mesh_group(lay, coord)
-    else:
-        yield from lay.shards.items()  # type: ignore[union-attr]
+    return lay.regions()
 
 
-def _mesh_group(lay: KeyLayout, coord: Sequence[int]) -> Group:
+def _mesh_group(lay: MeshLayout, coord: Sequence[int]) -> Group:
     """The ranks sharing ``coord``'s shard: every coordinate along the replicating mesh dims."""
     mesh = lay.mesh
-    assert mesh is not None and lay.groups is not None
     fixed = tuple(c if d != REPLICATE else -1 for c, d in zip(coord, lay.placements, strict=True))
     g = lay.groups.get(fixed)
     if g is None:
@@ -323,25 +358,39 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{' ...' if len(ranks) > 6 else ''}"
 
 
+@dataclass(frozen=True)
+class _Ranks:
+    """Who holds which description: what every key's agreement looks up."""
+
+    descs: Sequence[Description]
+    owners: Sequence[int]  #: rank -> index into ``descs``
+    members: list[list[int]]  #: description -> its ranks
+    scope_of: list[Group]  #: description -> the ranks its plain state is replicated over
+    cover: list[frozenset[int]]  #: description -> the descriptions of the ranks in its scope
+
+    @classmethod
+    def of(cls, descs: Sequence[Description], owners: Sequence[int]) -> _Ranks:
+        world = len(owners)
+        members: list[list[int]] = [[] for _ in descs]
+        for r, i in enumerate(owners):
+            members[i].append(r)
+        scopes: dict[tuple[int, ...], Group] = {}
+        scope_of: list[Group] = []
+        cover: list[frozenset[int]] = []
+        for d in descs:
+            s = d.scope(world)
+            scope_of.append(scopes.setdefault(s, Group(s)))
+            cover.append(frozenset(owners[r] for r in s))
+        return cls(descs, owners, members, scope_of, cover)
+
+
 def agree_layouts(descs: Sequence[Description], owners: Sequence[int],
                   itemsize: Callable[[str], int]) -> dict[str, KeyLayout]:
     """One layout per key from the distinct descriptions ``descs``; ``owners[r]`` is rank r's
     description. Raises ShardingError naming the key, the region and the ranks at fault."""
-    world = len(owners)
-    members: list[list[int]] = [[] for _ in descs]
-    for r, i in enumerate(owners):
-        members[i].append(r)
-    scopes: dict[tuple[int, ...], Group] = {}
-    scope_of: list[Group] = []
-    cover: list[frozenset[int]] = []  # descriptions whose ranks meet the description's scope
-    for d in descs:
-        s = d.scope(world)
-        g = scopes.setdefault(s, Group(s))
-        scope_of.append(g)
-        cover.append(frozenset(owners[r] for r in s))
+    ranks = _Ranks.of(descs, owners)
     meshes: dict[MeshSpec, MeshSpec] = {}  # one object per distinct mesh
     groups: dict[int, dict] = {}  # holder groups, shared by every key on one mesh
-
     by_key: dict[str, list[tuple[int, Layout]]] = defaultdict(list)
     for i, d in enumerate(descs):
         for key, lay in d.tensors:
@@ -350,54 +399,74 @@ def agree_layouts(descs: Sequence[Description], owners: Sequence[int],
     out: dict[str, KeyLayout] = {}
     for key in sorted(by_key):
         entries = by_key[key]
-        i0, first = entries[0]
-        for i, lay in entries[1:]:
-            if lay.dtype != first.dtype or lay.shape != first.shape:
-                raise ShardingError(
-                    f"key {key!r}: ranks disagree: {_ranks(members[i0])} hold "
-                    f"{first.dtype} {list(first.shape)}, {_ranks(members[i])} hold "
-                    f"{lay.dtype} {list(lay.shape)}")
+        _check_alike(key, entries, ranks.members)
+        first = entries[0][1]
         isz = itemsize(first.dtype)
         kinds = {lay.kind for _, lay in entries}
+        got: KeyLayout | None = None
         if kinds == {"plain"}:
-            holders = {i for i, _ in entries}
-            for i, _ in entries:
-                if not cover[i] <= holders:
-                    have = sorted(r for j in holders for r in members[j])
-                    lack = sorted(r for r in scope_of[i].ranks if owners[r] not in holders)
-                    raise ShardingError(
-                        f"key {key!r}: a plain tensor is held by {_ranks(have)} but not by "
-                        f"{_ranks(lack)}. A plain tensor is a replica that every rank holds (every "
-                        f"rank of its pipeline stage, i.e. of the meshes of the rank's DTensors); "
-                        f"save state that differs per rank with ckptfs.PerRank, a shard with "
-                        f"ckptfs.ShardedTensor or a DTensor")
-            scope = scope_of[i0]
-            if any(scope_of[i] is not scope for i, _ in entries):
-                scope = Group(tuple(sorted(r for i, _ in entries for r in members[i])))
-            out[key] = KeyLayout(key, first.dtype, first.shape, isz, "plain", scope=scope)
-            continue
-        if kinds == {"mesh"}:
-            specs = {(descs[i].meshes[lay.mesh], lay.placements) for i, lay in entries}  # type: ignore[index]
-            if len(specs) == 1:
-                (mesh, placements), = specs
-                mesh = meshes.setdefault(mesh, mesh)
-                held = sum(len(members[i]) for i, _ in entries)
-                if held != len(mesh.ranks):
-                    have = {r for i, _ in entries for r in members[i]}
-                    lack = [r for r in mesh.ranks if r not in have]
-                    raise ShardingError(
-                        f"key {key!r}: DTensor on a mesh of ranks {_ranks(list(mesh.ranks))} is "
-                        f"not saved by {_ranks(lack)} (every rank of a DTensor's mesh must "
-                        f"save it)")
-                out[key] = KeyLayout(key, first.dtype, first.shape, isz, "mesh", mesh=mesh,
-                                     placements=placements, groups=groups.setdefault(id(mesh), {}))
-                continue
-        out[key] = _explicit(key, first, isz, entries, descs, members)
+            got = _plain(key, first, isz, entries, ranks)
+        elif kinds == {"mesh"}:
+            got = _mesh(key, first, isz, entries, ranks, meshes, groups)
+        out[key] = got or _explicit(key, first, isz, entries, descs, ranks.members)
     return out
 
 
+def _check_alike(key: str, entries: list[tuple[int, Layout]], members: list[list[int]]) -> None:
+    """Every description holds ``key`` with the same dtype and shape."""
+    i0, first = entries[0]
+    for i, lay in entries[1:]:
+        if lay.dtype != first.dtype or lay.shape != first.shape:
+            raise ShardingError(
+                f"key {key!r}: ranks disagree: {_ranks(members[i0])} hold "
+                f"{first.dtype} {list(first.shape)}, {_ranks(members[i])} hold "
+                f"{lay.dtype} {list(lay.shape)}")
+
+
+def _plain(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout]],
+           ranks: _Ranks) -> PlainLayout:
+    """A plain tensor, held by every rank of each holder's scope."""
+    members, scope_of = ranks.members, ranks.scope_of
+    holders = {i for i, _ in entries}
+    for i, _ in entries:
+        if not ranks.cover[i] <= holders:
+            have = sorted(r for j in holders for r in members[j])
+            lack = sorted(r for r in scope_of[i].ranks if ranks.owners[r] not in holders)
+            raise ShardingError(
+                f"key {key!r}: a plain tensor is held by {_ranks(have)} but not by "
+                f"{_ranks(lack)}. A plain tensor is a replica that every rank holds (every "
+                f"rank of its pipeline stage, i.e. of the meshes of the rank's DTensors); "
+                f"save state that differs per rank with ckptfs.PerRank, a shard with "
+                f"ckptfs.ShardedTensor or a DTensor")
+    scope = scope_of[entries[0][0]]
+    if any(scope_of[i] is not scope for i, _ in entries):
+        scope = Group(tuple(sorted(r for i, _ in entries for r in members[i])))
+    return PlainLayout(key, first.dtype, first.shape, isz, scope=scope)
+
+
+def _mesh(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout]], ranks: _Ranks,
+          meshes: dict[MeshSpec, MeshSpec], groups: dict[int, dict]) -> MeshLayout | None:
+    """A DTensor held on one mesh with one placement everywhere, saved by every rank of the
+    mesh; None where the descriptions hold it in several ways (explicit boxes then)."""
+    specs = {(ranks.descs[i].meshes[lay.mesh], lay.placements) for i, lay in entries}  # type: ignore[index]
+    if len(specs) != 1:
+        return None
+    (mesh, placements), = specs
+    mesh = meshes.setdefault(mesh, mesh)
+    held = sum(len(ranks.members[i]) for i, _ in entries)
+    if held != len(mesh.ranks):
+        have = {r for i, _ in entries for r in ranks.members[i]}
+        lack = [r for r in mesh.ranks if r not in have]
+        raise ShardingError(
+            f"key {key!r}: DTensor on a mesh of ranks {_ranks(list(mesh.ranks))} is "
+            f"not saved by {_ranks(lack)} (every rank of a DTensor's mesh must "
+            f"save it)")
+    return MeshLayout(key, first.dtype, first.shape, isz, mesh=mesh, placements=placements,
+                      groups=groups.setdefault(id(mesh), {}))
+
+
 def _explicit(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout]],
-              descs: Sequence[Description], members: list[list[int]]) -> KeyLayout:
+              descs: Sequence[Description], members: list[list[int]]) -> ExplicitLayout:
     """Every rank's box, checked: in bounds, distinct replica ids per box, tiling."""
     shape = first.shape
     seen: dict[tuple[Box, int], int] = {}
@@ -428,4 +497,4 @@ def _explicit(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout
     check_tiling(key, shape, holders)
     shards = {b: Group(tuple(sorted(rs))) for b, rs in sorted(holders.items())}
     owned = {r: b for b, g in shards.items() for r in g.ranks}
-    return KeyLayout(key, first.dtype, shape, isz, "explicit", shards=shards, owned=owned)
+    return ExplicitLayout(key, first.dtype, shape, isz, shards=shards, owned=owned)

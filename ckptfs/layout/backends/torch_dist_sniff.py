@@ -86,10 +86,43 @@ async def _megatron_config(reader: ByteReader) -> dict[str, Any] | bool | None:
 
 async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str, version: int,
                  megatron: dict[str, Any] | None) -> Index:
-    tensors: dict[str, TensorEntry] = {}
-    values: dict[str, Any] = {}
-    containers: dict[str, str] = {}
     files: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    tensors, paths, byte_items, order = _walk_items(md, source, megatron, files)
+    containers: dict[str, str] = {}
+    skipped, common = await _read_values(reader, byte_items, megatron, files, values, containers,
+                                         order)
+    containers.update(containers_of_paths(paths.values()))
+    writer: dict[str, Any] = {"library": "torch.distributed.checkpoint", "dcp_version": md.version,
+                              "read_from": METADATA,
+                              "pickle_globals": sorted(md.globals_seen)}
+    if megatron is not None:
+        writer["megatron"] = megatron
+        if await reader.exists(mc.COMMON_FILE):  # Megatron reads common.pt first when present
+            common = await read_common_file(reader)
+        if common is not None:
+            mc.merge_common(common[0], common[1], values, containers, {*tensors, *values}, order)
+    if skipped:
+        warnings.warn(
+            f"{source}: {len(skipped)} value(s) are not plain Python values and are left out of "
+            f"the index (loading them raises a missing-key error): {'; '.join(skipped[:10])}"
+            f"{' ...' if len(skipped) > 10 else ''}", stacklevel=3)
+    clash = sorted(set(containers) & (set(values) | set(tensors)))
+    if clash:
+        raise MalformedIndexError(f"{source}: key {clash[0]!r} is both a container and a leaf")
+    keys = {*tensors, *values, *containers}
+    return Index(backend=backend, backend_version=version, tensors=dict(sorted(tensors.items())),
+                 values=values, containers=containers, files=dict(sorted(files.items())),
+                 writer=writer, order=(*(k for k in order if k in keys),
+                                       *sorted(keys.difference(order))))
+
+
+def _walk_items(md: DcpMetadata, source: str, megatron: dict[str, Any] | None,
+                files: dict[str, int]) -> tuple[dict[str, TensorEntry], dict[str, tuple],
+                                                 list[tuple[str, str, DcpStorage]], dict[str, None]]:
+    """Every item of ``.metadata`` once, in DCP's order: the tensors' entries (their files
+    grown into ``files``), each key's DCP path, the byte items still to read, and the order."""
+    tensors: dict[str, TensorEntry] = {}
     paths: dict[str, tuple] = {}
     byte_items: list[tuple[str, str, DcpStorage]] = []
     # DCP lists its items in the order it walked the saved state dict: that order, containers
@@ -115,6 +148,15 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
             raise MalformedIndexError(f"{source}: DCP items {paths[key]!r} and {path!r} both map "
                                       f"to ckptfs key {key!r}")
         paths[key] = path
+    return tensors, paths, byte_items, order
+
+
+async def _read_values(reader: ByteReader, byte_items: list[tuple[str, str, DcpStorage]],
+                       megatron: dict[str, Any] | None, files: dict[str, int],
+                       values: dict[str, Any], containers: dict[str, str], order: dict[str, None]
+                       ) -> tuple[list[str], tuple[Any, str] | None]:
+    """The byte items read (concurrently) and expanded into ``values`` and ``containers``:
+    (what was skipped and why, Megatron's common state and where it is, or None)."""
     skipped: list[str] = []
     common: tuple[Any, str] | None = None
 
@@ -125,8 +167,9 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
     for fqn, key, st, data in await asyncio.gather(*(fetch(*b) for b in byte_items)):
         _grow(files, st)
         where = f"{_where(reader, st.relative_path)} (item {fqn!r})"
+        is_common = megatron is not None and fqn == mc.COMMON_STATE
         if st.transforms:
-            if megatron is not None and fqn == mc.COMMON_STATE:
+            if is_common:
                 raise UnsupportedValueError(f"{where}: stored with DCP transforms "
                                             f"{list(st.transforms)}; ckptfs cannot read it")
             skipped.append(f"{key} (DCP transforms {list(st.transforms)})")
@@ -134,40 +177,17 @@ async def _index(md: DcpMetadata, reader: ByteReader, source: str, backend: str,
         try:
             obj = read_value_blob(data, where)
         except MalformedIndexError as e:
-            if megatron is not None and fqn == mc.COMMON_STATE:
+            if is_common:
                 raise
             skipped.append(f"{key} ({e})")
             continue
-        if megatron is not None:
-            if fqn == mc.COMMON_STATE:
-                common = (mc.common_of_item(obj, where), where)
-                continue
-            if mc.SHARDED_OBJECT.fullmatch(fqn):
-                obj = mc.sharded_object(obj)
+        if is_common:
+            common = (mc.common_of_item(obj, where), where)
+            continue
+        if megatron is not None and mc.SHARDED_OBJECT.fullmatch(fqn):
+            obj = mc.sharded_object(obj)
         expand_value(key, obj, values, containers, skipped, order)
-    containers.update(containers_of_paths(paths.values()))
-    writer: dict[str, Any] = {"library": "torch.distributed.checkpoint", "dcp_version": md.version,
-                              "read_from": METADATA,
-                              "pickle_globals": sorted(md.globals_seen)}
-    if megatron is not None:
-        writer["megatron"] = megatron
-        if await reader.exists(mc.COMMON_FILE):  # Megatron reads common.pt first when present
-            common = await read_common_file(reader)
-        if common is not None:
-            mc.merge_common(common[0], common[1], values, containers, {*tensors, *values}, order)
-    if skipped:
-        warnings.warn(
-            f"{source}: {len(skipped)} value(s) are not plain Python values and are left out of "
-            f"the index (loading them raises a missing-key error): {'; '.join(skipped[:10])}"
-            f"{' ...' if len(skipped) > 10 else ''}", stacklevel=3)
-    clash = sorted(set(containers) & (set(values) | set(tensors)))
-    if clash:
-        raise MalformedIndexError(f"{source}: key {clash[0]!r} is both a container and a leaf")
-    keys = {*tensors, *values, *containers}
-    return Index(backend=backend, backend_version=version, tensors=dict(sorted(tensors.items())),
-                 values=values, containers=containers, files=dict(sorted(files.items())),
-                 writer=writer, order=(*(k for k in order if k in keys),
-                                       *sorted(keys.difference(order))))
+    return skipped, common
 
 
 async def read_common_file(reader: ByteReader) -> tuple[Any, str]:

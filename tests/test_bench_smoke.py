@@ -1,0 +1,117 @@
+"""Every bench module with a ``main`` runs end to end at its smallest size, as ``python -m
+bench.NAME`` runs it (a subprocess), so a bench that breaks fails the suite: it exits 0, prints
+its table and, where it keeps results, writes its JSON.
+
+The bench package is copied into the test's directory and put first on the path, so that
+results land there and not in the checkout's ``bench/results/``. ``bench.gpu`` and ``bench.perf``
+(with its worker ``bench.perf_world``) have end-to-end tests of their own; the first test below
+checks that no bench module is left without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+
+#: bench modules whose end-to-end run lives in another test file: (that file, what it imports)
+COVERED_ELSEWHERE = {
+    "gpu": ("tests/test_bench_gpu.py", "from bench import gpu"),
+    "perf": ("tests/test_bench_perf.py", "from bench import perf"),
+    "perf_world": ("tests/test_bench_perf.py", "from bench import perf"),  # bench.perf spawns it
+}
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """One bench's smallest run and what proves it completed."""
+
+    args: tuple[str, ...]
+    prints: tuple[str, ...]  #: lines of its table that must be in its output
+    writes: str | None = None  #: the results file it writes, a glob under bench/results/
+
+
+def _gpu_tune() -> Smoke:
+    if torch.cuda.is_available():
+        return Smoke(("--gb", "0.01", "--pieces", "4", "--rings", "256/4/16"), ("pinned H2D",))
+    return Smoke(("--gb", "0.01"), ("bench.gpu_tune needs a CUDA GPU",))
+
+
+SMOKES = {
+    "scale": Smoke(("--quick", "--variants", "zero1"),
+                   ("| world | variant | chunks (ckptfs / DCP) |", "| 64 | zero1 |", "| 256 | zero1 |",
+                    "| 256 | zero1 -> other |", "growth per stored chunk"), "scale-*.json"),
+    "gpu_tune": _gpu_tune(),
+    "zarr_quick": Smoke(("--gb", "0.001", "--runs", "1", "--dir", "{tmp}/zarr"),
+                        ("writer", "ckptfs safetensors_chunks ", "ckptfs zarr-3 sharded ",
+                         "torch DCP ", "zarr-python array API (v3) ")),
+    "torch_dist_quick": Smoke(("--gb", "0.001", "--runs", "1", "--dir", "{tmp}/td"),
+                              ("save  ratio dcp/ckptfs", "load  cold ratio dcp/ckptfs",
+                               "load  warm ratio dcp/ckptfs", "half rows, cold, ckptfs",
+                               "reshard 1->2 ratio dcp/ckptfs")),
+    "tools_quick": Smoke(("--gb", "0.001", "--tensor-mb", "1", "--dir", "{tmp}/tools"),
+                         ("ckptfs unshard torch ", "ckptfs unshard hf ", "ckptfs convert zarr-3 ",
+                          "ckptfs verify ", "dcp_to_torch_save ")),
+    "run": Smoke(("--gb", "0.001", "--reps", "1", "--warmup", "0", "--worlds", "1", "--reshard", "",
+                  "--no-drop-caches", "--no-warm", "--dir", "{tmp}/run"),
+                 ("save 1  ckptfs[safetensors_chunks-1]", "load 1  ckptfs[safetensors_chunks-1]",
+                  "targets:"), "*-0.001gb.json"),
+    "async_save": Smoke(("--mb", "1", "--reps", "2", "--libs", "ckptfs", "--train-s", "0.1",
+                         "--plain", "--dir", "{tmp}"),
+                        ("checkpointer  first staged", "targets (ckptfs):"), "*-async-1mb.json"),
+    "s3_quick": Smoke(("--mb", "1", "--runs", "1"),
+                      ("save  ckptfs-s3fs ", "save  ckptfs-obstore ", "load  dcp-fsspec ",
+                       "partial ckptfs-obstore ")),
+    "manager": Smoke(("--mb", "1", "--runs", "1"),
+                     ("| local tier (all copies intact; index from S3) |", "| S3 (moto), no local tier |",
+                      "| manager save |", "| async_save |")),
+    "distributed": Smoke(("--mb", "1", "--runs", "1", "--link-mibs", "0", "--dir", "{tmp}"),
+                         ("| local disk | ckptfs |", "| moto S3 | dcp |", "| moto S3 | True |",
+                          "| local disk, cold | False |"), "distributed-*.json"),
+}
+
+
+def _mains() -> set[str]:
+    return {p.stem for p in BENCH.glob("*.py")
+            if re.search(r"^def main\(", p.read_text(), re.MULTILINE)}
+
+
+def test_every_bench_with_a_main_has_a_smoke_run():
+    assert _mains() == set(SMOKES) | set(COVERED_ELSEWHERE)
+    for name, (path, imports) in COVERED_ELSEWHERE.items():
+        assert imports in (REPO / path).read_text(), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_bench_runs_at_its_smallest_size(name, tmp_path):
+    smoke = SMOKES[name]
+    shutil.copytree(BENCH, tmp_path / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    args = [a.format(tmp=tmp_path) for a in smoke.args]
+    run = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=540)
+    out = run.stdout + run.stderr
+    want_rc = 2 if name == "gpu_tune" and not torch.cuda.is_available() else 0
+    assert run.returncode == want_rc, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert not re.search(r" failed: ", run.stdout), out[-4000:]
+    for line in smoke.prints:
+        assert line in out, f"bench.{name} did not print {line!r}:\n{out[-4000:]}"
+    if smoke.writes:
+        found = list((tmp_path / "bench" / "results").glob(smoke.writes))
+        assert len(found) == 1, f"bench.{name} wrote {found}, expected one {smoke.writes}"
+        assert json.loads(found[0].read_text())
