@@ -33,6 +33,7 @@ from ckptfs.errors import (
     MalformedIndexError,
     MismatchError,
     MissingKeysError,
+    NonFiniteError,
     RankError,
     SaveInProgressError,
     ShardingError,
@@ -77,6 +78,9 @@ _TOOLS: dict[str, str] = {
     "load_model_and_optim_state": "ckptfs.tools.model_state",
     "clean": "ckptfs.tools.clean",
     "CleanResult": "ckptfs.tools.clean",
+    "diff": "ckptfs.tools.diff",
+    "DiffReport": "ckptfs.tools.diff",
+    "KeyDiff": "ckptfs.tools.diff",
 }
 
 
@@ -119,6 +123,7 @@ __all__ = [
     "MalformedIndexError",
     "MismatchError",
     "MissingKeysError",
+    "NonFiniteError",
     "PerRank",
     "Problem",
     "RankError",

@@ -21,6 +21,7 @@ from typing import Any
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.health import checked
 from ckptfs.engine.stage import stage, staging_allocator
 from ckptfs.io import IOConfig
 from ckptfs.io.local_store import lower_priority
@@ -58,7 +59,8 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
                io_config: IOConfig | None = None, progress: bool = False,
                throttle_uploads: int | None = None,
-               collective_timeout: float | None = None) -> AsyncSave:
+               collective_timeout: float | None = None, check_finite: bool = False,
+               stats: bool = False) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
     ``process_group`` calls this. Options as for ``save``; ``collective_timeout`` bounds every
     wait of the background save for the other ranks (a dead rank fails ``done`` with
@@ -85,6 +87,7 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
             with public_errors(url):
                 staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                threads=cfg.copy_threads)
+                staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats)
                 lower_priority(cfg.background_nice)  # the caller goes on
                 return write_commit_release(staged, pool, be, url, comm,
                                             storage_options=storage_options, io_config=io_config,

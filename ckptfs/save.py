@@ -15,6 +15,7 @@ from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.health import checked
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
@@ -66,7 +67,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          storage_options: Mapping[str, Any] | None = None, overwrite: bool = False,
          io_config: IOConfig | None = None, progress: bool = False,
          throttle_uploads: int | None = None,
-         collective_timeout: float | None = None) -> SaveResult:
+         collective_timeout: float | None = None, check_finite: bool = False,
+         stats: bool = False) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
@@ -76,7 +78,9 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
     wait for the other ranks: a rank that dies, hangs or never calls save makes the others raise
     CollectiveError naming the step, and nothing is committed. An asynchronous save still in
-    flight (``ckptfs.async_save``) is waited for first.
+    flight (``ckptfs.async_save``) is waited for first. ``check_finite``: a NaN or infinity
+    in any floating tensor fails the save on every rank with NonFiniteError, before anything is
+    written; ``stats``: the index records every tensor's fingerprint (docs/health.md).
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
@@ -93,6 +97,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         try:
             staged = stage(state_dict, comm, be, pool, copy=False, threads=cfg.copy_threads,
                            device=device)
+            staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats)
             return write_commit_release(staged, pool, be, url, comm,
                                         storage_options=storage_options, io_config=io_config,
                                         overwrite=overwrite, progress=progress,

@@ -56,6 +56,7 @@ from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
+from ckptfs.layout.stats import TensorStats
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning import save_plan
 from ckptfs.planning.layouts import Description
@@ -116,6 +117,8 @@ class StagedSave:
     cached: bool = False  #: the plan came from the plan cache
     #: (dtype, global shape) of every tensor in ``plans``, without building the plans
     tensors: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    #: coordinator, ``stats=True``: every tensor's fingerprint (engine/health.py)
+    stats: Mapping[str, TensorStats] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

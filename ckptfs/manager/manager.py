@@ -23,6 +23,7 @@ from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.health import checked
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
 from ckptfs.engine.stage import release, stage, staging_allocator
@@ -32,6 +33,7 @@ from ckptfs.io.local_store import lower_priority
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
+from ckptfs.manager.health import LAST_GOOD, Health, last_good
 from ckptfs.manager.preemption import DEFAULT_SIGNALS, Preemption
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
@@ -68,7 +70,8 @@ class CheckpointManager:
                  process_group: ProcessGroup | None = None, io_config: IOConfig | None = None,
                  save_interval_steps: int | None = None,
                  preemption_signals: Sequence[int] = DEFAULT_SIGNALS,
-                 preemption_timeout: float = 600.0, exit_on_preemption: bool = True) -> None:
+                 preemption_timeout: float = 600.0, exit_on_preemption: bool = True,
+                 check_finite: bool = False, stats: bool = False) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.retention = Retention(keep_last, keep_every)
@@ -81,6 +84,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.io_config = io_config
         self.exit_on_preemption = exit_on_preemption
+        self.health = Health(check_finite, stats)  #: what each save checks and records
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
             self._backend = make_backend(backend, backend_version, backend_options)
@@ -138,6 +142,14 @@ class CheckpointManager:
         with public_errors(self.url):
             return run_sync(read_index(self._at(listing.dirs[step])))
 
+    def last_good_step(self) -> int | None:
+        """The newest committed step whose index reads and verifies its own checksum and whose
+        fingerprints (``stats=True``) count no NaN or infinity; None when there is none
+        (manager/health.py). Reads indexes only, newest first."""
+        listing = self._listing()
+        return last_good(listing.committed,
+                         lambda s: run_sync(read_index(self._at(listing.dirs[s]))))
+
     def _committed(self, listing: Listing, step: int | None) -> int:
         if step is None:
             if not listing.committed:
@@ -186,6 +198,7 @@ class CheckpointManager:
                     cfg = io or IOConfig()
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                    threads=cfg.copy_threads)
+                    staged = checked(staged, pool, comm, **self.health.flags)
                     lower_priority(cfg.background_nice)  # the caller goes on, as async_save
                     done: list[bool] = []
 
@@ -264,14 +277,15 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
 
     # -- restoring -------------------------------------------------------------------------
-    def restore(self, state_dict: dict[str, Any], step: int | None = None, *,
+    def restore(self, state_dict: dict[str, Any], step: int | str | None = None, *,
                 strict: bool = True) -> int | None:
         """Fill ``state_dict`` in place from ``step`` (default: the latest committed step),
         resharding to this world and layout like ``ckptfs.load``; returns the step restored,
         or None when no step is committed (and ``step`` was not given). With a local tier each
         data file is read once from its local copy when that copy matches the committed index
         (its size, and the crc32c of every chunk read, checked as it lands), from the URL
-        otherwise (``last_restore`` says which; manager/tier.py).
+        otherwise (``last_restore`` says which; manager/tier.py). ``step="last_good"``
+        restores ``last_good_step()`` (as rank 0 finds it).
         Collective over ``process_group``."""
         if self._last is not None:
             self._last.done.exception()  # restore sees every save this manager started
@@ -279,6 +293,9 @@ class CheckpointManager:
             comm = Comm(self.process_group)
             store = self._open_agreed(comm, f"restore: opening {self.url}")
             found = comm.decide(f"restore: listing the steps at {self.url}", self._listing)
+            if step == LAST_GOOD:
+                step = comm.decide(f"restore: finding the last good step at {self.url}",
+                                   self._last_good)
             if step is None and not found.committed:
                 return None
             step = self._committed(found, step)
@@ -286,6 +303,13 @@ class CheckpointManager:
             self.last_restore = restore_tiered(
                 state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
                 comm, io_config=self.io_config, strict=strict)
+        return step
+
+    def _last_good(self) -> int:
+        step = self.last_good_step()
+        if step is None:
+            raise CheckpointNotFoundError(f"{self.url}: no committed step is good (an index "
+                                          f"that verifies, with finite fingerprints)")
         return step
 
     # -- lifecycle -------------------------------------------------------------------------

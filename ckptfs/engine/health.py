@@ -1,0 +1,148 @@
+"""Save, between stage and write: the health of what each rank is about to write.
+
+``check_staged`` runs on every rank once its chunks are staged (before any byte is written):
+
+- ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity
+  with torch ops where the chunk lives (on the device for CUDA chunks). One ``aminmax`` pass
+  tells a finite chunk (no allocation, no overflow); only a chunk that fails it is counted
+  element by element. One small reduction tells every rank whether any rank found one; then
+  every rank raises the same ``NonFiniteError`` naming each key and its counts, and nothing is
+  committed (the write phase never starts).
+- ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
+  float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
+  written by exactly one rank, so replicas count once. The coordinator gathers them, combines
+  them per tensor in offset order and records them in the index (formats/README.md §2.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ckptfs.dist import Comm
+from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.stage import StagedSave, release
+from ckptfs.errors import NonFiniteError
+from ckptfs.layout.backend import ChunkData
+from ckptfs.layout.stats import Partial, combine_all
+
+#: elements converted to float64 at once (scratch: 8 bytes each, a few such buffers)
+PIECE = 1 << 22
+#: dtypes ``aminmax`` does not take: measured in float32 pieces
+_WIDEN = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+Found = tuple[tuple[str, int, int], ...]  #: (key, NaN count, infinity count) per chunk
+
+
+def checked(staged: StagedSave, pool: BufferPool, comm: Comm, *, check_finite: bool,
+            stats: bool) -> StagedSave:
+    """``check_staged``; when it raises, the staged buffers go back to ``pool`` first."""
+    if not (check_finite or stats):
+        return staged
+    try:
+        return check_staged(staged, comm, check_finite=check_finite, stats=stats)
+    except BaseException:
+        release(staged, pool)
+        raise
+
+
+def check_staged(staged: StagedSave, comm: Comm, *, check_finite: bool = False,
+                 stats: bool = False) -> StagedSave:
+    """Collective (every rank, same flags): raise ``NonFiniteError`` on every rank when any
+    rank's chunks hold NaN or infinity (``check_finite``); with ``stats`` return ``staged``
+    with the fingerprints of every tensor (on the coordinator; others get theirs unchanged)."""
+    if check_finite:
+        agree_finite(comm, staged.chunks)
+    if not stats:
+        return staged
+    mine = comm.check("save: measuring fingerprints", lambda: chunk_partials(staged.chunks))
+    parts = comm.gather(mine, "save: gathering fingerprints")
+    if parts is None:
+        return staged
+    combined = combine_all((p for rank in parts for p in rank),
+                           {k: shape for k, (dtype, shape) in staged.tensors.items()
+                            if not dtype.startswith("complex")})
+    return dataclasses.replace(staged, stats=combined)
+
+
+def agree_finite(comm: Comm, chunks: Sequence[ChunkData]) -> None:
+    """Collective: one small reduction when every rank is clean (and no rank failed);
+    otherwise every rank learns every rank's findings and raises the same error."""
+    err: BaseException | None = None
+    found: Found = ()
+    try:
+        found = non_finite(chunks)
+    except Exception as e:
+        err = e
+    if comm.check_min("save: checking for NaN and infinity", err, [0 if found else 1])[0] == 1:
+        return
+    totals: dict[str, tuple[int, int]] = {}
+    for rank in comm.all_gather(found, "save: gathering NaN and infinity counts"):
+        for key, nan, inf in rank:
+            a, b = totals.get(key, (0, 0))
+            totals[key] = (a + nan, b + inf)
+    raise NonFiniteError(totals)
+
+
+def non_finite(chunks: Sequence[ChunkData]) -> Found:
+    """(key, NaN count, infinity count) of every floating chunk that holds either."""
+    out = []
+    for c in chunks:
+        t = c.data
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        if t.dtype not in _WIDEN:
+            lo, hi = torch.aminmax(t)
+            if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):  # NaN propagates
+                continue
+        nan, inf = count_non_finite(t)
+        if nan or inf:
+            out.append((c.key, nan, inf))
+    return tuple(out)
+
+
+def count_non_finite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, infinity count) of a floating tensor, in pieces."""
+    nan = inf = 0
+    for x in pieces(t, torch.float32 if t.dtype in _WIDEN else None):
+        nan += int(torch.isnan(x).sum())
+        inf += int(torch.isinf(x).sum())
+    return nan, inf
+
+
+def pieces(t: torch.Tensor, dtype: torch.dtype | None) -> Iterator[torch.Tensor]:
+    """``t``'s elements in C order, ``PIECE`` at a time, converted to ``dtype`` (None: as is)."""
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), PIECE):
+        x = flat[start:start + PIECE]
+        yield x if dtype is None else x.to(dtype)
+
+
+def chunk_partials(chunks: Sequence[ChunkData]) -> list[tuple[str, tuple[int, ...], Partial]]:
+    """(key, offsets, fingerprint sums) of every chunk (complex chunks have no fingerprint)."""
+    return [(c.key, tuple(c.box.offsets), partial(c.data)) for c in chunks
+            if not c.data.is_complex()]
+
+
+def partial(t: torch.Tensor) -> Partial:
+    """The fingerprint sums of one tensor's elements, in float64 (layout/stats.py)."""
+    out = Partial(count=t.numel())
+    nan = inf = 0
+    lo, hi, total, squares = float("inf"), float("-inf"), 0.0, 0.0
+    for x in pieces(t, torch.float64):
+        if t.is_floating_point():
+            bad = ~torch.isfinite(x)
+            if bool(bad.any()):
+                nan += int(torch.isnan(x).sum())
+                inf += int(torch.isinf(x).sum())
+                x = x[~bad]
+        if x.numel() == 0:
+            continue
+        a, b = torch.aminmax(x)
+        lo, hi = min(lo, float(a)), max(hi, float(b))
+        total += float(x.sum())
+        squares += float(torch.dot(x, x))
+    return dataclasses.replace(out, nan=nan, inf=inf, min=lo, max=hi, total=total,
+                               squares=squares)
