@@ -51,7 +51,7 @@ EQUAL, DIFFERS, ONLY_A, ONLY_B, MISMATCH = "equal", "differs", "only_in_a", "onl
 #: the ``ckptfs diff`` exit status when the checkpoints differ (0: equal; 1: the command failed)
 EXIT_DIFFERENT = 3
 #: elements compared at once (float64: a few buffers of 8 bytes each)
-COMPARE_STEP = 1 << 20
+COMPARE_STEP = 1 << 18
 #: the comparison's scratch memory: two float64 copies, a difference and masks per step
 COMPARE_SCRATCH = 6 * 8 * COMPARE_STEP
 
