@@ -256,3 +256,25 @@ def test_manager_without_good_steps(tmp_path):
         assert m.last_good_step() is None
         with pytest.raises(ckptfs.CheckpointNotFoundError, match="no committed step is good"):
             m.restore({"w": torch.zeros(1)}, step="last_good")
+
+
+def test_schema_and_reader_accept_fingerprints_and_refuse_bad_ones():
+    import jsonschema
+
+    from ckptfs.testing.conformance.golden import SCHEMA_FILE
+
+    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA_FILE.read_text()))
+    raw = json.loads((golden_index_dir(1) / "checkpoint" / ckptfs.INDEX_FILE).read_text())
+    validator.validate(raw)
+    assert any("$float" in json.dumps(t["stats"]) for t in raw["tensors"].values())
+    raw.pop("index_checksum")
+    for bad in ({"count": -1, "nan": 0, "inf": 0, "l2": 0.0}, {"count": 1, "nan": 0, "inf": 0},
+                {"count": 1, "nan": 0, "inf": 0, "l2": "x"}, [1, 2]):
+        doc = json.loads(json.dumps(raw))
+        doc["tensors"]["scalar"]["stats"] = bad
+        assert not validator.is_valid(doc), bad
+        with pytest.raises(ckptfs.MalformedIndexError, match="scalar"):
+            Index.from_dict(doc)
+    doc = json.loads(json.dumps(raw))
+    doc["format_minor_version"] = 7  # a newer minor version is read (§7)
+    assert Index.from_dict(doc).format_minor_version == 7
