@@ -7,9 +7,10 @@
 - ``diff`` from checksums: two saves of the same state in the same layout; ``ckptfs.diff``
   decides "equal" from the chunk checksums (no tensor byte read).
 - ``diff`` across layouts: the safetensors_chunks checkpoint against a zarr-3 one of the same
-  state in chunks of a quarter of a tensor (different chunk boxes: streamed), against the cold-read floor taken in the same run (bench/floors.py: every
-  file of both checkpoints read whole with plain calls, page cache dropped first where the
-  machine allows it), and its peak resident memory against ``DiffReport.memory_bound``.
+  state in chunks of a quarter of a tensor (different chunk boxes: streamed), against the
+  cold-read floor taken in the same run (bench/floors.py: every file of both checkpoints read
+  whole with plain calls, page cache dropped first where the machine allows it), and its peak
+  resident memory against ``DiffReport.memory_bound``.
 
     python -m bench.health [--gb 1.5] [--reps 3] [--dir DIR]
 

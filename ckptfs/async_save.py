@@ -21,7 +21,7 @@ from typing import Any
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.health import checked
+from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.stage import stage, staging_allocator
 from ckptfs.io import IOConfig
 from ckptfs.io.local_store import lower_priority
@@ -85,9 +85,11 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
 
         def job(on_copied: Callable[[], None]) -> SaveResult:
             with public_errors(url):
+                on_device = check_on_device(held[0], comm.rank, check_finite)
                 staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                threads=cfg.copy_threads)
-                staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats)
+                staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
+                                 device=on_device)
                 lower_priority(cfg.background_nice)  # the caller goes on
                 return write_commit_release(staged, pool, be, url, comm,
                                             storage_options=storage_options, io_config=io_config,

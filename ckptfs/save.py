@@ -15,7 +15,7 @@ from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.health import checked
+from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
 from ckptfs.errors import ConfigError
@@ -95,9 +95,11 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         device = device_parts(state_dict, be, cfg)
         pool = BufferPool(HostAllocator() if device is not None else staging_allocator(state_dict))
         try:
+            on_device = check_on_device(state_dict, comm.rank, check_finite)
             staged = stage(state_dict, comm, be, pool, copy=False, threads=cfg.copy_threads,
                            device=device)
-            staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats)
+            staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
+                             device=on_device)
             return write_commit_release(staged, pool, be, url, comm,
                                         storage_options=storage_options, io_config=io_config,
                                         overwrite=overwrite, progress=progress,

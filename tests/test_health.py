@@ -278,3 +278,25 @@ def test_schema_and_reader_accept_fingerprints_and_refuse_bad_ones():
     doc = json.loads(json.dumps(raw))
     doc["format_minor_version"] = 7  # a newer minor version is read (§7)
     assert Index.from_dict(doc).format_minor_version == 7
+
+
+def test_tensors_checked_on_their_device_are_not_checked_again(tmp_path, monkeypatch):
+    """CUDA tensors are checked where they live before staging (``check_on_device``) and their
+    staged host copies are skipped; on this CPU-only run every tensor stands in for one."""
+    import functools
+    import sys
+
+    from ckptfs.engine import health
+
+    save_module = sys.modules["ckptfs.save"]
+
+    state = {"w": torch.tensor([1.0, math.nan, math.inf]), "ok": torch.ones(2), "n": 3}
+    found = health.check_on_device(state, 0, True, on_device=lambda t: True)
+    assert found.keys == {"w", "ok"} and found.found == (("w", 1, 1),)
+    assert health.check_on_device(state, 0, False).keys == frozenset()
+    assert health.check_on_device(state, 0, True).keys == frozenset()  # no CUDA tensor here
+    everywhere = functools.partial(health.check_on_device, on_device=lambda t: True)
+    monkeypatch.setattr(save_module, "check_on_device", everywhere)
+    with pytest.raises(ckptfs.NonFiniteError) as e:
+        ckptfs.save(state, tmp_path / "x", check_finite=True)
+    assert e.value.found == {"w": (1, 1)}  # counted once, on the "device"

@@ -1,13 +1,16 @@
 """Save, between stage and write: the health of what each rank is about to write.
 
-``check_staged`` runs on every rank once its chunks are staged (before any byte is written):
+``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged (before
+any byte is written, before the target is claimed: a checkpoint already at the URL is untouched):
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity
-  with torch ops where the chunk lives (on the device for CUDA chunks). One ``aminmax`` pass
-  tells a finite chunk (no allocation, no overflow); only a chunk that fails it is counted
-  element by element. One small reduction tells every rank whether any rank found one; then
-  every rank raises the same ``NonFiniteError`` naming each key and its counts, and nothing is
-  committed (the write phase never starts).
+  with torch ops where the data lives. CUDA tensors are checked on their device before staging
+  (``check_on_device``: their host copies are not read again); the other chunks once staged
+  (a synchronous save stages CPU tensors as views, so this is the tensor itself). One
+  ``aminmax`` pass tells a finite tensor (no allocation, no overflow); only one that fails it is
+  counted element by element. One small reduction tells every rank whether any rank found one;
+  then every rank raises the same ``NonFiniteError`` naming each key and its counts, and
+  nothing is committed (the write phase never starts).
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
@@ -17,7 +20,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +32,8 @@ from ckptfs.engine.stage import StagedSave, release
 from ckptfs.errors import NonFiniteError
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.stats import Partial, combine_all
+from ckptfs.state.flatten import flatten
+from ckptfs.state.shards import LocalShard, local_shard
 
 #: elements converted to float64 at once (scratch: 8 bytes each, a few such buffers)
 PIECE = 1 << 22
@@ -36,25 +43,51 @@ _WIDEN = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 Found = tuple[tuple[str, int, int], ...]  #: (key, NaN count, infinity count) per chunk
 
 
+@dataclass(frozen=True)
+class DeviceCheck:
+    """What ``check_on_device`` found before staging, for ``check_staged`` to agree on."""
+
+    keys: frozenset[str] = frozenset()  #: tensors checked on their device (skipped later)
+    found: Found = ()
+
+
+def check_on_device(state_dict: Mapping[str, Any], rank: int, check_finite: bool,
+                    on_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda) -> DeviceCheck:
+    """Local (no collective): the floating CUDA tensors (``on_device``) of this rank's state,
+    checked where they live, before staging copies them to the host. A state that cannot be
+    taken apart is left to ``stage``, which refuses it on every rank."""
+    if not check_finite:
+        return DeviceCheck()
+    try:
+        flat = flatten(state_dict, rank)
+        shards = [local_shard(k, t, rank) for k, t in flat.tensors.items()]
+    except Exception:
+        return DeviceCheck()
+    local = [s for s in shards if s is not None and on_device(s.local)]
+    found = non_finite(local)
+    return DeviceCheck(frozenset(s.key for s in local), found)
+
+
 def checked(staged: StagedSave, pool: BufferPool, comm: Comm, *, check_finite: bool,
-            stats: bool) -> StagedSave:
+            stats: bool, device: DeviceCheck | None = None) -> StagedSave:
     """``check_staged``; when it raises, the staged buffers go back to ``pool`` first."""
     if not (check_finite or stats):
         return staged
     try:
-        return check_staged(staged, comm, check_finite=check_finite, stats=stats)
+        return check_staged(staged, comm, check_finite=check_finite, stats=stats,
+                            device=device or DeviceCheck())
     except BaseException:
         release(staged, pool)
         raise
 
 
 def check_staged(staged: StagedSave, comm: Comm, *, check_finite: bool = False,
-                 stats: bool = False) -> StagedSave:
+                 stats: bool = False, device: DeviceCheck = DeviceCheck()) -> StagedSave:
     """Collective (every rank, same flags): raise ``NonFiniteError`` on every rank when any
     rank's chunks hold NaN or infinity (``check_finite``); with ``stats`` return ``staged``
     with the fingerprints of every tensor (on the coordinator; others get theirs unchanged)."""
     if check_finite:
-        agree_finite(comm, staged.chunks)
+        agree_finite(comm, [c for c in staged.chunks if c.key not in device.keys], device.found)
     if not stats:
         return staged
     mine = comm.check("save: measuring fingerprints", lambda: chunk_partials(staged.chunks))
@@ -67,13 +100,14 @@ def check_staged(staged: StagedSave, comm: Comm, *, check_finite: bool = False,
     return dataclasses.replace(staged, stats=combined)
 
 
-def agree_finite(comm: Comm, chunks: Sequence[ChunkData]) -> None:
+def agree_finite(comm: Comm, chunks: Sequence[ChunkData | LocalShard], before: Found = ()) -> None:
     """Collective: one small reduction when every rank is clean (and no rank failed);
-    otherwise every rank learns every rank's findings and raises the same error."""
+    otherwise every rank learns every rank's findings (``before``: found on the device before
+    staging) and raises the same error."""
     err: BaseException | None = None
-    found: Found = ()
+    found: Found = before
     try:
-        found = non_finite(chunks)
+        found = before + non_finite(chunks)
     except Exception as e:
         err = e
     if comm.check_min("save: checking for NaN and infinity", err, [0 if found else 1])[0] == 1:
@@ -86,11 +120,12 @@ def agree_finite(comm: Comm, chunks: Sequence[ChunkData]) -> None:
     raise NonFiniteError(totals)
 
 
-def non_finite(chunks: Sequence[ChunkData]) -> Found:
-    """(key, NaN count, infinity count) of every floating chunk that holds either."""
+def non_finite(chunks: Sequence[ChunkData | LocalShard]) -> Found:
+    """(key, NaN count, infinity count) of every floating chunk (or local shard) that holds
+    either, computed where its data lives."""
     out = []
     for c in chunks:
-        t = c.data
+        t = c.data if isinstance(c, ChunkData) else c.local
         if not t.is_floating_point() or t.numel() == 0:
             continue
         if t.dtype not in _WIDEN:

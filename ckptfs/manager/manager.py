@@ -23,7 +23,7 @@ from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine import background
 from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.health import checked
+from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
 from ckptfs.engine.stage import release, stage, staging_allocator
@@ -196,9 +196,10 @@ class CheckpointManager:
             def job(on_copied: Callable[[], None]) -> SaveResult:
                 with public_errors(url):
                     cfg = io or IOConfig()
+                    on_device = check_on_device(held[0], comm.rank, self.health.check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                    threads=cfg.copy_threads)
-                    staged = checked(staged, pool, comm, **self.health.flags)
+                    staged = checked(staged, pool, comm, **self.health.flags, device=on_device)
                     lower_priority(cfg.background_nice)  # the caller goes on, as async_save
                     done: list[bool] = []
 
