@@ -283,9 +283,12 @@ class _Comparer:
                                   buffer_bytes=self.buffer, verify=self.verify, on_batch=bar.update)
             side_b = read_regions(self.sb, [Region(entries[k][1], p) for k, p in pieces],
                                   buffer_bytes=self.buffer, verify=self.verify, on_batch=bar.update)
-            for (ra, x), (_, y) in zip(side_a, side_b, strict=True):
+            for _ in pieces:  # not zip: its reused result tuple would keep the last pair alive
+                ra, x = next(side_a)  # while the next batches are read
+                _, y = next(side_b)
                 self.bytes_read += x.nbytes + y.nbytes
                 compare(x, y, ra.box, self.rtol, self.atol, tallies[ra.entry.key])
+                del x, y
         finally:
             bar.close()
         out = []
