@@ -17,3 +17,4 @@ def test_tiny_health_bench_writes_its_results(tmp_path):
     assert cf["save_s"] > 0 and cf["check_alone_s"] >= 0
     assert diff["from_checksums_s"] > 0 and diff["streamed_s"] > 0 and diff["floor_s"] > 0
     assert diff["memory_bound"] > 0 and diff["files_bytes"] >= 2 * 4_000_000
+    assert diff["memory_bound_subprocess"] == diff["memory_bound"]
