@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ckptfs.engine.buffers import BufferPool
+from ckptfs.errors import ConfigError
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import TensorEntry
@@ -121,8 +122,6 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, keys: Iterable[str] | No
     (IntegrityError). Reads at most ``buffer_bytes`` of tensor data per side at a time."""
     t0 = time.perf_counter()
     if rtol < 0 or atol < 0 or buffer_bytes < 1:
-        from ckptfs.errors import ConfigError
-
         raise ConfigError(f"diff: rtol ({rtol}), atol ({atol}) must be >= 0 and buffer_bytes "
                           f"({buffer_bytes}) >= 1")
     opts_b = storage_options if storage_options_b is None else storage_options_b
