@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint bench bench-async bench-perf bench-venvs mutate clean interop megatron-venvs \
-	megatron-fixtures crash-trials
+	megatron-fixtures crash-trials test-diff-large
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -60,6 +60,10 @@ $(BENCH_STAMP): $(STAMP)
 bench-perf: $(BENCH_STAMP)
 	MEGATRON_VENV=$(abspath $(MEGATRON_VENV)) OLMO_VENV=$(abspath $(OLMO_VENV)) \
 		$(BIN)/python -m bench.perf $(BENCH_ARGS)
+
+# ckptfs.diff's tests at 10^8 elements per checkpoint (400 MB each; `make test` runs 10^7)
+test-diff-large: $(STAMP)
+	CKPTFS_DIFF_ELEMENTS=100000000 $(BIN)/python -m pytest -q -x -n 0 tests/test_diff.py
 
 # SIGKILLed saves, full count (tests/crash_trials.py; make test runs a reduced count in
 # tests/test_crash.py): every writable backend, local files and moto S3

@@ -60,12 +60,14 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                storage_options: Mapping[str, Any] | None = None,
                store_options: StoreOptions | None = None, overwrite: bool = False,
                progress: bool = False, options: SaveOptions | None = None,
-               saver: BackgroundSaver | None = None, **deprecated: Any) -> AsyncSave:
+               saver: BackgroundSaver | None = None, check_finite: bool = False,
+               stats: bool = False, **deprecated: Any) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
     ``process_group`` calls this. Options as for ``save``; ``options.collective_timeout``
     bounds every wait of the background save for the other ranks (a dead rank fails ``done``
     with CollectiveError). ``saver``: the ``BackgroundSaver`` to run on (default: the
-    per-process one, ``ckptfs.close()`` frees it).
+    per-process one, ``ckptfs.close()`` frees it). ``check_finite`` and ``stats`` as for ``save``
+    (checked while staging: a refused save resolves ``done`` with NonFiniteError).
 
     Returns at once, unless the saver has a save still in flight: then it first waits for that
     one's ``done``. Do not change the tensors until ``handle.staged`` resolves. Staging memory:
@@ -85,7 +87,7 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
 
     saver = saver or default_saver()
     staged, done = saver.start(state_dict, url, be, finish, process_group=process_group,
-                               options=opts)
+                               options=opts, check_finite=check_finite, stats=stats)
     return AsyncSave(url, staged, done)
 
 

@@ -1,6 +1,7 @@
 """The ``ckptfs`` command (also ``python -m ckptfs``): one subcommand per tool.
 
-    ckptfs inspect URL [--json] [--keys PATTERN]
+    ckptfs inspect URL [--json] [--keys PATTERN] [--stats]
+    ckptfs diff A B [--json] [--rtol R] [--atol A] [--keys KEY ...] [--buffer-bytes BYTES]
     ckptfs verify URL [--json] [--no-checksums]
     ckptfs clean URL [--dry-run] [--force] [--json]
     ckptfs convert SRC DST --backend NAME[:VERSION] [--backend-option K=V ...] [--overwrite]
@@ -13,7 +14,8 @@ Every command that reads a checkpoint takes ``--storage-option KEY=VALUE`` (repe
 is JSON when it parses as JSON, a dotted KEY nests: ``client_kwargs.region_name=us-east-1``) and
 ``--storage-options FILE`` (a JSON object; single options override it), and ``--quiet`` (no
 progress bars or summaries). Exit status: 0 ok, 1 a problem was found (verify) or the command
-failed, 2 a usage error (bad arguments, options or settings: ``ckptfs.ConfigError``).
+failed, 2 a usage error (bad arguments, options or settings: ``ckptfs.ConfigError``), 3 the
+checkpoints differ (diff).
 
 Each subcommand is a small module-level ``add_<name>(subparsers)`` that registers its parser and
 sets ``run`` (a function of the parsed namespace and the leftover arguments, returning an exit
@@ -122,10 +124,16 @@ def run_inspect(args: argparse.Namespace, rest: list[str]) -> int:
 
     with open_checkpoint(args.url, storage_options(args)) as src:
         doc = describe(src.url, src.index, src.foreign, args.keys)
+    if args.stats:
+        from ckptfs.tools.fingerprints import fingerprints, render_fingerprints
+
+        doc["stats"] = fingerprints(src.index, args.keys)
     if args.json:
         _emit(doc)
     else:
         print(render(doc))
+        if args.stats:
+            print(render_fingerprints(doc["stats"], src.index.format_minor_version >= 1))
     return 0
 
 
@@ -139,8 +147,57 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", metavar="URL")
     p.add_argument("--keys", metavar="PATTERN",
                    help="only keys matching a glob (model/*.weight) or under a key (optim)")
+    p.add_argument("--stats", action="store_true",
+                   help="also show each tensor's recorded fingerprint (saved with stats=True)")
     _json(p, "the index summary")
     p.set_defaults(run=run_inspect)
+
+
+# ---------------------------------------------------------------------------- diff
+
+
+def run_diff(args: argparse.Namespace, rest: list[str]) -> int:
+    from ckptfs.tools.diff import EXIT_DIFFERENT, diff
+
+    opts = storage_options(args)
+    report = diff(args.a, args.b, keys=args.keys or None, rtol=args.rtol, atol=args.atol,
+                  storage_options=opts, buffer_bytes=args.buffer_bytes,
+                  progress=not args.quiet and not args.json)
+    if args.json:
+        _emit(report.to_dict())
+    else:
+        for k in report.differences:
+            where = f" first at {list(k.first_index)}" if k.first_index is not None else ""
+            what = (f": {k.differing} element(s), max abs {k.max_abs_diff:.6g}, max rel "
+                    f"{k.max_rel_diff:.6g}{where}" if k.status == "differs" and k.dtype_a else
+                    f": {k.note}" if k.note else "")
+            print(f"{k.status:<10} {k.key}{what}")
+        if not args.quiet:
+            c = report.counts()
+            print(f"{'EQUAL' if report.equal else 'DIFFERENT'}: {c['equal']} equal, "
+                  f"{c['differs']} differ, {c['only_in_a']} only in A, {c['only_in_b']} only "
+                  f"in B, {c['mismatch']} mismatched; {report.bytes_read} bytes read in "
+                  f"{report.seconds:.2f} s")
+    return 0 if report.equal else EXIT_DIFFERENT
+
+
+def add_diff(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diff", parents=[_common(), _quiet()], help="compare two checkpoints key by key "
+                                                    "(exit 3 when they differ)",
+        description="Compare checkpoints A and B (any backend, format or layout) key by key: "
+                    "equal, differs, only in A, only in B, dtype or shape mismatch. Equal chunk "
+                    "checksums decide without reading data; otherwise both are streamed in "
+                    "bounded memory. Exit 0 equal, 3 different, 1 failed.")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--keys", nargs="+", metavar="KEY", help="only these keys or subtrees")
+    p.add_argument("--buffer-bytes", type=parse_size, default=64 << 20, metavar="BYTES",
+                   help="tensor data read per side at a time (default 64MiB)")
+    _json(p, "the report")
+    p.set_defaults(run=run_diff)
 
 
 # ---------------------------------------------------------------------------- verify
@@ -411,7 +468,7 @@ def add_conformance(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_inspect, add_verify, add_clean, add_convert, add_unshard, add_bench, add_conformance]
+    add_inspect, add_diff, add_verify, add_clean, add_convert, add_unshard, add_bench, add_conformance]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -103,3 +103,16 @@ class CollectiveError(RankError):
     def __init__(self, what: str, cause: str) -> None:
         self.errors = {}
         CkptfsError.__init__(self, f"{what}: {cause}")
+
+
+class NonFiniteError(CkptfsError, ValueError):
+    """A save with ``check_finite=True`` found NaN or infinite elements: nothing was committed.
+    ``found`` maps each key to its (NaN count, infinity count) over the chunks checked."""
+
+    def __init__(self, found: dict[str, tuple[int, int]]) -> None:
+        self.found = found
+        keys = sorted(found)
+        shown = ", ".join(f"{k!r} ({found[k][0]} NaN, {found[k][1]} inf)" for k in keys[:20])
+        more = f" (+{len(keys) - 20} more)" if len(keys) > 20 else ""
+        super().__init__(f"check_finite: {len(keys)} tensor(s) hold NaN or infinite elements, "
+                         f"nothing was saved: {shown}{more}")

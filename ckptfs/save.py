@@ -15,6 +15,7 @@ from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
@@ -70,7 +71,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          storage_options: Mapping[str, Any] | None = None,
          store_options: StoreOptions | None = None, overwrite: bool = False,
          progress: bool = False, options: SaveOptions | None = None,
-         **deprecated: Any) -> SaveResult:
+         check_finite: bool = False, stats: bool = False, **deprecated: Any) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
@@ -81,6 +82,9 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     raise CollectiveError naming the step, and nothing is committed); ``throttle_uploads=K``
     lets at most K ranks of a node write at once. ``store_options`` (``StoreOptions``) tune the
     store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
+    ``check_finite``: a NaN or infinity in any floating tensor fails the save on every rank with
+    NonFiniteError, before anything is written; ``stats``: the index records every tensor's
+    fingerprint (docs/health.md).
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
@@ -95,8 +99,11 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         device = device_parts(state_dict, be, opts)
         pool = BufferPool(HostAllocator() if device is not None else staging_allocator(state_dict))
         try:
+            on_device = check_on_device(state_dict, comm.rank, check_finite)
             staged = stage(state_dict, comm, be, pool, copy=False, threads=opts.copy_threads,
                            copy_piece=opts.copy_piece, device=device)
+            staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
+                             device=on_device)
             try:
                 store = open_agreed(comm, url, storage_options, store_options)
                 return save_staged(staged, be, store, url, comm, overwrite=overwrite,

@@ -26,13 +26,14 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - imported before our exit hooks are registered
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ckptfs.dist import BACKGROUND, Comm, ProcessGroup, destroy_background_groups
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
 from ckptfs.io import run_sync
@@ -91,13 +92,15 @@ class BackgroundSaver:
         if self._current is not None:
             self._current.exception()  # waits; the outcome belongs to that save's handle
 
-    def start(self, state_dict: object, url: str, be: Backend, finish: Finish[T], *,
-              process_group: ProcessGroup | None, options: SaveOptions
+    def start(self, state_dict: Mapping[str, Any], url: str, be: Backend, finish: Finish[T], *,
+              process_group: ProcessGroup | None, options: SaveOptions,
+              check_finite: bool = False, stats: bool = False
               ) -> tuple[Future[None], Future[T]]:
         """Start one background save of ``state_dict`` (every rank calls this in the same
         order): waits for the save in flight, connects the lane's group, then in a thread
-        stages a copy of every chunk this rank writes (``staged`` resolves), lowers the
-        thread's priority and runs ``finish`` (``done`` resolves with its result)."""
+        stages a copy of every chunk this rank writes (``staged`` resolves), checks it
+        (``check_finite``, ``stats``: engine/health.py), lowers the thread's priority and runs
+        ``finish`` (``done`` resolves with its result)."""
         with self._lock:
             self._wait_current()
             with public_errors(url):  # creates the lane's group on the first call
@@ -107,8 +110,11 @@ class BackgroundSaver:
 
             def job(on_copied: Callable[[], None]) -> T:
                 with public_errors(url):
+                    on_device = check_on_device(held[0], comm.rank, check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                    threads=options.copy_threads, copy_piece=options.copy_piece)
+                    staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
+                                     device=on_device)
                     lower_priority(options.background_nice)  # the caller goes on
                     given: list[StagedSave] = [staged]
 

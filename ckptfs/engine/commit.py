@@ -164,7 +164,7 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
         if stored != math.prod(shape):
             raise CkptfsError(f"key {key!r}: {math.prod(shape)} elements planned, {len(chunks)} "
                               f"chunks of {stored} elements written")
-        tensors[key] = TensorEntry(key, dtype, shape, chunks)
+        tensors[key] = TensorEntry(key, dtype, shape, chunks, stats=content.stats.get(key))
     writer = {"library": "ckptfs", "library_version": __version__,
               "torch_version": torch.__version__, "python_version": platform.python_version(),
               "world_size": staged.world_size,

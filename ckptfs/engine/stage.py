@@ -56,6 +56,7 @@ from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
+from ckptfs.layout.stats import TensorStats
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning import save_plan
 from ckptfs.planning.layouts import Description
@@ -105,6 +106,8 @@ class IndexContent:
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]
     order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
     per_rank: tuple[str, ...] = ()  #: the PerRank keys of the checkpoint
+    #: ``stats=True``: every tensor's fingerprint (engine/health.py)
+    stats: Mapping[str, TensorStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

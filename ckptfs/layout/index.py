@@ -23,6 +23,8 @@ from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.dtypes import BY_NAME, from_name
 from ckptfs.layout.keys import check_key
 from ckptfs.layout.nogc import paused_gc
+from ckptfs.layout.stats import MEMBER as STATS_MEMBER
+from ckptfs.layout.stats import STATS_MINOR_VERSION, TensorStats
 
 INDEX_FILE = "ckptfs.index.json"
 #: held by a save while it runs (formats/README.md §8); never part of a checkpoint
@@ -30,6 +32,9 @@ LOCK_FILE = "ckptfs.lock"
 FORMAT_NAME = "ckptfs"
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
+#: the newest minor version of format version 1 this reader knows (formats/README.md §7): a
+#: minor version only adds optional members, so an index of any minor version is read
+FORMAT_MINOR_VERSION = STATS_MINOR_VERSION
 #: the required feature of an index whose chunks are packed rows (formats/README.md §2.3)
 PACKED_CHUNKS = "packed_chunks"
 #: Required features this reader implements (formats/README.md §Compatibility).
@@ -164,6 +169,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunks: tuple[ChunkEntry, ...]
     extra: Mapping[str, Json] = field(default_factory=dict)
+    #: the tensor's fingerprint (formats/README.md §2.4, index 1.1); None when not recorded
+    stats: TensorStats | None = None
 
     @property
     def numel(self) -> int:
@@ -177,6 +184,8 @@ class TensorEntry:
         }
         if self.extra:
             d["extra"] = dict(self.extra)
+        if self.stats is not None:
+            d[STATS_MEMBER] = self.stats.to_dict()
         return d
 
     def to_packed(self, file_ids: Mapping[str, int]) -> dict[str, Json]:
@@ -188,6 +197,8 @@ class TensorEntry:
         }
         if self.extra:
             d["extra"] = dict(self.extra)
+        if self.stats is not None:
+            d[STATS_MEMBER] = self.stats.to_dict()
         return d
 
     @classmethod
@@ -206,7 +217,7 @@ class TensorEntry:
 
                 return cls(key, dtype, tuple(shape),
                            tuple(ChunkEntry.from_row(c, files, at(i)) for i, c in enumerate(chunks)),
-                           extra)
+                           extra, _stats(d, key))
         where = f"tensors[{key!r}]"
         chunks = _req(d, "chunks", list, where)
         shape = _int_tuple(d, "shape", where)
@@ -226,7 +237,15 @@ class TensorEntry:
             shape=shape,
             chunks=parsed,
             extra=_opt(d, "extra", dict, where) or {},
+            stats=_stats(d, key),
         )
+
+
+def _stats(d: Mapping[str, Json], key: str) -> TensorStats | None:
+    """A tensor entry's optional fingerprint (formats/README.md §2.4)."""
+    if STATS_MEMBER not in d:
+        return None
+    return TensorStats.from_dict(d[STATS_MEMBER], f"tensors[{key!r}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +276,14 @@ class Index:
     file_checksums: Mapping[str, str] = field(default_factory=dict)
     #: the index's own checksum as read (§6.2); ``dumps`` always writes a fresh one
     index_checksum: str | None = None
+    #: the minor version the index was read with (§7; absent: 0); ``dumps`` writes the lowest
+    #: one whose members the index uses
+    format_minor_version: int = 0
+
+    @property
+    def minor_version_used(self) -> int:
+        """The lowest minor version whose members this index holds (fingerprints: 1)."""
+        return STATS_MINOR_VERSION if any(t.stats is not None for t in self.tensors.values()) else 0
 
     @property
     def all_files(self) -> dict[str, int]:
@@ -296,6 +323,11 @@ class Index:
         d: dict[str, Json] = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
+        }
+        minor = self.minor_version_used
+        if minor:
+            d["format_minor_version"] = minor
+        d.update({
             "required_features": features,
             "backend": {
                 "name": self.backend,
@@ -303,7 +335,7 @@ class Index:
                 "options": dict(self.backend_options),
             },
             "writer": dict(self.writer),
-        }
+        })
         if self.order is not None:
             d["order"] = list(self.order)
         d["containers"] = _in_order(self.containers, self.order)
@@ -347,9 +379,9 @@ class Index:
         containers = _opt(d, "containers", dict, source) or {}
         _check_keys(source, tensors, values, containers)
         order = _opt(d, "order", list, source)
-        known = {"format", "format_version", "required_features", "backend", "writer", "order",
-                 "containers", "values", "tensors", "files", "per_rank", "file_table",
-                 "backend_files", "file_checksums", "index_checksum"}
+        known = {"format", "format_version", "format_minor_version", "required_features",
+                 "backend", "writer", "order", "containers", "values", "tensors", "files",
+                 "per_rank", "file_table", "backend_files", "file_checksums", "index_checksum"}
         per_rank = _opt(d, "per_rank", list, source) or []
         if not all(isinstance(k, str) and k in containers for k in per_rank):
             raise MalformedIndexError(f"{source}: field 'per_rank' must list container keys: "
@@ -374,6 +406,7 @@ class Index:
             backend_files=backend_files,
             file_checksums=sums,
             index_checksum=own,
+            format_minor_version=_minor(d, source),
         )
 
     @classmethod
@@ -399,6 +432,15 @@ class Index:
             raise MalformedIndexError(f"{source}: index_checksum must be the last member of the "
                                       f"index (formats/README.md §6.2)")
         return index
+
+
+def _minor(d: Mapping[str, Json], source: str) -> int:
+    """``format_minor_version`` (§7): absent is 0; any minor version of a supported major one is
+    read (minor versions only add optional members, which readers without them ignore)."""
+    minor = _opt(d, "format_minor_version", int, source) or 0
+    if minor < 0:
+        raise MalformedIndexError(f"{source}: format_minor_version is {minor}, below 0")
+    return minor
 
 
 def max_index_bytes() -> int:

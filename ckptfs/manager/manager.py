@@ -34,6 +34,7 @@ from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
+from ckptfs.manager.health import LAST_GOOD, Health, last_good
 from ckptfs.manager.preemption import Preemption, PreemptionPolicy
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
@@ -89,6 +90,8 @@ class CheckpointManager:
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
       as they tune ``save`` and ``load``; ``saver``: the ``BackgroundSaver`` its saves run on
       (default: one of its own, closed with it).
+    - ``check_finite`` / ``stats``: as for ``ckptfs.save``; a step holding NaN or infinity is
+      not committed and the previous one stays the latest (docs/health.md).
     """
 
     def __init__(self, url: str | os.PathLike, *, local_dir: str | os.PathLike | None = None,
@@ -102,7 +105,8 @@ class CheckpointManager:
                  store_options: StoreOptions | None = None,
                  save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None,
-                 saver: BackgroundSaver | None = None, **deprecated: Any) -> None:
+                 saver: BackgroundSaver | None = None, check_finite: bool = False,
+                 stats: bool = False, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
@@ -120,6 +124,7 @@ class CheckpointManager:
         #: runs this manager's saves (its own, on a lane named by the URL, unless one is given)
         self.saver = saver or BackgroundSaver(f"background:{self.url}")
         self._owns_saver = saver is None
+        self.health = Health(check_finite, stats)  #: what each save checks and records
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
             self._backend = make_backend(backend, backend_version, backend_options)
@@ -179,6 +184,14 @@ class CheckpointManager:
         with public_errors(self.url):
             return run_sync(read_index(self._at(listing.dirs[step])))
 
+    def last_good_step(self) -> int | None:
+        """The newest committed step whose index reads and verifies its own checksum and whose
+        fingerprints (``stats=True``) count no NaN or infinity; None when there is none
+        (manager/health.py). Reads indexes only, newest first."""
+        listing = self._listing()
+        return last_good(listing.committed,
+                         lambda s: run_sync(read_index(self._at(listing.dirs[s]))))
+
     def _committed(self, listing: Listing, step: int | None) -> int:
         if step is None:
             if not listing.committed:
@@ -223,7 +236,8 @@ class CheckpointManager:
             return result
 
         staged, done = self.saver.start(state_dict, url, self._backend, finish,
-                                        process_group=self.process_group, options=self.save_options)
+                                        process_group=self.process_group, options=self.save_options,
+                                        **self.health.flags)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
         handle = AsyncSave(url, staged, done)
         self._last = handle
@@ -292,14 +306,15 @@ class CheckpointManager:
                     shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
 
     # -- restoring -------------------------------------------------------------------------
-    def restore(self, state_dict: dict[str, Any], step: int | None = None, *,
+    def restore(self, state_dict: dict[str, Any], step: int | str | None = None, *,
                 strict: bool = True) -> int | None:
         """Fill ``state_dict`` in place from ``step`` (default: the latest committed step),
         resharding to this world and layout like ``ckptfs.load``; returns the step restored,
         or None when no step is committed (and ``step`` was not given). With a local tier each
         data file is read once from its local copy when that copy matches the committed index
         (its size, and the crc32c of every chunk read, checked as it lands), from the URL
-        otherwise (``last_restore`` says which; manager/tier.py).
+        otherwise (``last_restore`` says which; manager/tier.py). ``step="last_good"``
+        restores ``last_good_step()`` (as rank 0 finds it).
         Collective over ``process_group``."""
         if self._last is not None:
             self._last.done.exception()  # restore sees every save this manager started
@@ -307,6 +322,9 @@ class CheckpointManager:
             comm = Comm(self.process_group)
             store = self._open_agreed(comm, f"restore: opening {self.url}")
             found = comm.run_on_coordinator(f"restore: listing the steps at {self.url}", self._listing)
+            if step == LAST_GOOD:
+                step = comm.run_on_coordinator(f"restore: finding the last good step at {self.url}",
+                                               self._last_good)
             if step is None and not found.committed:
                 return None
             step = self._committed(found, step)
@@ -314,6 +332,13 @@ class CheckpointManager:
             self.last_restore = restore_tiered(
                 state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
                 comm, options=self.load_options, store_options=self.store_options, strict=strict)
+        return step
+
+    def _last_good(self) -> int:
+        step = self.last_good_step()
+        if step is None:
+            raise CheckpointNotFoundError(f"{self.url}: no committed step is good (an index "
+                                          f"that verifies, with finite fingerprints)")
         return step
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -1,0 +1,189 @@
+"""Checkpoint health costs, one process, every number from the same run:
+
+- ``check_finite``: the same save of ``--gb`` GB (float32 tensors of ``--tensor-mb`` MB)
+  with and without ``check_finite=True``, alternating, ``--reps`` times each; the cost is the
+  ratio of the medians, and the check alone (engine/health.py's ``non_finite`` over the same
+  tensors) beside it.
+- ``diff`` from checksums: two saves of the same state in the same layout; ``ckptfs.diff``
+  decides "equal" from the chunk checksums (no tensor byte read).
+- ``diff`` across layouts: the safetensors_chunks checkpoint against a zarr-3 one of the same
+  state in chunks of a quarter of a tensor (different chunk boxes: streamed), against the
+  cold-read floor taken in the same run (bench/floors.py: every file of both checkpoints read
+  whole with plain calls, page cache dropped first where the machine allows it), and its peak
+  resident memory against ``DiffReport.memory_bound``.
+
+    python -m bench.health [--gb 1.5] [--reps 3] [--dir DIR]
+
+Results: bench/results/health-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ckptfs
+from bench.floors import files_under, read_files, scratch_for
+from bench.worker import drop_caches
+from ckptfs.engine.health import non_finite
+from ckptfs.layout.backend import ChunkData
+from ckptfs.layout.boxes import full_box
+from ckptfs.layout.dtypes import from_name
+
+
+def make_state(gb: float, tensor_mb: int) -> dict[str, torch.Tensor]:
+    """float32 tensors of ``tensor_mb`` MiB (rows of 1024) holding ``gb`` GB in all."""
+    rows = max(1, int(gb * 1e9) // 4096)
+    per = max(1, tensor_mb * (1 << 20) // 4096)
+    return {f"layers.{i}.weight": torch.empty(min(per, rows - start), 1024).uniform_(-1, 1)
+            for i, start in enumerate(range(0, rows, per))}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure_peak(a: str, b: str) -> None:
+    """In a fresh process (``--peak A B``): a small diff first (imports, I/O loop), then the
+    whole diff; prints its peak resident bytes above the resident size before it, and its
+    bound. A process that diffed before keeps freed memory mapped: its peak says nothing."""
+    key = next(iter(ckptfs.load_metadata(a).tensors))
+    ckptfs.diff(a, b, keys=[key], buffer_bytes=1 << 20)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _rss("VmRSS")
+    report = ckptfs.diff(a, b)
+    print(json.dumps({"peak": _rss("VmHWM") - before, "bound": report.memory_bound}))
+
+
+def peak_in_subprocess(a: str, b: str) -> dict[str, int]:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "bench.health", "--peak", a, b], env=env,
+                         capture_output=True, text=True, check=True, cwd=here)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
+    """Alternating saves with and without the check (overwriting one root each)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * reps + 1):  # the first save warms up and is not counted
+        check = i % 2 == 1
+        url = os.path.join(root, f"cf-{check}")
+        t0 = time.perf_counter()
+        ckptfs.save(state, url, overwrite=True, check_finite=check)
+        t = time.perf_counter() - t0
+        if i:
+            times[check].append(t)
+    chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
+              for k, t in state.items()]
+    alone = [timed(lambda: non_finite(chunks)) for _ in range(reps)]
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"save_s": off, "save_check_finite_s": on, "cost_pct": 100 * (on / off - 1),
+            "check_alone_s": statistics.median(alone),
+            "check_alone_pct": 100 * statistics.median(alone) / off,
+            "runs": {"off": times[False], "on": times[True]}}
+
+
+def cold_floor(paths: list[str]) -> tuple[float, bool]:
+    """Seconds to read every file whole (plain calls), after dropping the page cache."""
+    scratch: list[torch.Tensor] = []
+    bufs = scratch_for(paths, scratch)
+    dropped = drop_caches()
+    return timed(lambda: read_files(paths, bufs)), dropped
+
+
+def bench_diff(state: dict, root: str, reps: int) -> dict[str, Any]:
+    a, same, other = (os.path.join(root, n) for n in ("a", "a-same", "b-zarr3"))
+    ckptfs.save(state, a)
+    ckptfs.save(state, same)
+    # zarr chunks a quarter of a tensor: chunk boxes differ, so the diff streams both sides
+    quarter = max(t.nbytes for t in state.values()) // 4
+    ckptfs.save(state, other, backend="zarr", backend_version=3,
+                backend_options={"max_chunk_bytes": max(quarter, 4096)})
+    by_sums = [timed(lambda: ckptfs.diff(a, same)) for _ in range(reps)]
+    report = ckptfs.diff(a, same)
+    assert report.equal and report.bytes_read == 0
+    paths = files_under(a) + files_under(other)
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    runs = []
+    for _ in range(reps):
+        floor, dropped = cold_floor(paths)
+        drop_caches()
+        t0 = time.perf_counter()
+        streamed = ckptfs.diff(a, other)
+        runs.append({"floor_s": floor, "diff_s": time.perf_counter() - t0,
+                     "caches_dropped": dropped})
+        assert streamed.equal and streamed.bytes_read == 2 * sum(t.nbytes for t in state.values())
+    floor_s = statistics.median(r["floor_s"] for r in runs)
+    diff_s = statistics.median(r["diff_s"] for r in runs)
+    return {"from_checksums_s": statistics.median(by_sums), "files_bytes": nbytes,
+            "floor_s": floor_s, "streamed_s": diff_s, "fraction_of_floor": floor_s / diff_s,
+            **{f"{k}_bytes" if k == "peak" else "memory_bound_subprocess": v
+               for k, v in peak_in_subprocess(a, other).items()},
+            "memory_bound": streamed.memory_bound,
+            "caches_dropped": all(r["caches_dropped"] for r in runs), "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.health", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=1.5, help="checkpoint size in GB (default 1.5)")
+    ap.add_argument("--tensor-mb", type=int, default=64, help="MiB per tensor (default 64)")
+    ap.add_argument("--reps", type=int, default=3, help="runs of each case (medians)")
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="results file (default bench/results/health-*.json)")
+    ap.add_argument("--peak", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.peak:
+        measure_peak(*args.peak)
+        return 0
+    state = make_state(args.gb, args.tensor_mb)
+    root = tempfile.mkdtemp(prefix="ckptfs-health-", dir=args.dir)
+    try:
+        result = {"gb": args.gb, "reps": args.reps, "threads": torch.get_num_threads(),
+                  "check_finite": bench_check_finite(state, root, args.reps),
+                  "diff": bench_diff(state, root, args.reps)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cf, d = result["check_finite"], result["diff"]
+    print(f"check_finite: save {cf['save_s']:.3f} s, with the check {cf['save_check_finite_s']:.3f}"
+          f" s ({cf['cost_pct']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
+          f"({cf['check_alone_pct']:.1f}% of the save)")
+    print(f"diff from checksums: {d['from_checksums_s']:.3f} s")
+    print(f"diff across layouts: {d['streamed_s']:.3f} s, cold-read floor {d['floor_s']:.3f} s "
+          f"({100 * d['fraction_of_floor']:.0f}% of the floor's rate; caches dropped: "
+          f"{d['caches_dropped']}); peak {d['peak_bytes'] / 2**20:.1f} MiB, bound "
+          f"{d['memory_bound'] / 2**20:.1f} MiB")
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"health-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"# results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

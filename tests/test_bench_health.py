@@ -1,0 +1,20 @@
+"""bench/health.py runs end to end at a tiny size and writes every number it prints."""
+
+from __future__ import annotations
+
+import json
+
+from bench.health import main
+
+
+def test_tiny_health_bench_writes_its_results(tmp_path):
+    out = tmp_path / "health.json"
+    assert main(["--gb", "0.004", "--tensor-mb", "1", "--reps", "1", "--dir", str(tmp_path),
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    cf, diff = doc["check_finite"], doc["diff"]
+    assert len(cf["runs"]["on"]) == len(cf["runs"]["off"]) == 1
+    assert cf["save_s"] > 0 and cf["check_alone_s"] >= 0
+    assert diff["from_checksums_s"] > 0 and diff["streamed_s"] > 0 and diff["floor_s"] > 0
+    assert diff["memory_bound"] > 0 and diff["files_bytes"] >= 2 * 4_000_000
+    assert diff["memory_bound_subprocess"] == diff["memory_bound"]
