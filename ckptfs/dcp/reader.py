@@ -42,9 +42,10 @@ from torch.futures import Future
 from ckptfs.dcp.items import is_opaque
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.errors import MissingKeysError
-from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backends.torch_dist_keys import dcp_leaves
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import from_name
@@ -64,17 +65,19 @@ class ReadStats:
 class StorageReader(dcp_storage.StorageReader):
     """Serve the checkpoint at ``url`` (a path or any URL ckptfs opens) to ``dcp.load``.
 
-    ``storage_options``: for the store (fsspec / object-store credentials). ``verify``: check
-    the crc32c of every chunk read whole. ``stats`` holds what the last ``read_data`` read.
+    ``storage_options``: for the store (fsspec / object-store credentials); ``store_options``
+    (``StoreOptions``) tune it; ``options`` (``LoadOptions``) tune the reads (``verify``: check
+    the crc32c of every chunk read). ``stats`` holds what the last ``read_data`` read.
     """
 
     def __init__(self, url: str | os.PathLike, *,
                  storage_options: Mapping[str, Any] | None = None,
-                 io_config: IOConfig | None = None, verify: bool = True) -> None:
+                 store_options: StoreOptions | None = None,
+                 options: LoadOptions | None = None) -> None:
         self.url = os.fspath(url)
         self.storage_options = dict(storage_options or {})
-        self.io_config = io_config
-        self.verify = verify
+        self.store_options = store_options
+        self.options = options or LoadOptions()
         self.stats: ReadStats | None = None
         self._index: Index | None = None
         self._items: dict[str, tuple[str, Any]] = {}  #: FQN -> (ckptfs key, object or None)
@@ -117,7 +120,7 @@ class StorageReader(dcp_storage.StorageReader):
             store = self._open()
             try:
                 self.stats = read_items(store, self._index, self._items, plan, planner,
-                                        self.verify, self.url)
+                                        self.options, self.url)
             finally:
                 run_sync(store.close())
         fut: Future[None] = Future()
@@ -129,11 +132,11 @@ class StorageReader(dcp_storage.StorageReader):
         return isinstance(checkpoint_id, str | os.PathLike)
 
     def _open(self) -> Store:
-        return run_sync(open_store(self.url, self.storage_options, self.io_config))
+        return run_sync(open_store(self.url, self.storage_options, self.store_options))
 
     def _read_index(self) -> Index:
         async def go() -> Index:
-            store = await open_store(self.url, self.storage_options, self.io_config)
+            store = await open_store(self.url, self.storage_options, self.store_options)
             try:
                 return await read_index(store)
             finally:
@@ -168,7 +171,7 @@ def tensor_metadata(e: TensorEntry) -> TensorStorageMetadata:
 
 
 def read_items(store: Store, index: Index, items: Mapping[str, tuple[str, Any]], plan: LoadPlan,
-               planner: LoadPlanner, verify: bool, url: str) -> ReadStats:
+               planner: LoadPlanner, options: LoadOptions, url: str) -> ReadStats:
     """Read every item of ``plan`` (tensor regions into the planner's tensors, objects handed to
     ``planner.load_bytes``) and report the bytes moved."""
     jobs: list[TensorRead] = []
@@ -194,7 +197,7 @@ def read_items(store: Store, index: Index, items: Mapping[str, tuple[str, Any]],
         jobs.append(TensorRead(e, dst, tuple(plan_reads(e, box))))
         after.append((ri, target, dst))
     before = (store.stats.bytes_read, store.stats.read_requests)
-    needed, _ = run_sync(read_tensors(store, index, jobs, verify=verify))
+    needed, _ = run_sync(read_tensors(store, index, jobs, options))
     for ri, target, dst in after:
         if dst is not target:
             target.copy_(dst)

@@ -42,7 +42,7 @@ from ckptfs.engine.lock import LockInfo, Renewal, read_lock
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import write_rank
 from ckptfs.errors import CkptfsError, SaveInProgressError
-from ckptfs.io import IOConfig, Store, open_store, run_sync
+from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.backends.torch_dist_keys import expand_value
 from ckptfs.layout.boxes import Box
@@ -73,12 +73,12 @@ class StorageWriter(dcp_storage.StorageWriter):
                  backend_version: int | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 io_config: IOConfig | None = None, overwrite: bool = False) -> None:
+                 store_options: StoreOptions | None = None, overwrite: bool = False) -> None:
         self.url = os.fspath(url)
         self.backend_spec = (backend, backend_version, dict(backend_options or {}))
         make_backend(*self.backend_spec)  # refuses an unknown or read-only backend now
         self.storage_options = dict(storage_options or {})
-        self.io_config = io_config
+        self.store_options = store_options
         self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
@@ -135,7 +135,7 @@ class StorageWriter(dcp_storage.StorageWriter):
     # -- the work ---------------------------------------------------------------------------
 
     def _open(self) -> Store:
-        return run_sync(open_store(self.url, self.storage_options, self.io_config))
+        return run_sync(open_store(self.url, self.storage_options, self.store_options))
 
     def _claim(self, be: Backend) -> None:
         """Take the save lock and check the target (coordinator, before any rank writes)."""
