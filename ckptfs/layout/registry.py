@@ -6,12 +6,12 @@ An entry point in group ``ckptfs.backends`` names a Backend subclass (its ``name
 
 from __future__ import annotations
 
-import importlib
 import logging
 from importlib.metadata import entry_points
 from typing import Any
 
 from ckptfs.errors import ConfigError, UnknownBackendError
+from ckptfs.io.optional import import_optional
 from ckptfs.layout.backend import Backend
 
 ENTRY_POINT_GROUP = "ckptfs.backends"
@@ -66,7 +66,7 @@ def get_backend(name: str, version: int | None = None) -> type[Backend]:
         raise UnknownBackendError(_unknown(name, version))
     if isinstance(target, str):
         module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
+        target = getattr(import_optional(module, f"backend {name}-{version}"), attr)
         _registry[(name, int(version))] = target
     return target
 
