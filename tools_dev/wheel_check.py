@@ -63,8 +63,13 @@ def build(src: Path, out: Path, *, wheel_only: bool = False) -> tuple[Path, str]
 
 
 def build_warnings(log: str) -> list[str]:
-    """Lines of a build's output that warn (setuptools deprecations, missing files, ...)."""
-    return [line for line in log.splitlines() if "warning" in line.lower()]
+    """Lines of a build's output that warn (setuptools deprecations, missing files, ...).
+
+    "byte-compiling is disabled" answers PYTHONDONTWRITEBYTECODE in the environment, not the
+    package, and is left out.
+    """
+    return [line for line in log.splitlines()
+            if "warning" in line.lower() and "byte-compiling is disabled" not in line]
 
 
 def check(wheel: Path) -> str:
