@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_tune``: loads into CUDA tensors under several ring settings (issue 12).
+"""``python -m bench.gpu_tune``: loads into CUDA tensors under several ring settings.
 
 Writes a ``--gb`` fp32 checkpoint from 2 spawned CPU ranks, then loads it into CUDA tensors with
 each combination of ring part size (``engine.read.RING_PIECE``), ring size and slots
