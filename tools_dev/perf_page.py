@@ -39,7 +39,8 @@ def table(doc: dict[str, Any]) -> str:
     cases = doc["cases"]
     by = {(c["case"], c["lib"]): c for c in cases}
     peers = [p for p in PEERS if any(c["lib"] == p for c in cases)]
-    libs = sorted({c["lib"] for c in cases}, key=lambda lib: (lib in PEERS, PEERS.index(lib) if lib in PEERS else 0, lib))
+    libs = sorted({c["lib"] for c in cases},
+                  key=lambda lib: (lib in PEERS, PEERS.index(lib) if lib in PEERS else 0, lib))
     head = ["case", "library", "time", "GB/s", "floor GB/s", "of floor", "of own files",
             *(f"x {p}" for p in peers)]
     lines = [f"Run of {doc['date']} on a {doc['machine']}; median of {doc['reps']} runs, "
@@ -50,8 +51,8 @@ def table(doc: dict[str, Any]) -> str:
             c = by.get((case, lib))
             if c is None:
                 continue
-            ratios = [f"{by[(case, p)]['seconds'] / c['seconds']:.2f}x" if (case, p) in by and lib not in PEERS
-                      else "" for p in peers]
+            ratios = [f"{by[(case, p)]['seconds'] / c['seconds']:.2f}x"
+                      if (case, p) in by and lib not in PEERS else "" for p in peers]
             own = f"{c['beside_fraction']:.0%}" if c.get("beside_fraction") is not None else ""
             lines.append("| " + " | ".join([
                 case, lib + MARKS.get(lib, ""), f"{c['seconds']:.3f} s", f"{c['gbps']:.2f}",
