@@ -119,3 +119,38 @@ def test_key_mapping_naming_a_key_the_model_lacks(tmp_path):
     ckptfs.load_model_and_optim_state(tmp_path / "m", target, key_mapping={"encoder.weight": "weight"},
                                       strict=False)
     assert torch.equal(target.weight, model.weight)
+
+
+@pytest.mark.parametrize("backend", ["safetensors_chunks", "torch_dist", "zarr"])
+def test_verify_reads_each_byte_once_and_its_progress_counts_it(backend, tmp_path, monkeypatch):
+    from ckptfs.io import progress
+
+    closed = []
+    monkeypatch.setattr(progress.ByteProgress, "close",
+                        lambda self: closed.append((self.done, self.total)))
+    state = {f"t{i}": torch.arange(1000.0 * (i + 1)).reshape(-1, 10) for i in range(4)}
+    path = tmp_path / backend
+    ckptfs.save(state, path, backend=backend)
+    report = ckptfs.verify(path, progress=True)
+    assert report.ok, report.problems
+    assert report.chunks_checksummed == sum(len(t.chunks) for t in ckptfs.load_metadata(path).tensors.values())
+    files = sum(ckptfs.load_metadata(path).all_files.values())
+    if backend != "zarr":  # chunks stored raw: checked from the bytes of the file pass alone
+        assert report.bytes_read == files
+    assert closed == [(report.bytes_read, report.bytes_read)]
+
+
+def test_verify_reports_a_damaged_raw_chunk_once_per_kind(tmp_path):
+    path = tmp_path / "c"
+    ckptfs.save({"a": torch.zeros(1000), "b": torch.ones(1000)}, path)
+    meta = ckptfs.load_metadata(path)
+    chunk = meta.tensors["b"].chunks[0]
+    f = path / chunk.file
+    data = bytearray(f.read_bytes())
+    data[chunk.byte_offset + 5] ^= 1
+    f.write_bytes(bytes(data))
+    report = ckptfs.verify(path)
+    kinds = sorted(p.kind for p in report.problems)
+    assert kinds == ["checksum", "file-checksum"], report.problems
+    assert next(p for p in report.problems if p.kind == "checksum").key == "b"
+    assert report.chunks_checksummed == 1

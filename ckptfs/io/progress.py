@@ -31,6 +31,13 @@ class ByteProgress:
         if self._bar is not None:
             self._bar.update(n)
 
+    def add_total(self, n: int) -> None:
+        """Raise the total by ``n`` (work found while running)."""
+        self.total += n
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -50,6 +57,9 @@ class NoProgress:
     """The stand-in when progress is off: ignores updates, prints nothing."""
 
     def update(self, n: int = 1) -> None:
+        pass
+
+    def add_total(self, n: int) -> None:
         pass
 
     def close(self) -> None:
