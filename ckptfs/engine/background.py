@@ -14,7 +14,7 @@ non-daemon thread alone would run after them, and the save would fail writing).
 Why a thread and not a writer process: the background work is copies and file I/O (the GIL is
 released) and a crc32c computed without the GIL; once staged, the save's threads run at
 ``IOConfig.background_nice`` so a busy CPU serves the training loop first (async_save.py,
-io/local_store.py). Measured in ``bench/async_save.py`` and the README's "Asynchronous save".
+io/local_store.py). Measured by ``bench/async_save.py`` (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the rest also go through the ring. Without the GDS driver kvikio runs in its com
 (POSIX reads through its own bounce buffers).
 
 Tested on an H100 machine (tests/test_gpu.py), where kvikio ran in its compatibility mode
-(gVisor, no GDS driver): 6.3 GB/s against the ring's 28 GB/s (README, GPU).
+(gVisor, no GDS driver): 6.3 GB/s against the ring's 28 GB/s (docs/guide/gpu.md).
 """
 
 from __future__ import annotations

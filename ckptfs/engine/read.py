@@ -11,7 +11,7 @@ Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring
 to the device asynchronously, the copy started before the slot's check so that the two overlap
 (a mismatch fails the load); a chunk cut into several pieces is still checked whole (the CRCs
 of its pieces, combined). With ``IOConfig.gds`` chunks may go straight to the device
-(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (README, GPU).
+(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (docs/guide/gpu.md).
 
 A batch's reads go to the store in waves of about ``_WAVE`` bytes that run concurrently; each
 wave's checksums and copies start as soon as its own reads are done, so they overlap the later
