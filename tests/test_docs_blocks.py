@@ -94,3 +94,13 @@ def test_block_runs(block, tmp_path, request):
                str(script)]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert res.returncode == 0, f"{block.file}:{block.line} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+
+
+def test_performance_page_tables_come_from_the_json_results():
+    """docs/performance.md's current table is what ``tools_dev.perf_page`` makes of the newest
+    docs/perf_results/*.json (run it after adding a result file)."""
+    from tools_dev import perf_page
+
+    page = perf_page.PAGE.read_text(encoding="utf-8")
+    assert perf_page.START in page and perf_page.END in page
+    assert perf_page.render(page, perf_page.newest()) == page
