@@ -1,4 +1,4 @@
-# One entry point for set-up, demo and tests. The venv is created on first use;
+# One entry point for set-up, demo, tests and docs. The venv is created on first use;
 # torch is installed first and pinned so pip never pulls a CUDA build.
 PY ?= python3.11
 VENV := .venv
@@ -9,8 +9,8 @@ TORCH := torch==2.13.0
 # much of the time: two workers on CI's 2 cores cut its wall time by about a third)
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test test-fast lint bench bench-async bench-perf bench-venvs mutate clean interop megatron-venvs \
-	megatron-fixtures crash-trials test-diff-large
+.PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
+	clean interop megatron-venvs megatron-fixtures crash-trials test-diff-large
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[test]" $(TORCH)
+	$(BIN)/pip install -q -e ".[test,dev]" $(TORCH)
 	$(BIN)/pip install -q --no-deps -e examples/npy_plugin
 	touch $(STAMP)
 
@@ -29,6 +29,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
+	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
 
 # The fast lane: the tests that start no processes and no servers (`pytest -m "not slow"`).
@@ -42,14 +43,23 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 
+# the documentation site (mkdocs.yml, docs/), warnings as errors; `make test` builds it too
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir build/site
+
+# the wheel from a clean clone, installed in a fresh venv with torch alone (tests/test_packaging.py
+# builds and checks it in `make test`; this also installs it and runs the quick start)
+wheel-check: $(STAMP)
+	$(BIN)/python -m tools_dev.wheel_check --python $(PY)
+
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
 bench-async: $(STAMP)
 	$(BIN)/python -m bench.async_save
 
-# Issue 17's bench (bench/perf.py): every case against the floors measured in the same run and
-# every peer. DCP runs in .venv; OLMo-core and Megatron-Core run in their own venvs when they
+# The performance bench (bench/perf.py): every case against the floors measured in the same run
+# and every peer. DCP runs in .venv; OLMo-core and Megatron-Core run in their own venvs when they
 # exist (`make bench-venvs`), else they are skipped with a line. BENCH_ARGS: e.g. --gb 0.3 --reps 1
 BENCH_STAMP := $(VENV)/.ckptfs-bench-installed
 BENCH_ARGS ?=

@@ -6,7 +6,7 @@
 ``--mb`` MiB plus 64 small tensors to local disk, alternating, ``--runs`` times each:
   - ckptfs (the replicated tensor cut into one slice per rank, each written by its rank),
   - ckptfs without splitting (``MIN_SLICE_BYTES`` raised: one rank writes the whole tensor, as
-    before issue 11),
+    before the whole-checkpoint checksums),
   - ``torch.distributed.checkpoint.save`` (FileSystemWriter, sync_files=True; DCP's dedup gives
     the tensor to one rank).
   Both libraries fsync. Times are the slowest rank's, between barriers.

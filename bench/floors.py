@@ -16,7 +16,7 @@ checkpoint cases of that world. The rate is all ranks' bytes over the time betwe
 ``read_whole`` is the floor taken beside a cold load (``bench.perf_world``): the files of the
 checkpoint that load just read, each read whole by a thread of its own, files dealt round-robin
 over the ranks. It reads the same bytes from the same places on the disk; the floors above read
-files written moments before (on this VM, files written just before read back about 9% faster
+files written moments before (on a 2-vCPU cloud VM, files written just before read back about 9% faster
 than files written minutes earlier: the virtual disk's own caching).
 
 A checkpoint of many small files (W4) gets floors of its own files instead, because a floor of a

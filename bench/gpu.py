@@ -1,4 +1,4 @@
-"""``python -m bench.gpu``: loads into and saves from CUDA tensors, ckptfs vs DCP (issue 12).
+"""``python -m bench.gpu``: loads into and saves from CUDA tensors, ckptfs vs DCP.
 
 In one run on a GPU machine, for an fp32 and a bf16 state of ``--gb`` GB (default 8) saved as a
 2-rank sharded checkpoint (row-sharded DTensors, spawned CPU ranks) by each checkpointer:
@@ -16,7 +16,7 @@ In one run on a GPU machine, for an fp32 and a bf16 state of ``--gb`` GB (defaul
   at once (torch's host allocator statistics); and ckptfs's ``async_save`` (time until staged,
   until done) beside DCP's ``async_save`` with one ``DefaultStager`` reused by every save
   (pinned, non-blocking, asynchronous staging: DCP's advice for GPU state; a new one per save
-  on torch 2.11, which cannot reuse one: ``bench.libs.DcpStager``), issue 10's peer.
+  on torch 2.11, which cannot reuse one: ``bench.libs.DcpStager``), the async-save peer.
 
 Runs alternate between checkpointers; medians of ``--repeats``; loads run from a warm page cache
 (the floor beside them is the warm read bandwidth); every load is compared with the state on

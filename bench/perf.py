@@ -1,4 +1,4 @@
-"""``python -m bench.perf`` (``make bench-perf``): every case of issue 17 against its physical floor
+"""``python -m bench.perf`` (``make bench-perf``): every performance case against its physical floor
 and against every peer, in one run, one table.
 
 Cases (synthetic fp32 + bf16 state, row-sharded DTensors, ``bench.synthetic``; ``--gb``):
@@ -8,7 +8,7 @@ Cases (synthetic fp32 + bf16 state, row-sharded DTensors, ``bench.synthetic``; `
   ``--small`` (20,000) small fp32 tensors on 1 rank; W5 the peak extra RSS of every W1 sync save,
   per rank; W6 warm-cache loads 1->1 and 2->2 (the same load again right after the cold one).
 - Every cold load, and every save, runs after the page cache was dropped
-  (``bench.worker.drop_caches``): measured on this VM, a page cache holding 8 GB of clean pages
+  (``bench.worker.drop_caches``): measured on a 2-vCPU cloud VM, a page cache holding 8 GB of clean pages
   slowed a 1.1 GB save from 1.5-1.7 s to 2.6 s, so saves start from the same state too. Every
   load is verified bit-exact (the command fails if one is not). Medians over ``--reps``.
 - W5: each rank resets its peak RSS (``/proc/self/clear_refs`` = 5 sets VmHWM to the current RSS)
@@ -26,7 +26,7 @@ Beside each cold W1/W2 load of every library (alternately right before and right
 same checkpoint's files are read whole, cold, a thread per file, files dealt over the ranks
 (``floors.read_whole``): column ``of own files`` = that time / the load's time. The targets use
 the floors above; this column separates what the load costs from where its bytes lie on the disk
-(files written moments before read back faster on this VM than older ones). W4's checkpoints
+(files written moments before read back faster on a 2-vCPU cloud VM than older ones). W4's checkpoints
 (up to 40,000 small files) get the same column from floors of their own files with plain calls,
 dealt over ``floors.FILE_THREADS`` threads: beside each W4 load the files read whole, cold
 (``floors.read_files``); right after each W4 save the same directories and files created anew,
@@ -47,7 +47,7 @@ within a venv at every step, and across venvs every repetition. ``--warmup`` unr
 repetitions come first (the first writes into never-touched memory cost more on a VM).
 
 Output: the table (time, GB/s, fraction of floor, ratio to each peer = peer time / this time),
-the floors, W5, the targets of issue 17 with met / NOT met, a JSON file and a plot (matplotlib,
+the floors, W5, the performance targets with met / NOT met, a JSON file and a plot (matplotlib,
 the ``bench`` extra; skipped with a message without it) in ``bench/results/``.
 """
 
@@ -419,7 +419,7 @@ def render(result: dict[str, Any], state_bytes: int, args: argparse.Namespace, f
     lines += ["", "W5 sync-save peak extra RSS per rank (largest rank; VmHWM after the save - VmRSS before, "
               "peak reset by /proc/self/clear_refs)",
               *table(["case", "library", "peak extra", "rank's state", "bound", "bound met"], wrows)]
-    lines += ["", "targets (issue 17; worst case over the rows):"]
+    lines += ["", "targets (worst case over the rows):"]
     for t in result["targets"]:
         v = (f"{t['worst']:.0%}" if t["fmt"] == "%" else f"{t['worst'] / MIB:+.0f} MiB" if t["fmt"] == "MiB"
              else f"{t['worst']:.2f}x")

@@ -113,7 +113,7 @@ class World:
     def save(self, case: str, ck: Checkpointer, state: dict, path: str, nbytes: int) -> None:
         if self.rank == 0:
             ck.remove(path)
-            if self.cfg["drop"]:  # every save starts from the same page cache (README)
+            if self.cfg["drop"]:  # every save starts from the same page cache (docs/performance.md)
                 drop_caches()
         dist.barrier()
         base = reset_peak()

@@ -2,7 +2,7 @@
 
 One spawn per world size. In every repetition each checkpointer saves (if this world saves),
 then each loads, cold (page cache dropped first) and then warm; the order of the checkpointers
-flips every repetition. Unrecorded warm-up repetitions come first: on this VM the first writes
+flips every repetition. Unrecorded warm-up repetitions come first: on a 2-vCPU cloud VM the first writes
 into never-touched memory (page cache included) cost several times more kernel time.
 Rank 0 appends one JSON record per measurement to the results file.
 """

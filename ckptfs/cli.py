@@ -11,11 +11,16 @@
     ckptfs conformance [--backend NAME:VERSION ...] [--golden-dir DIR] [pytest args ...]
 
 Every command that reads a checkpoint takes ``--storage-option KEY=VALUE`` (repeatable; VALUE
-is JSON when it parses as JSON, a dotted KEY nests: ``client_kwargs.region_name=us-east-1``) and
-``--storage-options FILE`` (a JSON object; single options override it), and ``--quiet`` (no
-progress bars or summaries). Exit status: 0 ok, 1 a problem was found (verify) or the command
-failed, 2 a usage error (bad arguments, options or settings: ``ckptfs.ConfigError``), 3 the
-checkpoints differ (diff).
+is JSON when it parses as JSON, a dotted KEY nests: ``client_kwargs.region_name=us-east-1``),
+``--storage-options FILE`` (a JSON object; single options override it) and ``-q/--quiet`` (no
+progress or summaries). These global flags go before or after the subcommand
+(``ckptfs -q convert ...`` and ``ckptfs convert ... -q``); given in both places, the storage
+options merge (the subcommand's win). Commands that write take ``--overwrite``.
+
+Exit status (``EXIT_*`` below): 0 ok; 1 the command failed (a ``ckptfs.CkptfsError`` other than
+a configuration error, or an I/O error); 2 a usage or configuration error (bad arguments,
+options or settings, an unknown or read-only backend: ``ckptfs.ConfigError``); 3 ``verify``
+found problems in the checkpoint; 4 ``diff`` found the checkpoints different; 130 interrupted.
 
 Each subcommand is a small module-level ``add_<name>(subparsers)`` that registers its parser and
 sets ``run`` (a function of the parsed namespace and the leftover arguments, returning an exit
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -34,7 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import ckptfs
-from ckptfs.errors import CkptfsError, ConfigError, UsageError
+from ckptfs.errors import CkptfsError, ConfigError, UnknownBackendError, UsageError
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a ckptfs error other than a configuration error, or an I/O error
+EXIT_USAGE = 2  # bad arguments, options or settings (ckptfs.ConfigError, an unknown backend)
+EXIT_PROBLEMS = 3  # verify found problems in the checkpoint
+EXIT_INTERRUPTED = 130
 
 # ---------------------------------------------------------------------------- shared options
 
@@ -62,36 +74,55 @@ def _assign(out: dict[str, Any], path: list[str], value: Any) -> None:
 
 def storage_options(args: argparse.Namespace, prefix: str = "") -> dict[str, Any] | None:
     """storage_options from ``--{prefix}storage-options FILE`` and ``--{prefix}storage-option``."""
-    file = getattr(args, f"{prefix}storage_options_file".replace("-", "_"))
-    pairs = getattr(args, f"{prefix}storage_option".replace("-", "_"))
+    names = [f"{prefix}storage_options_file", f"{prefix}storage_option"]
+    if not prefix:  # the global flags (before the subcommand) first, the subcommand's override
+        names = [f"global_{n}" for n in names] + names
     out: dict[str, Any] = {}
-    if file:
-        try:
-            out = json.loads(Path(file).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise UsageError(f"--storage-options {file}: {e}") from None
-        if not isinstance(out, dict):
-            raise UsageError(f"--storage-options {file}: must hold a JSON object")
-    for text in pairs:
-        _assign(out, *parse_assignment(text, "--storage-option"))
+    for name in names:
+        value = getattr(args, name.replace("-", "_"), None)
+        if not value:
+            continue
+        if name.endswith("_file"):
+            out.update(_options_file(value))
+        else:
+            for text in value:
+                _assign(out, *parse_assignment(text, "--storage-option"))
     return out or None
 
 
-def _common(prefix: str = "") -> argparse.ArgumentParser:
+def _options_file(file: str) -> dict[str, Any]:
+    try:
+        out = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"--storage-options {file}: {e}") from None
+    if not isinstance(out, dict):
+        raise UsageError(f"--storage-options {file}: must hold a JSON object")
+    return out
+
+
+def _common(prefix: str = "", dest_prefix: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("storage")
+    dest = f"{dest_prefix}{prefix}".replace("-", "_")
     g.add_argument(f"--{prefix}storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   dest=f"{dest}storage_option",
                    help="an fsspec/s3fs storage option (repeatable); VALUE is JSON if it parses, "
                         "a dotted KEY nests (client_kwargs.region_name=us-east-1)")
-    g.add_argument(f"--{prefix}storage-options", dest=f"{prefix}storage_options_file".replace("-", "_"),
+    g.add_argument(f"--{prefix}storage-options", dest=f"{dest}storage_options_file",
                    metavar="FILE", help="a JSON file with storage options")
     return p
 
 
-def _quiet() -> argparse.ArgumentParser:
+def _quiet(default: Any = argparse.SUPPRESS) -> argparse.ArgumentParser:
+    """``-q/--quiet``; after the subcommand its default is left unset, so the global one stands."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summaries")
+    p.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="no progress or summaries")
     return p
+
+
+def _overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace {what}")
 
 
 def _json(p: argparse.ArgumentParser, what: str) -> None:
@@ -144,7 +175,7 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
                     "(key, dtype, shape, bytes, chunks) and the values of the checkpoint at URL. "
                     "Reads the index only (or, for DCP, Megatron and Hugging Face directories, "
                     "their metadata).")
-    p.add_argument("url", metavar="URL")
+    p.add_argument("url", metavar="URL", help="the checkpoint: a local path or an fsspec URL (s3://...)")
     p.add_argument("--keys", metavar="PATTERN",
                    help="only keys matching a glob (model/*.weight) or under a key (optim)")
     p.add_argument("--stats", action="store_true",
@@ -210,7 +241,7 @@ def run_verify(args: argparse.Namespace, rest: list[str]) -> int:
         _emit(report.to_dict())
     else:
         for p in report.problems:
-            print(p)
+            print(_cli_wording(str(p), "verify"))
         if not args.quiet:
             for s in report.skipped:
                 print(f"skipped: {s}", file=sys.stderr)
@@ -219,16 +250,17 @@ def run_verify(args: argparse.Namespace, rest: list[str]) -> int:
                     f"{report.files} files, {report.bytes_read} bytes read")
             verdict = "OK" if report.ok else f"{len(report.problems)} PROBLEM(S)"
             print(f"{verdict}: {report.url}: {what}")
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
 
 
 def add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "verify", parents=[_common(), _quiet()], help="check a checkpoint end to end (exit 1 on any problem)",
+        "verify", parents=[_common(), _quiet()], help="check a checkpoint end to end (exit 3 on any problem)",
         description="Check the index against the JSON Schema, every data file's presence and size, "
                     "that the chunks of every tensor tile it exactly, and every chunk's crc32c. "
-                    "Every problem is reported with its kind, key, chunk and file. Exit 1 on any.")
-    p.add_argument("url", metavar="URL")
+                    "Every problem is reported with its kind, key, chunk and file. Exit 3 on any. "
+                    "Reads every byte of the checkpoint once.")
+    p.add_argument("url", metavar="URL", help="the checkpoint: a local path or an fsspec URL (s3://...)")
     p.add_argument("--no-checksums", action="store_true",
                    help="skip reading the data (index, files, sizes and tiling only)")
     _json(p, "the report")
@@ -269,7 +301,8 @@ def add_clean(sub: argparse._SubParsersAction) -> None:
                     "list. A committed checkpoint, checkpoints nested below URL and files no rule "
                     "recognises are left alone. Refuses while a save may be running there (its "
                     "lock is still renewed) unless --force. Run it when no save to URL runs.")
-    p.add_argument("url", metavar="URL")
+    p.add_argument("url", metavar="URL",
+                   help="the checkpoint root: a local path or an fsspec URL (s3://...)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     p.add_argument("--force", action="store_true",
                    help="remove a save's files even though its lock is fresh (no job saves there)")
@@ -318,13 +351,13 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         description="Write the checkpoint at SRC (any backend, or a DCP, Megatron or Hugging Face "
                     "directory) to DST with another backend, a bounded batch of chunks at a time. "
                     "--dst-storage-option(s) apply to DST (default: the same as SRC's).")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
+    p.add_argument("src", metavar="SRC", help="the checkpoint to read: a local path or an fsspec URL")
+    p.add_argument("dst", metavar="DST", help="where to write the converted checkpoint")
     p.add_argument("--backend", required=True, type=_backend_pair, metavar="NAME[:VERSION]",
                    help="target backend (ckptfs.available_backends(); VERSION: newest if omitted)")
     p.add_argument("--backend-option", action="append", default=[], metavar="K=V",
                    help="a backend option (repeatable), e.g. compressor=zstd")
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    _overwrite(p, "a checkpoint at DST")
     _json(p, "the result")
     p.set_defaults(run=run_convert)
 
@@ -358,15 +391,16 @@ def add_unshard(sub: argparse._SubParsersAction) -> None:
                     "with --keys, e.g. --keys model); torch also holds optimizer state and values. "
                     "hf writes model.safetensors, or model-0000i-of-0000N.safetensors shards with "
                     "model.safetensors.index.json (strategies chunks and one_file_per_tensor).")
-    p.add_argument("url", metavar="URL")
-    p.add_argument("dir", metavar="DIR")
-    p.add_argument("--format", choices=FORMATS, default="safetensors")
-    p.add_argument("--strategy", choices=STRATEGIES, default="one_file")
+    p.add_argument("url", metavar="URL", help="the checkpoint: a local path or an fsspec URL (s3://...)")
+    p.add_argument("dir", metavar="DIR", help="the local directory to write the files into")
+    p.add_argument("--format", choices=FORMATS, default="safetensors", help="the file format")
+    p.add_argument("--strategy", choices=STRATEGIES, default="one_file",
+                   help="one file, one file per tensor, or files of at most --chunk-size bytes")
     p.add_argument("--chunk-size", type=parse_size, metavar="BYTES",
                    help="file size limit of --strategy chunks (e.g. 5GB, 512MiB)")
     p.add_argument("--keys", nargs="+", action="extend", metavar="KEY",
                    help="only these keys or subtrees; one container (e.g. model) becomes the root")
-    p.add_argument("--overwrite", action="store_true", help="replace existing files in DIR")
+    _overwrite(p, "existing files in DIR")
     _json(p, "the result")
     p.set_defaults(run=run_unshard)
 
@@ -472,12 +506,17 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptfs", description="ckptfs command-line tools. Exit "
-                                     "status: 0 ok, 1 a problem found or the command failed, 2 usage error.")
+    parser = argparse.ArgumentParser(
+        prog="ckptfs", parents=[_quiet(default=False), _common(dest_prefix="global_")],
+        description="ckptfs command-line tools. Global flags (-q, --storage-option(s)) go before "
+                    "or after the command. Exit status: 0 ok, 1 the command failed, 2 usage or "
+                    "configuration error, 3 verify found problems, 130 interrupted.")
     parser.add_argument("--version", action="version", version=f"ckptfs {ckptfs.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
         add(sub)
+    for p in sub.choices.values():  # every subcommand's help shows its defaults
+        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
 
 
@@ -496,17 +535,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"ckptfs {args.command}"
     try:
         return args.run(args, rest)
-    except ConfigError as e:  # arguments and settings (UsageError, BackendOptionsError, ...)
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except CkptfsError as e:
-        print(f"{prog}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    except (ConfigError, UnknownBackendError) as e:  # arguments and settings
+        print(f"{prog}: error: {_cli_wording(str(e), args.command)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (CkptfsError, OSError) as e:
+        print(f"{prog}: {type(e).__name__}: {_cli_wording(str(e), args.command)}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `ckptfs inspect ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _cli_wording(message: str, command: str) -> str:
+    """A library message in the command's words: ``--overwrite`` for ``overwrite=True``, and no
+    hint to run the command that is running."""
+    message = message.replace("pass overwrite=True (--overwrite)", "pass --overwrite")
+    message = message.replace("pass overwrite=True", "pass --overwrite")
+    if command == "verify":
+        message = re.sub(r"; `ckptfs verify [^`]*` tells which", "", message)
+    return message
 
 
 if __name__ == "__main__":

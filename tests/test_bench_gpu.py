@@ -1,4 +1,4 @@
-"""bench.gpu's harness on CPU (the GPU numbers come from a GPU machine; README, GPU): every row
+"""bench.gpu's harness on CPU (the GPU numbers come from a GPU machine; docs/guide/gpu.md): every row
 is printed, every load is checked, and a rank's rows are the same values as the whole state's."""
 
 from __future__ import annotations

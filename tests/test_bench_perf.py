@@ -1,4 +1,4 @@
-"""``python -m bench.perf`` end to end at a tiny size (issue 17's bench; the real run is ``make bench-perf``):
+"""``python -m bench.perf`` end to end at a tiny size (the real run is ``make bench-perf``):
 every case row for ckptfs and DCP, each fraction of floor computed from the floors measured in
 the same run, the targets printed, every load verified, a missing peer skipped with a line."""
 

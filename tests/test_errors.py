@@ -1,6 +1,6 @@
 """One error tree: every failure mode of a damaged checkpoint, walked for every writable backend,
 leaves the public API as a ckptfs.CkptfsError subclass whose message names the key, the chunk
-and the file at fault (issue 9: truncated file -> IntegrityError, byte-length inconsistencies
+and the file at fault (truncated file -> IntegrityError, byte-length inconsistencies
 -> MalformedIndexError, storage failures -> StorageError)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loads into and saves from CUDA tensors (issue 12). Marked ``cuda`` and skipped without a GPU;
+"""Loads into and saves from CUDA tensors. Marked ``cuda`` and skipped without a GPU;
 run them on a GPU machine with ``pytest -m cuda tests/test_gpu.py``. The rings' logic is tested
 on CPU with stand-in copiers in test_ring.py (loads) and test_device_parts.py (saves)."""
 

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors interop (issue 13): directories written by ``transformers`` itself
+"""Hugging Face safetensors interop: directories written by ``transformers`` itself
 (``save_pretrained``, sharded and single-file) and by DCP's ``HuggingFaceStorageWriter`` load
 through ckptfs (locally and on S3, reading only the bytes asked for); ``unshard --format hf``
 output loads with ``transformers``' own ``from_pretrained`` and DCP's reader, bit-exact."""

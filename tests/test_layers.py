@@ -1,4 +1,4 @@
-"""The package's layers import downwards only (README "Package layout").
+"""The package's layers import downwards only (CONTRIBUTING.md, "Layers").
 
     io -> layout -> dist -> planning -> state -> engine -> API (and dcp/) -> testing -> tools and CLI
 
@@ -26,7 +26,7 @@ def layer(module: str) -> int:
 
 def test_every_package_has_a_layer():
     packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert packages <= set(RANK), f"add {sorted(packages - set(RANK))} to RANK and the README"
+    assert packages <= set(RANK), f"add {sorted(packages - set(RANK))} to RANK and CONTRIBUTING.md"
 
 
 def test_imports_point_down_only():

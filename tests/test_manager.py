@@ -2,7 +2,7 @@
 fault proxy) with a local tier on disk: retention over 20 steps, restore from the local tier
 (0 remote data bytes; per-file fallback for a corrupt and a missing copy), restore into one
 process (whole and a block of rows), a SIGTERM on one rank, a job SIGKILLed during a save and during background
-persistence, and the README's training-loop example run as written."""
+persistence, and the training-loop example of docs/guide/manager.md run as written."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def retention(rank: int, world: int, run: Run) -> None:
             else:
                 sd[k] = v
         h = run.mgr.save(step, sd)
-        assert h.staged.done()  # save() returns once staged, as the README's loop relies on
+        assert h.staged.done()  # save() returns once staged, as the documented loop relies on
         sd["w"].local_tensor.fill_(-7)  # after `staged`: must not reach the checkpoint
         h.result(timeout=60)
         kept = expected_kept(list(range(1, step + 1)), 3, 5)
@@ -422,16 +422,16 @@ def test_steps_are_numbers_and_retention_settings_are_checked():
 
 
 def readme_example() -> str:
-    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "guide", "manager.md")).read()
     m = re.search(r"```python\n(# train\.py.*?)```", text, re.S)
-    assert m, "the README's manager example (a block starting with '# train.py') is gone"
+    assert m, "the manager page's example (a block starting with '# train.py') is gone"
     return m.group(1)
 
 
 @pytest.mark.slow  # two processes as ranks
 @pytest.mark.timeout(200)
 def test_readme_training_loop_example(tmp_path):
-    """The README's example as written, twice with 2 ranks (torchrun's environment): the first
+    """The manager page's example as written, twice with 2 ranks (torchrun's environment): the first
     run trains and saves, the second resumes from the last step and finds the same weights."""
     (tmp_path / "train.py").write_text(readme_example())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

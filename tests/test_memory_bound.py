@@ -1,4 +1,4 @@
-"""Bounded memory (issue 13): convert, unshard and verify hold about the largest tensor plus their
+"""Bounded memory: convert, unshard and verify hold about the largest tensor plus their
 buffer, not the checkpoint. A fresh subprocess (no heap left over from writing the checkpoint)
 runs each tool on a checkpoint several times larger than that bound and reports the rise of its
 peak resident set (VmHWM, reset through /proc/self/clear_refs before each tool).

@@ -326,7 +326,7 @@ PACKED_BAD = {
     "file size is a string": (("file_table", "files", 0, 1), "176"),
     "a chunk object in a packed index": ((*C0,), {"offsets": [0, 0], "shape": [4, 3]}),
     "files beside the file table": (("files",), {"data/x/r00000-000.safetensors": 176}),
-    # issue 14's hostile-input rules hold for packed rows too (§2.1 bounds, §2.3)
+    # the hostile-input rules hold for packed rows too (§2.1 bounds, §2.3)
     "byte range beyond the file": ((*C0,), [[0, 0], [4, 3], 0, 160, 48, "0123abcd"]),
     "byte offset beyond 2**62": ((*C0,), [[0, 0], [4, 3], 0, 2**62 + 1, 48, "0123abcd"]),
     "offset beyond 2**62": ((*C0,), [[2**62 + 1, 0], [4, 3], 0, 128, 48, "0123abcd"]),
@@ -380,7 +380,7 @@ def test_large_indexes_are_written_packed_and_read_back(tmp_path, monkeypatch):
         0.7 * len((tmp_path / "plain" / INDEX_FILE).read_bytes())
     back = ckptfs.load_keys(tmp_path / "packed")
     assert all(torch.equal(back[k], v) for k, v in sd.items())
-    # issue 14's members fit the packed form: file_checksums by full path (prefix + name) for
+    # the whole-checkpoint checksum members fit the packed form: file_checksums by full path (prefix + name) for
     # every file of the table, the seal over the packed document, and verify checks them
     raw = (tmp_path / "packed" / INDEX_FILE).read_bytes()
     table = [packed["file_table"]["prefix"] + n for n, _ in packed["file_table"]["files"]]

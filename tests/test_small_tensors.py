@@ -1,4 +1,4 @@
-"""The per-tensor hot paths of a state of many small tensors (issue 17's W4): byte views, the
+"""The per-tensor hot paths of a state of many small tensors (the bench's W4): byte views, the
 garbage collector paused while metadata is built, zarr's metadata documents."""
 
 from __future__ import annotations

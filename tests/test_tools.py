@@ -1,4 +1,4 @@
-"""The tools (issue 13): ``ckptfs inspect | verify | convert | unshard | bench`` from the command line
+"""The tools: ``ckptfs inspect | verify | convert | unshard | bench`` from the command line
 and ``ckptfs.verify / convert / unshard`` from Python, on real checkpoints of every built-in
 backend and on foreign ones (DCP, Megatron-Core torch_dist and zarr, Hugging Face), locally and
 on S3 (moto)."""
@@ -129,7 +129,7 @@ def test_verify_every_backend_and_foreign_layout(ckpts, capsys):
 
 def test_verify_reports_every_problem(ckpts, capsys, tmp_path):
     """One damaged checkpoint, eight kinds of damage: all are reported, each naming its key,
-    chunk and file; exit status 1."""
+    chunk and file; exit status 3."""
     state = {f"t{i}": torch.arange(i * 10, i * 10 + 8, dtype=torch.float32) for i in range(6)}
     root = tmp_path / "c"
     ckptfs.save(state, root, backend_options={"max_file_bytes": 40})  # about one tensor per file
@@ -164,10 +164,10 @@ def test_verify_reports_every_problem(ckpts, capsys, tmp_path):
     assert "t1" in next(str(p) for p in report.problems if p.kind == "missing-file")
     assert "cover 0 of 8 elements" in next(p.message for p in report.problems if p.key == "t5")
     rc, out, _ = cli(capsys, "verify", root, "--quiet")
-    assert rc == 1 and out.count("\n") == 11 and "[checksum] key 't0', chunk [0]" in out
+    assert rc == 3 and out.count("\n") == 11 and "[checksum] key 't0', chunk [0]" in out
     rc, out, _ = cli(capsys, "verify", root, "--json", "--no-checksums", "--quiet")
     kinds = {p["kind"] for p in json.loads(out)["problems"]}
-    assert rc == 1 and "checksum" not in kinds and "missing-file" in kinds
+    assert rc == 3 and "checksum" not in kinds and "missing-file" in kinds
 
 
 def test_verify_foreign_damage_and_unreadable_index(ckpts, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ckptfs.errors import CheckpointNotFoundError
+from ckptfs.errors import CheckpointNotFoundError, ConfigError
 from ckptfs.io.store import Store
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.registry import available_backends, get_backend
@@ -24,7 +24,8 @@ async def read_index(store: Store) -> Index:
         try:
             cls = get_backend(name, version)
         except ImportError as e:  # a broken plugin must not hide the others
-            log.warning("ckptfs: backend %s-%s cannot be imported: %s", name, version, e)
+            (log.debug if isinstance(e, ConfigError) else log.warning)(  # debug: an extra not installed
+                "ckptfs: backend %s-%s cannot be imported: %s", name, version, e)
             continue
         found = await cls.sniff(store)
         if found is not None:

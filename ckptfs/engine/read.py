@@ -14,7 +14,7 @@ Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring
 to the device asynchronously, the copy started before the slot's check so that the two overlap
 (a mismatch fails the load); a chunk cut into several pieces is still checked whole (the CRCs
 of its pieces, combined). With ``LoadOptions.gds`` chunks may go straight to the device
-(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (README, GPU).
+(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (docs/guide/gpu.md).
 
 A batch's reads go to the store in waves of about ``LoadOptions.read_wave`` bytes that run
 concurrently; each

@@ -502,7 +502,7 @@ class DeviceToHost:
     """Device-to-host copies queued on a side stream per device, after the work already
     queued on the device's current stream (which may still be writing the source); ``wait``
     synchronizes them. Into pinned buffers the copies run asynchronously, back to back, at the
-    D2H bandwidth (52-54 GB/s of 54.9 on an H100: README, GPU)."""
+    D2H bandwidth (52-54 GB/s of 54.9 on an H100: docs/guide/gpu.md)."""
 
     def __init__(self) -> None:
         self.streams = SideStreams()

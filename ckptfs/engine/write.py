@@ -23,6 +23,7 @@ from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.io import run_sync
 from ckptfs.io.loop import submit
 from ckptfs.io.parts import materialized
+from ckptfs.io.progress import ByteProgress
 from ckptfs.io.store import Store
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import gather_all
@@ -154,10 +155,7 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
     """Write ``files`` concurrently; a failure cancels the other uploads."""
     bar = None
     if progress and files:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(f.nbytes for f in files), unit="B", unit_scale=True,
-                   desc=f"ckptfs save {store.url}", leave=False)
+        bar = ByteProgress(sum(f.nbytes for f in files), f"ckptfs save {store.url}")
 
     async def one(f: FileWrite) -> None:
         parts = f.parts

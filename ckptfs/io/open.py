@@ -8,6 +8,7 @@ from typing import Any
 
 import fsspec
 
+from ckptfs.io.optional import optional_dependency
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.store import Store
 
@@ -39,11 +40,13 @@ async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] 
 
         return LocalStore(rest, options, nice=nice)
     if options.client == "obstore":
-        from ckptfs.io.obstore_store import open_obstore
+        with optional_dependency("the obstore client"):
+            from ckptfs.io.obstore_store import open_obstore
 
         return await open_obstore(url, opts, options)
     if proto in ("s3", "s3a"):
-        from ckptfs.io.s3 import open_s3fs
+        with optional_dependency("s3:// through s3fs"):
+            from ckptfs.io.s3 import open_s3fs
 
         return await open_s3fs(url, opts, options)
     from ckptfs.io.fsspec_store import FsspecStore

@@ -16,7 +16,6 @@ an error, because an installed package must not break the saves and loads of the
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 import warnings
@@ -25,6 +24,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from ckptfs.errors import ConfigError, UnknownBackendError
+from ckptfs.io.optional import import_optional
 from ckptfs.layout.backend import Backend
 
 ENTRY_POINT_GROUP = "ckptfs.backends"
@@ -121,7 +121,7 @@ class BackendRegistry:
             raise UnknownBackendError(self._unknown(*key))
         if isinstance(target, str):
             module, _, attr = target.partition(":")
-            target = getattr(importlib.import_module(module), attr)
+            target = getattr(import_optional(module, f"backend {key[0]}-{key[1]}"), attr)
             self._table[key] = target
         return target
 

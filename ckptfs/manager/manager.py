@@ -72,8 +72,8 @@ def policies(retention: Retention | None, preemption: PreemptionPolicy | None,
 
 
 class CheckpointManager:
-    """Checkpoints of one training run at ``url/step-<N>/`` (see the README's "Checkpoint
-    manager"). Every rank of ``process_group`` creates it with the same arguments, in the same
+    """Checkpoints of one training run at ``url/step-<N>/`` (see the documentation's
+    "The checkpoint manager"). Every rank of ``process_group`` creates it with the same arguments, in the same
     order as its other managers, and calls ``save``/``save_sync``/``restore``/``should_save``
     together; ``steps``, ``latest_step`` and ``metadata`` read storage and may be called by any
     rank alone.

@@ -50,7 +50,7 @@ from ckptfs.tools.source import (
 
 EQUAL, DIFFERS, ONLY_A, ONLY_B, MISMATCH = "equal", "differs", "only_in_a", "only_in_b", "mismatch"
 #: the ``ckptfs diff`` exit status when the checkpoints differ (0: equal; 1: the command failed)
-EXIT_DIFFERENT = 3
+EXIT_DIFFERENT = 4
 #: elements compared at once (float64: a few buffers of 8 bytes each)
 COMPARE_STEP = 1 << 18
 #: the comparison's scratch memory: two float64 copies, a difference and masks per step

@@ -9,6 +9,7 @@ tensor-parallel modules, optimizer state initialised), is saved as
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -16,8 +17,11 @@ from typing import Any
 import torch
 
 from ckptfs.async_save import AsyncSave, async_save
+from ckptfs.errors import MissingKeysError
 from ckptfs.load import LoadResult, load
 from ckptfs.save import SaveResult, save
+
+log = logging.getLogger(__name__)
 
 MODEL, OPTIM = "model", "optim"
 
@@ -84,6 +88,7 @@ def load_model_and_optim_state(url: str | os.PathLike, model: torch.nn.Module,
 
     state = model_and_optim_state(model, optim, flatten_optimizer_state=flatten_optimizer_state)
     mapping = dict(key_mapping or {})
+    _check_mapping(url, state[MODEL], mapping, strict)
     if mapping:
         swap_param_keys(state, mapping)
     result = load(state, url, strict=strict, **load_options)
@@ -94,6 +99,22 @@ def load_model_and_optim_state(url: str | os.PathLike, model: torch.nn.Module,
     if optim is not None:
         set_optimizer_state_dict(model, optim, state[OPTIM], options=opts)
     return result
+
+
+def _check_mapping(url: str | os.PathLike, model: Mapping[str, Any], mapping: Mapping[str, str],
+                   strict: bool) -> None:
+    """``key_mapping`` keys the model lacks: MissingKeysError naming them (strict), else a warning."""
+    absent = sorted(k for k in mapping if k not in model)
+    if not absent:
+        return
+    shown = ", ".join(repr(k) for k in absent[:20])
+    message = (f"key_mapping names {len(absent)} key(s) the model lacks: {shown} (loading "
+               f"{os.fspath(url)}; a key_mapping maps the model's own parameter names)")
+    if strict:
+        err = MissingKeysError(os.fspath(url), absent)
+        err.args = (message,)
+        raise err
+    log.warning("ckptfs: %s", message)
 
 
 def swap_param_keys(state: dict[str, Any], mapping: Mapping[str, str]) -> None:

@@ -18,6 +18,8 @@ from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead, execute_reads
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import StoreOptions, open_store, run_sync
+from ckptfs.io.progress import ByteProgress, NoProgress
+from ckptfs.io.progress import progress_bar as _progress_bar
 from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.boxes import Box, full_box
@@ -176,18 +178,6 @@ def _pieces(r: Region) -> tuple[ReadPiece, ...]:
     return (ReadPiece(r.chunk, whole, whole),)
 
 
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B"):
-    """A tqdm bar (bytes by default) on stderr, or a stand-in that ignores updates."""
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> ByteProgress | NoProgress:
+    """Progress on stderr (a bar on a terminal, one summary line on close), or a stand-in."""
+    return _progress_bar(total, desc, enabled, unit)

@@ -4,8 +4,9 @@ Checks, in order: the index's own checksum; the index against formats/index.sche
 jsonschema is installed) and the format's compatibility policy; every file of the checkpoint
 (data and backend files) present with its recorded size, and nothing else under the root; every
 tensor's chunks inside its shape, pairwise disjoint and covering it (geometry, not area sums);
-every chunk read whole and its crc32c compared with the index; every file read whole and its
-crc32c compared (formats/README.md §6). A root without an index is surveyed: the files of a save
+every file read whole and its crc32c compared (formats/README.md §6), and every chunk's crc32c
+compared with the index: from the same bytes where a chunk is stored raw, so each byte is read
+once, else read through the backend. A root without an index is surveyed: the files of a save
 that did not finish are reported as such (tools/clean.py). A problem names its kind, key, chunk
 offsets and file. New kinds may be added (``KINDS``); consumers should treat an unknown kind as
 a problem like any other.
@@ -178,23 +179,38 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
         _tiling(entry, problems, skipped)
     summed = unsummed = 0
     before = store.stats.bytes_read
-    if checksums and not foreign:
-        _file_checksums(store, index, missing, problems, skipped, buffer_bytes)
     if checksums:
+        bar = progress_bar(0, f"ckptfs verify {url}", progress)
         try:
-            backend = get_backend(index.backend, index.backend_version)(index.backend_options)
-        except CkptfsError as e:
-            problems.append(Problem("index", f"{type(e).__name__}: {e}"))
-        else:
-            source = Source(url, store, index, backend, foreign,
-                            BufferPool(limit=LoadOptions.scratch_bytes))
-            summed, unsummed = _chunks(source, missing, problems, buffer_bytes, progress)
+            summed, unsummed = _read_everything(url, store, index, foreign, missing, problems,
+                                                skipped, buffer_bytes, bar)
+        finally:
+            bar.close()
     else:
         skipped.append("checksums: not requested (every chunk's bytes were left unread)")
     return VerifyReport(
         url, tuple(problems), index.backend, index.backend_version, foreign, len(index.tensors),
         chunks, summed, unsummed, len(_all_files(index)), store.stats.bytes_read - before,
         tuple(skipped), time.perf_counter() - t0)
+
+
+def _read_everything(url: str, store: Store, index: Index, foreign: bool, missing: set[str],
+                     problems: list[Problem], skipped: list[str], buffer_bytes: int,
+                     bar: Any) -> tuple[int, int]:
+    """Every byte read once: each file whole for its checksum, which also checks the chunks
+    stored as their raw bytes; then, through the backend, only the chunks that pass did not
+    check (encoded or padded chunks, foreign checkpoints). Returns (matched, unsummed)."""
+    checked: set[tuple[str, tuple[int, ...]]] = set()
+    if not foreign:
+        checked = _file_checksums(store, index, missing, problems, skipped, buffer_bytes, bar)
+    try:
+        backend = get_backend(index.backend, index.backend_version)(index.backend_options)
+    except CkptfsError as e:
+        problems.append(Problem("index", f"{type(e).__name__}: {e}"))
+        return len(checked), 0
+    source = Source(url, store, index, backend, foreign, BufferPool(limit=LoadOptions.scratch_bytes))
+    matched, unsummed = _chunks(source, missing, problems, buffer_bytes, bar, checked)
+    return matched + len(checked), unsummed
 
 
 def _own_checksum(store: Store, raw: bytes, problems: list[Problem], skipped: list[str]) -> None:
@@ -228,39 +244,90 @@ def _extra_files(store: Store, problems: list[Problem], skipped: list[str]) -> N
 
 
 def _file_checksums(store: Store, index: Index, missing: set[str], problems: list[Problem],
-                    skipped: list[str], buffer_bytes: int) -> None:
-    """Read every file whole (a piece at a time) and compare its crc32c with the index."""
+                    skipped: list[str], buffer_bytes: int, bar: Any) -> set[tuple[str, tuple[int, ...]]]:
+    """Read every file whole (a piece at a time) and compare its crc32c with the index; the
+    chunks stored as their raw bytes are checked from the same pieces. Returns the (key,
+    offsets) of the chunks that matched that way."""
     if not index.file_checksums:
         skipped.append("whole-file checksums: the index records none (written by a ckptfs before "
                        "whole-checkpoint checksums); the chunks' checksums were checked")
-        return
+        return set()
     piece = max(1, min(buffer_bytes, 64 << 20))
     sizes = index.all_files
-
-    async def crc(path: str) -> int:
-        size = await store.size(path)
-        value = 0
-        for start in range(0, size, piece):
-            value = extend(value, await store.get_range(path, start, min(size, start + piece)))
-        return value
-
     sized = {p.file for p in problems if p.kind == "file-size"}  # their checksum cannot match
-    for path, want in sorted(index.file_checksums.items()):
-        if path in missing or path in sized:
-            continue
+    todo = [(path, want) for path, want in sorted(index.file_checksums.items())
+            if path not in missing and path not in sized]
+    bar.add_total(sum(sizes.get(path) or 0 for path, _ in todo))
+    raw = _raw_chunks(index)
+    checked: set[tuple[str, tuple[int, ...]]] = set()
+    for path, want in todo:
         try:
-            got = render(run_sync(crc(path)))
+            got, matched = run_sync(_crc_file(store, path, piece, raw.get(path, []), bar))
         except (CkptfsError, OSError) as e:
             problems.append(Problem("read", f"{type(e).__name__}: {e}", file=path))
             continue
-        if got != want:
+        checked |= matched
+        if render(got) != want:
             keys = sorted({t.key for t in index.tensors.values() for c in t.chunks if c.file == path})
             holds = (f"holds {', '.join(map(repr, keys[:5]))}{' ...' if len(keys) > 5 else ''}"
                      if keys else "a file of the backend" if path in index.backend_files
                      else "no chunk")
-            problems.append(Problem("file-checksum", f"crc32c of the whole file is {got}, the "
-                                    f"index says {want} ({sizes.get(path, '?')} bytes; {holds})",
+            problems.append(Problem("file-checksum", f"crc32c of the whole file is {render(got)}, "
+                                    f"the index says {want} ({sizes.get(path, '?')} bytes; {holds})",
                                     file=path))
+    return checked
+
+
+@dataclass
+class _RawChunk:
+    """A chunk whose stored bytes may be its raw bytes: its CRC is built from the file's pieces."""
+
+    key: str
+    offsets: tuple[int, ...]
+    start: int
+    end: int
+    want: str
+    crc: int = 0
+
+
+def _raw_chunks(index: Index) -> dict[str, list[_RawChunk]]:
+    """Per file, the chunks stored with as many bytes as their raw C-order data (and a checksum),
+    by offset. A chunk whose stored bytes turn out not to be its raw bytes (an encoding of the
+    same length) fails the comparison and is read again through the backend, never reported."""
+    out: dict[str, list[_RawChunk]] = {}
+    for entry in index.tensors.values():
+        try:
+            itemsize = from_name(entry.dtype, entry.key).itemsize
+        except CkptfsError:
+            continue
+        for c in entry.chunks:
+            if c.file is None or c.byte_offset is None or c.checksum is None:
+                continue
+            if c.byte_length != int(np.prod(c.shape, dtype=np.int64)) * itemsize:
+                continue
+            end = c.byte_offset + c.byte_length
+            out.setdefault(c.file, []).append(
+                _RawChunk(entry.key, tuple(c.offsets), c.byte_offset, end, c.checksum))
+    for chunks in out.values():
+        chunks.sort(key=lambda r: r.start)
+    return out
+
+
+async def _crc_file(store: Store, path: str, piece: int, chunks: list[_RawChunk],
+                    bar: Any) -> tuple[int, set[tuple[str, tuple[int, ...]]]]:
+    """(crc32c of the whole file, the raw chunks in it whose bytes matched their checksum)."""
+    size = await store.size(path)
+    value = 0
+    for start in range(0, size, piece):
+        end = min(size, start + piece)
+        data = memoryview(await store.get_range(path, start, end))
+        value = extend(value, data)
+        for c in chunks:
+            lo, hi = max(c.start, start), min(c.end, end)
+            if lo < hi:
+                c.crc = extend(c.crc, data[lo - start:hi - start])
+        bar.update(end - start)
+    return value, {(c.key, c.offsets) for c in chunks if c.end <= size and render(c.crc) == c.want}
 
 
 def _read_raw_index(store: Store) -> bytes | None:
@@ -384,9 +451,10 @@ def _first_hole(shape: tuple[int, ...], boxes: list[Box]) -> str:
 
 
 def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_bytes: int,
-            progress: bool) -> tuple[int, int]:
-    """Read every chunk whole (through the backend, so encoded and padded chunks count) and
-    compare its crc32c. Returns (chunks that matched, chunks without a checksum)."""
+            bar: Any, checked: set[tuple[str, tuple[int, ...]]]) -> tuple[int, int]:
+    """Read every chunk not ``checked`` already whole (through the backend, so encoded and padded
+    chunks count) and compare its crc32c. Returns (chunks that matched, chunks without a
+    checksum)."""
     regions = []
     for entry in source.index.tensors.values():
         try:
@@ -397,16 +465,18 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
         for c in entry.chunks:
             if c.file in missing or not Box(c.offsets, c.shape).in_bounds(entry.shape):
                 continue
+            if (entry.key, tuple(c.offsets)) in checked:
+                continue
             regions.append(Region.of_chunk(entry, c))
-    bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs verify {source.url}", progress)
+    store = source.store
     matched = unsummed = 0
-    try:
-        for batch in batches(regions, buffer_bytes):
-            m, u = _check_batch(source, batch, buffer_bytes, problems)
-            matched, unsummed = matched + m, unsummed + u
-            bar.update(sum(r.nbytes for r in batch))
-    finally:
-        bar.close()
+    for batch in batches(regions, buffer_bytes):
+        before = store.stats.bytes_read
+        m, u = _check_batch(source, batch, buffer_bytes, problems)
+        matched, unsummed = matched + m, unsummed + u
+        got = store.stats.bytes_read - before  # what was read: stored bytes, not decoded ones
+        bar.add_total(got)
+        bar.update(got)
     return matched, unsummed
 
 

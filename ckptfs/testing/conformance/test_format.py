@@ -127,7 +127,7 @@ def edited(pair: Pair, workspace: Workspace, golden_search: list[Path], tmp_path
     def edit(fn) -> None:
         doc = json.loads((root / INDEX).read_text(encoding="utf-8"))
         fn(doc)
-        doc.pop("index_checksum", None)  # edited by hand: no longer sealed (README §6.2)
+        doc.pop("index_checksum", None)  # edited by hand: no longer sealed (formats/README.md §6.2)
         (root / INDEX).write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
 
     return root, expected, edit

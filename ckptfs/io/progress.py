@@ -1,0 +1,79 @@
+"""Progress of bytes moved, on stderr: a bar on a terminal, one summary line when it closes.
+
+On a terminal the bar is drawn while bytes move and erased when it closes; in a log (stderr is
+not a terminal) nothing is drawn while it runs. Either way closing it prints one line:
+``ckptfs save URL: 1.20 GB in 2.41 s (0.50 GB/s)``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+class ByteProgress:
+    """Counts bytes; ``update(n)`` as they move, ``close()`` once (prints the summary line)."""
+
+    def __init__(self, total: int, desc: str, unit: str = "B") -> None:
+        self.total, self.desc, self.unit = total, desc, unit
+        self.done = 0
+        self._t0 = time.perf_counter()
+        self._closed = False
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def add_total(self, n: int) -> None:
+        """Raise the total by ``n`` (work found while running)."""
+        self.total += n
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        print(summary(self.desc, self.done, time.perf_counter() - self._t0, self.unit), file=sys.stderr)
+
+    def __enter__(self) -> ByteProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NoProgress:
+    """The stand-in when progress is off: ignores updates, prints nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def add_total(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def summary(desc: str, done: int, seconds: float, unit: str = "B") -> str:
+    """``desc: 1.20 GB in 2.41 s (0.50 GB/s)`` (GB = 10**9 bytes); other units as counts."""
+    if unit != "B":
+        return f"{desc}: {done} {unit} in {seconds:.2f} s"
+    rate = done / seconds / 1e9 if seconds > 0 else 0.0
+    return f"{desc}: {done / 1e9:.2f} GB in {seconds:.2f} s ({rate:.2f} GB/s)"
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> ByteProgress | NoProgress:
+    """A ``ByteProgress`` when ``enabled``, else a ``NoProgress``."""
+    return ByteProgress(total, desc, unit) if enabled else NoProgress()

@@ -1,0 +1,106 @@
+"""Every Python block of README.md and docs/ runs as written, each in its own temporary directory.
+
+A block runs alone in a fresh interpreter (the checkout first on ``PYTHONPATH``), so it must be
+self-contained. A comment on the line before its fence says how else to run it:
+
+- ``<!-- run: torchrun N -->``: under ``torchrun --standalone --nproc-per-node N`` (gloo);
+- ``<!-- run: s3 -->``: against the suite's moto S3 server; the block reads its bucket URL and
+  storage options from ``CKPTFS_S3_URL`` and ``CKPTFS_S3_OPTIONS`` (JSON), as a user would
+  read their own from the environment;
+- ``<!-- run: skip -->``: not run (it needs a real bucket, a GPU or a peer library's own
+  checkpoint); the page names its runnable twin in the test suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = re.compile(r"<!--\s*run:\s*(.*?)\s*-->")
+TIMEOUT = 300
+
+
+@dataclass(frozen=True)
+class Block:
+    file: str  #: relative to the checkout root
+    line: int  #: of the opening fence
+    mode: str  #: "python", "torchrun N", "s3" or "skip"
+    code: str
+
+
+def markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def blocks_of(path: Path) -> list[Block]:
+    """The ```python blocks of one Markdown file, with the run mark of the line before each."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            m = MARK.search(prev)
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            out.append(Block(str(path.relative_to(ROOT)), i + 1, m.group(1) if m else "python",
+                             "\n".join(lines[i + 1:end]) + "\n"))
+            i = end
+        i += 1
+    return out
+
+
+BLOCKS = [b for f in markdown_files() for b in blocks_of(f)]
+
+
+def test_every_mark_is_known():
+    for b in BLOCKS:
+        assert b.mode in ("python", "s3", "skip") or re.fullmatch(r"torchrun \d+", b.mode), \
+            f"{b.file}:{b.line}: unknown run mark {b.mode!r}"
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+@pytest.fixture
+def s3_env(request):
+    """The bucket and options of the suite's moto server (started only for S3 blocks)."""
+    from tests.s3_fixtures import BUCKET, reset_bucket, s3_options
+
+    endpoint = request.getfixturevalue("moto_server")
+    reset_bucket(endpoint)
+    return {"CKPTFS_S3_URL": f"s3://{BUCKET}", "CKPTFS_S3_OPTIONS": json.dumps(s3_options(endpoint))}
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file}:{b.line}" for b in BLOCKS])
+def test_block_runs(block, tmp_path, request):
+    if block.mode == "skip":
+        pytest.skip("marked skip: its runnable twin is named on the page")
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = _env(request.getfixturevalue("s3_env") if block.mode == "s3" else None)
+    cmd = [sys.executable, str(script)]
+    if block.mode.startswith("torchrun"):
+        n = block.mode.split()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               str(script)]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 0, f"{block.file}:{block.line} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+
+
+def test_performance_page_tables_come_from_the_json_results():
+    """docs/performance.md's current table is what ``tools_dev.perf_page`` makes of the newest
+    docs/perf_results/*.json (run it after adding a result file)."""
+    from tools_dev import perf_page
+
+    page = perf_page.PAGE.read_text(encoding="utf-8")
+    assert perf_page.START in page and perf_page.END in page
+    assert perf_page.render(page, perf_page.newest()) == page
