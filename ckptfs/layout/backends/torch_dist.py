@@ -146,67 +146,16 @@ class TorchDistBackend(Backend):
         option ``megatron``, the values are Megatron's common state instead (one BYTE_IO item
         ``common_state/shard_0_1``, or ``common.pt``), and ``metadata.json`` comes last: its
         presence is what marks a complete checkpoint for Megatron."""
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-
         megatron = self.options["megatron"]
         values_path = values_file(index)
-        parts: list[Buffer] = []
-        pos = 0
-        items: dict[str, Any] = {}
-        storage: dict[Any, Any] = {}
-        planner: dict[str, tuple] = {}
         leaves = dcp_leaves(index.tensors, index.values, index.containers)
-        # one TensorProperties per dtype and one torch.Size per distinct tuple, shared by every
-        # item (never modified): pickle writes each once and refers to it after (20,000 small
-        # tensors: the pickle 0.47-0.80 s -> 0.18-0.28 s)
-        properties: dict[str, TensorProperties] = {}
-        sizes: dict[tuple[int, ...], torch.Size] = {}
-
-        def size(t: tuple[int, ...]) -> torch.Size:
-            got = sizes.get(t)
-            if got is None:
-                got = sizes[t] = torch.Size(t)
-            return got
-
         common: dict[Any, Any] = {}
         if megatron is not None:  # the values go to Megatron's common state, not DCP items
             common = mc.common_state(index.tensors, index.values, index.containers)
             leaves = [leaf for leaf in leaves if leaf.tensor]
             if megatron == "common_state":
                 leaves.append(DcpLeaf(mc.COMMON_STATE, (mc.COMMON_STATE,), "", False, [common]))
-        for leaf in leaves:
-            planner[leaf.fqn] = leaf.path
-            if not leaf.tensor:
-                pos = _pad(parts, pos)
-                parts.append(_torch_save(leaf.value))
-                storage[MetadataIndex(leaf.fqn)] = _StorageInfo(values_path, pos, len(parts[-1]))
-                items[leaf.fqn] = BytesStorageMetadata()
-                pos += len(parts[-1])
-                continue
-            entry = index.tensors[leaf.key]
-            chunks = []
-            for i, c in enumerate(entry.chunks):
-                start, length = _item(entry, c)
-                offsets = size(c.offsets)
-                chunks.append(ChunkStorageMetadata(offsets, size(c.shape)))
-                storage[MetadataIndex(leaf.fqn, offsets, i)] = _StorageInfo(c.file, start, length)
-            props = properties.get(entry.dtype)
-            if props is None:
-                props = properties[entry.dtype] = TensorProperties(
-                    dtype=from_name(entry.dtype, entry.key).torch)
-            items[leaf.fqn] = TensorStorageMetadata(props, size(entry.shape), chunks)
-        md = Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage,
-                      storage_meta=StorageMeta(save_id=values_path.split("/")[1]),
-                      version=DCP_VERSION)
+        parts, md = _dcp_metadata(index, leaves, values_path)
         out = [FileWrite(values_path, tuple(parts))] if parts else []
         metadata = FileWrite(METADATA, (pickle.dumps(md),))
         if megatron is None:  # DCP's own mark of a complete checkpoint
@@ -328,3 +277,54 @@ def _decode_blob(raw: Buffer, dt: DType, chunk: ChunkEntry, where: str) -> Buffe
         raise IntegrityError(f"{where}: the item does not hold a {dt.torch} tensor of shape "
                              f"{list(chunk.shape)}")
     return bytearray(tensor_bytes(t.contiguous()))
+
+
+def _dcp_metadata(index: Index, leaves: list[DcpLeaf], values_path: str) -> tuple[list[Buffer], Any]:
+    """(the BYTE_IO file's parts, DCP's ``Metadata``) of ``leaves``: every tensor's chunks where
+    the index places them, every value ``torch.save``d into ``values_path``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    parts: list[Buffer] = []
+    pos = 0
+    items: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, tuple] = {}
+    # one TensorProperties per dtype and one torch.Size per distinct tuple, shared by every
+    # item (never modified): pickle writes each once and refers to it after, which matters
+    # for many small tensors
+    properties: dict[str, TensorProperties] = {}
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+    for leaf in leaves:
+        planner[leaf.fqn] = leaf.path
+        if not leaf.tensor:
+            pos = _pad(parts, pos)
+            parts.append(_torch_save(leaf.value))
+            storage[MetadataIndex(leaf.fqn)] = _StorageInfo(values_path, pos, len(parts[-1]))
+            items[leaf.fqn] = BytesStorageMetadata()
+            pos += len(parts[-1])
+            continue
+        entry = index.tensors[leaf.key]
+        chunks = []
+        for i, c in enumerate(entry.chunks):
+            start, length = _item(entry, c)
+            offsets = sizes.setdefault(c.offsets, torch.Size(c.offsets))
+            chunks.append(ChunkStorageMetadata(offsets, sizes.setdefault(c.shape, torch.Size(c.shape))))
+            storage[MetadataIndex(leaf.fqn, offsets, i)] = _StorageInfo(c.file, start, length)
+        props = properties.get(entry.dtype)
+        if props is None:
+            props = properties[entry.dtype] = TensorProperties(
+                dtype=from_name(entry.dtype, entry.key).torch)
+        items[leaf.fqn] = TensorStorageMetadata(props, sizes.setdefault(entry.shape, torch.Size(entry.shape)),
+                                                chunks)
+    md = Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage,
+                  storage_meta=StorageMeta(save_id=values_path.split("/")[1]), version=DCP_VERSION)
+    return parts, md
