@@ -104,7 +104,7 @@ def test_progress_in_a_log_is_one_summary_line(ckpt, tmp_path):
                              env=env, timeout=240)
         assert res.returncode == 0, res.stderr
         lines = [line for line in res.stderr.splitlines() if line.strip()]
-        summaries = [line for line in lines if re.search(r": \d+\.\d\d GB in \d+\.\d\d s \(\d+\.\d\d GB/s\)$", line)]
+        summaries = [line for line in lines if re.search(r": \d+(\.\d\d [kMG]B| B) in \d+\.\d\d s \(\d+\.\d\d GB/s\)$", line)]
         assert len(summaries) == 1 and "%|" not in res.stderr and "\r" not in res.stderr, (args, res.stderr)
 
 

@@ -67,11 +67,20 @@ class NoProgress:
 
 
 def summary(desc: str, done: int, seconds: float, unit: str = "B") -> str:
-    """``desc: 1.20 GB in 2.41 s (0.50 GB/s)`` (GB = 10**9 bytes); other units as counts."""
+    """``desc: 1.20 GB in 2.41 s (0.50 GB/s)`` (kB, MB, GB = 10**3, 10**6, 10**9 bytes); other
+    units as counts."""
     if unit != "B":
         return f"{desc}: {done} {unit} in {seconds:.2f} s"
     rate = done / seconds / 1e9 if seconds > 0 else 0.0
-    return f"{desc}: {done / 1e9:.2f} GB in {seconds:.2f} s ({rate:.2f} GB/s)"
+    return f"{desc}: {size(done)} in {seconds:.2f} s ({rate:.2f} GB/s)"
+
+
+def size(n: int) -> str:
+    """``1.20 GB``, ``399.80 kB``, ``12 B``."""
+    for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {name}"
+    return f"{n} B"
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> ByteProgress | NoProgress:
