@@ -19,6 +19,7 @@ from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.engine.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
+from ckptfs.io.progress_store import load_progress
 from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
@@ -54,7 +55,8 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None,
          store_options: StoreOptions | None = None, strict: bool = True,
-         options: LoadOptions | None = None, **deprecated: Any) -> LoadResult:
+         progress: bool = False, options: LoadOptions | None = None,
+         **deprecated: Any) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
@@ -64,7 +66,8 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     the node-local ``work_dir``; ``exchange`` reads each region several ranks need once per
     process group and sends it to the others (default: when the checkpoint is remote and the
     group has more than one rank); ``collective_timeout`` bounds every wait for the other
-    ranks, as in ``save``. ``store_options`` (``StoreOptions``) tune the store.
+    ranks, as in ``save``. ``store_options`` (``StoreOptions``) tune the store. ``progress``:
+    rank 0 shows the bytes it reads (a bar on a terminal; one summary line in a log).
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
@@ -86,8 +89,16 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
                 index = comm.run_on_coordinator(f"load: reading the index of {url}",
                                     lambda: run_sync(read_index(store)))
 
-            return fill(state_dict, store, index, comm, url, strict=strict, options=opts,
-                        started=t0, exchange=exchange, cached=cached)
+            source, bar = load_progress(store, progress and comm.is_coordinator,
+                                        f"ckptfs load {url}")
+            try:
+                result = fill(state_dict, source, index, comm, url, strict=strict, options=opts,
+                              started=t0, exchange=exchange, cached=cached)
+            except BaseException:
+                bar.close(done=False)
+                raise
+            bar.close()
+            return result
         finally:
             run_sync(store.close())
 

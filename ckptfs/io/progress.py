@@ -38,13 +38,16 @@ class ByteProgress:
             self._bar.total = self.total
             self._bar.refresh()
 
-    def close(self) -> None:
+    def close(self, done: bool = True) -> None:
+        """Erase the bar; print the summary line unless the work failed (``done=False``)."""
         if self._closed:
             return
         self._closed = True
         if self._bar is not None:
             self._bar.close()
-        print(summary(self.desc, self.done, time.perf_counter() - self._t0, self.unit), file=sys.stderr)
+        if done:
+            print(summary(self.desc, self.done, time.perf_counter() - self._t0, self.unit),
+                  file=sys.stderr)
 
     def __enter__(self) -> ByteProgress:
         return self
@@ -62,7 +65,7 @@ class NoProgress:
     def add_total(self, n: int) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, done: bool = True) -> None:
         pass
 
 

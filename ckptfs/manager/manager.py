@@ -90,6 +90,8 @@ class CheckpointManager:
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
       as they tune ``save`` and ``load``; ``saver``: the ``BackgroundSaver`` its saves run on
       (default: one of its own, closed with it).
+    - ``progress``: rank 0 shows the bytes each save writes and each restore reads (a bar on a
+      terminal, one summary line in a log).
     - ``check_finite`` / ``stats``: as for ``ckptfs.save``; a step holding NaN or infinity is
       not committed and the previous one stays the latest (docs/health.md).
     """
@@ -106,7 +108,7 @@ class CheckpointManager:
                  save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None,
                  saver: BackgroundSaver | None = None, check_finite: bool = False,
-                 stats: bool = False, **deprecated: Any) -> None:
+                 stats: bool = False, progress: bool = False, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
@@ -125,6 +127,7 @@ class CheckpointManager:
         self.saver = saver or BackgroundSaver(f"background:{self.url}")
         self._owns_saver = saver is None
         self.health = Health(check_finite, stats)  #: what each save checks and records
+        self.progress = progress  #: rank 0 shows the bytes its saves write and restores read
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
             self._backend = make_backend(backend, backend_version, backend_options)
@@ -257,7 +260,7 @@ class CheckpointManager:
             comm.run_on_coordinator(f"save: clearing a dead save's files at {url}",
                         lambda: run_sync(_clear_dead(target, claim)))
             if local is None:
-                return write_and_commit(staged, be, target, url, comm, claim, progress=False,
+                return write_and_commit(staged, be, target, url, comm, claim, progress=self.progress,
                                         throttle_uploads=self.save_options.throttle_uploads,
                                         started=started)
             return save_tiered(staged, be, target, url, local, comm, claim,
@@ -331,7 +334,8 @@ class CheckpointManager:
             name = found.dirs[step]
             self.last_restore = restore_tiered(
                 state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
-                comm, options=self.load_options, store_options=self.store_options, strict=strict)
+                comm, options=self.load_options, store_options=self.store_options, strict=strict,
+                progress=self.progress)
         return step
 
     def _last_good(self) -> int:

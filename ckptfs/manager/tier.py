@@ -42,9 +42,11 @@ from ckptfs.errors import CollectiveError, MissingKeysError
 from ckptfs.io import Store, StoreOptions, run_sync
 from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
+from ckptfs.io.progress import ByteProgress
+from ckptfs.io.progress_store import ProgressStore
 from ckptfs.io.routed import RoutedStore
 from ckptfs.layout.backend import Backend
-from ckptfs.layout.index import ChunkEntry, TensorEntry
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.load import LoadResult, fill
 from ckptfs.save import SaveResult
 
@@ -95,37 +97,32 @@ def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_
 
 def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: str,
                    local_root: str | None, comm: Comm, *, options: LoadOptions,
-                   store_options: StoreOptions | None, strict: bool) -> RestoreResult:
+                   store_options: StoreOptions | None, strict: bool,
+                   progress: bool = False) -> RestoreResult:
     """Collective: fill ``state_dict`` from the committed checkpoint in ``remote`` (open on
     every rank), reading the local tier's copies under ``local_root`` (None: none) where they
-    hold what the index says (see the module doc)."""
+    hold what the index says (see the module doc). ``progress``: rank 0 shows the bytes read."""
     t0 = time.perf_counter()
     index = comm.run_on_coordinator(f"restore: reading the index of {url}",
                                     lambda: run_sync(read_index(remote)))
     local = LocalStore(local_root or os.curdir, local_options(store_options))
-    checked_options = replace(options, verify=True)  # local copies are always checked
     tiered = local_root is not None and os.path.isdir(local_root)
-
-    def route() -> tuple[dict[str, list[Chunk]], set[str]]:
-        plan = plan_targets(state_dict, index, comm.rank)
-        if strict and plan.missing:  # as fill would, before anything is read
-            raise MissingKeysError(url, list(plan.missing))
-        read, partial = chunks_read(plan.reads)
-        if not tiered:
-            return read, set()
-        good = run_sync(usable_files(local, index, read))
-        cut = {f: partial[f] for f in good & partial.keys()}  # not checked in flight: now
-        return read, good - (cut.keys() - run_sync(intact_files(
-            local, index, cut, chunks=cut, scratch_bytes=options.scratch_bytes)))
-
-    # every rank learns only whether any rank reads local copies (the chunk lists stay here)
-    (read, good), routed = comm.run_everywhere("restore: routing reads to the local tier", route,
-                                               lambda r: bool(r[1]), to="all")
+    read, good, routed = _route(state_dict, index, comm, url, local, tiered=tiered,
+                                strict=strict, scratch_bytes=options.scratch_bytes)
     checked = local.stats.bytes_read
     far_before = remote.stats.bytes_read
+    bar = ByteProgress(0, f"ckptfs restore {url}") if progress and comm.is_coordinator else None
+
+    def fill_from(good: set[str]) -> LoadResult:
+        tiers: Store = RoutedStore(local, remote, good)
+        return fill(state_dict, tiers if bar is None else ProgressStore(tiers, bar), index, comm,
+                    url, strict=strict, options=replace(options, verify=True),  # always checked
+                    started=t0)
+
+    ok = False
     try:
-        result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
-                      strict=strict, options=checked_options, started=t0)
+        result = fill_from(good)
+        ok = True
     except CollectiveError:
         raise
     except Exception:
@@ -142,14 +139,42 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
         if not any(found):
             raise
         good -= bad
-        result = fill(state_dict, RoutedStore(local, remote, good), index, comm, url,
-                      strict=strict, options=checked_options, started=t0)
+        result = fill_from(good)
+        ok = True
+    finally:
+        if bar is not None:
+            bar.close(done=ok)
     needed = set(read)
     rejected = ({f for f in needed - good if os.path.exists(local.local_path(f))}
                 if local_root is not None else set())
     return RestoreResult(step, result, tuple(sorted(good)), tuple(sorted(needed - good)),
                          local.stats.bytes_read - checked, remote.stats.bytes_read - far_before,
                          checked, time.perf_counter() - t0, tuple(sorted(rejected)))
+
+
+def _route(state_dict: dict[str, Any], index: Index, comm: Comm, url: str, local: LocalStore, *,
+           tiered: bool, strict: bool, scratch_bytes: int
+           ) -> tuple[dict[str, list[Chunk]], set[str], list[bool]]:
+    """Collective: (file -> the chunks this rank's reads touch, the local copies it reads,
+    whether each rank reads local copies). A copy is used when it has the size the index
+    records; the chunks of it read only in part are checked whole first."""
+
+    def route() -> tuple[dict[str, list[Chunk]], set[str]]:
+        plan = plan_targets(state_dict, index, comm.rank)
+        if strict and plan.missing:  # as fill would, before anything is read
+            raise MissingKeysError(url, list(plan.missing))
+        read, partial = chunks_read(plan.reads)
+        if not tiered:
+            return read, set()
+        good = run_sync(usable_files(local, index, read))
+        cut = {f: partial[f] for f in good & partial.keys()}  # not checked in flight: now
+        return read, good - (cut.keys() - run_sync(intact_files(
+            local, index, cut, chunks=cut, scratch_bytes=scratch_bytes)))
+
+    # every rank learns only whether any rank reads local copies (the chunk lists stay here)
+    (read, good), routed = comm.run_everywhere("restore: routing reads to the local tier", route,
+                                               lambda r: bool(r[1]), to="all")
+    return read, good, routed
 
 
 #: a chunk some read of a restore touches, with its tensor
