@@ -244,3 +244,19 @@ def test_errors_stay_ckptfs_errors(tmp_path):
 def test_writer_refuses_a_read_only_backend():
     with pytest.raises(ckptfs.ConfigError, match="read-only"):
         ckptfs.dcp.StorageWriter("x", backend="hf_safetensors")
+
+
+def test_reader_serves_a_hugging_face_safetensors_directory(tmp_path):
+    from safetensors.torch import save_file
+
+    w = torch.randn(6, 4)
+    save_file({"model.w": w, "model.b": torch.arange(4, dtype=torch.int32)},
+              str(tmp_path / "model.safetensors"))
+    md = ckptfs.load_metadata(tmp_path)
+    assert md.backend == "hf_safetensors"
+    sd = {key: torch.zeros(md.tensors[key].shape, dtype=t) for key, t in
+          (("model.w", torch.float32), ("model.b", torch.int32))}
+    reader = ckptfs.dcp.StorageReader(tmp_path)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    assert torch.equal(sd["model.w"], w) and sd["model.b"].tolist() == [0, 1, 2, 3]
+    assert reader.stats.bytes_read == reader.stats.bytes_needed == 6 * 4 * 4 + 4 * 4
