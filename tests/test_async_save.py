@@ -6,13 +6,11 @@ plain subprocess that exits with a save in flight."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
-import traceback
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from ckptfs.engine import background
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
 from ckptfs.testing.ranks import run_ranks
+from tests.scenarios import outcomes_of, passed, run_steps
 
 RSS_STATE_MB = 48  #: per rank; the claim is proportional: growth < 5% of the state
 
@@ -297,33 +296,18 @@ STEPS = (snapshot, staging_failure, write_failure, one_save_in_flight, foregroun
 
 
 def scenarios(rank: int, world: int, root: str, out: str) -> None:
-    """Every step in turn on every rank; a step that fails is recorded (its traceback) and the
-    next one runs, after the ranks meet again."""
-    failed: dict[str, str | None] = {}
-    for step in STEPS:
-        try:
-            step(rank, world, root)
-            failed[step.__name__] = None
-        except Exception:
-            failed[step.__name__] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(failed, f)
+    """Every step in turn on every rank (tests/scenarios.py)."""
+    run_steps(STEPS, rank, out, rank, world, root)
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> list[dict[str, str | None]]:
-    """One spawn of 2 ranks for every step: per rank, each step's traceback or None."""
+def outcomes(tmp_path_factory) -> dict[str, list[str | None]]:
+    """One spawn of 2 ranks for every step: per step, each rank's traceback or None."""
     root = tmp_path_factory.mktemp("async_save")
     out = root / "out"
     out.mkdir()
     run_ranks(2, scenarios, str(root / "ck"), str(out), timeout=200)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def passed(outcomes: list[dict[str, str | None]], step) -> None:
-    failed = {r: o[step.__name__] for r, o in enumerate(outcomes) if o[step.__name__] is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+    return outcomes_of(out, STEPS, 2)
 
 
 @pytest.mark.slow

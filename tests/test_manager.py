@@ -6,7 +6,6 @@ persistence, and the training-loop example of docs/guide/manager.md run as writt
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -25,6 +24,7 @@ import ckptfs
 from ckptfs.engine.lock import LockInfo
 from ckptfs.layout.index import LOCK_FILE
 from ckptfs.testing.ranks import free_port, run_ranks
+from tests.scenarios import outcomes_of, passed, run_steps
 
 ROWS = 8  #: rows of the weight per rank (tiny: these tests are about bookkeeping)
 
@@ -206,19 +206,8 @@ STEPS = (retention, local_restore, local_fallback, preemption)
 
 
 def two_ranks(rank: int, world: int, url: str, local: str, opts: dict, url2: str, out: str) -> None:
-    """Every step in turn; a step that fails is recorded (its traceback), the next one runs
-    after the ranks meet again."""
-    run = Run(url, local, opts, url2)
-    failed: dict[str, str | None] = {}
-    for step in STEPS:
-        try:
-            step(rank, world, run)
-            failed[step.__name__] = None
-        except Exception:
-            failed[step.__name__] = traceback.format_exc()
-        dist.barrier()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(failed, f)
+    """Every step in turn (tests/scenarios.py)."""
+    run_steps(STEPS, rank, out, rank, world, Run(url, local, opts, url2))
 
 
 def one_process(url: str, local: str, opts: dict, proxy) -> None:
@@ -261,8 +250,7 @@ def outcomes(tmp_path_factory, moto_server, fault_proxy) -> dict[str, list[str |
     url, url2, local = f"s3://{BUCKET}/run", f"s3://{BUCKET}/preempt", str(root / "local")
     try:
         run_ranks(2, two_ranks, url, local, opts, url2, str(out), timeout=240)
-        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-        got = {step.__name__: [o[step.__name__] for o in ranks] for step in STEPS}
+        got = outcomes_of(out, STEPS, 2)
         try:
             one_process(url, local, opts, fault_proxy)
             got["one_process"] = [None]
@@ -271,11 +259,6 @@ def outcomes(tmp_path_factory, moto_server, fault_proxy) -> dict[str, list[str |
         return got
     finally:
         fault_proxy.reset()
-
-
-def passed(outcomes: dict[str, list[str | None]], step) -> None:
-    failed = {r: tb for r, tb in enumerate(outcomes[step.__name__]) if tb is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
 
 
 @pytest.mark.slow
