@@ -473,7 +473,8 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptfs", description="ckptfs command-line tools. Exit "
-                                     "status: 0 ok, 1 a problem found or the command failed, 2 usage error.")
+                                     "status: 0 ok, 1 a problem found or the command failed, 2 usage error, "
+                                     "3 the checkpoints differ (diff).")
     parser.add_argument("--version", action="version", version=f"ckptfs {ckptfs.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:
