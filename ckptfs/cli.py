@@ -220,8 +220,8 @@ def add_diff(sub: argparse._SubParsersAction) -> None:
                     "equal, differs, only in A, only in B, dtype or shape mismatch. Equal chunk "
                     "checksums decide without reading data; otherwise both are streamed in "
                     "bounded memory. Exit 0 equal, 3 different, 1 failed.")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
+    p.add_argument("a", metavar="A", help="the first checkpoint: a local path or an fsspec URL")
+    p.add_argument("b", metavar="B", help="the second checkpoint, compared with A")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--keys", nargs="+", metavar="KEY", help="only these keys or subtrees")
@@ -510,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ckptfs", parents=[_quiet(default=False), _common(dest_prefix="global_")],
         description="ckptfs command-line tools. Global flags (-q, --storage-option(s)) go before "
                     "or after the command. Exit status: 0 ok, 1 the command failed, 2 usage or "
-                    "configuration error, 3 verify found problems, 130 interrupted.")
+                    "configuration error, 3 verify found problems, 4 diff found differences, "
+                    "130 interrupted.")
     parser.add_argument("--version", action="version", version=f"ckptfs {ckptfs.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in SUBCOMMANDS:

@@ -30,6 +30,8 @@ COVERED_ELSEWHERE = {
     "gpu": ("tests/test_bench_gpu.py", "from bench import gpu"),
     "perf": ("tests/test_bench_perf.py", "from bench import perf"),
     "perf_world": ("tests/test_bench_perf.py", "from bench import perf"),  # bench.perf spawns it
+    "dcp_plugin": ("tests/test_bench_dcp_plugin.py", "from bench import dcp_plugin"),
+    "health": ("tests/test_bench_health.py", "from bench.health import main"),
 }
 
 

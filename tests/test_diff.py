@@ -230,3 +230,41 @@ def test_streamed_diff_stays_within_its_memory_bound(ckpts):
     assert got["bound"] == 2 * buffer + COMPARE_SCRATCH + max(buffer, 2 << 20)
     assert got["bound"] < got["read"]  # the bound does not grow with the checkpoint
     assert got["peak"] <= got["bound"], got
+
+
+def test_hugging_face_directory_against_ckptfs(tmp_path):
+    from ckptfs.testing.conformance.golden import GOLDEN_ROOT, hf_golden_reference
+
+    hf = GOLDEN_ROOT / "hf_safetensors-1" / "checkpoint"
+    state = hf_golden_reference()
+    ckptfs.save(state, tmp_path / "mine", backend="zarr", backend_version=2)
+    same = ckptfs.diff(hf, tmp_path / "mine")
+    assert same.equal and len(same.keys) == len(state)  # NaN equals NaN in model.norm.weight
+    state["lm_head.weight"][5, 3] += 1
+    ckptfs.save(state, tmp_path / "changed")
+    (k,) = ckptfs.diff(hf, tmp_path / "changed").differences
+    assert (k.key, k.differing, k.first_index) == ("lm_head.weight", 1, (5, 3))
+    assert k.max_abs_diff == pytest.approx(1.0)
+
+
+def test_megatron_checkpoint_against_ckptfs(tmp_path):
+    mcore = Path(__file__).resolve().parent / "fixtures" / "megatron" / "mcore-0.19.2-torch_dist"
+    state = ckptfs.load_keys(mcore / "checkpoint")
+    ckptfs.save(state, tmp_path / "mine", backend="zarr", backend_version=3)
+    assert ckptfs.diff(mcore / "checkpoint", tmp_path / "mine").equal
+
+    def first_tensor(node, path=()):
+        for k, v in node.items():
+            if isinstance(v, torch.Tensor) and v.numel() > 1 and v.is_floating_point():
+                return v, "/".join(map(str, (*path, k)))
+            if isinstance(v, dict):
+                found = first_tensor(v, (*path, k))
+                if found:
+                    return found
+        return None
+
+    t, key = first_tensor(state)
+    t.view(-1)[1] += 1
+    ckptfs.save(state, tmp_path / "changed")
+    (k,) = ckptfs.diff(mcore / "checkpoint", tmp_path / "changed").differences
+    assert (k.key, k.differing) == (key, 1)

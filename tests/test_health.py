@@ -300,3 +300,11 @@ def test_tensors_checked_on_their_device_are_not_checked_again(tmp_path, monkeyp
     with pytest.raises(ckptfs.NonFiniteError) as e:
         ckptfs.save(state, tmp_path / "x", check_finite=True)
     assert e.value.found == {"w": (1, 1)}  # counted once, on the "device"
+
+
+def test_async_save_records_fingerprints(tmp_path):
+    ckptfs.async_save({"w": torch.arange(4.0), "b": torch.ones(2)}, tmp_path / "a",
+                      stats=True, check_finite=True).result(120)
+    stats = ckptfs.load_metadata(tmp_path / "a").tensors["w"].stats
+    assert (stats.count, stats.min, stats.max, stats.mean) == (4, 0.0, 3.0, 1.5)
+    assert stats.l2 == pytest.approx(math.sqrt(14.0), rel=1e-15)

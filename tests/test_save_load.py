@@ -344,7 +344,7 @@ def own_registry(monkeypatch):
     """Backends registered by a test are gone after it."""
     from ckptfs.layout import registry
 
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    monkeypatch.setattr(registry, "_default", registry.BackendRegistry())
 
 
 def test_local_commit_is_create_if_absent(tmp_path, own_registry):

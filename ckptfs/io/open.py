@@ -45,10 +45,10 @@ async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] 
 
         return await open_obstore(url, opts, options)
     if proto in ("s3", "s3a"):
-        with optional_dependency("s3:// through s3fs"):
+        with optional_dependency("s3:// through s3fs"):  # s3fs is imported when opened
             from ckptfs.io.s3 import open_s3fs
 
-        return await open_s3fs(url, opts, options)
+            return await open_s3fs(url, opts, options)
     from ckptfs.io.fsspec_store import FsspecStore
 
     cls = fsspec.get_filesystem_class(proto)
