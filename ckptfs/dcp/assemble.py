@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ckptfs.dcp.items import OPAQUE, ItemWritten, Path
 from ckptfs.engine.commit import Claim, build_index, commit_index
 from ckptfs.engine.commit import abandon as _abandon
-from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.stage import IndexContent, StagedSave
 from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
 from ckptfs.errors import CkptfsError
 from ckptfs.io import Store, run_sync
@@ -105,8 +105,8 @@ def commit_results(be: Backend, store: Store, claim: Claim,
     merged = {k: _merge(ps) for k, ps in plans.items()}
     prep = be.prepare(merged)
     run_sync(write_files(store, prep, False))
-    staged = StagedSave(0, len(ranks), merged, (), values,
-                        {**containers_of_paths(paths), **containers}, (), True, tensors=tensors)
+    content = IndexContent(values, {**containers_of_paths(paths), **containers}, tensors)
+    staged = StagedSave(0, len(ranks), merged, (), leases=(), copied=True, content=content)
     done = Written(tuple(f.path for f in prep), WrittenRank((), {}), tuple(written),
                    file_sums(prep))
     index = build_index(be, staged, done)

@@ -175,7 +175,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         world = table.world_size if table is not None else self.rank + 1
         chunks, written = take_items(plan, planner, be, table, self.rank)
         staged = StagedSave(self.rank, world, _plans_of(chunks, table, self.rank), tuple(chunks),
-                            {}, {}, (), False)
+                            leases=(), copied=False)
         store = self._open()
         try:
             done = write_rank(staged, be, store, run_sync(self._save_id(store)), False)
