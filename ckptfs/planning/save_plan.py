@@ -21,6 +21,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, cast
 
 from ckptfs.errors import ShardingError
 from ckptfs.layout.boxes import Box, full_box
@@ -55,19 +56,41 @@ class Group:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class KeyLayout:
-    """The agreed layout of one key over the whole process group."""
+    """The agreed layout of one key over the whole process group: a ``PlainLayout``,
+    ``MeshLayout`` or ``ExplicitLayout`` (the three kinds of planning/layouts.py)."""
 
+    kind: ClassVar[str]  #: "plain", "mesh" or "explicit"
     key: str
     dtype: str
     shape: tuple[int, ...]
     itemsize: int
-    kind: str  #: "plain", "mesh" or "explicit" (planning/layouts.py)
-    scope: Group | None = None  #: plain: the ranks holding a replica
-    mesh: MeshSpec | None = None  #: mesh: the DTensor's mesh ...
-    placements: tuple[int, ...] = ()  #: ... and placements
-    shards: Mapping[Box, Group] | None = None  #: explicit: every non-empty box -> its holders
-    owned: Mapping[int, Box] | None = None  #: explicit: rank -> the non-empty box it holds
-    groups: dict | None = None  #: mesh: memo of holder groups (shared by the mesh's keys)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlainLayout(KeyLayout):
+    """A replica held whole by every rank of ``scope``."""
+
+    kind: ClassVar[str] = "plain"
+    scope: Group  #: the ranks holding a replica
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MeshLayout(KeyLayout):
+    """A DTensor: shards follow ``placements`` over ``mesh``."""
+
+    kind: ClassVar[str] = "mesh"
+    mesh: MeshSpec
+    placements: tuple[int, ...]  #: per mesh dim: the tensor dim it shards, or REPLICATE
+    groups: dict[tuple[int, ...], Group]  #: memo of holder groups (shared by the mesh's keys)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExplicitLayout(KeyLayout):
+    """ShardedTensors: every rank names its box."""
+
+    kind: ClassVar[str] = "explicit"
+    shards: Mapping[Box, Group]  #: every non-empty box -> its holders
+    owned: Mapping[int, Box]  #: rank -> the non-empty box it holds
 
 
 def _empty(shape: tuple[int, ...]) -> bool:
@@ -76,28 +99,28 @@ def _empty(shape: tuple[int, ...]) -> bool:
 
 def region_of(lay: KeyLayout, rank: int) -> tuple[Box, Group] | None:
     """The region ``rank`` holds of ``lay``, or None."""
-    if lay.kind == "plain":
+    if isinstance(lay, PlainLayout):
         if _empty(lay.shape):
             return None
-        return full_box(lay.shape), lay.scope  # type: ignore[return-value]
-    if lay.kind == "mesh":
-        coord = lay.mesh.coordinate(rank)  # type: ignore[union-attr]
+        return full_box(lay.shape), lay.scope
+    if isinstance(lay, MeshLayout):
+        coord = lay.mesh.coordinate(rank)
         if coord is None:
             return None
-        box = mesh_box(lay.shape, lay.mesh, lay.placements, coord)  # type: ignore[arg-type]
+        box = mesh_box(lay.shape, lay.mesh, lay.placements, coord)
         return (box, _mesh_group(lay, coord)) if box.volume else None
-    box = lay.owned.get(rank)  # type: ignore[union-attr]
-    return None if box is None else (box, lay.shards[box])  # type: ignore[index]
+    assert isinstance(lay, ExplicitLayout)
+    owned = lay.owned.get(rank)
+    return None if owned is None else (owned, lay.shards[owned])
 
 
 def regions(lay: KeyLayout) -> Iterator[tuple[Box, Group]]:
     """Every region of ``lay`` (distinct non-empty boxes and their holders)."""
-    if lay.kind == "plain":
+    if isinstance(lay, PlainLayout):
         if not _empty(lay.shape):
-            yield full_box(lay.shape), lay.scope  # type: ignore[misc]
-    elif lay.kind == "mesh":
+            yield full_box(lay.shape), lay.scope
+    elif isinstance(lay, MeshLayout):
         mesh = lay.mesh
-        assert mesh is not None
         axes = [range(n) if d != REPLICATE else range(1)
                 for n, d in zip(mesh.shape, lay.placements, strict=True)]
         for coord in itertools.product(*axes):
@@ -105,13 +128,13 @@ def regions(lay: KeyLayout) -> Iterator[tuple[Box, Group]]:
             if box.volume:
                 yield box, _mesh_group(lay, coord)
     else:
-        yield from lay.shards.items()  # type: ignore[union-attr]
+        assert isinstance(lay, ExplicitLayout)
+        yield from lay.shards.items()
 
 
-def _mesh_group(lay: KeyLayout, coord: Sequence[int]) -> Group:
+def _mesh_group(lay: MeshLayout, coord: Sequence[int]) -> Group:
     """The ranks sharing ``coord``'s shard: every coordinate along the replicating mesh dims."""
     mesh = lay.mesh
-    assert mesh is not None and lay.groups is not None
     fixed = tuple(c if d != REPLICATE else -1 for c, d in zip(coord, lay.placements, strict=True))
     g = lay.groups.get(fixed)
     if g is None:
@@ -233,7 +256,7 @@ class SavePlan:
 
     def writes(self) -> list[tuple[str, Box]]:
         """The stored chunks this rank writes, in key order."""
-        out = []
+        out: list[tuple[str, Box]] = []
         for key in self.layouts:
             out.extend((key, box) for box, w in self.slices(key) if w == self.rank)
         return out
@@ -340,7 +363,7 @@ def agree_layouts(descs: Sequence[Description], owners: Sequence[int],
         scope_of.append(g)
         cover.append(frozenset(owners[r] for r in s))
     meshes: dict[MeshSpec, MeshSpec] = {}  # one object per distinct mesh
-    groups: dict[int, dict] = {}  # holder groups, shared by every key on one mesh
+    groups: dict[int, dict[tuple[int, ...], Group]] = {}  # holder groups, shared by every key on one mesh
 
     by_key: dict[str, list[tuple[int, Layout]]] = defaultdict(list)
     for i, d in enumerate(descs):
@@ -374,23 +397,24 @@ def agree_layouts(descs: Sequence[Description], owners: Sequence[int],
             scope = scope_of[i0]
             if any(scope_of[i] is not scope for i, _ in entries):
                 scope = Group(tuple(sorted(r for i, _ in entries for r in members[i])))
-            out[key] = KeyLayout(key, first.dtype, first.shape, isz, "plain", scope=scope)
+            out[key] = PlainLayout(key, first.dtype, first.shape, isz, scope)
             continue
         if kinds == {"mesh"}:
-            specs = {(descs[i].meshes[lay.mesh], lay.placements) for i, lay in entries}  # type: ignore[index]
+            specs = {(descs[i].meshes[cast(int, lay.mesh)], lay.placements)  # mesh kind: set
+                     for i, lay in entries}
             if len(specs) == 1:
                 (mesh, placements), = specs
                 mesh = meshes.setdefault(mesh, mesh)
                 held = sum(len(members[i]) for i, _ in entries)
                 if held != len(mesh.ranks):
-                    have = {r for i, _ in entries for r in members[i]}
-                    lack = [r for r in mesh.ranks if r not in have]
+                    saving = {r for i, _ in entries for r in members[i]}
+                    lack = [r for r in mesh.ranks if r not in saving]
                     raise ShardingError(
                         f"key {key!r}: DTensor on a mesh of ranks {_ranks(list(mesh.ranks))} is "
                         f"not saved by {_ranks(lack)} (every rank of a DTensor's mesh must "
                         f"save it)")
-                out[key] = KeyLayout(key, first.dtype, first.shape, isz, "mesh", mesh=mesh,
-                                     placements=placements, groups=groups.setdefault(id(mesh), {}))
+                out[key] = MeshLayout(key, first.dtype, first.shape, isz, mesh, placements,
+                                      groups.setdefault(id(mesh), {}))
                 continue
         out[key] = _explicit(key, first, isz, entries, descs, members)
     return out
@@ -406,15 +430,15 @@ def _explicit(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout
         for r in members[i]:
             # plain tensors and DTensors held in several ways: each rank is its own replica
             # (negative ids never clash with a ShardedTensor's)
-            if lay.kind == "plain":
-                box, rid = full_box(shape), -1 - r
-            elif lay.kind == "mesh":
-                mesh = descs[i].meshes[lay.mesh]  # type: ignore[index]
+            if lay.box is not None:  # the kinds as Layout.kind tells them apart
+                box, rid = lay.box, lay.replica_id
+            elif lay.mesh is not None:
+                mesh = descs[i].meshes[lay.mesh]
                 coord = mesh.coordinate(r)
                 assert coord is not None
                 box, rid = mesh_box(shape, mesh, lay.placements, coord), -1 - r
             else:
-                box, rid = lay.box, lay.replica_id  # type: ignore[assignment]
+                box, rid = full_box(shape), -1 - r
             if not box.in_bounds(shape):
                 raise ShardingError(f"key {key!r}: rank {r}'s shard {box} is outside shape "
                                     f"{list(shape)}")
@@ -428,4 +452,4 @@ def _explicit(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout
     check_tiling(key, shape, holders)
     shards = {b: Group(tuple(sorted(rs))) for b, rs in sorted(holders.items())}
     owned = {r: b for b, g in shards.items() for r in g.ranks}
-    return KeyLayout(key, first.dtype, shape, isz, "explicit", shards=shards, owned=owned)
+    return ExplicitLayout(key, first.dtype, shape, isz, shards, owned)
