@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsFloat, TypeGuard, cast
 
 import ml_dtypes
 import numpy as np
@@ -40,13 +40,13 @@ def _make_class(zarr_name: str, native: np.dtype) -> type:
         return DataTypeValidationError(f"not {zarr_name}: {what!r}")
 
     @dataclass(frozen=True, kw_only=True)
-    class MLFloat(ZDType):  # type: ignore[type-arg]
+    class MLFloat(ZDType[Any, Any]):
         dtype_cls: ClassVar[type] = type(native)
         _zarr_v3_name: ClassVar[str] = zarr_name
         endianness: str = "little"
 
         @classmethod
-        def _check_native_dtype(cls, dtype: Any) -> bool:
+        def _check_native_dtype(cls, dtype: Any) -> TypeGuard[Any]:
             return isinstance(dtype, np.dtype) and dtype == native
 
         @classmethod
@@ -90,7 +90,7 @@ def _make_class(zarr_name: str, native: np.dtype) -> type:
                 return self.default_scalar()
             if not self._check_scalar(data):
                 raise TypeError(f"cannot cast {data!r} to {zarr_name}")
-            return native.type(float(data))  # type: ignore[arg-type]
+            return native.type(float(cast("SupportsFloat | str", data)))  # checked just above
 
         def default_scalar(self) -> Any:
             return native.type(0.0)
