@@ -440,10 +440,10 @@ class _Template:
 def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
     sink = _SparseWriter()
     with torch.serialization.skip_data():  # the stand-in's memory is never touched
-        # torch.save takes any seekable binary file object; its hint names IO[bytes] only
-        torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]
-    # the parsers only slice and unpack what they are sent: a bytearray serves as bytes
-    layout = _run_sync(locate_tensor(sink.size), sink.read_range)  # type: ignore[arg-type]
+        torch.save(torch.empty(shape, dtype=dtype),
+                   sink)  # type: ignore[arg-type]  # any seekable binary file serves, not only IO[bytes]
+    layout = _run_sync(locate_tensor(sink.size),
+                       sink.read_range)  # type: ignore[arg-type]  # the parsers take a bytearray as bytes
     assert isinstance(layout, TensorLayout) and layout.record is not None
     start = layout.data_offset
     n = layout.record.size
