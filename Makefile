@@ -29,10 +29,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
