@@ -30,6 +30,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
 
 # The fast lane: the tests that start no processes and no servers (`pytest -m "not slow"`).
@@ -42,6 +43,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
+	$(BIN)/mypy
 
 # the documentation site (mkdocs.yml, docs/), warnings as errors; `make test` builds it too
 docs: $(STAMP)

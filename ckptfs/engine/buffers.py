@@ -144,7 +144,7 @@ class Lease:
         """A writable byte view of the buffer (shares memory)."""
         if not self.nbytes:
             return memoryview(bytearray())
-        return memoryview(self.tensor.numpy()).cast("B")
+        return self.tensor.numpy().data.cast("B")
 
 
 class BufferPool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -99,7 +99,7 @@ class DeviceChunk(StreamedPart):
     def nbytes(self) -> int:
         return self._nbytes
 
-    def stream(self) -> Iterator[memoryview]:
+    def stream(self) -> Generator[memoryview, None, None]:
         self.crc = None
         if not self._nbytes:
             self.crc = 0
@@ -126,7 +126,7 @@ class DeviceChunk(StreamedPart):
                 buf, n, done = flying.popleft()
                 try:
                     done.wait()
-                    view = memoryview(buf[:n].numpy())
+                    view = buf[:n].numpy().data
                     crc = combine(crc, crc_of(view), n)
                     if i == len(cuts) and not flying:  # the last piece: a consumer that
                         self.crc = crc  # holds every byte may stop without asking for more

@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from ckptfs.errors import SaveInProgressError
 from ckptfs.io.loop import run_sync
@@ -80,7 +81,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-async def read_lock(store: Store) -> LockInfo | bool | None:
+async def read_lock(store: Store) -> LockInfo | Literal[False] | None:
     """The lock at the root: its info, None when unreadable, False when there is none."""
     try:
         data = await store.get(LOCK_FILE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import obstore
 from obstore.exceptions import (
@@ -29,6 +29,9 @@ from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, part_size_for, pieces_async, total_bytes
 from ckptfs.io.retry import RetryPolicy, is_transient, retrying
 from ckptfs.io.store import Buffer, Part, Store, inside_root
+
+if TYPE_CHECKING:  # obstore's config types exist in its stubs only
+    from obstore.store import ClientConfig, ObjectMeta, RetryConfig
 
 T = TypeVar("T")
 
@@ -63,7 +66,7 @@ def s3_config(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
     return cfg, client_options
 
 
-def retry_config(policy: RetryPolicy) -> dict[str, Any]:
+def retry_config(policy: RetryPolicy) -> RetryConfig:
     """obstore's RetryConfig for ``policy`` (``RetryPolicy(0)`` turns its retries off)."""
     return {"max_retries": policy.retries,
             "backoff": {"init_backoff": timedelta(seconds=policy.base_delay),
@@ -83,7 +86,7 @@ async def open_obstore(url: str, storage_options: Mapping[str, Any], options: St
             bucket, _, prefix = rest.partition("/")
             cfg, client_options = s3_config(storage_options)
             return S3Store(bucket, prefix=prefix.strip("/") or None,
-                           client_options=client_options, retry_config=rc, **cfg)
+                           client_options=cast("ClientConfig", client_options), retry_config=rc, **cfg)
         opts = dict(storage_options)
         return from_url(url, client_options=opts.pop("client_options", None), retry_config=rc,
                         **opts)
@@ -190,7 +193,7 @@ class ObstoreStore(Store):
         except FileNotFoundError:
             return None
 
-    async def _head(self, path: str) -> dict:
+    async def _head(self, path: str) -> ObjectMeta:
         async with self.semaphore:
             return await self._call(path, lambda: obstore.head_async(self.store, path))
 

@@ -4,8 +4,9 @@ joining the whole file."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from contextlib import closing
+from typing import cast
 
 from ckptfs.io.store import Buffer, Part
 from ckptfs.io.streamed import StreamedPart
@@ -28,7 +29,7 @@ def total_bytes(parts: Sequence[Part]) -> int:
     return sum(part_bytes(p) for p in parts)
 
 
-def views(parts: Sequence[Part]) -> Iterator[memoryview]:
+def views(parts: Sequence[Part]) -> Generator[memoryview, None, None]:
     """The flat byte views of ``parts`` in order; a ``StreamedPart``'s views are valid only until
     the next one is asked for (write each before asking)."""
     for p in parts:
@@ -42,7 +43,7 @@ def materialized(parts: Sequence[Part]) -> tuple[Buffer, ...]:
     """``parts`` with each ``StreamedPart`` copied into host bytes (for a store that does not
     take streamed parts); plain buffers are passed through."""
     if not any(isinstance(p, StreamedPart) for p in parts):
-        return tuple(parts)  # type: ignore[arg-type]
+        return cast("tuple[Buffer, ...]", tuple(parts))  # no StreamedPart among them
     out: list[Buffer] = []
     for p in parts:
         if isinstance(p, StreamedPart):
@@ -63,7 +64,8 @@ def part_size_for(total: int, wanted: int) -> int:
     return max(size, -(-total // MAX_PARTS))
 
 
-def pieces(parts: Sequence[Part], size: int, *, keep: bool = False) -> Iterator[list[memoryview]]:
+def pieces(parts: Sequence[Part], size: int, *,
+           keep: bool = False) -> Generator[list[memoryview], None, None]:
     """Consecutive pieces of ``size`` bytes (the last may be shorter) as lists of zero-copy
     views into ``parts``; the caller joins or writes one piece at a time, before asking for the
     next. Bytes of a ``StreamedPart`` are valid only until then; with ``keep`` (a caller that
@@ -89,7 +91,7 @@ def pieces(parts: Sequence[Part], size: int, *, keep: bool = False) -> Iterator[
         yield cur
 
 
-def _flat(p: Part, keep: bool) -> Iterator[memoryview]:
+def _flat(p: Part, keep: bool) -> Generator[memoryview, None, None]:
     if not isinstance(p, StreamedPart):
         yield byte_view(p)
         return
@@ -107,10 +109,14 @@ async def pieces_async(parts: Sequence[Part], size: int) -> AsyncIterator[list[m
             for piece in it:
                 yield piece
             return
-        while (piece := await asyncio.to_thread(next, it, None)) is not None:
-            yield piece
+        while (made := await asyncio.to_thread(_next, it)) is not None:
+            yield made
     finally:
         it.close()
+
+
+def _next(it: Iterator[list[memoryview]]) -> list[memoryview] | None:
+    return next(it, None)
 
 
 async def joined(parts: Sequence[Part]) -> bytes:

@@ -16,7 +16,7 @@ bytes again); a consumer that has every byte need not resume the stream.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Generator
 
 
 class StreamedPart(ABC):
@@ -31,6 +31,7 @@ class StreamedPart(ABC):
         """How many bytes ``stream()`` produces."""
 
     @abstractmethod
-    def stream(self) -> Iterator[memoryview]:
+    def stream(self) -> Generator[memoryview, None, None]:
         """Consecutive flat byte views covering ``nbytes``; each valid until the next is asked
-        for. Blocking: call it from a worker thread, never from the event loop."""
+        for. A generator: a writer that stops early closes it, which ends the stream. Blocking:
+        call it from a worker thread, never from the event loop."""

@@ -28,5 +28,5 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     if _numpy_takes(t.dtype):
-        return memoryview(t.numpy()).cast("B")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data

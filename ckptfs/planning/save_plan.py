@@ -268,7 +268,7 @@ class SavePlan:
 
     def writes(self) -> list[tuple[str, Box]]:
         """The stored chunks this rank writes, in key order."""
-        out = []
+        out: list[tuple[str, Box]] = []
         for key in self.layouts:
             out.extend((key, box) for box, w in self.slices(key) if w == self.rank)
         return out
@@ -475,15 +475,15 @@ def _explicit(key: str, first: Layout, isz: int, entries: list[tuple[int, Layout
         for r in members[i]:
             # plain tensors and DTensors held in several ways: each rank is its own replica
             # (negative ids never clash with a ShardedTensor's)
-            if lay.kind == "plain":
-                box, rid = full_box(shape), -1 - r
-            elif lay.kind == "mesh":
-                mesh = descs[i].meshes[lay.mesh]  # type: ignore[index]
+            if lay.box is not None:  # the kinds as Layout.kind tells them apart
+                box, rid = lay.box, lay.replica_id
+            elif lay.mesh is not None:
+                mesh = descs[i].meshes[lay.mesh]
                 coord = mesh.coordinate(r)
                 assert coord is not None
                 box, rid = mesh_box(shape, mesh, lay.placements, coord), -1 - r
             else:
-                box, rid = lay.box, lay.replica_id  # type: ignore[assignment]
+                box, rid = full_box(shape), -1 - r
             if not box.in_bounds(shape):
                 raise ShardingError(f"key {key!r}: rank {r}'s shard {box} is outside shape "
                                     f"{list(shape)}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.keys import Path, check_unicode, child_key, decode_key, encode_key
@@ -65,7 +65,7 @@ def _walk(obj: Any, path: Path, key: str | None, flat: FlatState, rank: int | No
     """``key``: the canonical key of ``path`` (None at the root), built one component at a
     time instead of encoding the whole path again at every leaf."""
     if isinstance(obj, PerRank):
-        key = key if path else "<root>"
+        key = "<root>" if key is None else key  # None only at the root
         if not path or private:
             raise UnsupportedValueError(f"key {key!r}: PerRank must wrap a value inside the "
                                         f"state dict, and cannot be nested in another PerRank")
@@ -187,7 +187,7 @@ def set_path(root: Any, path: Path, value: Any) -> Any:
     child = set_path(root[head], rest, value) if rest else value
     if isinstance(root, tuple):
         items = list(root)
-        items[head] = child
+        items[cast(int, head)] = child  # a tuple's path component is its index
         return type(root)(items)
     root[head] = child
     return root

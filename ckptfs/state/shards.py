@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -17,7 +18,7 @@ try:  # torch >= 2.4 has the public DTensor
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment,misc]  # absent: every use checks for None first
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ class MeshTable:
         if any(r is None for r in ranks):
             out = None
         else:
-            spec = MeshSpec(tuple(int(n) for n in mesh.mesh.shape), tuple(ranks))  # type: ignore[arg-type]
+            spec = MeshSpec(tuple(int(n) for n in mesh.mesh.shape),
+                            tuple(cast("list[int]", ranks)))  # no None: checked above
             out = self._by_spec.setdefault(spec, len(self.specs))
             if out == len(self.specs):
                 self.specs.append(spec)

@@ -52,11 +52,12 @@ def describe(url: str, index: Index, foreign: bool, pattern: str | None = None) 
 
 
 def human(n: int) -> str:
+    x: float = n
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return str(x)
 
 
 def render(doc: dict[str, Any]) -> str:

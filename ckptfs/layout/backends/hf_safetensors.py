@@ -154,8 +154,8 @@ class HfSafetensorsBackend(Backend):
             sizes[path] = end
         if weight_map is not None:
             for name, path in weight_map.items():
-                entry = tensors.get(encode_component(name))
-                if entry is None or (entry.chunks and entry.chunks[0].file != path):
+                mapped = tensors.get(encode_component(name))
+                if mapped is None or (mapped.chunks and mapped.chunks[0].file != path):
                     raise MalformedIndexError(
                         f"{_where(reader, INDEX_JSON)}: weight_map puts {name!r} in {path}, whose "
                         f"safetensors header does not hold it")

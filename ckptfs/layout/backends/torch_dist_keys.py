@@ -138,11 +138,12 @@ def containers_of_paths(paths: Iterable[tuple[str | int, ...]]) -> dict[str, str
     for path in paths:
         for i in range(1, len(path)):
             key = key_of_path(path[:i])
-            kind = "list" if isinstance(path[i], int) else "dict"
+            c = path[i]
+            kind = "list" if isinstance(c, int) else "dict"
             if kinds.setdefault(key, kind) != kind:
                 kinds[key] = "dict"
-            if kind == "list":
-                indices[key].add(path[i])  # type: ignore[arg-type]
+            if isinstance(c, int):
+                indices[key].add(c)
     for key, idx in indices.items():
         if kinds[key] == "list" and idx != set(range(len(idx))):
             kinds[key] = "dict"  # items DCP did not write (empty dicts): keep the indices

@@ -96,6 +96,8 @@ class _Record:
     """Plain data standing in for an allowed class: its constructor arguments and BUILD state."""
 
     kind: ClassVar[str] = "?"
+    args: tuple[Any, ...]  #: the constructor's positional arguments
+    state: Any  #: what BUILD set (None without one)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
         obj = object.__new__(cls)

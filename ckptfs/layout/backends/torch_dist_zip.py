@@ -23,12 +23,16 @@ import struct
 import zlib
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ckptfs.errors import MalformedIndexError
 from ckptfs.layout.backends.torch_dist_pickle import StoredTensor, read_tensor_pickle, read_value_pickle
 from ckptfs.layout.tensor_bytes import tensor_bytes
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 Request = tuple[int, int]  #: bytes [start, end) relative to the blob start
 Steps = Generator[Request, bytes, "TensorLayout"]
@@ -205,16 +209,16 @@ def locate_tensor(blob_len: int) -> Steps:
         tensor = None
     record = by_name.get(f"{prefix}data/{tensor.key}") if tensor is not None else None
     data_offset = -1
-    if record is not None:
+    if tensor is not None and record is not None:
         start = _local_data_start(head, record)
         if start is None:
             raise ZipFormatError(f"record {record.name}: local header not in the blob head")
-        itemsize = torch.empty((), dtype=tensor.dtype).element_size()  # type: ignore[union-attr]
-        data_offset = start + tensor.storage_offset * itemsize  # type: ignore[union-attr]
+        itemsize = torch.empty((), dtype=tensor.dtype).element_size()
+        data_offset = start + tensor.storage_offset * itemsize
     return TensorLayout(data_offset, tensor, record, byteorder, records)
 
 
-def read_value_blob(blob: bytes | memoryview, source: str) -> object:
+def read_value_blob(blob: bytes | bytearray | memoryview, source: str) -> object:
     """The Python values a ``torch.save`` blob holds (objects of refused classes are
     ``torch_dist_pickle.Opaque``); errors name ``source``."""
     mv = memoryview(blob)
@@ -331,7 +335,7 @@ class _SparseWriter(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def write(self, b) -> int:  # type: ignore[override]
+    def write(self, b: ReadableBuffer, /) -> int:
         data = bytes(memoryview(b).cast("B"))
         self.parts.append((self.pos, data))
         self.pos += len(data)
@@ -436,8 +440,10 @@ class _Template:
 def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
     sink = _SparseWriter()
     with torch.serialization.skip_data():  # the stand-in's memory is never touched
-        torch.save(torch.empty(shape, dtype=dtype), sink)
-    layout = _run_sync(locate_tensor(sink.size), sink.read_range)
+        torch.save(torch.empty(shape, dtype=dtype),
+                   sink)  # type: ignore[arg-type]  # any seekable binary file serves, not only IO[bytes]
+    layout = _run_sync(locate_tensor(sink.size),
+                       sink.read_range)  # type: ignore[arg-type]  # the parsers take a bytearray as bytes
     assert isinstance(layout, TensorLayout) and layout.record is not None
     start = layout.data_offset
     n = layout.record.size

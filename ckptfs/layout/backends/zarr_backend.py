@@ -14,7 +14,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import numcodecs
 import numpy as np
@@ -41,7 +41,7 @@ from ckptfs.layout.backend import (
     RawChunk,
 )
 from ckptfs.layout.backends import zarr_dtypes
-from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline
+from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline, ZarrFormat
 from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
 from ckptfs.layout.backends.zarr_megatron import sniff_megatron
 from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
@@ -76,7 +76,7 @@ class _Layout:
 
 class _ZarrBackend(Backend):
     name: ClassVar[str] = "zarr"
-    zarr_format: ClassVar[int]
+    zarr_format: ClassVar[ZarrFormat]
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(options)
@@ -180,13 +180,13 @@ class _ZarrBackend(Backend):
         if shape != stored:
             if self.codecs.raw and shape[1:] == stored[1:] and arr.flags.c_contiguous:
                 pad = (math.prod(stored) - math.prod(shape)) * itemsize
-                return (memoryview(arr.reshape(-1)), bytes(pad))
+                return (arr.reshape(-1).data, bytes(pad))
             full = np.zeros((*stored, itemsize), dtype=np.uint8)
             full[tuple(slice(0, n) for n in shape)] = arr
             arr = full
         flat = np.ascontiguousarray(arr).reshape(-1)
         if self.codecs.raw:
-            return (memoryview(flat),)
+            return (flat.data,)
         return self._options_pipeline(itemsize).encode(flat.view(f"<u{itemsize}"))
 
     def _shard(self, c: ChunkData, lay: _Layout, path: str,
@@ -289,6 +289,10 @@ def _nbytes(parts: tuple[Buffer, ...]) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
 
+@overload
+def _positive(fmt: int, options: Mapping[str, Any], name: str) -> int: ...
+@overload
+def _positive(fmt: int, options: Mapping[str, Any], name: str, none_ok: bool) -> int | None: ...
 def _positive(fmt: int, options: Mapping[str, Any], name: str, none_ok: bool = False) -> int | None:
     v = options.get(name)
     if v is None and none_ok:
@@ -317,7 +321,7 @@ class ZarrV2Backend(_ZarrBackend):
     """zarr format 2: ``.zgroup`` / ``.zarray`` / ``.zattrs``, chunk keys ``i.j``."""
 
     version: ClassVar[int] = 2
-    zarr_format: ClassVar[int] = 2
+    zarr_format: ClassVar[ZarrFormat] = 2
     default_options: ClassVar[dict[str, Any]] = {
         **_COMMON_OPTIONS, "dimension_separator": "."}
 
@@ -331,7 +335,7 @@ class ZarrV3Backend(_ZarrBackend):
     """zarr format 3: ``zarr.json``, chunk keys ``c/i/j``, optional sharding codec."""
 
     version: ClassVar[int] = 3
-    zarr_format: ClassVar[int] = 3
+    zarr_format: ClassVar[ZarrFormat] = 3
     default_options: ClassVar[dict[str, Any]] = {
         **_COMMON_OPTIONS, "dimension_separator": "/",
         "sharding": False,  #: one shard per rank region, holding inner chunks

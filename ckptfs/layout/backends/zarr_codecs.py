@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numcodecs
 import numpy as np
@@ -20,6 +20,9 @@ from numcodecs.abc import Codec
 from ckptfs.errors import BackendOptionsError
 
 Buffer = bytes | bytearray | memoryview
+ZarrFormat = Literal[2, 3]
+BloscCname = Literal["lz4", "lz4hc", "blosclz", "snappy", "zlib", "zstd"]  #: zarr's BloscCodec's
+BloscShuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
 
 COMPRESSORS = (None, "zstd", "blosc")
 BLOSC_SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
@@ -31,15 +34,15 @@ DEFAULT_LEVELS = {"zstd": 3, "blosc": 5}
 class CodecOptions:
     """The codec part of the backend options (validated)."""
 
-    zarr_format: int
+    zarr_format: ZarrFormat
     compressor: str | None = None
     level: int | None = None
-    blosc_cname: str = "zstd"
-    blosc_shuffle: str = "shuffle"
+    blosc_cname: BloscCname = "zstd"
+    blosc_shuffle: BloscShuffle = "shuffle"
     checksum: bool = False
 
     @classmethod
-    def from_options(cls, zarr_format: int, options: Mapping[str, Any]) -> CodecOptions:
+    def from_options(cls, zarr_format: ZarrFormat, options: Mapping[str, Any]) -> CodecOptions:
         comp = options.get("compressor")
         if comp not in COMPRESSORS:
             raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'compressor' must be one of "
@@ -156,6 +159,6 @@ class Pipeline:
 def _bytes_view(buf: Any) -> memoryview:
     """A flat byte view of a codec's output (bytes, bytearray, memoryview or ndarray)."""
     if isinstance(buf, np.ndarray):
-        return memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
     mv = memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")

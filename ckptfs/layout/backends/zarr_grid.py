@@ -51,12 +51,12 @@ def grid_for_boxes(key: str, shape: tuple[int, ...], boxes: Sequence[Box], items
                    max_chunk_bytes: int | None, max_chunks: int) -> Grid:
     """The coarsest regular grid whose cells each lie inside one of ``boxes`` (which tile the
     tensor), refined further so no cell exceeds ``max_chunk_bytes``."""
-    chunk = []
+    coarse = []
     for d, n in enumerate(shape):
         cuts = {b.offsets[d] for b in boxes} | {b.ends[d] for b in boxes}
         cuts -= {0, n}
-        chunk.append(math.gcd(*cuts) if cuts else max(n, 1))
-    chunk = shrink(tuple(chunk), itemsize, max_chunk_bytes)
+        coarse.append(math.gcd(*cuts) if cuts else max(n, 1))
+    chunk = shrink(tuple(coarse), itemsize, max_chunk_bytes)
     grid = Grid(shape, chunk)
     if grid.ncells > max_chunks:
         raise ShardingError(

@@ -133,11 +133,11 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any],
             f"{where}: dtype {doc.get('dtype')!r} is not supported; supported: {sorted(V2_DTYPES)}")
     if doc.get("order", "C") != "C":
         raise UnsupportedValueError(f"{where}: order {doc.get('order')!r}; only 'C' is supported")
-    shape, chunks = doc.get("shape"), doc.get("chunks")
-    if not all(isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
-               for v in (shape, chunks)):
+    raw_shape, raw_chunks = doc.get("shape"), doc.get("chunks")
+    if not (isinstance(raw_shape, list) and isinstance(raw_chunks, list) and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in (*raw_shape, *raw_chunks))):
         raise MalformedIndexError(f"{where}: fields 'shape' and 'chunks' must be int lists")
-    shape, chunks = tuple(shape), tuple(chunks)
+    shape, chunks = tuple(raw_shape), tuple(raw_chunks)
     if len(chunks) != len(shape) or any(c < 1 for c in chunks) or any(
             n < 0 or n > MAX_DIM for n in shape):
         raise MalformedIndexError(f"{where}: shape {_short(shape)} and chunks {_short(chunks)} do "
@@ -151,10 +151,10 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any],
                                   f"file(s) in {path}/")
     entries = []
     for cell in grid.cells():
-        extra = {"stored_shape": list(chunks)} if cell.shape != chunks else {}
+        stored = {"stored_shape": list(chunks)} if cell.shape != chunks else {}
         entries.append(ChunkEntry(cell.offsets, cell.shape,
                                   file=join(path, chunk_key(2, grid.index_of(cell.offsets), sep)),
-                                  byte_offset=0, extra=extra))
+                                  byte_offset=0, extra=stored))
     codecs = Pipeline.from_zarray(doc).configs()
     extra: dict[str, Any] = {"zarr_path": path}
     if codecs:

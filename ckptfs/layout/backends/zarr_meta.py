@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ckptfs.errors import UnsupportedValueError
-from ckptfs.layout.backends.zarr_codecs import CodecOptions
+from ckptfs.layout.backends.zarr_codecs import CodecOptions, ZarrFormat
 from ckptfs.layout.backends.zarr_dtypes import ML_DTYPES
 from ckptfs.layout.backends.zarr_paths import join
 from ckptfs.layout.dtypes import BY_NAME
@@ -58,7 +58,7 @@ class ArrayLayout:
 class MetadataBuilder:
     """Builds the metadata files of one checkpoint; remembers them for consolidation."""
 
-    def __init__(self, zarr_format: int, codecs: CodecOptions, separator: str) -> None:
+    def __init__(self, zarr_format: ZarrFormat, codecs: CodecOptions, separator: str) -> None:
         self.zarr_format = zarr_format
         self.codecs = codecs
         self.separator = separator

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsFloat, TypeGuard, cast
 
 import numpy as np
 from zarr.dtype import DataTypeValidationError, ZDType
 
 
 @dataclass(frozen=True, kw_only=True)
-class MLFloat(ZDType):  # type: ignore[type-arg]  # zarr's ZDType generics name numpy types only
+class MLFloat(ZDType[Any, Any]):
     """One ML float type; subclasses set ``native``, ``dtype_cls`` and ``_zarr_v3_name``."""
 
     native: ClassVar[np.dtype]
@@ -26,7 +26,7 @@ class MLFloat(ZDType):  # type: ignore[type-arg]  # zarr's ZDType generics name 
         return DataTypeValidationError(f"not {cls._zarr_v3_name}: {what!r}")
 
     @classmethod
-    def _check_native_dtype(cls, dtype: Any) -> bool:
+    def _check_native_dtype(cls, dtype: Any) -> TypeGuard[Any]:
         return isinstance(dtype, np.dtype) and dtype == cls.native
 
     @classmethod
@@ -53,7 +53,7 @@ class MLFloat(ZDType):  # type: ignore[type-arg]  # zarr's ZDType generics name 
             return cls()
         raise cls._mismatch(data)
 
-    def to_json(self, zarr_format: int) -> Any:  # type: ignore[override]  # one body for v2 and v3
+    def to_json(self, zarr_format: int) -> Any:
         if zarr_format == 2:
             return {"name": self._zarr_v3_name, "object_codec_id": None}
         return self._zarr_v3_name
@@ -70,7 +70,7 @@ class MLFloat(ZDType):  # type: ignore[type-arg]  # zarr's ZDType generics name 
             return self.default_scalar()
         if not self._check_scalar(data):
             raise TypeError(f"cannot cast {data!r} to {self._zarr_v3_name}")
-        return self.native.type(float(data))  # type: ignore[arg-type]  # checked just above
+        return self.native.type(float(cast("SupportsFloat | str", data)))  # checked just above
 
     def default_scalar(self) -> Any:
         return self.native.type(0.0)

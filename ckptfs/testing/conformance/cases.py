@@ -33,6 +33,7 @@ def encode_component(c: str | int) -> str:
     """formats/README.md §3.1, written from the spec (not imported from ckptfs)."""
     if isinstance(c, int) and not isinstance(c, bool):
         return str(c)
+    assert isinstance(c, str), f"a key component is a str or an int, not {c!r}"
     s = c.replace("%", "%25").replace("/", "%2F")
     if _INT.fullmatch(s):
         s = f"%{ord(s[0]):02X}{s[1:]}"
@@ -48,9 +49,10 @@ def key_path(key: str) -> tuple[str | int, ...]:
     return tuple(int(s) if _INT.fullmatch(s) else unquote(s) for s in key.split("/"))
 
 
-def flatten(state: Mapping) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
+def flatten(state: Mapping) -> tuple[dict[str, torch.Tensor | ckptfs.ShardedTensor], dict[str, Any],
+                                     dict[str, str]]:
     """(tensors, values, containers) keyed by canonical key, as the index must record them."""
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | ckptfs.ShardedTensor] = {}
     values: dict[str, Any] = {}
     containers: dict[str, str] = {}
 
@@ -68,6 +70,14 @@ def flatten(state: Mapping) -> tuple[dict[str, torch.Tensor], dict[str, Any], di
 
     walk(state, ())
     return tensors, values, containers
+
+
+def whole_tensors(state: Mapping) -> dict[str, torch.Tensor]:
+    """The tensors of a whole state (no ShardedTensor in it) by canonical key."""
+    tensors, _, _ = flatten(state)
+    out = {k: t for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    assert len(out) == len(tensors), "a whole state holds no ShardedTensor"
+    return out
 
 
 # ---------------------------------------------------------------------------- tensors

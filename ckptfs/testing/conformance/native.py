@@ -103,6 +103,7 @@ def check_zarr(root: Path, index: ckptfs.Index, expected: Mapping[str, torch.Ten
     assert group.metadata.zarr_format == index.backend_version, group.metadata.zarr_format
     for key, want in expected.items():
         arr = group[zarr_path(key)]
+        assert isinstance(arr, zarr.Array), (key, "a zarr group, not an array")
         assert tuple(arr.shape) == tuple(want.shape), (key, arr.shape, want.shape)
         got = np.ascontiguousarray(np.asarray(arr[...]))
         assert got.dtype.itemsize == want.element_size(), (key, got.dtype, want.dtype)
@@ -137,6 +138,7 @@ def check_npy(root: Path, index: ckptfs.Index, expected: Mapping[str, torch.Tens
     """Each chunk is a .npy file numpy loads (bfloat16/float8 as same-size integer views)."""
     for key, e in index.tensors.items():
         for c in e.chunks:
+            assert c.file is not None, (key, "an npy chunk names its file")
             arr = np.load(root / c.file, allow_pickle=False)
             assert tuple(arr.shape) == tuple(c.shape), (key, c.file, arr.shape)
             _same_bytes(f"{c.file} ({key})", np.ascontiguousarray(arr).tobytes(),

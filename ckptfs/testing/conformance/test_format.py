@@ -19,7 +19,7 @@ from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
 from ckptfs.layout.registry import get_backend
 from ckptfs.testing.conformance import reshard
-from ckptfs.testing.conformance.cases import assert_same, basic_state, flatten, zeros_like_state
+from ckptfs.testing.conformance.cases import assert_same, basic_state, whole_tensors, zeros_like_state
 from ckptfs.testing.conformance.golden import SCHEMA_FILE, locate
 from ckptfs.testing.conformance.native import NATIVE_CHECKS
 from ckptfs.testing.conformance.pairs import Pair
@@ -108,8 +108,7 @@ def test_native_reader(which: str, pair: Pair, workspace: Workspace, usable_pair
     if check is None:
         pytest.skip(f"no native reader check registered for backend {pair.name!r} (ckptfs/testing/conformance/native.py)")
     root, expected = _checkpoint(which, pair, workspace, usable_pairs, golden_search)
-    tensors, _, _ = flatten(expected)
-    check(root, ckptfs.load_metadata(root), tensors)
+    check(root, ckptfs.load_metadata(root), whole_tensors(expected))
 
 
 # ---------------------------------------------------------------------------- version policy

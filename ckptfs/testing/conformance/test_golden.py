@@ -14,8 +14,8 @@ import torch
 import ckptfs
 from ckptfs.testing.conformance.cases import (
     assert_same,
-    flatten,
     raw_bytes,
+    whole_tensors,
     zeros_like_state,
 )
 from ckptfs.testing.conformance.golden import CHECKPOINT, GoldenDir, all_golden, locate, manifest_problems
@@ -55,7 +55,7 @@ def test_every_golden_directory_has_a_registered_backend(golden_search: list[Pat
 # ---------------------------------------------------------------------------- tampering
 def _needle(expected: dict[str, Any]) -> bytes:
     """16 raw bytes of a random float64 tensor: unique in the data files of a raw layout."""
-    tensors, _, _ = flatten(expected)
+    tensors = whole_tensors(expected)
     return next(raw_bytes(t)[:16] for t in tensors.values() if t.dtype == torch.float64 and t.numel() > 2)
 
 

@@ -9,6 +9,7 @@ import math
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from ckptfs.testing.conformance.cases import (
     many_state,
     python_values,
     tiling_problems,
+    whole_tensors,
     zeros_like_state,
 )
 from ckptfs.testing.conformance.pairs import Pair
@@ -103,7 +105,8 @@ def test_awkward_keys(basic: Path) -> None:
     for path in (("keys", "with/slash"), ("keys", "a/b/c", "x.y/z"), ("keys", 1, "x"), ("keys", 1, 2),
                  ("keys", ".."), ("keys", ""), ("keys", "ünïcödé 模型 🙂"), ("keys", -4), ("keys", "-05")):
         got = ckptfs.load_keys(basic, [path])
-        node, want = got, REFERENCE
+        node: Any = got
+        want: Any = REFERENCE
         for c in path:
             node, want = node[c], want[c]
         assert_same(node, want, repr(path))
@@ -116,8 +119,7 @@ def test_load_metadata(pair: Pair, basic: Path) -> None:
     assert isinstance(meta, ckptfs.Index)
     assert (meta.backend, meta.backend_version) == (pair.name, pair.version)
     assert meta.format_version == 1
-    tensors, _, _ = flatten(REFERENCE)
-    for key, t in tensors.items():
+    for key, t in whole_tensors(REFERENCE).items():
         e = meta.tensors[key]
         assert (e.dtype, e.shape) == (canonical_dtype(t), tuple(t.shape)), key
         _assert_tiles(key, e)
@@ -145,7 +147,8 @@ def test_load_metadata_reads_no_data(basic: Path, tmp_path: Path) -> None:
 
 def test_partial_load(basic: Path) -> None:
     meta = ckptfs.load_metadata(basic)
-    target = {"dtypes": {"float32": torch.zeros(3, 5)}, "values": {"nan": None, "int_keys": {-3: None}}}
+    target: dict[str, Any] = {"dtypes": {"float32": torch.zeros(3, 5)},
+                              "values": {"nan": None, "int_keys": {-3: None}}}
     res = ckptfs.load(target, basic)  # strict: every target key is in the checkpoint
     assert_same(target["dtypes"]["float32"], REFERENCE["dtypes"]["float32"], "dtypes/float32")
     assert math.isnan(target["values"]["nan"]) and target["values"]["int_keys"][-3] == "neg"
@@ -180,7 +183,8 @@ def test_partial_load_reads_only_what_it_needs(pair: Pair, tmp_path: Path) -> No
 
 
 def test_strict_and_non_strict(basic: Path) -> None:
-    target = {"dtypes": {"int32": torch.zeros(3, 5, dtype=torch.int32)}, "not_there": torch.zeros(2)}
+    target: dict[str, Any] = {"dtypes": {"int32": torch.zeros(3, 5, dtype=torch.int32)},
+                              "not_there": torch.zeros(2)}
     with pytest.raises(ckptfs.MissingKeysError, match="not_there"):
         ckptfs.load(target, basic)
     res = ckptfs.load(target, basic, strict=False)
@@ -208,7 +212,7 @@ def test_overwrite_refused_then_allowed(pair: Pair, tmp_path: Path) -> None:
     url = tmp_path / "ckpt"
     first = {"w": torch.arange(6.0).reshape(2, 3), "step": 1, "only_first": torch.ones(4)}
     second = {"w": torch.full((2, 3), 9.0), "step": 2}
-    kw = {"backend": pair.name, "backend_version": pair.version}
+    kw: dict[str, Any] = {"backend": pair.name, "backend_version": pair.version}
     ckptfs.save(first, url, **kw)
     before = _digests(url)
     with pytest.raises(ckptfs.CheckpointExistsError, match="overwrite"):
