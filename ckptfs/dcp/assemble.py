@@ -48,7 +48,7 @@ def results(plan: SavePlan, taken: Sequence[Taken], done: WrittenRank,
     by_key: dict[str, list[ChunkEntry]] = {}
     for key, e in done.entries:
         by_key.setdefault(key, []).append(e)
-    out = []
+    out: list[WriteResult] = []
     for t in taken:
         w = t.value if t.value is not None else _stored(t, by_key.get(t.key, []))
         if not out:

@@ -261,7 +261,7 @@ class Comm:
         self.stats.object_bytes += n
         self.stats.collectives += 1
         out = raw if self.rank == src else buf.cpu().numpy().tobytes()
-        return pickle.loads(out)  # type: ignore[no-any-return]
+        return pickle.loads(out)
 
     # -- outcomes: a failure anywhere raises everywhere --------------------------------------
     #
@@ -384,7 +384,7 @@ class Comm:
         outcome = self.broadcast(outcome, what)
         if err is not None:
             raise err
-        ok, payload = outcome  # type: ignore[misc]
+        ok, payload = outcome
         if not ok:
             raise RankError(what, {0: payload})
         return payload if share else result
@@ -405,8 +405,8 @@ class Comm:
         owners = [first.setdefault(d, len(first)) for d in digests]
         sources = sorted({d: r for r, d in reversed(list(enumerate(digests)))}.values())
         if len(sources) <= BROADCAST_DISTINCT:
-            values = [self.broadcast(obj if self.rank == src else None, what, src=src)
-                      for src in sources]
+            values: list[Any] = [self.broadcast(obj if self.rank == src else None, what, src=src)
+                                 for src in sources]
         else:
             everyone = self.all_gather(obj if self.rank in set(sources) else None, what)
             values = [everyone[src] for src in sources]

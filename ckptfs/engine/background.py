@@ -71,8 +71,10 @@ class BackgroundSaver:
         is none yet)."""
         with self._lock:
             pool = self._pool
-            if pool is not None and inner is not None and type(pool.allocator.inner) is not type(inner):
-                pool.allocator.clear()
+            cached = pool.allocator if pool is not None else None
+            if (isinstance(cached, CachingAllocator) and inner is not None
+                    and type(cached.inner) is not type(inner)):
+                cached.clear()
                 pool = None
             if pool is None:
                 async def make() -> BufferPool:  # created on the I/O loop, where it is used

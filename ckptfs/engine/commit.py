@@ -197,10 +197,10 @@ def check_replicas(ranks: Sequence[WrittenRank]) -> None:
                 differ[(key, region)].append(rank)
     if differ:
         (key, region), who = min(differ.items())
-        w, crc = written[(key, region)]
+        w, held = written[(key, region)]
         raise ShardingError(
             f"key {key!r}: a plain tensor differs between ranks: region {region} as rank {w} "
-            f"holds it ({crc}) differs on rank(s) {', '.join(map(str, who[:8]))}"
+            f"holds it ({held}) differs on rank(s) {', '.join(map(str, who[:8]))}"
             f"{' ...' if len(who) > 8 else ''}. A plain tensor is a replica that every rank "
             f"holds alike; save per-rank state (RNG states) with ckptfs.PerRank")
 

@@ -473,6 +473,7 @@ def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dt
     by ``ring.copier``; a chunk read whole is checked across its parts (their CRCs computed in
     any order, on any thread, and combined by the last), after its device copy was started."""
     parts = split_piece(piece, itemsize, min(ring.slot_bytes, RING_PIECE))
+    checks: list[Any]  # checkers of memoryviews (the parts' compact bytes in their slots)
     if len(parts) == 1:
         checks = [_checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)]
     else:
@@ -598,7 +599,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
 async def _run_encoded(store: Store, job: TensorRead, piece: ReadPiece, src: EncodedChunk,
                        verify: bool) -> None:
     try:
-        if src.start is None:
+        if src.start is None or src.end is None:
             data = await store.get(src.file)
         else:
             data = await store.get_range(src.file, src.start, src.end)

@@ -271,10 +271,11 @@ def _index_content(d: Described, comm: Comm, plan: SavePlan, values_alike: bool,
     orders: list[tuple[str, ...]] = [d.order]
     if not values_alike:
         parts = comm.gather((d.values, d.containers, d.private), "save: merging plain values")
-        merged = comm.run_on_coordinator("save: merging plain values",
-                                         # a list on the coordinator, the one rank running it
-                                         lambda: merge_values(parts, plan),  # type: ignore[arg-type]
-                                         share=False)
+        def merge() -> tuple:
+            assert parts is not None  # gathered on the coordinator, the one rank running this
+            return merge_values(parts, plan)
+
+        merged = comm.run_on_coordinator("save: merging plain values", merge, share=False)
         if merged is not None:
             values, containers, per_rank, private_plans, orders = merged
     if not comm.is_coordinator:

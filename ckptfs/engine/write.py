@@ -105,8 +105,8 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     rw = backend.write_rank(job)
     writing = submit(write_files(store, rw.files, progress))
     try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
-        crcs = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
-        crcs = [(c, data, crc_of(data, yielding=True)) for c, data in crcs]
+        views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
+        crcs = [(c, data, crc_of(data, yielding=True)) for c, data in views]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
     finally:
         writing.result()

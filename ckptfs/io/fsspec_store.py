@@ -89,8 +89,11 @@ class FsspecStore(Store):
 
     async def _stream(self, full: str, parts: Sequence[Part]) -> None:
         """What fsspec's generic ``pipe_file`` does, one part at a time (worker thread)."""
+        fs = self.streaming
+        assert fs is not None  # only streamed when the filesystem can (``streams_parts``)
+
         def write() -> None:
-            with self.streaming.open(full, "wb") as f, closing(views(parts)) as todo:
+            with fs.open(full, "wb") as f, closing(views(parts)) as todo:
                 for v in todo:
                     f.write(v)
 

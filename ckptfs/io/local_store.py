@@ -436,7 +436,7 @@ def _cached(fd: int, offset: int, nbytes: int) -> bool:
         vec = ctypes.create_string_buffer(-(-length // _PAGE))
         if mc(addr, length, vec) != 0:
             return True
-        return bool((np.frombuffer(vec, dtype=np.uint8) & 1).all())
+        return bool((np.frombuffer(vec.raw, dtype=np.uint8) & 1).all())
     finally:
         mu(addr, length)
 

@@ -5,6 +5,7 @@ path (``RoutedStore``) or refuses writes (``ReadOnlyStore``) overrides one or tw
 from __future__ import annotations
 
 import asyncio
+import builtins
 from collections.abc import Sequence
 
 from ckptfs.io.budget import ByteBudget
@@ -146,7 +147,8 @@ class WrapperStore(Store):
     async def close(self) -> None:
         """Nothing to release: ``base`` belongs to whoever opened it."""
 
-    def _grouped(self, paths: Sequence[str]) -> list[tuple[Store, list[int], list[str]]]:
+    def _grouped(self, paths: Sequence[str]
+                 ) -> builtins.list[tuple[Store, builtins.list[int], builtins.list[str]]]:
         """``paths`` grouped by serving store: (store, their positions, their routed paths)."""
         groups: dict[int, tuple[Store, list[int], list[str]]] = {}
         for i, path in enumerate(paths):

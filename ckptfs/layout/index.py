@@ -229,7 +229,7 @@ class TensorEntry:
             parsed = tuple(ChunkEntry.from_dict(c, f"{where}.chunks[{i}]")
                            for i, c in enumerate(chunks))
         else:
-            parsed = tuple(ChunkEntry.from_row(c, files, lambda i=i: f"{where}.chunks[{i}]")
+            parsed = tuple(ChunkEntry.from_row(c, files, _chunk_at(where, i))
                            for i, c in enumerate(chunks))
         return cls(
             key=key,
@@ -770,3 +770,8 @@ def _int_tuple(d: Mapping[str, Json], name: str, where: str) -> tuple[int, ...]:
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 200 else text[:200] + " ..."
+
+
+def _chunk_at(where: str, i: int) -> Callable[[], str]:
+    """Where chunk ``i`` of ``where`` is, for messages: made only when an error needs it."""
+    return lambda: f"{where}.chunks[{i}]"

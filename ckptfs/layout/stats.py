@@ -86,7 +86,8 @@ class TensorStats:
             raise MalformedIndexError(f"{where}.stats: more NaN and infinite elements than "
                                       f"elements")
         floats = [_float(d, name, where, name != "l2") for name in ("min", "max", "mean", "l2")]
-        return cls(*counts, *floats[:3], 0.0 if floats[3] is None else floats[3])
+        return cls(counts[0], counts[1], counts[2], floats[0], floats[1], floats[2],
+                   0.0 if floats[3] is None else floats[3])
 
 
 def finish(p: Partial) -> TensorStats:

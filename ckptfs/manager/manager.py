@@ -328,6 +328,9 @@ class CheckpointManager:
             if step == LAST_GOOD:
                 step = comm.run_on_coordinator(f"restore: finding the last good step at {self.url}",
                                                self._last_good)
+            if isinstance(step, str):
+                raise ConfigError(f"CheckpointManager.restore: step must be an int, None or "
+                                  f"{LAST_GOOD!r}, got {step!r}")
             if step is None and not found.committed:
                 return None
             step = self._committed(found, step)

@@ -24,7 +24,7 @@ store is filled through ``write``: override it to put files in place without the
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import pytest
 
@@ -48,7 +48,7 @@ class Pieces(StreamedPart):
     def nbytes(self) -> int:
         return len(self.data)
 
-    def stream(self) -> Iterator[memoryview]:
+    def stream(self) -> Generator[memoryview, None, None]:
         mv = memoryview(self.data)
         for start in range(0, len(mv), self.piece):
             yield mv[start : start + self.piece]

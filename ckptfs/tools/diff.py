@@ -212,28 +212,29 @@ def _by_index(k: str, ea: TensorEntry | None, eb: TensorEntry | None, va: Sequen
     """The verdict the indexes give alone, or None when tensor data must be compared."""
     in_a, in_b = ea is not None or k in va, eb is not None or k in vb
     if not in_b:
-        return KeyDiff(k, ONLY_A, *_kind(ea, None))
+        return KeyDiff(k, ONLY_A, **_kind(ea, None))
     if not in_a:
-        return KeyDiff(k, ONLY_B, *_kind(None, eb))
+        return KeyDiff(k, ONLY_B, **_kind(None, eb))
     if ea is None or eb is None:
         if ea is None and eb is None:
             x, y = sa.index.values[k], sb.index.values[k]
             same = type(x) is type(y) and x == y
             return KeyDiff(k, EQUAL if same else DIFFERS, differing=0 if same else 1)
-        return KeyDiff(k, MISMATCH, *_kind(ea, eb), note="a tensor on one side, a plain value "
+        return KeyDiff(k, MISMATCH, **_kind(ea, eb), note="a tensor on one side, a plain value "
                                                          "on the other")
     if ea.dtype != eb.dtype or ea.shape != eb.shape:
         what = " and ".join(w for w, d in (("dtype", ea.dtype != eb.dtype),
                                           ("shape", ea.shape != eb.shape)) if d)
-        return KeyDiff(k, MISMATCH, *_kind(ea, eb), note=f"{what} differ")
+        return KeyDiff(k, MISMATCH, **_kind(ea, eb), note=f"{what} differ")
     if ea.numel == 0:
-        return KeyDiff(k, EQUAL, *_kind(ea, eb))
+        return KeyDiff(k, EQUAL, **_kind(ea, eb))
     return None
 
 
-def _kind(ea: TensorEntry | None, eb: TensorEntry | None) -> tuple[Any, ...]:
-    return (None if ea is None else ea.dtype, None if eb is None else eb.dtype,
-            None if ea is None else ea.shape, None if eb is None else eb.shape)
+def _kind(ea: TensorEntry | None, eb: TensorEntry | None) -> dict[str, Any]:
+    """The dtype and shape fields of a ``KeyDiff`` (None for a side without the tensor)."""
+    return {"dtype_a": None if ea is None else ea.dtype, "dtype_b": None if eb is None else eb.dtype,
+            "shape_a": None if ea is None else ea.shape, "shape_b": None if eb is None else eb.shape}
 
 
 def _boxes_to_read(ea: TensorEntry, eb: TensorEntry) -> tuple[list[Box], bool]:

@@ -207,8 +207,8 @@ class TorchDistBackend(Backend):
         fut = self._blobs.get((file, start))
         if fut is None:
             async def parse() -> TensorLayout:
-                async def get(s: int, e: int) -> Buffer:
-                    return await reader.get_range(file, start + s, start + e)
+                async def get(s: int, e: int) -> bytes:
+                    return bytes(await reader.get_range(file, start + s, start + e))
 
                 try:
                     out = await run_on_reader(locate_tensor(length), get)
@@ -318,6 +318,7 @@ def _dcp_metadata(index: Index, leaves: list[DcpLeaf], values_path: str) -> tupl
             start, length = _item(entry, c)
             offsets = sizes.setdefault(c.offsets, torch.Size(c.offsets))
             chunks.append(ChunkStorageMetadata(offsets, sizes.setdefault(c.shape, torch.Size(c.shape))))
+            assert c.file is not None  # every chunk of a torch_dist index names its file
             storage[MetadataIndex(leaf.fqn, offsets, i)] = _StorageInfo(c.file, start, length)
         props = properties.get(entry.dtype)
         if props is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 from ckptfs.errors import (
     CheckpointNotFoundError,
@@ -60,7 +60,7 @@ async def sniff_dcp(reader: ByteReader, backend: str, version: int) -> Index | N
     return await _index(md, reader, source, backend, version, megatron)
 
 
-async def _megatron_config(reader: ByteReader) -> dict[str, Any] | bool | None:
+async def _megatron_config(reader: ByteReader) -> dict[str, Any] | Literal[False] | None:
     """Megatron's metadata.json: None when absent, False when it names another backend."""
     if not await reader.exists(mc.CONFIG):
         return None
