@@ -37,6 +37,8 @@ import torch.distributed as dist
 FOREGROUND = "foreground"  #: the lane of ckptfs's blocking save and load collectives
 BACKGROUND = "background"  #: the lane of asynchronous saves
 
+#: per-process: ckptfs's own groups, one per (ranks, lane, timeout), kept for the job's life
+#: (creating a group is collective: every rank must see the same ones)
 _lock = threading.Lock()
 _groups: dict[tuple[tuple[int, ...], str, float], dist.ProcessGroup] = {}
 

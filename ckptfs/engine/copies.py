@@ -25,6 +25,7 @@ import torch
 PIECE = 8 << 20  #: bytes of one piece of a large copy (the default of ``SaveOptions.copy_piece``)
 MAX_AUTO_THREADS = 4  #: ``SaveOptions.copy_threads=None``: at most this many
 
+#: per-process: the helper threads of large copies, made on first use (grown when asked for more)
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: per-process: the one event loop every store's requests run on (a thread of its own)
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 

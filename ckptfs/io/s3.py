@@ -44,6 +44,7 @@ async def open_s3fs(url: str, storage_options: Mapping[str, Any], options: Store
     return S3FsStore(fs, fs._strip_protocol(url), url, options)
 
 
+#: per-process: one aiobotocore session per process (it caches the parsed S3 service model)
 _sessions: dict[int, Any] = {}
 
 

@@ -56,5 +56,5 @@ class PlanCache:
             self._entries.clear()
 
 
-#: the process-wide cache ``ckptfs.save`` uses
+#: per-process: the plan cache ``ckptfs.save`` uses (a save of an unchanged structure reuses its plan)
 PLANS = PlanCache()

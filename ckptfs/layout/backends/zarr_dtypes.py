@@ -27,6 +27,7 @@ ML_DTYPES: dict[str, tuple[str, np.dtype]] = {
     "float8_e5m2": ("float8_e5m2", np.dtype(ml_dtypes.float8_e5m2)),
 }
 
+#: per-process: whether zarr-python's registry took the types (it is itself per process)
 _registered: bool | None = None
 
 
