@@ -33,6 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent  #: the default checkout: this one
 
 
+#: the two-rank async_save scenario's tests (one spawn runs every step: tests/scenarios.py)
+ASYNC_SCENARIO = ("staged or staging or failure or flight or collectives or threaded_staging "
+                  "or subgroup")
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One broken behaviour: text substitutions in ``ckptfs/<file>`` and the tests to run."""
@@ -55,10 +60,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("delete-index-last",
            "delete removes the data first and the index last",
            (("manage.py",
-             "            if INDEX_FILE in files:\n                await store.delete([INDEX_FILE])\n"
-             "            await store.delete([f for f in files if f != INDEX_FILE])\n",
-             "            await store.delete([f for f in files if f != INDEX_FILE])\n"
-             "            if INDEX_FILE in files:\n                await store.delete([INDEX_FILE])\n"),),
+             "    if INDEX_FILE in files:\n        await store.delete([INDEX_FILE])\n"
+             "    await store.delete([f for f in files if f != INDEX_FILE])\n",
+             "    await store.delete([f for f in files if f != INDEX_FILE])\n"
+             "    if INDEX_FILE in files:\n        await store.delete([INDEX_FILE])\n"),),
            ("tests/test_s3.py", "tests/test_save_load.py", "tests/test_errors.py"),
            k="not every_backend and not transient and not throttled"),
     Mutant("scratch-never-waits",
@@ -99,8 +104,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("obstore-double-retry",
            "obstore retries each request under ckptfs's retries (2 layers)",
            (("io/obstore_store.py",
-             "ObstoreStore(client(RetryPolicy(0)), url, config, multipart_store=client(policy))",
-             "ObstoreStore(client(policy), url, config, multipart_store=client(policy))"),),
+             "ObstoreStore(client(RetryPolicy(0)), url, options, multipart_store=client(policy))",
+             "ObstoreStore(client(policy), url, options, multipart_store=client(policy))"),),
            ("tests/test_s3.py",), k="retries or retried"),
     Mutant("commit-overwrites",
            "the index commit overwrites instead of create-if-absent",
@@ -118,7 +123,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_rank_errors.py",), k="mismatches"),
     Mutant("max-bytes-in-flight-ignored",
            "a store's byte budget for requests in flight is unbounded",
-           (("io/store.py", "ByteBudget(self.config.max_bytes_in_flight)", "ByteBudget(None)"),),
+           (("io/store.py", "ByteBudget(self.options.max_bytes_in_flight)", "ByteBudget(None)"),),
            ("tests/test_io.py",), k="budget or flight or multipart"),
     Mutant("upload-copies-whole-file",
            "a multipart upload first joins the whole file in memory",
@@ -129,8 +134,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("local-reads-whole-spans",
            "the local store reads across gaps of any size",
            (("io/local_store.py",
-             "        groups = coalesce(reads, self.config.max_gap, self.config.max_span)\n        full",
-             "        groups = coalesce(reads, 1 << 40, self.config.max_span)\n        full"),),
+             "        groups = coalesce(reads, self.options.max_gap, self.options.max_span)\n        tasks",
+             "        groups = coalesce(reads, 1 << 40, self.options.max_span)\n        tasks"),),
            ("tests/test_local_store.py",)),
     Mutant("zarr-crc32c-unchecked",
            "zarr's crc32c codec is stripped on read, not verified",
@@ -158,39 +163,48 @@ MUTANTS: tuple[Mutant, ...] = (
              "        if on_copied is not None:\n            on_copied()\n"
              "        __import__('time').sleep(0.5)\n"
              "        taken.append(_take(views, shards, pool, copy, threads, device))\n"),),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("async-on-callers-group",
            "the background save runs its collectives on the caller's process group",
            (("dist/comm.py", "            if self.size > 1:\n                lane =",
              "            if self.size > 1 and not background:\n                lane ="),),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("async-on-foreground-group",
            "the background save shares ckptfs's foreground group (where a load runs meanwhile)",
            (("dist/comm.py", "lane = (background if isinstance(background, str)\n"
              "                        else BACKGROUND if background else FOREGROUND)\n",
              "lane = FOREGROUND\n"),),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("async-saves-overlap",
            "a second async_save starts while the first is in flight",
            (("engine/background.py", "            self._wait_current()\n            with public_errors",
              "            with public_errors"),
             ("engine/background.py", "            self._wait_current()\n            self._hook_exit()\n",
              "            self._hook_exit()\n")),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("save-ignores-async",
            "save() starts while an async save is in flight",
            (("save.py", "    wait_default_idle()\n", ""),),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("staging-not-reused",
            "async saves allocate new staging buffers every time",
            (("engine/buffers.py", "            self._cached[buffer.numel()].append(buffer)\n",
              "            pass\n"),),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
+    Mutant("non-finite-saved",
+           "check_finite lets a NaN or infinity through",
+           (("engine/health.py", 'all_true={"clean": not found}', 'all_true={"clean": True}'),),
+           ("tests/test_health.py",), k="refuse or non_finite"),
+    Mutant("read-only-store-writes",
+           "a read-only store accepts writes and deletes",
+           (("io/store.py", "        if self.read_only:\n            raise ReadOnlyStoreError",
+             "        if False:\n            raise ReadOnlyStoreError"),),
+           ("tests/test_stores.py",), k="read_only or ReadOnly or routed"),
     Mutant("async-error-lost",
            "a failed background save resolves `done` without its error",
            (("engine/background.py", "                done.set_exception(e)\n",
              "                done.set_result(None)\n"),),
-           ("tests/test_async_save.py",), k="two_ranks"),
+           ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
 )
 
 
