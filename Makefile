@@ -29,7 +29,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
-	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
 
@@ -47,7 +47,7 @@ lint: $(STAMP)
 
 # the documentation site (mkdocs.yml, docs/), warnings as errors; `make test` builds it too
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # the wheel from a clean clone, installed in a fresh venv with torch alone (tests/test_packaging.py
 # builds and checks it in `make test`; this also installs it and runs the quick start)
