@@ -55,6 +55,9 @@ EXIT_DIFFERENT = 4
 COMPARE_STEP = 1 << 18
 #: the comparison's scratch memory: two float64 copies, a difference and masks per step
 COMPARE_SCRATCH = 6 * 8 * COMPARE_STEP
+#: bytes beside the tensors: the reading and comparing threads' stacks and allocator arenas
+#: (fixed: it does not grow with the checkpoint either)
+THREAD_OVERHEAD = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -141,9 +144,10 @@ def memory_bound(buffer_bytes: int, *sources: Source) -> int:
     """The most tensor memory a diff holds: a batch per side, the comparison's scratch, and the
     read engine's scratch, a budget of ``buffer_bytes`` that one stored chunk larger than it
     may exceed alone (a chunk that cannot land in place is decoded whole). It depends on
-    ``buffer_bytes`` and the largest chunk, not on the number or total size of the tensors."""
+    ``buffer_bytes`` and the largest chunk, not on the number or total size of the tensors;
+    ``THREAD_OVERHEAD`` covers what the threads doing it hold beside the tensors."""
     largest = max((_chunk_bytes(e) for s in sources for e in s.index.tensors.values()), default=0)
-    return 2 * buffer_bytes + COMPARE_SCRATCH + max(buffer_bytes, largest)
+    return 2 * buffer_bytes + COMPARE_SCRATCH + max(buffer_bytes, largest) + THREAD_OVERHEAD
 
 
 def _chunk_bytes(e: TensorEntry) -> int:
