@@ -207,8 +207,8 @@ class TorchDistBackend(Backend):
         fut = self._blobs.get((file, start))
         if fut is None:
             async def parse() -> TensorLayout:
-                async def get(s: int, e: int) -> bytes:
-                    return bytes(await reader.get_range(file, start + s, start + e))
+                async def get(s: int, e: int) -> Buffer:
+                    return await reader.get_range(file, start + s, start + e)
 
                 try:
                     out = await run_on_reader(locate_tensor(length), get)

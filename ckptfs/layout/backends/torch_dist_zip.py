@@ -286,8 +286,10 @@ def _run_sync(steps: Generator[Request, bytes, object], get: Callable[[int, int]
 
 
 async def run_on_reader(steps: Generator[Request, bytes, object],
-                        get_range: Callable[[int, int], Awaitable[bytes]]) -> object:
-    """Drive a parser with ranged reads (``get_range(start, end)`` relative to the blob)."""
+                        get_range: Callable[[int, int], Awaitable[bytes | bytearray | memoryview]]
+                        ) -> object:
+    """Drive a parser with ranged reads (``get_range(start, end)`` relative to the blob; its
+    buffers are handed to the parser as bytes)."""
     try:
         start, end = next(steps)
         while True:
