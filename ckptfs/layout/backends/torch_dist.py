@@ -303,6 +303,12 @@ def _dcp_metadata(index: Index, leaves: list[DcpLeaf], values_path: str) -> tupl
     # for many small tensors
     properties: dict[str, TensorProperties] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}
+
+    def size(t: tuple[int, ...]) -> torch.Size:
+        got = sizes.get(t)
+        if got is None:
+            got = sizes[t] = torch.Size(t)
+        return got
     for leaf in leaves:
         planner[leaf.fqn] = leaf.path
         if not leaf.tensor:
@@ -316,16 +322,15 @@ def _dcp_metadata(index: Index, leaves: list[DcpLeaf], values_path: str) -> tupl
         chunks = []
         for i, c in enumerate(entry.chunks):
             start, length = _item(entry, c)
-            offsets = sizes.setdefault(c.offsets, torch.Size(c.offsets))
-            chunks.append(ChunkStorageMetadata(offsets, sizes.setdefault(c.shape, torch.Size(c.shape))))
+            offsets = size(c.offsets)
+            chunks.append(ChunkStorageMetadata(offsets, size(c.shape)))
             assert c.file is not None  # every chunk of a torch_dist index names its file
             storage[MetadataIndex(leaf.fqn, offsets, i)] = _StorageInfo(c.file, start, length)
         props = properties.get(entry.dtype)
         if props is None:
             props = properties[entry.dtype] = TensorProperties(
                 dtype=from_name(entry.dtype, entry.key).torch)
-        items[leaf.fqn] = TensorStorageMetadata(props, sizes.setdefault(entry.shape, torch.Size(entry.shape)),
-                                                chunks)
+        items[leaf.fqn] = TensorStorageMetadata(props, size(entry.shape), chunks)
     md = Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage,
                   storage_meta=StorageMeta(save_id=values_path.split("/")[1]), version=DCP_VERSION)
     return parts, md
