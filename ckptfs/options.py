@@ -85,20 +85,33 @@ def resolve_store(store_options: StoreOptions | None, io_config: IOConfig | None
     return store_options or io_config.store_options()
 
 
-def _resolve(kind: type, names: set[str], options: Any, legacy: Mapping[str, Any],
-             call: str) -> tuple[Any, StoreOptions | None]:
+#: the deprecated keywords a call of each kind still takes besides ``io_config``
+_LEGACY: dict[type, frozenset[str]] = {
+    SaveOptions: frozenset({"throttle_uploads", "collective_timeout"}),
+    LoadOptions: frozenset({"verify", "pre_download", "work_dir", "exchange", "collective_timeout"}),
+}
+
+
+def _resolve(kind: type, options: Any, store_options: StoreOptions | None,
+             legacy: Mapping[str, Any], call: str) -> tuple[Any, StoreOptions | None]:
+    """``(kind options, store options)`` of a call: ``options`` (default ``kind()``), the
+    engine fields of a deprecated ``io_config`` where no ``options`` were given, then each
+    deprecated keyword of ``legacy`` (a warning each)."""
     legacy = dict(legacy)
     io_config = legacy.pop("io_config", None)
-    unknown = set(legacy) - names
+    unknown = set(legacy) - _LEGACY[kind]
     if unknown:
         raise TypeError(f"{call}() got unexpected keyword argument(s) {sorted(unknown)}")
     opts = options or kind()
-    if io_config is not None and options is None:
-        opts = io_config._pick(opts, names)
+    if io_config is not None:
+        _deprecated("io_config", "store_options= and options=")
+        if options is None:
+            opts = io_config._pick(opts, _SAVE if kind is SaveOptions else _LOAD)
+        store_options = store_options or io_config.store_options()
     for name, value in legacy.items():
         _deprecated(name, f"options=ckptfs.{kind.__name__}({name}=...)")
         opts = replace(opts, **{name: value})
-    return opts, (io_config.store_options() if io_config is not None else None)
+    return opts, store_options
 
 
 def resolve_save(options: SaveOptions | None, store_options: StoreOptions | None,
@@ -106,11 +119,7 @@ def resolve_save(options: SaveOptions | None, store_options: StoreOptions | None
                  ) -> tuple[SaveOptions, StoreOptions | None]:
     """``(SaveOptions, StoreOptions)`` of a save call; ``legacy``: its deprecated keywords
     (``io_config``, ``throttle_uploads``, ``collective_timeout``)."""
-    opts, from_io = _resolve(SaveOptions, {"throttle_uploads", "collective_timeout"}, options,
-                             legacy, call)
-    if from_io is not None:
-        _deprecated("io_config", "store_options= and options=")
-    return opts, store_options or from_io
+    return _resolve(SaveOptions, options, store_options, legacy, call)
 
 
 def resolve_load(options: LoadOptions | None, store_options: StoreOptions | None,
@@ -119,8 +128,4 @@ def resolve_load(options: LoadOptions | None, store_options: StoreOptions | None
     """``(LoadOptions, StoreOptions)`` of a load call; ``legacy``: its deprecated keywords
     (``io_config``, ``verify``, ``pre_download``, ``work_dir``, ``exchange``,
     ``collective_timeout``)."""
-    names = {"verify", "pre_download", "work_dir", "exchange", "collective_timeout"}
-    opts, from_io = _resolve(LoadOptions, names, options, legacy, call)
-    if from_io is not None:
-        _deprecated("io_config", "store_options= and options=")
-    return opts, store_options or from_io
+    return _resolve(LoadOptions, options, store_options, legacy, call)

@@ -99,8 +99,21 @@ def test_deprecated_keywords_still_work_and_warn_at_the_call(tmp_path):
         ckptfs.load(target, tmp_path / "c", verify=False)
     assert any(r.filename == __file__ for r in rec)
     assert torch.equal(target["w"], _state()["w"])
-    with pytest.warns(DeprecationWarning, match="io_config"):
+    with pytest.warns(DeprecationWarning, match="io_config") as rec:
         ckptfs.load(target, tmp_path / "c", io_config=IOConfig(max_gap=0))
+    assert any(r.filename == __file__ and "io_config=" in str(r.message) for r in rec)
+
+
+def test_a_deprecated_io_configs_engine_fields_reach_the_engine(tmp_path):
+    """``IOConfig(scratch_bytes=...)`` bounds a load's scratch as ``LoadOptions`` would: its
+    engine fields are not dropped on the way."""
+    ckptfs.save({"w": torch.randn(64, 64)}, tmp_path / "c")
+    target = {"w": torch.zeros(64, 64).t()}  # not contiguous: read through scratch
+    with pytest.warns(DeprecationWarning):
+        res = ckptfs.load(target, tmp_path / "c", io_config=IOConfig(scratch_bytes=4096))
+    assert 0 < res.scratch_peak <= 4096, res
+    big = ckptfs.load({"w": torch.zeros(64, 64).t()}, tmp_path / "c")
+    assert big.scratch_peak > 4096, big
 
 
 def test_unknown_keywords_are_refused():
