@@ -265,6 +265,66 @@ def test_multipart_upload_memory_is_bounded(s3):
     assert all(n < 45 * 2**20 for n in grew.values()), grew
 
 
+_EXIT_RACE = """
+import threading, time
+import obstore
+from obstore.store import MemoryStore
+from ckptfs.io.loop import get_loop, run_sync
+loop = get_loop()
+write = loop._write_to_self
+def slow_write():
+    write()
+    if threading.current_thread().name != "ckptfsIO" and threading.current_thread() is not threading.main_thread():
+        time.sleep(0.5)  # GIL released: the main thread reaches interpreter exit meanwhile
+loop._write_to_self = slow_write
+async def put():
+    await obstore.put_async(MemoryStore(), "a", b"x")
+run_sync(put())
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_exit_waits_for_a_native_thread_still_handing_a_result_to_the_loop():
+    """obstore's tokio thread hands a result to the I/O loop and is still inside
+    ``call_soon_threadsafe`` (here: held 0.5 s after writing the wake-up byte) when the program
+    ends. Exit waits for it, so the process ends with 0; without the wait the thread takes the
+    GIL during finalization and the process aborts (SIGABRT)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_RACE], capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "done"), proc.stderr[-2000:]
+
+
+def test_io_loop_counts_threads_handing_it_callbacks():
+    """``IOLoop.wait_handed`` times out while a thread is inside ``call_soon_threadsafe`` and
+    returns True once it has left."""
+    from ckptfs.io.loop import IOLoop
+
+    loop = IOLoop()
+    inside, leave = threading.Event(), threading.Event()
+    write = loop._write_to_self
+
+    def held_write():
+        write()
+        inside.set()
+        leave.wait(10)
+
+    loop._write_to_self = held_write  # type: ignore[method-assign]
+    t = threading.Thread(target=loop.call_soon_threadsafe, args=(lambda: None,))
+    t.start()
+    try:
+        assert inside.wait(10)
+        assert loop.wait_handed(0.1) is False
+    finally:
+        leave.set()
+        t.join(10)
+    assert loop.wait_handed(5) is True
+    loop.close()
+
+
 def test_max_bytes_in_flight_bounds_ranged_gets(s3):
     """8 ranged GETs of 64 KiB (max_span 64 KiB), max_bytes_in_flight 128 KiB: at most 2 GETs
     in flight at the S3 endpoint, and 2 at once is reached (the proxy holds the first GETs until

@@ -7,6 +7,7 @@ inside Jupyter or another running loop, and lets background work continue after 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import os
 import threading
@@ -20,13 +21,50 @@ _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 
 
+#: how long interpreter exit waits for a thread still handing a result to the loop
+EXIT_GRACE = 5.0
+
+
+class IOLoop(asyncio.SelectorEventLoop):
+    """The I/O loop, counting the threads inside ``call_soon_threadsafe``.
+
+    A native client's worker thread (obstore's tokio threads, through pyo3) hands each result to
+    the loop with ``call_soon_threadsafe``; the loop can run the callback, and the program reach
+    its end, while that thread still waits for the GIL after writing the loop's wake-up byte.
+    Before Python 3.14 a thread that takes the GIL during interpreter finalization is ended with
+    ``pthread_exit``, which aborts the process when Rust frames are on its stack. At exit the
+    main thread therefore waits (GIL released) until no thread is inside that call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handing = 0
+        self._handed = threading.Condition()
+
+    def call_soon_threadsafe(self, *args: Any, **kwargs: Any) -> asyncio.Handle:
+        with self._handed:
+            self._handing += 1
+        try:
+            return super().call_soon_threadsafe(*args, **kwargs)
+        finally:
+            with self._handed:
+                self._handing -= 1
+                self._handed.notify_all()
+
+    def wait_handed(self, timeout: float) -> bool:
+        """Wait until no thread is inside ``call_soon_threadsafe``; False on ``timeout``."""
+        with self._handed:
+            return self._handed.wait_for(lambda: self._handing == 0, timeout)
+
+
 def get_loop() -> asyncio.AbstractEventLoop:
     """The ckptfs I/O loop, started on first use."""
     global _loop
     with _lock:
         if _loop is None or _loop.is_closed():
-            loop = asyncio.new_event_loop()
+            loop = IOLoop()
             threading.Thread(target=loop.run_forever, name="ckptfsIO", daemon=True).start()
+            atexit.register(loop.wait_handed, EXIT_GRACE)
             _loop = loop
         return _loop
 
