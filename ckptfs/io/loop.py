@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import os
 import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 #: per-process: the one event loop every store's requests run on (a thread of its own)
 _lock = threading.Lock()
@@ -41,11 +43,12 @@ class IOLoop(asyncio.SelectorEventLoop):
         self._handing = 0
         self._handed = threading.Condition()
 
-    def call_soon_threadsafe(self, *args: Any, **kwargs: Any) -> asyncio.Handle:
+    def call_soon_threadsafe(self, callback: Callable[[Unpack[Ts]], object], *args: *Ts,
+                             context: contextvars.Context | None = None) -> asyncio.Handle:
         with self._handed:
             self._handing += 1
         try:
-            return super().call_soon_threadsafe(*args, **kwargs)
+            return super().call_soon_threadsafe(callback, *args, context=context)
         finally:
             with self._handed:
                 self._handing -= 1
