@@ -2,7 +2,7 @@
 ranks grouped into two nodes by ``CKPTFS_NODE_ID`` (two ranks each, one local directory per
 node): a save loop with local and persistent steps, then restores with a node's tier wiped
 (4 ranks), with one node gone (2 ranks), and with the last copy of a file spoiled (fallback to
-the persistent step, the reason named)."""
+the persistent step, the reason named). Run by ``make test-two-node``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from ckptfs.manager.replicas import PEERS_DIR, TIER_FILE
 from ckptfs.testing.ranks import run_ranks
 from tests.test_manager import blank, check, flip, state
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("CKPTFS_TWO_NODE_FULL") != "1",
+    reason="about 45 s on 2 cores: make test-two-node (make test runs tests/test_two_node.py)")]
 
 
 def manager(url: str, local: str) -> ckptfs.CheckpointManager:
