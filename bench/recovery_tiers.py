@@ -25,6 +25,8 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -46,14 +48,6 @@ def state(rank: int, world: int, mb: float, step: int) -> dict:
     return {"w": ckptfs.ShardedTensor(w, (rows, COLS), (rank * per, 0)), "step": step}
 
 
-def timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
 def loop(n: int = 40) -> float:
     a = torch.rand(256, 256)
     t0 = time.perf_counter()
@@ -71,6 +65,47 @@ def restore_check(mgr: ckptfs.CheckpointManager, rank: int, world: int, mb: floa
     assert torch.equal(sd["w"].local_tensor, state(rank, world, mb, step)["w"].local_tensor)
 
 
+def one_round(mgr: ckptfs.CheckpointManager, far: ckptfs.CheckpointManager, rank: int,
+              world: int, mb: float, step: int, local: str, add) -> int:
+    """One round of every row; returns the data bytes the S3 restore read from S3."""
+    sd = state(rank, world, mb, step)
+    with timer(add, "save of a local step, blocking (until staged)"):
+        h = mgr.save(step, sd)
+    with timer(add, "local step: write + copy to the other node, until done"):
+        h.result()
+    with timer(add, "async_save to S3, blocking (until staged)"):
+        h2 = ckptfs.async_save(sd, f"{mgr.url}-async/{step}", storage_options=far.storage_options)
+    h2.result()
+    with timer(add, "restore the local step from each node's own tier"):
+        restore_check(mgr, rank, world, mb, step)
+    assert mgr.last_restore is not None and mgr.last_restore.remote_bytes == 0
+    if rank == 2:  # node n1 replaced: its own copy gone
+        shutil.rmtree(os.path.join(local, f"step-{step:08d}"))
+    with timer(add, "restore the local step, node n1 wiped (its files from n0's copy)"):
+        restore_check(mgr, rank, world, mb, step)
+    assert mgr.last_restore.remote_bytes == 0
+    with timer(add, "restore the persistent step from S3 (no local tier)"):
+        restore_check(far, rank, world, mb, 1000, want=1000)
+    loop()  # warm
+    alone = loop()
+    h3 = mgr.save(step + 500, state(rank, world, mb, step + 500))
+    busy = loop()
+    h3.result()
+    add("training loop while a local step is written and copied (x alone)", busy / alone)
+    assert far.last_restore is not None
+    return far.last_restore.remote_bytes
+
+
+@contextmanager
+def timer(add, name: str) -> Iterator[None]:
+    """Wall time between barriers, recorded as ``name``."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    yield
+    dist.barrier()
+    add(name, time.perf_counter() - t0)
+
+
 def rank_main(rank: int, world: int, url: str, locals_: list[str], opts: dict, mb: float,
               runs: int, out: dict) -> None:
     os.environ["CKPTFS_NODE_ID"] = f"n{rank // 2}"
@@ -85,37 +120,11 @@ def rank_main(rank: int, world: int, url: str, locals_: list[str], opts: dict, m
     def add(name: str, t: float) -> None:
         rows.setdefault(name, []).append(t)
 
-    sd = state(rank, world, mb, 1000)
-    add("persistent step to S3, until committed", timed(lambda: mgr.save_sync(1000, sd)))
+    with timer(add, "persistent step to S3, until committed"):
+        mgr.save_sync(1000, state(rank, world, mb, 1000))
     far_bytes = 0
     for i in range(runs):
-        step = 1001 + i
-        sd = state(rank, world, mb, step)
-        h = []
-        add("save of a local step, blocking (until staged)", timed(lambda: h.append(mgr.save(step, sd))))
-        add("local step: write + copy to the other node, until done", timed(lambda: h[0].result()))
-        h2 = []
-        add("async_save to S3, blocking (until staged)", timed(lambda: h2.append(
-            ckptfs.async_save(sd, f"{url}-async/{step}", storage_options=opts))))
-        h2[0].result()
-        add("restore the local step from each node's own tier",
-            timed(lambda: restore_check(mgr, rank, world, mb, step)))
-        assert mgr.last_restore.remote_bytes == 0
-        if rank == 2:  # node n1 replaced: its own copy gone
-            shutil.rmtree(os.path.join(local, f"step-{step:08d}"))
-        add("restore the local step, node n1 wiped (its files from n0's copy)",
-            timed(lambda: restore_check(mgr, rank, world, mb, step)))
-        assert mgr.last_restore.remote_bytes == 0
-        add("restore the persistent step from S3 (no local tier)",
-            timed(lambda: restore_check(far, rank, world, mb, 1000, want=1000)))
-        far_bytes = far.last_restore.remote_bytes
-        loop()  # warm
-        alone = loop()
-        sd = state(rank, world, mb, 1500 + i)
-        h3 = mgr.save(1500 + i, sd)
-        busy = loop()
-        h3.result()
-        add("training loop while a local step is written and copied (x alone)", busy / alone)
+        far_bytes = one_round(mgr, far, rank, world, mb, 1001 + i, local, add)
     if rank == 0:
         out.update({k: statistics.median(v) for k, v in rows.items()})
         out["far_bytes"] = far_bytes

@@ -379,7 +379,7 @@ class CheckpointManager:
             if isinstance(step, str):
                 raise ConfigError(f"CheckpointManager.restore: step must be an int, None or "
                                   f"{LAST_GOOD!r}, got {step!r}")
-            choice = self._local_choice(comm, found, step)
+            choice = self._local_choice(comm, found, step, state_dict, strict)
             if choice is not None and choice.step is not None:
                 self.last_restore = restore_local(
                     state_dict, choice, comm, self.local_dir or "", options=self.load_options,
@@ -408,13 +408,14 @@ class CheckpointManager:
         more = " and no newer local step is restorable" if reasons else ""
         return replace(result, reason="; ".join([f"persistent step {step}: {why}{more}", *reasons]))
 
-    def _local_choice(self, comm: Comm, found: Listing, step: int | None) -> Choice | None:
+    def _local_choice(self, comm: Comm, found: Listing, step: int | None,
+                      state_dict: dict[str, Any], strict: bool) -> Choice | None:
         """Collective: the local step to restore (None: no local tier, or ``step`` is a
         committed one), with the reasons newer local steps were passed."""
         if self.local_dir is None or (step is not None and step in found.committed):
             return None
         latest = found.committed[-1] if found.committed else None
-        choice = choose(comm, self.local_dir, latest, only=step)
+        choice = choose(comm, self.local_dir, latest, state_dict, only=step, strict=strict)
         if step is not None and choice.step is None:
             raise CheckpointNotFoundError(
                 f"{self._url(step_dir(step))}: step {step} is neither committed nor restorable "

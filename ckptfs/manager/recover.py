@@ -90,9 +90,9 @@ def _size(path: str) -> int:
 
 
 def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
-           only: int | None = None) -> Choice:
-    """Collective: the newest local step after ``newer_than`` (or exactly ``only``) that the
-    nodes hold intact between them (see the module doc)."""
+           state_dict: dict[str, Any], *, only: int | None = None, strict: bool = True) -> Choice:
+    """Collective: the newest local step after ``newer_than`` (or exactly ``only``) whose files
+    the reads of ``state_dict`` touch the nodes hold intact between them (module doc)."""
     nodes = nodes_of(comm)
     mine = scan(local_dir) if nodes.leader else {}
     summary = {s: (sorted(h.files), h.index) for s, h in mine.items()}
@@ -104,19 +104,52 @@ def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
                                                     and step <= newer_than):
             continue
         raw = next(per[step][1] for per in every if step in per)
-        need = Index.loads(raw).all_files
+        index = Index.loads(raw)
+        need = _needs(comm, nodes, state_dict, index, f"local step {step}", strict)
         holders = _holders(every, nodes, step)
-        if _missing(step, need, holders, reasons, "no node holds"):
+        wanted = set().union(*need)
+        if _missing(step, wanted, holders, reasons, "no node holds"):
             continue
-        held, index = mine.get(step), Index.loads(raw)
-        intact = comm.run_everywhere(
-            f"restore: checking the copies of local step {step}",
-            lambda: _intact(held, index), lambda good: good, to="all")[1]  # noqa: B023 (run now)
-        holders = {f: [n for n in hs if f in intact[nodes.leader_of(n)]] for f, hs in holders.items()}
-        if _missing(step, need, holders, reasons, "no intact copy (crc32c) of"):
+        holders = _check(comm, nodes, mine.get(step), index, need, holders)
+        if _missing(step, wanted, holders, reasons, "no intact copy (crc32c) of"):
             continue
         return Choice(step, holders, raw, tuple(reasons), nodes, mine)
     return Choice(None, {}, b"", tuple(reasons), nodes, mine)
+
+
+def _needs(comm: Comm, nodes: Nodes, state_dict: dict[str, Any], index: Index, where: str,
+           strict: bool) -> list[set[str]]:
+    """Collective: the files each node's ranks read to fill their ``state_dict`` from
+    ``index`` (planned as ``load`` plans them: any world size and layout)."""
+
+    def plan() -> list[str]:
+        p = plan_targets(state_dict, index, comm.rank)
+        if strict and p.missing:
+            raise MissingKeysError(where, list(p.missing))
+        return sorted(chunks_read(p.reads)[0])
+
+    _, wanted = comm.run_everywhere(f"restore: planning the reads of {where}", plan,
+                                    lambda files: files, to="all")
+    return [set().union(*(wanted[r] for r in nodes.layout.ranks_on(n))) for n in range(nodes.count)]
+
+
+def _check(comm: Comm, nodes: Nodes, held: Held | None, index: Index, need: list[set[str]],
+           holders: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Collective: ``holders`` less the copies found spoiled. Each node checks the crc32c of
+    the copies it would serve (the nearest holder of a file a node needs), round after round
+    until every copy to be served checked intact or a file has no holder left."""
+    checked: set[str] = set()
+    while True:
+        serve = {f for d, files in enumerate(need) for f in files
+                 if holders.get(f) and nodes.nearest(d, holders[f]) == nodes.mine} - checked
+        checked |= serve
+        bad = comm.run_everywhere("restore: checking the local copies to be read",
+                                  lambda: serve - _intact(held, index, serve),  # noqa: B023
+                                  lambda b: b, to="all")[1]
+        if not any(bad):
+            return holders
+        holders = {f: [n for n in hs if f not in bad[nodes.leader_of(n)]]
+                   for f, hs in holders.items()}
 
 
 def _holders(every: list[dict], nodes: Nodes, step: int) -> dict[str, list[int]]:
@@ -128,7 +161,7 @@ def _holders(every: list[dict], nodes: Nodes, step: int) -> dict[str, list[int]]
     return out
 
 
-def _missing(step: int, need: dict[str, int], holders: dict[str, list[int]],
+def _missing(step: int, need: set[str], holders: dict[str, list[int]],
              reasons: list[str], why: str) -> bool:
     lost = sorted(f for f in need if not holders.get(f))
     if lost:
@@ -137,13 +170,13 @@ def _missing(step: int, need: dict[str, int], holders: dict[str, list[int]],
     return bool(lost)
 
 
-def _intact(held: Held | None, index: Index) -> set[str]:
-    """The files of ``held`` whose whole-file crc32c is the index's."""
+def _intact(held: Held | None, index: Index, files: set[str]) -> set[str]:
+    """The ``files`` of ``held`` whose whole-file crc32c is the index's."""
     if held is None:
         return set()
     buf = bytearray(PIECE_BYTES)
     return {n for n, path in held.files.items()
-            if index.file_checksums.get(n) is not None
+            if n in files and index.file_checksums.get(n) is not None
             and file_crc(path, buf) == index.file_checksums[n]}
 
 
@@ -172,8 +205,10 @@ def restore_local(state_dict: dict[str, Any], choice: Choice, comm: Comm, local_
     own = LocalStore(scratch, local_options(store_options))
     peer = LocalStore(scratch, local_options(store_options))
     try:
+        # every file read was checked whole against the index's crc32c in this restore (by
+        # its holder, or as it arrived): the chunks it holds need no second check
         result = fill(state_dict, RoutedStore(own, peer, near), index, comm, where,
-                      strict=strict, options=replace(options, verify=True), started=t0)
+                      strict=strict, options=replace(options, verify=False), started=t0)
     finally:
         if nodes.leader:
             shutil.rmtree(scratch, ignore_errors=True)
