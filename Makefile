@@ -75,7 +75,8 @@ bench-perf: $(BENCH_STAMP)
 
 # ckptfs.diff's tests at 10^8 elements per checkpoint (400 MB each; `make test` runs 10^7)
 # Recovery tiers, full set: two torchrun agents as two nodes (a replaced node, a restart on one
-# node, a spoiled last copy) and the same scenarios on spawned ranks; `make test` runs the first
+# node, a spoiled last copy, a node killed mid-copy) and the same scenarios on spawned ranks;
+# `make test` runs the first
 test-two-node: $(STAMP)
 	CKPTFS_TWO_NODE_FULL=1 $(BIN)/python -m pytest -q -x -n 0 tests/test_two_node.py tests/test_recovery_tiers.py
 

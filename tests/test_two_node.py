@@ -6,13 +6,15 @@ In ``make test``: one node's agent and processes are SIGKILLed mid-run and its l
 wiped (a replaced node); both restart and restore the newest local step bit-exact, reading 0
 bytes from the URL. ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
 restarts on one node (world 4 -> 2) from that node's tier alone, then with the last copy of one
-of the other node's files spoiled it falls back to the persistent step and says why.
+of the other node's files spoiled it falls back to the persistent step and says why; and a node
+killed while receiving the other node's copy leaves no step restorable that is not.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,8 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 FULL = os.environ.get("CKPTFS_TWO_NODE_FULL") == "1"
 
 
-def agents(nodes: list[str], out: Path, *args: str) -> list[subprocess.Popen]:
-    """One torchrun agent per local directory of ``nodes``, as one job."""
+def agents(nodes: list[str], out: Path, *args: str,
+           extra: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+    """One torchrun agent per local directory of ``nodes``, as one job (``extra``: more
+    arguments for the job on some of them, by index)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "CKPTFS_NODE_ID"}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CKPTFS_COLLECTIVE_TIMEOUT="60")
@@ -44,7 +48,8 @@ def agents(nodes: list[str], out: Path, *args: str) -> list[subprocess.Popen]:
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", out.name,
                "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}",
                "--local-addr", "127.0.0.1", "--max-restarts", "0",
-               str(REPO / "tests" / "two_node_job.py"), *args, "--node-dir", local, "--out", str(out)]
+               str(REPO / "tests" / "two_node_job.py"), *args, "--node-dir", local, "--out", str(out),
+               *(extra or {}).get(i, [])]
         log = open(out / f"agent{i}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -100,8 +105,6 @@ def train_and_lose_a_node(tmp_path: Path) -> tuple[str, list[str]]:
     time.sleep(0.5)  # mid-run: the ranks step on
     kill_node(procs, 1, nodes[1], out)
     kill_node(procs, 0, nodes[0], out)
-    import shutil
-
     shutil.rmtree(nodes[1])
     return url, nodes
 
@@ -132,3 +135,30 @@ def test_two_torchrun_nodes_restore_a_replaced_node_from_its_peer(tmp_path):
     got = results(out)
     assert len(got) == 4 and all(r["step"] == 4 and r["source"] == "persistent" for r in got), got
     assert all(victim in r["reason"] and "no intact copy" in r["reason"] for r in got), got
+
+
+
+@pytest.mark.skipif(not FULL, reason="make test-two-node")
+def test_a_node_killed_mid_copy_leaves_no_false_step(tmp_path):
+    """n0 dies receiving n1's files of local step 6, then n1 is replaced: n0 holds its own files
+    of step 6 and part of n1's copy, without a record; the restore picks persistent step 4."""
+    url, nodes = str(tmp_path / "ckpt"), [str(tmp_path / "n0"), str(tmp_path / "n1")]
+    out = tmp_path / "train"
+    procs = agents(nodes, out, "train", "--url", url, extra={0: ["--die-receiving", "6"]})
+    try:
+        procs[0].wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node n0 did not die receiving step 6\n{logs(out)}")
+    kill_node(procs, 0, nodes[0], out)  # its other process
+    kill_node(procs, 1, nodes[1], out)
+    assert not (out / "saved").exists()
+    partial = Path(nodes[0]) / PEERS_DIR
+    (held,) = partial.iterdir()
+    assert not (held / "step-00000006" / TIER_FILE).exists()  # killed before its record
+    assert (Path(nodes[0]) / "step-00000006" / TIER_FILE).exists()  # its own copy is whole
+    shutil.rmtree(nodes[1])
+    out = tmp_path / "resume"
+    finish(agents(nodes, out, "resume", "--url", url), out)
+    got = results(out)
+    assert len(got) == 4 and all(r["step"] == 4 and r["source"] == "persistent" for r in got), got
+    assert all("local step 6: no node holds" in r["reason"] for r in got), got

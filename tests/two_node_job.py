@@ -5,6 +5,8 @@ local directory of its own; the node's identity comes from the launcher's enviro
 keeps stepping without saving (the test kills a node there, mid-run). ``resume``: restore,
 check the state bit-exact against the step restored, and write what the restore reports to
 ``<out>/rank<N>.json``. Every rank writes its pid and local directory to ``<out>/pids/``.
+``--die-receiving N``: this node's receiving rank SIGKILLs its agent and itself once the first
+file of step N's copy from the other node has arrived (a node lost mid-copy).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch.distributed as dist
@@ -33,7 +36,10 @@ def main() -> None:
     p.add_argument("--node-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--die-receiving", type=int, default=None)
     a = p.parse_args()
+    if a.die_receiving is not None:
+        die_receiving(a.die_receiving)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     os.makedirs(os.path.join(a.out, "pids"), exist_ok=True)
@@ -56,6 +62,23 @@ def main() -> None:
                            "node": os.environ.get("GROUP_RANK")}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def die_receiving(step: int) -> None:
+    """Wrap the copy's file receiver: after the first file of ``step``, SIGKILL the agent
+    (this process's parent) and this process."""
+    from ckptfs.manager import peers
+
+    receive = peers.recv_file
+
+    def recv_file(comm, path, size, peer, what, buf):  # type: ignore[no-untyped-def]
+        crc = receive(comm, path, size, peer, what, buf)
+        if f"copying step {step} " in what:
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return crc
+
+    peers.recv_file = recv_file
 
 
 def train(mgr: ckptfs.CheckpointManager, rank: int, world: int, steps: int, out: str) -> None:
