@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	clean interop megatron-venvs megatron-fixtures crash-trials test-diff-large
+	clean interop megatron-venvs megatron-fixtures crash-trials test-diff-large test-two-node
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -74,6 +74,12 @@ bench-perf: $(BENCH_STAMP)
 		$(BIN)/python -m bench.perf $(BENCH_ARGS)
 
 # ckptfs.diff's tests at 10^8 elements per checkpoint (400 MB each; `make test` runs 10^7)
+# Recovery tiers, full set: two torchrun agents as two nodes (a replaced node, a restart on one
+# node, a spoiled last copy, a node killed mid-copy) and the same scenarios on spawned ranks;
+# `make test` runs the first
+test-two-node: $(STAMP)
+	CKPTFS_TWO_NODE_FULL=1 $(BIN)/python -m pytest -q -x -n 0 tests/test_two_node.py tests/test_recovery_tiers.py
+
 test-diff-large: $(STAMP)
 	CKPTFS_DIFF_ELEMENTS=100000000 $(BIN)/python -m pytest -q -x -n 0 tests/test_diff.py
 

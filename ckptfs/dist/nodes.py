@@ -1,4 +1,6 @@
-"""Which ranks share a node: grouped by hostname, or by ``CKPTFS_NODE_ID`` when set."""
+"""Which ranks share a node: grouped by ``CKPTFS_NODE_ID`` when set, else by the launcher's
+node (torchrun's ``GROUP_RANK``: one agent per node, even several on one host), else by
+hostname."""
 
 from __future__ import annotations
 
@@ -12,8 +14,14 @@ NODE_ENV = "CKPTFS_NODE_ID"
 
 def node_id() -> str:
     """This process's node: ``$CKPTFS_NODE_ID`` if set (tests, containers sharing a host,
-    schedulers with better names), else the hostname."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
+    schedulers with better names), else the hostname, with torchrun's node rank when a
+    torchrun agent started the process (``$GROUP_RANK`` under ``$TORCHELASTIC_RUN_ID``)."""
+    host = os.environ.get(NODE_ENV) or socket.gethostname()
+    if NODE_ENV not in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        group = os.environ.get("GROUP_RANK")
+        if group is not None:
+            return f"{host}:{group}"
+    return host
 
 
 @dataclass(frozen=True, slots=True)

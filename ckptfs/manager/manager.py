@@ -36,6 +36,8 @@ from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.health import LAST_GOOD, Health, last_good
 from ckptfs.manager.preemption import Preemption, PreemptionPolicy
+from ckptfs.manager.recover import Choice, choose, restore_local
+from ckptfs.manager.replicas import drop_local, read_record, save_local
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
 from ckptfs.options import resolve_save
@@ -71,6 +73,21 @@ def policies(retention: Retention | None, preemption: PreemptionPolicy | None,
     return retention, preemption, rest
 
 
+def local_tiers(local_dir: str | None, interval: int | None, replicas: int,
+                keep_local: int) -> tuple[int | None, int, int]:
+    """The local steps' settings, checked."""
+    for name, value, low in (("local_interval_steps", interval, 1), ("replicas", replicas, 0),
+                             ("keep_local", keep_local, 1)):
+        if value is None and name == "local_interval_steps":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"CheckpointManager: {name} must be an int >= {low}, got {value!r}")
+    if interval is not None and local_dir is None:
+        raise ConfigError("CheckpointManager: local_interval_steps needs local_dir (the node-local "
+                          "tier local steps are written to)")
+    return interval, replicas, keep_local
+
+
 class CheckpointManager:
     """Checkpoints of one training run at ``url/step-<N>/`` (see the documentation's
     "The checkpoint manager"). Every rank of ``process_group`` creates it with the same arguments, in the same
@@ -85,6 +102,12 @@ class CheckpointManager:
       first, then copied to ``url`` in the background; ``restore`` reads the local copies that
       match the committed index and fetches the rest from ``url``. Ranks of a node may share it.
     - ``save_interval_steps=N``: ``should_save(step)`` is True when N divides ``step``.
+    - ``local_interval_steps=N`` (with ``local_dir``): ``should_save`` is also True when N
+      divides ``step``, and ``save`` of such a step (not one of ``save_interval_steps``) is a
+      local step: written to the nodes' local tiers only, each node's files copied to
+      ``replicas`` other nodes in the background; the newest ``keep_local`` are kept
+      (docs/guide/recovery-tiers.md). ``restore`` picks the newest step it can restore intact
+      from the local tiers of the nodes present or from the URL.
     - ``preemption=PreemptionPolicy(...)``: the signals whose notice triggers a save agreed by
       every rank (default SIGTERM, SIGUSR1), and whether the ranks exit after it.
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
@@ -108,9 +131,13 @@ class CheckpointManager:
                  save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None,
                  saver: BackgroundSaver | None = None, check_finite: bool = False,
-                 stats: bool = False, progress: bool = False, **deprecated: Any) -> None:
+                 stats: bool = False, progress: bool = False,
+                 local_interval_steps: int | None = None, replicas: int = 1,
+                 keep_local: int = 2, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
+        self.local_interval_steps, self.replicas, self.keep_local = local_tiers(
+            self.local_dir, local_interval_steps, replicas, keep_local)
         self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
         if save_interval_steps is not None and (not isinstance(save_interval_steps, int)
                                                 or save_interval_steps < 1):
@@ -214,7 +241,15 @@ class CheckpointManager:
         if self._preemption is not None and self._preemption.reached():
             self._preempt_step = step
             return True
-        return self.save_interval_steps is not None and step % self.save_interval_steps == 0
+        return any(n is not None and step % n == 0
+                   for n in (self.save_interval_steps, self.local_interval_steps))
+
+    def is_local_step(self, step: int) -> bool:
+        """Whether ``save(step)`` writes a local step (see the class doc) rather than one at
+        the URL: a local interval step that is not a persistent one nor the preemption step."""
+        n, m = self.local_interval_steps, self.save_interval_steps
+        return (n is not None and step % n == 0 and not (m is not None and step % m == 0)
+                and step != self._preempt_step)
 
     def save(self, step: int, state_dict: Mapping[str, Any], *, force: bool = False) -> AsyncSave:
         """Start saving ``state_dict`` as ``step``; returns once this rank's bytes are staged
@@ -232,7 +267,15 @@ class CheckpointManager:
         with public_errors(url):
             Comm(self.process_group)
 
+        local_step = self.is_local_step(step)
+
         def finish(staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
+            if local_step:
+                assert self.local_dir is not None
+                return save_local(staged, self._backend, self.local_dir, step, comm,
+                                  replicas=self.replicas, keep_local=self.keep_local,
+                                  store_options=self.store_options, started=started,
+                                  release=give_back)
             result = self._write_step(staged, comm, name, local, force=force, started=started,
                                       give_back=give_back)
             self._retain(comm)
@@ -242,7 +285,7 @@ class CheckpointManager:
                                         process_group=self.process_group, options=self.save_options,
                                         **self.health.flags)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
-        handle = AsyncSave(url, staged, done)
+        handle = AsyncSave(local if local_step and local else url, staged, done)
         self._last = handle
         if self._preempt_step is not None and step == self._preempt_step:
             handle.result()
@@ -303,10 +346,13 @@ class CheckpointManager:
                         self.url, e)
             return
         if self.local_dir is not None and os.path.isdir(self.local_dir):
+            newest = max(kept, default=-1)
             for name in os.listdir(self.local_dir):
                 s = parse_step(name)
-                if s is not None and s not in kept:
+                if s is not None and s not in kept and not (
+                        s > newest and read_record(os.path.join(self.local_dir, name))):
                     shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
+            drop_local(self.local_dir, lambda s: s <= newest)  # made redundant by the URL's
 
     # -- restoring -------------------------------------------------------------------------
     def restore(self, state_dict: dict[str, Any], step: int | str | None = None, *,
@@ -316,8 +362,10 @@ class CheckpointManager:
         or None when no step is committed (and ``step`` was not given). With a local tier each
         data file is read once from its local copy when that copy matches the committed index
         (its size, and the crc32c of every chunk read, checked as it lands), from the URL
-        otherwise (``last_restore`` says which; manager/tier.py). ``step="last_good"``
-        restores ``last_good_step()`` (as rank 0 finds it).
+        otherwise (``last_restore`` says which; manager/tier.py). With local steps (see the
+        class doc) the default is the newest step restorable intact from the nodes' local
+        tiers or the URL, whichever is newer (manager/recover.py; ``last_restore.reason`` says
+        why). ``step="last_good"`` restores ``last_good_step()`` (as rank 0 finds it).
         Collective over ``process_group``."""
         if self._last is not None:
             self._last.done.exception()  # restore sees every save this manager started
@@ -331,15 +379,54 @@ class CheckpointManager:
             if isinstance(step, str):
                 raise ConfigError(f"CheckpointManager.restore: step must be an int, None or "
                                   f"{LAST_GOOD!r}, got {step!r}")
+            choice = self._local_choice(comm, found, step, state_dict, strict)
+            if choice is not None and choice.step is not None:
+                self.last_restore = restore_local(
+                    state_dict, choice, comm, self.local_dir or "", options=self.load_options,
+                    store_options=self.store_options, strict=strict)
+                self._leave_newer(choice.step, resumed=step is None)
+                return choice.step
             if step is None and not found.committed:
                 return None
-            step = self._committed(found, step)
-            name = found.dirs[step]
-            self.last_restore = restore_tiered(
-                state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
-                comm, options=self.load_options, store_options=self.store_options, strict=strict,
-                progress=self.progress)
-        return step
+            self.last_restore = self._restore_persistent(state_dict, comm, store, found, step,
+                                                         choice, strict)
+            self._leave_newer(self.last_restore.step, resumed=choice is not None and step is None)
+            return self.last_restore.step
+
+    def _restore_persistent(self, state_dict: dict[str, Any], comm: Comm, store: Store,
+                            found: Listing, asked: int | None, choice: Choice | None,
+                            strict: bool) -> RestoreResult:
+        """Collective: restore a step committed at the URL (through the local tier's copies)."""
+        step = self._committed(found, asked)
+        name = found.dirs[step]
+        result = restore_tiered(
+            state_dict, step, PrefixedStore(store, name), self._url(name), self._local(name),
+            comm, options=self.load_options, store_options=self.store_options, strict=strict,
+            progress=self.progress)
+        reasons = choice.reasons if choice is not None else ()
+        why = "asked for" if asked is not None else "the newest committed at the URL"
+        more = " and no newer local step is restorable" if reasons else ""
+        return replace(result, reason="; ".join([f"persistent step {step}: {why}{more}", *reasons]))
+
+    def _local_choice(self, comm: Comm, found: Listing, step: int | None,
+                      state_dict: dict[str, Any], strict: bool) -> Choice | None:
+        """Collective: the local step to restore (None: no local tier, or ``step`` is a
+        committed one), with the reasons newer local steps were passed."""
+        if self.local_dir is None or (step is not None and step in found.committed):
+            return None
+        latest = found.committed[-1] if found.committed else None
+        choice = choose(comm, self.local_dir, latest, state_dict, only=step, strict=strict)
+        if step is not None and choice.step is None:
+            raise CheckpointNotFoundError(
+                f"{self._url(step_dir(step))}: step {step} is neither committed nor restorable "
+                f"from the local tiers ({'; '.join(choice.reasons) or 'no node holds it'})")
+        return choice
+
+    def _leave_newer(self, step: int, *, resumed: bool) -> None:
+        """After resuming at ``step``: the local steps after it belong to a timeline the run
+        leaves (a later crash must not pick them); an explicit step's restore keeps them."""
+        if resumed and self.local_dir is not None:
+            drop_local(self.local_dir, lambda s: s > step)
 
     def _last_good(self) -> int:
         step = self.last_good_step()

@@ -64,6 +64,12 @@ class RestoreResult:
     checked_bytes: int = 0  #: local bytes read only to check them (chunks read in part; a failed read)
     seconds: float = 0.0
     rejected: tuple[str, ...] = field(default=())  #: local copies present but not used (size, crc32c)
+    #: a local step: data files read from copies fetched from other nodes
+    peer_files: tuple[str, ...] = ()
+    peer_bytes: int = 0  #: data bytes read from copies fetched from other nodes
+    fetched_bytes: int = 0  #: bytes this rank's node received from other nodes (its leader)
+    source: str = "persistent"  #: "local" (a local step) or "persistent" (a step at the URL)
+    reason: str = ""  #: why this step was chosen, and why newer local steps were passed
 
 
 def local_options(store_options: StoreOptions | None) -> StoreOptions:

@@ -1,0 +1,182 @@
+"""Recovery tiers: local steps copied to another node vs persistent steps on S3 (moto), for a
+2-node, 4-rank job (spawned gloo ranks grouped into nodes by ``CKPTFS_NODE_ID``, one local
+directory per node), in one run.
+
+    .venv/bin/python -m bench.recovery_tiers [--mb 256] [--runs 3]
+
+Rows (wall seconds on rank 0 between barriers, median of ``--runs``):
+
+- save, blocking: ``mgr.save`` of a local step until it returns (staged) vs ``ckptfs.async_save``
+  of the same state until ``staged``;
+- local step (write + copy to the other node) and persistent step (to S3), until done;
+- restore: the local step from each node's own tier; the same with node n1's tier wiped (its
+  files fetched from n0's copy); the persistent step from S3 through a manager without a local
+  tier. Each restore is checked bit for bit; "from S3" is the data bytes read from the URL;
+- training-loop slowdown: a loop of matmuls alone vs while a local step's write and copy run
+  in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+import ckptfs
+from bench.s3_quick import BUCKET, start_moto, storage_options
+from ckptfs.testing.ranks import run_ranks
+
+warnings.filterwarnings("ignore")
+MB = 1 << 20
+COLS = 1024
+
+
+def state(rank: int, world: int, mb: float, step: int) -> dict:
+    rows = max(world, int(mb * MB / 4 / COLS) // world * world)
+    per = rows // world
+    g = torch.Generator().manual_seed(step)
+    w = torch.rand(per, COLS, generator=g) + rank
+    return {"w": ckptfs.ShardedTensor(w, (rows, COLS), (rank * per, 0)), "step": step}
+
+
+def loop(n: int = 40) -> float:
+    a = torch.rand(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a = (a @ a).tanh_()
+    return time.perf_counter() - t0
+
+
+def restore_check(mgr: ckptfs.CheckpointManager, rank: int, world: int, mb: float, step: int,
+                  want: int | None = None) -> None:
+    sd = state(rank, world, mb, 0)
+    sd["w"].local_tensor.zero_()
+    got = mgr.restore(sd, step=want)
+    assert got == step, (got, step, mgr.last_restore and mgr.last_restore.reason)
+    assert torch.equal(sd["w"].local_tensor, state(rank, world, mb, step)["w"].local_tensor)
+
+
+def one_round(mgr: ckptfs.CheckpointManager, far: ckptfs.CheckpointManager, rank: int,
+              world: int, mb: float, step: int, local: str, add) -> int:
+    """One round of every row; returns the data bytes the S3 restore read from S3."""
+    sd = state(rank, world, mb, step)
+    with timer(add, "save of a local step, blocking (until staged)"):
+        h = mgr.save(step, sd)
+    with timer(add, "local step: write + copy to the other node, until done"):
+        h.result()
+    with timer(add, "async_save to S3, blocking (until staged)"):
+        h2 = ckptfs.async_save(sd, f"{mgr.url}-async/{step}", storage_options=far.storage_options)
+        h2.wait_staged()
+    h2.result()
+    with timer(add, "restore the local step from each node's own tier"):
+        restore_check(mgr, rank, world, mb, step)
+    assert mgr.last_restore is not None and mgr.last_restore.remote_bytes == 0
+    if rank == 2:  # node n1 replaced: its own copy gone
+        shutil.rmtree(os.path.join(local, f"step-{step:08d}"))
+    with timer(add, "restore the local step, node n1 wiped (its files from n0's copy)"):
+        restore_check(mgr, rank, world, mb, step)
+    assert mgr.last_restore.remote_bytes == 0
+    with timer(add, "restore the persistent step from S3 (no local tier)"):
+        restore_check(far, rank, world, mb, 1000, want=1000)
+    alone = statistics.median(loop() for _ in range(4))
+    dist.barrier()
+    h3 = mgr.save(step + 500, state(rank, world, mb, step + 500))
+    busy = []
+    while not h3.done.done():  # steps of the loop while the step is written and copied
+        busy.append(loop())
+    h3.result()
+    dist.barrier()
+    if busy:
+        add("training-loop step while a local step is written and copied (x alone)",
+            statistics.mean(busy) / alone)
+    assert far.last_restore is not None
+    return far.last_restore.remote_bytes
+
+
+@contextmanager
+def timer(add, name: str) -> Iterator[None]:
+    """Wall time between barriers, recorded as ``name``."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    yield
+    dist.barrier()
+    add(name, time.perf_counter() - t0)
+
+
+def rank_main(rank: int, world: int, url: str, locals_: list[str], opts: dict, mb: float,
+              runs: int, out: dict) -> None:
+    os.environ["CKPTFS_NODE_ID"] = f"n{rank // 2}"
+    local = locals_[rank // 2]
+    policy = {"preemption": ckptfs.PreemptionPolicy(signals=())}
+    mgr = ckptfs.CheckpointManager(url, local_dir=local, local_interval_steps=1,
+                                   save_interval_steps=1000, keep_local=2, replicas=1,
+                                   storage_options=opts, **policy)
+    far = ckptfs.CheckpointManager(url, storage_options=opts, **policy)
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, t: float) -> None:
+        rows.setdefault(name, []).append(t)
+
+    with timer(add, "persistent step to S3, until committed"):
+        mgr.save_sync(1000, state(rank, world, mb, 1000))
+    far_bytes = 0
+    for i in range(runs):
+        far_bytes = one_round(mgr, far, rank, world, mb, 1001 + i, local, add)
+    if rank == 0:
+        out.update({k: statistics.median(v) for k, v in rows.items()})
+        out["far_bytes"] = far_bytes
+    mgr.close()
+    far.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    proc, endpoint = start_moto()
+    work = tempfile.mkdtemp(prefix="ckptfs-bench-tiers-")
+    try:
+        out_file = os.path.join(work, "out.txt")
+        run_ranks(4, _rank, f"s3://{BUCKET}/tiers", [os.path.join(work, "n0"),
+                                                     os.path.join(work, "n1")],
+                  storage_options(endpoint), args.mb, args.runs, out_file, timeout=1800, threads=1)
+        with open(out_file) as f:
+            print(f.read())
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _rank(rank: int, world: int, url: str, locals_: list[str], opts: dict, mb: float, runs: int,
+          out_file: str) -> None:
+    out: dict = {}
+    rank_main(rank, world, url, locals_, opts, mb, runs, out)
+    if rank == 0:
+        lines = [f"## recovery tiers: 2 nodes x 2 ranks, {mb:.0f} MiB of state, median of {runs}; "
+                 f"torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}", "",
+                 "| what | seconds |", "|---|---|"]
+        far_bytes = out.pop("far_bytes")
+        lines += [f"| {k} | {v:.3f} |" for k, v in out.items()]
+        loc = out["restore the local step from each node's own tier"]
+        peer = out["restore the local step, node n1 wiped (its files from n0's copy)"]
+        s3 = out["restore the persistent step from S3 (no local tier)"]
+        lines += ["", f"S3 restore / local restore: {s3 / loc:.2f}x; S3 / peer restore: "
+                      f"{s3 / peer:.2f}x; data bytes from S3 in the S3 restore (rank 0): {far_bytes}; "
+                      "in the local ones: 0"]
+        with open(out_file, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Nodes and the files that travel between them: which ranks form each node (its leader, the
+lowest rank, moves its files), the ring of nodes a node's local files are copied to, and files
+sent and received over torch.distributed in bounded pieces.
+
+A transfer is a pair of node leaders; every rank walks the same list of transfers in the same
+order and takes part only in its own, so the blocking sends and receives always pair up (the
+earliest unfinished transfer has both sides ready). A piece is at most ``PIECE_BYTES``: one
+buffer per transfer, never a whole file in memory. A received file's crc32c is computed as its
+pieces land and compared with what the sender's record says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ckptfs.dist import Comm
+from ckptfs.dist.nodes import NodeLayout, node_id
+from ckptfs.errors import IntegrityError
+from ckptfs.layout.checksum import extend, render
+
+#: the largest piece of a file sent at once (the memory a transfer holds)
+PIECE_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The nodes of a group, in order of first appearance, and this rank's place among them."""
+
+    names: tuple[str, ...]  #: each node's name ($CKPTFS_NODE_ID, the launcher's node rank, host)
+    layout: NodeLayout
+    rank: int  #: this rank (in the group)
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    @property
+    def mine(self) -> int:
+        """This rank's node."""
+        return self.layout.node_of[self.rank]
+
+    @property
+    def leader(self) -> bool:
+        """This rank moves its node's files (the lowest rank of the node)."""
+        return self.layout.leader(self.rank) == self.rank
+
+    def leader_of(self, node: int) -> int:
+        return self.layout.ranks_on(node)[0]
+
+    def ring(self, node: int, replicas: int) -> list[int]:
+        """The ``replicas`` nodes after ``node`` in ring order (never ``node`` itself)."""
+        return [(node + k) % self.count for k in range(1, min(replicas, self.count - 1) + 1)]
+
+    def nearest(self, node: int, holders: list[int]) -> int:
+        """Of ``holders``, the first after ``node`` in ring order (``node`` itself first)."""
+        return min(holders, key=lambda h: (h - node) % self.count)
+
+
+def nodes_of(comm: Comm) -> Nodes:
+    """Collective: every rank's node."""
+    ids = comm.all_gather(node_id(), "naming each rank's node")
+    return Nodes(tuple(dict.fromkeys(ids)), NodeLayout.from_ids(ids), comm.rank)
+
+
+def safe_name(node: str) -> str:
+    """A node's name as a folder name."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in node) or "_"
+
+
+def send_bytes(comm: Comm, data: bytes, peer: int, what: str) -> None:
+    comm.point_to_point([("send", torch.tensor([len(data)], dtype=torch.int64), peer, 0)], what)
+    if data:
+        comm.point_to_point([("send", torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                              peer, 0)], what)
+
+
+def recv_bytes(comm: Comm, peer: int, what: str) -> bytes:
+    n = torch.zeros(1, dtype=torch.int64)
+    comm.point_to_point([("recv", n, peer, 0)], what)
+    buf = bytearray(int(n.item()))
+    if buf:
+        comm.point_to_point([("recv", torch.frombuffer(buf, dtype=torch.uint8), peer, 0)], what)
+    return bytes(buf)
+
+
+def send_file(comm: Comm, path: str, size: int, peer: int, what: str, buf: bytearray) -> None:
+    """Send ``size`` bytes of ``path`` to ``peer`` in pieces of ``len(buf)``."""
+    with open(path, "rb") as f:
+        left = size
+        while left:
+            n = f.readinto(memoryview(buf)[:min(left, len(buf))])
+            if not n:
+                raise IntegrityError(f"{path}: shorter than the {size} bytes its record names")
+            comm.point_to_point([("send", torch.frombuffer(buf, dtype=torch.uint8, count=n),
+                                  peer, 0)], what)
+            left -= n
+
+
+def recv_file(comm: Comm, path: str, size: int, peer: int, what: str, buf: bytearray) -> str:
+    """Receive ``size`` bytes from ``peer`` into ``path``; returns their crc32c."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    crc = 0
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, len(buf))
+            comm.point_to_point([("recv", torch.frombuffer(buf, dtype=torch.uint8, count=n),
+                                  peer, 0)], what)
+            piece = memoryview(buf)[:n]
+            crc = extend(crc, piece)
+            f.write(piece)
+            left -= n
+    return render(crc)
+
+
+def file_crc(path: str, buf: bytearray) -> str:
+    """The crc32c of the file at ``path``, read in pieces of ``len(buf)``."""
+    crc = 0
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            crc = extend(crc, memoryview(buf)[:n])
+    return render(crc)
+
+
+def send_record(comm: Comm, record: Mapping, folder: str, peer: int, what: str) -> None:
+    """Send a copy's record, then each file it names (from ``folder``), to ``peer``."""
+    send_bytes(comm, json.dumps(record).encode(), peer, what)
+    buf = bytearray(PIECE_BYTES)
+    for name, (size, _) in sorted(record["files"].items()):
+        send_file(comm, os.path.join(folder, name), size, peer, f"{what}: {name}", buf)
+
+
+def recv_record(comm: Comm, folder: str, peer: int, what: str) -> tuple[dict, set[str]]:
+    """Receive ``send_record``'s record and files into ``folder``: (the record, the files that
+    arrived with the crc32c it names)."""
+    record = json.loads(recv_bytes(comm, peer, what))
+    buf = bytearray(PIECE_BYTES)
+    good = set()
+    for name, (size, crc) in sorted(record["files"].items()):
+        if recv_file(comm, os.path.join(folder, name), size, peer, f"{what}: {name}", buf) == crc:
+            good.add(name)
+    return record, good

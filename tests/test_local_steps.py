@@ -1,0 +1,105 @@
+"""Local steps in one process (a world of one node, no copies to send): what a save leaves in the
+local tier, retention per tier, the choice between a local and a persistent step and its
+reasons, and the settings checked. The multi-node cases: tests/test_two_node.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.dist.nodes import node_id
+from ckptfs.manager.replicas import TIER_FILE
+from tests.test_manager import flip
+
+
+def sd_at(step: int) -> dict:
+    return {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8) + step, "step": step}
+
+
+def blank() -> dict:
+    return {"w": torch.full((8, 8), -1.0), "step": -1}
+
+
+def manager(tmp_path, **kw) -> ckptfs.CheckpointManager:
+    args = dict(local_dir=tmp_path / "local", local_interval_steps=1, save_interval_steps=5,
+                keep_local=2, preemption=ckptfs.PreemptionPolicy(signals=()))
+    return ckptfs.CheckpointManager(tmp_path / "ckpt", **{**args, **kw})
+
+
+def local_steps(tmp_path) -> list[int]:
+    root = tmp_path / "local"
+    return sorted(int(n[5:]) for n in os.listdir(root) if (root / n / TIER_FILE).exists())
+
+
+def test_local_steps_retention_and_restore(tmp_path):
+    with manager(tmp_path) as mgr:
+        for step in range(1, 9):
+            assert mgr.should_save(step) and mgr.is_local_step(step) == (step != 5)
+            mgr.save_sync(step, sd_at(step))
+            if step == 5:  # the persistent step removed the local steps before it
+                assert local_steps(tmp_path) == []
+        assert mgr.steps() == [5] and local_steps(tmp_path) == [7, 8]  # keep_local=2
+        record = json.loads((tmp_path / "local" / "step-00000008" / TIER_FILE).read_text())
+        assert record["step"] == 8 and record["origin"] == node_id() and record["files"]
+        sd = blank()
+        assert mgr.restore(sd) == 8 and torch.equal(sd["w"], sd_at(8)["w"]) and sd["step"] == 8
+        r = mgr.last_restore
+        assert r.source == "local" and r.remote_bytes == 0 and r.local_bytes == 256
+        assert "local step 8" in r.reason
+        # the last copy of a file of step 8 spoiled: step 7 is the newest complete one
+        victim = sorted(record["files"])[0]
+        path = tmp_path / "local" / "step-00000008" / victim
+        flip(str(path), path.stat().st_size - 1)
+        sd = blank()
+        assert mgr.restore(sd) == 7 and torch.equal(sd["w"], sd_at(7)["w"])
+        assert "local step 8: no intact copy (crc32c) of " + victim in mgr.last_restore.reason
+        assert local_steps(tmp_path) == [7]  # resuming at 7 leaves step 8's timeline
+        for f in (tmp_path / "local" / "step-00000007").rglob("*.safetensors"):
+            f.unlink()  # no copy of step 7's files: back to the persistent step 5
+        sd = blank()
+        assert mgr.restore(sd) == 5 and torch.equal(sd["w"], sd_at(5)["w"])
+        r = mgr.last_restore
+        assert r.source == "persistent" and "local step 7: no node holds" in r.reason, r.reason
+
+
+def test_a_copy_without_its_record_does_not_count(tmp_path):
+    """A record is written last: a copy killed before it (a node lost mid-copy) is unfinished."""
+    with manager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save_sync(step, sd_at(step))
+        (tmp_path / "local" / "step-00000002" / TIER_FILE).unlink()
+        sd = blank()
+        assert mgr.restore(sd) == 1 and torch.equal(sd["w"], sd_at(1)["w"])
+
+
+def test_an_explicit_step_that_is_neither_committed_nor_held_is_named(tmp_path):
+    with manager(tmp_path) as mgr:
+        mgr.save_sync(1, sd_at(1))
+        sd = blank()
+        assert mgr.restore(sd, step=1) == 1 and torch.equal(sd["w"], sd_at(1)["w"])
+        with pytest.raises(ckptfs.CheckpointNotFoundError, match="step 3 is neither committed"):
+            mgr.restore(blank(), step=3)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(local_interval_steps=0), "local_interval_steps"),
+    (dict(replicas=-1), "replicas"),
+    (dict(keep_local=0), "keep_local"),
+    (dict(local_dir=None), "local_interval_steps needs local_dir"),
+])
+def test_settings_are_checked(tmp_path, kw, field):
+    with pytest.raises(ckptfs.ConfigError, match=field):
+        manager(tmp_path, **kw)
+
+
+def test_a_torchrun_agent_names_the_node(monkeypatch):
+    monkeypatch.delenv("CKPTFS_NODE_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert node_id().endswith(":3")
+    monkeypatch.setenv("CKPTFS_NODE_ID", "rack1-a")
+    assert node_id() == "rack1-a"
