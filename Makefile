@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
+# torchtitan for tests/test_torchtitan.py, without the training stack it declares (datasets,
+# wandb, tensorboard, torch_checkpointing): what its checkpointer, optimizer and config modules import
+TITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard shtab
 # pytest-xdist workers for `make test` (the suite waits on disks, sockets and spawned ranks
 # much of the time: two workers on CI's 2 cores cut its wall time by about a third)
 TEST_WORKERS ?= 2
@@ -20,6 +23,7 @@ $(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test,dev]" $(TORCH)
 	$(BIN)/pip install -q --no-deps -e examples/npy_plugin
+	$(BIN)/pip install -q --no-deps $(TITAN)
 	touch $(STAMP)
 
 venv: $(STAMP)
