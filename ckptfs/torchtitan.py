@@ -82,6 +82,10 @@ class CheckpointManager(BaseCheckpointManager):
             if self.async_mode not in _ASYNC_MODES:
                 raise ConfigError(f"checkpoint.async_mode: {self.async_mode!r} is not one of "
                                   f"{list(_ASYNC_MODES)}")
+            if self.initial_load_in_hf_quantized:
+                raise ConfigError("checkpoint.initial_load_in_hf_quantized is not supported by "
+                                  "ckptfs.torchtitan: it needs torchtitan's quantized "
+                                  "Hugging Face reader")
             if self.last_save_in_hf:
                 raise ConfigError("checkpoint.last_save_in_hf is not supported by "
                                   "ckptfs.torchtitan; save the last step model-only and export "

@@ -217,6 +217,34 @@ def test_load_only_never_saves_and_exclude_from_loading_keeps_the_state(tmp_path
     assert ckptfs.CheckpointManager(str(tmp_path / "ckpt")).steps() == [1, 2]
 
 
+class Renamer:
+    """A state-dict adapter as torchtitan's models have: native keys <-> Hugging Face keys."""
+
+    hf_assets_path = None
+
+    def to_hf(self, sd: dict) -> dict:
+        return {f"model.layers.{k}": v for k, v in sd.items()}
+
+    def from_hf(self, sd: dict) -> dict:
+        return {k.removeprefix("model.layers."): v for k, v in sd.items()}
+
+
+def test_initial_load_in_hf_reads_safetensors_through_the_adapter(tmp_path):
+    from safetensors.torch import save_file
+
+    src = parts(0)
+    save_file(Renamer().to_hf(src["model"].state_dict()), str(tmp_path / "model.safetensors"))
+    p = parts(1)
+    cfg = Manager.Config(enable=True, folder="ckpt", initial_load_path=str(tmp_path),
+                         initial_load_in_hf=True)
+    mgr = cfg.build(dataloader=p["data"], model_parts=[p["model"]], optimizers=p["opt"],
+                    lr_schedulers=p["lr"], states={"train_state": p["train"]},
+                    sd_adapter=Renamer(), base_folder=str(tmp_path / "run"))
+    assert mgr.load() is True
+    mgr.close()
+    assert same(snapshot(p)["model"], snapshot(src)["model"])
+
+
 def test_a_step_not_saved_is_refused_naming_it(tmp_path):
     p = parts(0)
     mgr = build(p, str(tmp_path), interval=2, keep_latest_k=0)
@@ -239,6 +267,9 @@ def test_disabled_manager_does_nothing(tmp_path):
 def test_refused_configurations_name_the_field(tmp_path):
     with pytest.raises(ckptfs.ConfigError, match="last_save_in_hf"):
         Manager.Config(enable=True, last_save_in_hf=True)
+    with pytest.raises(ckptfs.ConfigError, match="initial_load_in_hf_quantized"):
+        Manager.Config(enable=True, initial_load_path="/x", initial_load_in_hf=True,
+                       initial_load_in_hf_quantized=True)
     with pytest.raises(ckptfs.ConfigError, match="async_mode"):
         Manager.Config(enable=True, async_mode="later")  # type: ignore[arg-type]
     p = parts(0)
