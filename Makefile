@@ -13,7 +13,7 @@ TITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard sht
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	clean interop megatron-venvs megatron-fixtures crash-trials test-diff-large
+	clean interop interop-strategies megatron-venvs megatron-fixtures crash-trials test-diff-large
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -107,7 +107,8 @@ $(MEGATRON015_VENV)/.installed:
 	$(PY) -m venv $(MEGATRON015_VENV)
 	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH)
 	$(MEGATRON015_VENV)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.15.3
-	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH) triton psutil packaging "numpy<2" "zarr<3" tensorstore
+	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH) triton psutil packaging "numpy<2" "zarr<3" tensorstore \
+		google-crc32c tqdm
 	touch $@
 
 megatron-venvs: $(MEGATRON_VENV)/.installed $(MEGATRON015_VENV)/.installed
@@ -125,6 +126,11 @@ bench-venvs: $(MEGATRON_VENV)/.installed $(OLMO_VENV)/.installed
 interop: megatron-venvs
 	$(MEGATRON_VENV)/bin/python tests/interop/megatron_live.py \
 		--venv019 $(abspath $(MEGATRON_VENV)) --venv015 $(abspath $(MEGATRON015_VENV))
+
+# ckptfs.megatron's strategies under megatron-core 0.19.2 and 0.15.3 (tests/interop/megatron_strategies.py)
+interop-strategies: megatron-venvs
+	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_strategies.py
+	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_strategies.py
 
 # rewrites tests/fixtures/megatron/ (commit the result only when the format it tests changes)
 megatron-fixtures: megatron-venvs
