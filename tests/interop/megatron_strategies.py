@@ -7,7 +7,8 @@ save a tensor-parallel (TP=2) state with ``dist_checkpointing.save`` and ckptfs'
 a column-split one with an uneven split, a replicated bias and the common state. Then one rank
 (TP=1) and three ranks (another split) load it with ``dist_checkpointing.load``, bit-exact:
 0.19 with ckptfs's load strategy and with Megatron's own; 0.15 with no strategy given (picked
-from metadata.json); an unknown backend or version is refused, naming it. ckptfs reads the checkpoint by itself too, and a ``flattened_range`` is
+from metadata.json); an unknown backend or version is refused, naming it. ckptfs reads the checkpoint by itself too, ckptfs's load strategy reads a checkpoint Megatron's own strategy wrote, and a
+``flattened_range`` is
 refused naming its key (0.15; 0.19 has none).
 """
 
@@ -76,6 +77,11 @@ def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
             dist.barrier()
             strategy = ckptfs.megatron.SaveStrategy() if NEW else ("ckptfs", 1)
             dc.save(state(rank, world, True), root, sharded_strategy=strategy)
+            if rank == 0:
+                os.makedirs(root + "-own")
+            dist.barrier()
+            cpu_only_cuda()
+            dc.save(state(rank, world, True), root + "-own")  # Megatron's own torch_dist
             if not NEW:  # 0.19 refuses flattened_range itself
                 refuse_flattened(rank, world, root)
         else:
@@ -85,10 +91,21 @@ def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
                 check(dc.load(state(rank, world, False), root), rank, world)  # Megatron's own
             else:
                 check(dc.load(state(rank, world, False), root), rank, world)
+            own = dc.load(state(rank, world, False), root + "-own",
+                          sharded_strategy=ckptfs.megatron.LoadStrategy())
+            check(own, rank, world)  # a checkpoint Megatron wrote, read by ckptfs's strategy
             meta = ckptfs.megatron.LoadStrategy().load_tensors_metadata(root)
             assert meta["dense.weight"].global_shape == (8, 6), meta
     finally:
         dist.destroy_process_group()
+
+
+def cpu_only_cuda() -> None:
+    """Megatron's own save synchronises CUDA and flags tensors on its device (a CPU-only torch
+    has none); ckptfs's strategies need neither."""
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.current_device = lambda: "cpu"
 
 
 def refuse_flattened(rank: int, world: int, root: str) -> None:
