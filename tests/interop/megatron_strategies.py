@@ -7,9 +7,10 @@ save a tensor-parallel (TP=2) state with ``dist_checkpointing.save`` and ckptfs'
 a column-split one with an uneven split, a replicated bias and the common state. Then one rank
 (TP=1) and three ranks (another split) load it with ``dist_checkpointing.load``, bit-exact:
 0.19 with ckptfs's load strategy and with Megatron's own; 0.15 with no strategy given (picked
-from metadata.json); an unknown backend or version is refused, naming it. ckptfs reads the checkpoint by itself too, ckptfs's load strategy reads a checkpoint Megatron's own strategy wrote, and a
-``flattened_range`` is
-refused naming its key (0.15; 0.19 has none).
+from metadata.json). An unknown backend or version is refused, naming it; ckptfs reads the
+checkpoint by itself; ckptfs's load strategy reads a checkpoint Megatron's own strategy wrote and
+one Megatron's ``FullyParallelSaveStrategyWrapper`` wrote around ckptfs's save strategy; a
+``flattened_range`` is refused naming its key (0.15; 0.19 has none).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
 
 import ckptfs
 import ckptfs.megatron
@@ -82,6 +84,12 @@ def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
             dist.barrier()
             cpu_only_cuda()
             dc.save(state(rank, world, True), root + "-own")  # Megatron's own torch_dist
+            if rank == 0:
+                os.makedirs(root + "-fp")
+            dist.barrier()
+            dc.save(state(rank, world, True), root + "-fp",
+                    sharded_strategy=fp.FullyParallelSaveStrategyWrapper(
+                        ckptfs.megatron.SaveStrategy(), None, False, *backend_of_wrapper()))
             if not NEW:  # 0.19 refuses flattened_range itself
                 refuse_flattened(rank, world, root)
         else:
@@ -94,10 +102,20 @@ def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
             own = dc.load(state(rank, world, False), root + "-own",
                           sharded_strategy=ckptfs.megatron.LoadStrategy())
             check(own, rank, world)  # a checkpoint Megatron wrote, read by ckptfs's strategy
+            # what Megatron's fully parallel save wrapper around ckptfs's wrote (its load
+            # wrapper exchanges tensors through CUDA: not on a CPU-only machine)
+            check(dc.load(state(rank, world, False), root + "-fp",
+                          sharded_strategy=ckptfs.megatron.LoadStrategy()), rank, world)
             meta = ckptfs.megatron.LoadStrategy().load_tensors_metadata(root)
             assert meta["dense.weight"].global_shape == (8, 6), meta
     finally:
         dist.destroy_process_group()
+
+
+def backend_of_wrapper() -> tuple:
+    """The (backend, version) 0.19's save wrapper reports in metadata.json (0.15's: its
+    strategy's)."""
+    return ("torch_dist", 1) if NEW else ()
 
 
 def cpu_only_cuda() -> None:
