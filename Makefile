@@ -13,7 +13,7 @@ TITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard sht
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	clean interop interop-strategies megatron-venvs megatron-fixtures crash-trials test-diff-large
+	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -131,6 +131,10 @@ interop: megatron-venvs
 interop-strategies: megatron-venvs
 	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_strategies.py
 	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_strategies.py
+
+# Megatron's dist_checkpointing with ckptfs's strategies against its torch_dist (bench/megatron_strategies.py)
+bench-megatron: $(MEGATRON_VENV)/.installed
+	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python -m bench.megatron_strategies
 
 # rewrites tests/fixtures/megatron/ (commit the result only when the format it tests changes)
 megatron-fixtures: megatron-venvs
