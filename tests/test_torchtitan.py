@@ -6,7 +6,7 @@ Two spawned gloo ranks train an FSDP2 model on the CPU: a reference run of 6 ste
 asynchronously at steps 2 and 4 that stops after step 5 and resumes from the latest step in a
 fresh process state, bit-exact with the reference; retention (``keep_latest_k``), the last
 step saved model-only in ``export_dtype``; torchtitan's own DCP manager's step read through
-``initial_load_path``. Single-process tests cover the policies (``load_only``,
+``initial_load_path``. Single-process tests cover an S3 folder (moto), the policies (``load_only``,
 ``exclude_from_loading``, ``enable=False``) and the refused configurations."""
 
 from __future__ import annotations
@@ -195,6 +195,26 @@ def test_two_ranks_save_async_stop_and_resume_bit_exact(tmp_path):
     steps = sorted(os.listdir(tmp_path / "ref" / "ckpt"))
     assert steps == ["step-00000004", "step-00000006"]  # keep_latest_k=2: step 2 deleted
     assert ckptfs.CheckpointManager(str(tmp_path / "run" / "ckpt")).steps() == [4, 6]
+
+
+def test_an_object_store_folder_keeps_k_steps_and_resumes(s3):
+    policy = {"interval": 1, "keep_latest_k": 2, "async_mode": "async",
+              "storage_options": s3.options, "last_save_model_only": False}
+    p = parts(0)
+    cfg = Manager.Config(enable=True, folder=f"{s3.url}/run", **policy)
+    mgr = cfg.build(dataloader=p["data"], model_parts=[p["model"]], optimizers=p["opt"],
+                    lr_schedulers=p["lr"], states={"train_state": p["train"]}, sd_adapter=None)
+    train(p, mgr, range(1, 4), last=3)
+    mgr.close()
+    with ckptfs.CheckpointManager(f"{s3.url}/run", storage_options=s3.options) as steps:
+        assert steps.steps() == [2, 3]  # keep_latest_k=2
+    q = parts(1)
+    cfg = Manager.Config(enable=True, folder=f"{s3.url}/run", **policy)
+    mgr = cfg.build(dataloader=q["data"], model_parts=[q["model"]], optimizers=q["opt"],
+                    lr_schedulers=q["lr"], states={"train_state": q["train"]}, sd_adapter=None)
+    assert mgr.load() is True
+    mgr.close()
+    assert same(snapshot(q), snapshot(p))
 
 
 def test_load_only_never_saves_and_exclude_from_loading_keeps_the_state(tmp_path):
