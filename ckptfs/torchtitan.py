@@ -23,12 +23,15 @@ from typing import Any, Literal
 
 import torch
 
+from ckptfs.dist import Comm
 from ckptfs.errors import ConfigError, MismatchError
 from ckptfs.load import load
 from ckptfs.manager import CheckpointManager as _CkptfsManager
 from ckptfs.manager import Retention
+from ckptfs.manager.steps import step_dir
 from ckptfs.metadata import load_metadata
 from ckptfs.state.flatten import PerRank
+from ckptfs.tools.unshard import unshard
 
 try:
     from torchtitan.components.checkpointer.base import (
@@ -86,10 +89,6 @@ class CheckpointManager(BaseCheckpointManager):
                 raise ConfigError("checkpoint.initial_load_in_hf_quantized is not supported by "
                                   "ckptfs.torchtitan: it needs torchtitan's quantized "
                                   "Hugging Face reader")
-            if self.last_save_in_hf:
-                raise ConfigError("checkpoint.last_save_in_hf is not supported by "
-                                  "ckptfs.torchtitan; save the last step model-only and export "
-                                  "it with `ckptfs unshard STEP DIR --format hf`")
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
@@ -103,6 +102,9 @@ class CheckpointManager(BaseCheckpointManager):
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers,
                             DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
         self.sd_adapter = sd_adapter
+        if config.last_save_in_hf and sd_adapter is None:
+            raise ConfigError("checkpoint.last_save_in_hf needs the model's state-dict adapter "
+                              "(sd_adapter), and the trainer gave none")
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self.save_future: Future | None = None
         self.staging_future: Future | None = None
@@ -126,8 +128,7 @@ class CheckpointManager(BaseCheckpointManager):
             return False
         self.maybe_wait_for_saving()
         if last_step:
-            state = self._export_state() if self.config.last_save_model_only else self._state()
-            self.manager.save_sync(curr_step, state, force=True)
+            self._save_last(curr_step)
             return True
         handle = self.manager.save(curr_step, self._state(), force=True)
         if self.config.async_mode == "disabled":
@@ -135,6 +136,21 @@ class CheckpointManager(BaseCheckpointManager):
         else:
             self.save_future = handle.done
         return True
+
+    def _save_last(self, step: int) -> None:
+        """The last step: model-only in ``export_dtype`` (or everything); with
+        ``last_save_in_hf`` its keys are the adapter's and rank 0 writes Hugging Face
+        safetensors beside it, at ``<folder>/step-<N>-hf``."""
+        state = self._export_state() if self.config.last_save_model_only else self._state()
+        if self.config.last_save_in_hf:
+            state = self.sd_adapter.to_hf(state)
+        self.manager.save_sync(step, state, force=True)
+        if not self.config.last_save_in_hf:
+            return
+        src, out = f"{self.folder}/{step_dir(step)}", f"{self.folder}/step-{step}-hf"
+        Comm(None).run_on_coordinator(f"exporting {src} to {out}", lambda: unshard(
+            src, out, format="hf", overwrite=True, storage_options=self.config.storage_options
+            or None) and None)
 
     def _state(self, model_only: bool = False) -> dict[str, Any]:
         """The tree a step holds: the model's keys flat, then the other states by name."""

@@ -265,6 +265,23 @@ def test_initial_load_in_hf_reads_safetensors_through_the_adapter(tmp_path):
     assert same(snapshot(p)["model"], snapshot(src)["model"])
 
 
+def test_last_save_in_hf_writes_safetensors_through_the_adapter(tmp_path):
+    from safetensors.torch import load_file
+
+    p = parts(0)
+    cfg = Manager.Config(enable=True, folder="ckpt", interval=10, last_save_in_hf=True,
+                         export_dtype="bfloat16")
+    mgr = cfg.build(dataloader=p["data"], model_parts=[p["model"]], optimizers=p["opt"],
+                    lr_schedulers=p["lr"], states={"train_state": p["train"]},
+                    sd_adapter=Renamer(), base_folder=str(tmp_path))
+    train(p, mgr, range(1, 3), last=2)
+    mgr.close()
+    hf = load_file(str(tmp_path / "ckpt" / "step-2-hf" / "model.safetensors"))
+    want = Renamer().to_hf(snapshot(p)["model"])
+    assert hf.keys() == want.keys()
+    assert all(torch.equal(hf[k], v.to(torch.bfloat16)) for k, v in want.items())
+
+
 def test_a_step_not_saved_is_refused_naming_it(tmp_path):
     p = parts(0)
     mgr = build(p, str(tmp_path), interval=2, keep_latest_k=0)
@@ -285,14 +302,14 @@ def test_disabled_manager_does_nothing(tmp_path):
 
 
 def test_refused_configurations_name_the_field(tmp_path):
-    with pytest.raises(ckptfs.ConfigError, match="last_save_in_hf"):
-        Manager.Config(enable=True, last_save_in_hf=True)
     with pytest.raises(ckptfs.ConfigError, match="initial_load_in_hf_quantized"):
         Manager.Config(enable=True, initial_load_path="/x", initial_load_in_hf=True,
                        initial_load_in_hf_quantized=True)
     with pytest.raises(ckptfs.ConfigError, match="async_mode"):
         Manager.Config(enable=True, async_mode="later")  # type: ignore[arg-type]
     p = parts(0)
+    with pytest.raises(ckptfs.ConfigError, match="last_save_in_hf.*sd_adapter"):
+        build(p, str(tmp_path), last_save_in_hf=True)
     with pytest.raises(ckptfs.ConfigError, match="exclude_from_loading.*'nope'"):
         mgr = build(p, str(tmp_path), exclude_from_loading=["nope"])
         try:
