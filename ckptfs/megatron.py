@@ -58,6 +58,8 @@ BACKEND, VERSION = "ckptfs", 1
 #: the common-state key of megatron-core 0.19's sharded state dict
 _COMMON = "common_state"
 _REGISTRY = register_default_strategy is not None
+#: the metadata.json backends whose checkpoints ckptfs reads
+_READS = (BACKEND, "torch_dist", "zarr")
 
 
 class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
@@ -136,9 +138,9 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend not in (BACKEND, "torch_dist"):
+        if loaded_backend not in _READS:
             raise ConfigError(f"ckptfs.megatron.LoadStrategy: metadata.json names backend "
-                              f"{loaded_backend!r}; this strategy loads {BACKEND!r} and 'torch_dist'")
+                              f"{loaded_backend!r}; this strategy loads {list(_READS)}")
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         if loaded_version != VERSION:

@@ -151,7 +151,7 @@ def main() -> int:
     with open(os.path.join(root, "metadata.json")) as f:
         config = json.load(f)
     assert config["sharded_backend"] == ("torch_dist" if NEW else "ckptfs"), config
-    for bad, call in ((2, "check_version_compatibility"), ("zarr", "check_backend_compatibility")):
+    for bad, call in ((2, "check_version_compatibility"), ("tensorstore", "check_backend_compatibility")):
         try:
             getattr(ckptfs.megatron.LoadStrategy(), call)(bad)
         except ckptfs.ConfigError as e:
