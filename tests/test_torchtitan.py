@@ -6,13 +6,16 @@ Two spawned gloo ranks train an FSDP2 model on the CPU: a reference run of 6 ste
 asynchronously at steps 2 and 4 that stops after step 5 and resumes from the latest step in a
 fresh process state, bit-exact with the reference; retention (``keep_latest_k``), the last
 step saved model-only in ``export_dtype``; torchtitan's own DCP manager's step read through
-``initial_load_path``. Single-process tests cover an S3 folder (moto), the policies (``load_only``,
-``exclude_from_loading``, ``enable=False``) and the refused configurations."""
+``initial_load_path``. Two ranks SIGKILLed while a save may be in flight resume from the newest
+committed step, bit-exact. Single-process tests cover an S3 folder (moto), Hugging Face loads
+and exports through a state-dict adapter, the policies (``load_only``, ``exclude_from_loading``,
+``enable=False``) and the refused configurations."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 import ckptfs
 import ckptfs.torchtitan
-from ckptfs.testing.ranks import run_ranks
+from ckptfs.testing.ranks import RanksFailed, run_ranks
 
 Manager = ckptfs.torchtitan.CheckpointManager
 
@@ -187,6 +190,43 @@ def _resume(rank: int, world: int, root: str) -> None:
     got = snapshot(moved)
     assert got.pop("pos") == 0 and saved.pop("pos") == 2  # DCP's pickled dataloader state: not read
     assert same(got, saved), "torchtitan's DCP step did not load whole"
+
+
+class NoCheckpoints:
+    """The loop without a checkpointer (the uninterrupted reference)."""
+
+    def save(self, step: int, last_step: bool = False) -> bool:
+        return False
+
+    def maybe_wait_for_staging(self) -> None:
+        pass
+
+
+def _killed(rank: int, world: int, root: str) -> None:
+    p = parts(0, rank, world, shard=True)
+    mgr = build(p, root, interval=2, keep_latest_k=2, async_mode="async")
+    train(p, mgr, range(1, 5), last=6)  # step 4's save may still be writing: SIGKILL now
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _after_kill(rank: int, world: int, root: str) -> None:
+    ref = parts(0, rank, world, shard=True)
+    train(ref, NoCheckpoints(), range(1, 7), last=6)
+    again = parts(7, rank, world, shard=True)
+    mgr = build(again, root, interval=2, keep_latest_k=2, async_mode="async")
+    assert mgr.load() is True
+    resumed = again["train"].step
+    assert resumed in (2, 4), resumed  # the newest committed step
+    train(again, mgr, range(resumed + 1, 7), last=6)
+    mgr.close()
+    assert same(snapshot(again), snapshot(ref)), f"resumed from step {resumed}: differs"
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_during_an_async_save_resume_bit_exact(tmp_path):
+    with pytest.raises(RanksFailed):
+        run_ranks(2, _killed, str(tmp_path), timeout=120)
+    run_ranks(2, _after_kill, str(tmp_path), timeout=120)
 
 
 @pytest.mark.slow
