@@ -5,12 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ckptfs-installed
 TORCH := torch==2.13.0
+# torchtitan for tests/test_torchtitan.py, without the training stack it declares (datasets,
+# wandb, tensorboard, torch_checkpointing): what its checkpointer, optimizer and config modules import
+TITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard shtab
 # pytest-xdist workers for `make test` (the suite waits on disks, sockets and spawned ranks
 # much of the time: two workers on CI's 2 cores cut its wall time by about a third)
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	clean interop megatron-venvs megatron-fixtures crash-trials test-diff-large test-two-node
+	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
+	test-two-node
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,6 +24,7 @@ $(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test,dev]" $(TORCH)
 	$(BIN)/pip install -q --no-deps -e examples/npy_plugin
+	$(BIN)/pip install -q --no-deps $(TITAN)
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -73,13 +78,13 @@ bench-perf: $(BENCH_STAMP)
 	MEGATRON_VENV=$(abspath $(MEGATRON_VENV)) OLMO_VENV=$(abspath $(OLMO_VENV)) \
 		$(BIN)/python -m bench.perf $(BENCH_ARGS)
 
-# ckptfs.diff's tests at 10^8 elements per checkpoint (400 MB each; `make test` runs 10^7)
 # Recovery tiers, full set: two torchrun agents as two nodes (a replaced node, a restart on one
 # node, a spoiled last copy, a node killed mid-copy) and the same scenarios on spawned ranks;
 # `make test` runs the first
 test-two-node: $(STAMP)
 	CKPTFS_TWO_NODE_FULL=1 $(BIN)/python -m pytest -q -x -n 0 tests/test_two_node.py tests/test_recovery_tiers.py
 
+# ckptfs.diff's tests at 10^8 elements per checkpoint (400 MB each; `make test` runs 10^7)
 test-diff-large: $(STAMP)
 	CKPTFS_DIFF_ELEMENTS=100000000 $(BIN)/python -m pytest -q -x -n 0 tests/test_diff.py
 
@@ -109,7 +114,8 @@ $(MEGATRON015_VENV)/.installed:
 	$(PY) -m venv $(MEGATRON015_VENV)
 	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH)
 	$(MEGATRON015_VENV)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.15.3
-	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH) triton psutil packaging "numpy<2" "zarr<3" tensorstore
+	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH) triton psutil packaging "numpy<2" "zarr<3" tensorstore \
+		google-crc32c tqdm
 	touch $@
 
 megatron-venvs: $(MEGATRON_VENV)/.installed $(MEGATRON015_VENV)/.installed
@@ -127,6 +133,15 @@ bench-venvs: $(MEGATRON_VENV)/.installed $(OLMO_VENV)/.installed
 interop: megatron-venvs
 	$(MEGATRON_VENV)/bin/python tests/interop/megatron_live.py \
 		--venv019 $(abspath $(MEGATRON_VENV)) --venv015 $(abspath $(MEGATRON015_VENV))
+
+# ckptfs.megatron's strategies under megatron-core 0.19.2 and 0.15.3 (tests/interop/megatron_strategies.py)
+interop-strategies: megatron-venvs
+	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_strategies.py
+	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_strategies.py
+
+# Megatron's dist_checkpointing with ckptfs's strategies against its torch_dist (bench/megatron_strategies.py)
+bench-megatron: $(MEGATRON_VENV)/.installed
+	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python -m bench.megatron_strategies
 
 # rewrites tests/fixtures/megatron/ (commit the result only when the format it tests changes)
 megatron-fixtures: megatron-venvs

@@ -10,6 +10,7 @@ checks that no bench module is left without one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -78,6 +79,9 @@ SMOKES = {
     "manager": Smoke(("--mb", "1", "--runs", "1"),
                      ("| local tier (all copies intact; index from S3) |", "| S3 (moto), no local tier |",
                       "| manager save |", "| async_save |")),
+    # needs megatron-core (its own venv: make bench-megatron); here it says so and exits 2
+    "megatron_strategies": Smoke(("--gb", "0.01", "--runs", "1"),
+                                 ("bench.megatron_strategies needs megatron-core",)),
     "distributed": Smoke(("--mb", "1", "--runs", "1", "--link-mibs", "0", "--dir", "{tmp}"),
                          ("| local disk | ckptfs |", "| moto S3 | dcp |", "| moto S3 | True |",
                           "| local disk, cold | False |"), "distributed-*.json"),
@@ -107,7 +111,8 @@ def test_bench_runs_at_its_smallest_size(name, tmp_path):
     run = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=540)
     out = run.stdout + run.stderr
-    want_rc = 2 if name == "gpu_tune" and not torch.cuda.is_available() else 0
+    want_rc = 2 if (name == "gpu_tune" and not torch.cuda.is_available()) or (
+        name == "megatron_strategies" and importlib.util.find_spec("megatron") is None) else 0
     assert run.returncode == want_rc, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert not re.search(r" failed: ", run.stdout), out[-4000:]
