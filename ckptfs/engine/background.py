@@ -125,11 +125,17 @@ class BackgroundSaver:
                             release(given.pop(), pool)
 
                     try:
-                        return finish(staged, comm, give_back)
+                        return self.finish(finish, staged, comm, give_back)
                     finally:
                         give_back()
 
             return self.launch(job)
+
+    def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
+               give_back: Callable[[], None]) -> T:
+        """Run ``finish`` once staged: here, in the save's thread (a saver of another kind may
+        run it elsewhere: engine/writer_process.py)."""
+        return finish(staged, comm, give_back)
 
     def launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
         """Run ``job(on_copied)`` in a new thread once the save in flight is done: ``on_copied()``
