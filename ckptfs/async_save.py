@@ -95,7 +95,7 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
 
 
 def _finish(url: str, be: Any, storage_options: Mapping[str, Any] | None,
-            store_options: StoreOptions, overwrite: bool, progress: bool, opts: SaveOptions,
+            store_options: StoreOptions | None, overwrite: bool, progress: bool, opts: SaveOptions,
             started: float, staged: StagedSave, comm: Comm,
             give_back: Callable[[], None]) -> SaveResult:
     """Phases 2 and 3 of an asynchronous save (a function of values: it may run in a writer

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from ckptfs import __file__ as ckptfs_file
 from ckptfs.dist import BACKGROUND, Comm
 from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
@@ -82,7 +81,7 @@ class _Writer:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(ckptfs_file)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         code = "import sys; from ckptfs.engine.writer_process import main; main(sys.argv[1:])"
         with theirs:
@@ -177,7 +176,8 @@ class ProcessSaver(BackgroundSaver):
                 give_back()
             elif msg[0] == "done":
                 result = msg[1]
-                if dataclasses.is_dataclass(result) and hasattr(result, "comm"):
+                if (dataclasses.is_dataclass(result) and not isinstance(result, type)
+                        and hasattr(result, "comm")):  # what moved through the collectives here
                     result = dataclasses.replace(result, comm=comm.stats.snapshot())
                 return result
             else:  # "failed"
@@ -373,3 +373,12 @@ def close_default_process_saver() -> None:
         saver, _Default.saver = _Default.saver, None
     if saver is not None:
         saver.close()
+
+
+def new_saver(writer: str, lane: str) -> BackgroundSaver:
+    """A saver of ``writer``'s kind (``"thread"`` or ``"process"``) on ``lane``."""
+    if writer == "thread":
+        return BackgroundSaver(lane)
+    if writer == "process":
+        return ProcessSaver(lane)
+    raise ConfigError(f"writer must be 'thread' or 'process', got {writer!r}")
