@@ -167,3 +167,26 @@ def unlink_owned(pid: int) -> int:
             except OSError:
                 pass
     return gone
+
+
+def unlink_orphans() -> int:
+    """Remove the arena files of processes that no longer exist (a training process killed
+    while no writer watched it); how many were removed. Files of a live process are kept."""
+    owners: set[int] = set()
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if name.startswith(PREFIX) and pid.isdigit():
+            owners.add(int(pid))
+    gone = 0
+    for pid in owners:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            gone += unlink_owned(pid)
+        except OSError:
+            pass  # alive, another user's
+    return gone

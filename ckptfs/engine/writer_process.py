@@ -42,7 +42,7 @@ from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
 from ckptfs.engine.background import BackgroundSaver, Finish, T
 from ckptfs.engine.buffers import BufferAllocator, BufferPool
-from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_owned
+from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
 from ckptfs.engine.stage import StagedSave
 from ckptfs.errors import ConfigError, WriterError
 
@@ -170,7 +170,7 @@ class ProcessSaver(BackgroundSaver):
                 try:
                     answer: tuple = ("ret", getattr(comm, name)(*args, **kwargs))
                 except Exception as e:
-                    answer = ("raise", e)
+                    answer = ("raise", pack_error(e))
                 writer.conn.send(answer)
             elif msg[0] == "give_back":
                 give_back()
@@ -181,7 +181,7 @@ class ProcessSaver(BackgroundSaver):
                     result = dataclasses.replace(result, comm=comm.stats.snapshot())
                 return result
             else:  # "failed"
-                raise msg[1]
+                raise unpack_error(msg[1])
 
     def _writer_ready(self) -> _Writer:
         w = self._writer
@@ -201,6 +201,10 @@ class ProcessSaver(BackgroundSaver):
         writer.conn.close()
         if self._writer is writer:
             self._writer = None
+            try:  # a writer watches this process's shared memory at all times
+                self._writer_ready()
+            except WriterError:
+                pass  # the next save tries again
         if comm.group is not None and comm.size > 1:
             drop(comm.group)  # the other ranks drop theirs when their collective fails
 
@@ -256,7 +260,7 @@ class RemoteComm(Comm):
         self._conn.send(("call", name, args, kwargs))
         kind, value = self._conn.recv()
         if kind == "raise":
-            raise value
+            raise unpack_error(value)
         return value
 
     def barrier(self, what: str = "a barrier") -> None:
@@ -310,6 +314,7 @@ def main(argv: list[str]) -> None:
 def serve(conn: Connection, parent: int) -> None:
     """The writer process's loop: one job at a time until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    unlink_orphans()
     maps = Mappings()
     while True:
         try:
@@ -344,11 +349,28 @@ def _run_job(conn: Connection, maps: Mappings, payload: bytes, comm: RemoteComm)
 
 
 def _send_failure(conn: Connection, e: BaseException) -> None:
-    try:
-        pickle.loads(pickle.dumps(e))
-        conn.send(("failed", e))
-    except Exception:
-        conn.send(("failed", WriterError(f"{type(e).__name__}: {e}")))
+    conn.send(("failed", pack_error(e)))
+
+
+def pack_error(e: BaseException) -> tuple[Any, str, dict[str, Any]]:
+    """``e`` as what crosses the pipe whether or not its class pickles (ckptfs's rank errors
+    take other arguments than their message): its class, message and attributes."""
+    for packed in ((type(e), str(e), dict(vars(e))), (WriterError, f"{type(e).__name__}: {e}", {})):
+        try:
+            pickle.dumps(packed)
+            return packed
+        except Exception:
+            continue
+    return (WriterError, f"{type(e).__name__}: {e}", {})
+
+
+def unpack_error(packed: tuple[Any, str, dict[str, Any]]) -> BaseException:
+    """The exception ``pack_error`` packed (same class, message and attributes)."""
+    cls, message, attrs = packed
+    e = cls.__new__(cls)
+    BaseException.__init__(e, message)
+    e.__dict__.update(attrs)
+    return e
 
 
 class _Default:
