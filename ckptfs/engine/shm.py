@@ -178,9 +178,9 @@ def unlink_orphans() -> int:
     except OSError:
         return 0
     for name in names:
-        pid = name[len(PREFIX):].split("-", 1)[0]
-        if name.startswith(PREFIX) and pid.isdigit():
-            owners.add(int(pid))
+        owner = name[len(PREFIX):].split("-", 1)[0]
+        if name.startswith(PREFIX) and owner.isdigit():
+            owners.add(int(owner))
     gone = 0
     for pid in owners:
         try:
