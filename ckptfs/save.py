@@ -11,6 +11,7 @@ from typing import Any
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.background import wait_default_idle
+from ckptfs.engine.writer_process import wait_default_process_idle
 from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
@@ -90,6 +91,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     url = os.fspath(url)
     opts, store_options = resolve_save(options, store_options, deprecated)
     wait_default_idle()
+    wait_default_process_idle()
     with public_errors(url):
         comm = Comm(process_group, timeout=opts.collective_timeout)
         be = make_backend(backend, backend_version, backend_options)

@@ -389,6 +389,13 @@ def default_process_saver() -> ProcessSaver:
         return _Default.saver
 
 
+def wait_default_process_idle() -> None:
+    """Wait until the default process saver runs no save (if it was ever made)."""
+    saver = _Default.saver
+    if saver is not None:
+        saver.wait_idle()
+
+
 def close_default_process_saver() -> None:
     """``close()`` the default process saver if it was made (every rank calls it)."""
     with _Default.lock:
