@@ -12,6 +12,7 @@ saver) first waits for the previous one's ``done``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -64,7 +65,8 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                store_options: StoreOptions | None = None, overwrite: bool = False,
                progress: bool = False, options: SaveOptions | None = None,
                saver: BackgroundSaver | None = None, check_finite: bool = False,
-               stats: bool = False, writer: str = "thread", **deprecated: Any) -> AsyncSave:
+               stats: bool = False, writer: str = "thread", host_memory_limit: int | None = None,
+               **deprecated: Any) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
     ``process_group`` calls this. Options as for ``save``; ``options.collective_timeout``
     bounds every wait of the background save for the other ranks (a dead rank fails ``done``
@@ -72,7 +74,10 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     per-process one of ``writer``'s kind, ``ckptfs.close()`` frees it). ``writer``: where the
     files are written, checksummed and committed once staged: ``"thread"`` (a thread of this
     process) or ``"process"`` (a persistent writer process per rank, fed through shared memory:
-    the training loop's Python keeps the GIL to itself). ``check_finite`` and ``stats`` as for ``save``
+    the training loop's Python keeps the GIL to itself). ``host_memory_limit`` (bytes; also
+    ``SaveOptions.host_memory_limit``): the most host memory staging holds; what does not fit
+    is copied while the files are written, and ``staged`` resolves after the last byte
+    (thread writer). ``check_finite`` and ``stats`` as for ``save``
     (checked while staging: a refused save resolves ``done`` with NonFiniteError).
 
     Returns at once, unless the saver has a save still in flight: then it first waits for that
@@ -83,6 +88,8 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     started = time.perf_counter()
     url = os.fspath(url)
     opts, store_options = resolve_save(options, store_options, deprecated, "async_save")
+    if host_memory_limit is not None:
+        opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
     with public_errors(url):
         be = make_backend(backend, backend_version, backend_options)
 

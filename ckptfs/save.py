@@ -11,7 +11,6 @@ from typing import Any
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.background import wait_default_idle
-from ckptfs.engine.writer_process import wait_default_process_idle
 from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
@@ -20,6 +19,7 @@ from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
+from ckptfs.engine.writer_process import wait_default_process_idle
 from ckptfs.errors import ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend

@@ -35,7 +35,9 @@ from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.overflow import Overflow
 from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
+from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
 from ckptfs.io.local_store import lower_priority
 from ckptfs.layout.backend import Backend
@@ -114,7 +116,8 @@ class BackgroundSaver:
                 with public_errors(url):
                     on_device = check_on_device(held[0], comm.rank, check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                                   threads=options.copy_threads, copy_piece=options.copy_piece)
+                                   threads=options.copy_threads, copy_piece=options.copy_piece,
+                                   overflow=bounded(options, be))
                     staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
                                      device=on_device)
                     lower_priority(options.background_nice)  # the caller goes on
@@ -193,6 +196,17 @@ class BackgroundSaver:
         # the save in flight was waited for above; leave torch.distributed alone
         if self._pool is not None:
             self._pool.allocator.clear()
+
+
+def bounded(options: SaveOptions, be: Backend) -> Overflow | None:
+    """The overflow of a save under ``options.host_memory_limit`` (None: no bound)."""
+    limit = options.host_memory_limit
+    if limit is None:
+        return None
+    if not be.streams_device_chunks:
+        raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
+                          f"writing (safetensors_chunks); {be.name} does not")
+    return Overflow(limit, options.ring_bytes, options.ring_slots)
 
 
 class _Default:

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,6 +43,7 @@ from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
 from ckptfs.engine.background import BackgroundSaver, Finish, T
 from ckptfs.engine.buffers import BufferAllocator, BufferPool
+from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
 from ckptfs.engine.stage import StagedSave
 from ckptfs.errors import ConfigError, WriterError
@@ -138,6 +140,15 @@ class ProcessSaver(BackgroundSaver):
         """The writer process's pid (None before the first save and after ``close``)."""
         w = self._writer
         return w.proc.pid if w is not None and w.alive else None
+
+    def start(self, state_dict: Any, url: str, be: Any, finish: Finish[T], *,
+              process_group: Any, options: SaveOptions, check_finite: bool = False,
+              stats: bool = False) -> tuple[Future[None], Future[T]]:
+        if options.host_memory_limit is not None:
+            raise ConfigError("host_memory_limit is not supported with writer='process' yet "
+                              "(the thread writer bounds its staging)")
+        return super().start(state_dict, url, be, finish, process_group=process_group,
+                             options=options, check_finite=check_finite, stats=stats)
 
     def staging_pool(self, inner: BufferAllocator | None = None) -> BufferPool:
         return super().staging_pool(self._arena)  # always shared memory

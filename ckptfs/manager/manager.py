@@ -92,7 +92,8 @@ class CheckpointManager:
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
       as they tune ``save`` and ``load``; ``saver``: the ``BackgroundSaver`` its saves run on
       (default: one of its own, closed with it); ``writer``: the kind of that saver,
-      ``"thread"`` or ``"process"`` (``ckptfs.async_save``'s ``writer``).
+      ``"thread"`` or ``"process"`` (``ckptfs.async_save``'s ``writer``);
+      ``host_memory_limit``: ``SaveOptions.host_memory_limit`` for its saves.
     - ``progress``: rank 0 shows the bytes each save writes and each restore reads (a bar on a
       terminal, one summary line in a log).
     - ``check_finite`` / ``stats``: as for ``ckptfs.save``; a step holding NaN or infinity is
@@ -112,7 +113,7 @@ class CheckpointManager:
                  load_options: LoadOptions | None = None,
                  saver: BackgroundSaver | None = None, check_finite: bool = False,
                  stats: bool = False, progress: bool = False, writer: str = "thread",
-                 **deprecated: Any) -> None:
+                 host_memory_limit: int | None = None, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
@@ -125,6 +126,8 @@ class CheckpointManager:
         self.process_group = process_group
         self.save_options, self.store_options = resolve_save(
             save_options, store_options, deprecated, "CheckpointManager")
+        if host_memory_limit is not None:
+            self.save_options = replace(self.save_options, host_memory_limit=host_memory_limit)
         self.load_options = load_options or LoadOptions(
             collective_timeout=self.save_options.collective_timeout)
         #: runs this manager's saves (its own, on a lane named by the URL, unless one is given)
