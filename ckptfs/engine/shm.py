@@ -125,21 +125,41 @@ class SharedArena(BufferAllocator):
                          tuple(t.stride()), span)
 
 
+    def flat_ref(self, t: torch.Tensor) -> tuple[str, int, int] | None:
+        """(file name, byte offset, bytes) of a C-contiguous ``t`` in this arena, or None."""
+        if t.device.type != "cpu" or not t.is_contiguous() or not t.numel():
+            return None
+        with self._lock:
+            seg = self._owner(t)
+        if seg is None:
+            return None
+        return seg.name, t.data_ptr() - seg.base, t.numel() * t.element_size()
+
+
 class Mappings:
     """A writer's view of its owner's arena files: each mapped once, kept until ``close``."""
 
     def __init__(self) -> None:
         self._maps: dict[str, torch.Tensor] = {}
 
-    def from_ref(self, ref: TensorRef) -> torch.Tensor:
-        base = self._maps.get(ref.name)
+    def _base(self, name: str) -> torch.Tensor:
+        base = self._maps.get(name)
         if base is None:
-            fd = os.open(os.path.join(SHM_DIR, ref.name), os.O_RDWR)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
             try:
                 base = torch.frombuffer(mmap.mmap(fd, 0), dtype=torch.uint8)
             finally:
                 os.close(fd)
-            self._maps[ref.name] = base
+            self._maps[name] = base
+        return base
+
+    def flat(self, ref: tuple[str, int, int]) -> torch.Tensor:
+        """The bytes ``SharedArena.flat_ref`` located (a uint8 view)."""
+        name, offset, nbytes = ref
+        return self._base(name)[offset:offset + nbytes]
+
+    def from_ref(self, ref: TensorRef) -> torch.Tensor:
+        base = self._base(ref.name)
         if not ref.span:
             return torch.empty(ref.shape, dtype=ref.dtype)
         raw = base[ref.offset:ref.offset + ref.span].view(ref.dtype)

@@ -397,6 +397,20 @@ class _Plans(Mapping[str, TensorPlan]):
         return len(self._planned) + len(self._own)
 
 
+def split_plans(plans: Mapping[str, TensorPlan]) -> tuple[Any, Mapping[str, TensorPlan]] | None:
+    """A staged save's plans as (the agreed plans, the PerRank plans), or None when they are
+    not in that form (a writer process keeps the agreed plans of the plan cache)."""
+    if isinstance(plans, _Plans):
+        return plans._planned, plans._own
+    return None
+
+
+def join_plans(planned: Any, own: Mapping[str, TensorPlan]
+               ) -> Mapping[str, TensorPlan]:
+    """The plans ``split_plans`` split."""
+    return _Plans(planned, own)
+
+
 def merge_values(parts: Sequence[tuple[Mapping[str, Json], Mapping[str, str], Private]],
                  plan: SavePlan) -> tuple[dict[str, Json], dict[str, str], tuple[str, ...],
                                           dict[str, TensorPlan], list[tuple[str, ...]]]:
