@@ -120,7 +120,7 @@ class BackgroundSaver:
                                    overflow=bounded(options, be))
                     staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
                                      device=on_device)
-                    lower_priority(options.background_nice)  # the caller goes on
+                    self.lower_priority(options.background_nice)  # the caller goes on
                     given: list[StagedSave] = [staged]
 
                     def give_back() -> None:
@@ -133,6 +133,10 @@ class BackgroundSaver:
                         give_back()
 
             return self.launch(job)
+
+    def lower_priority(self, nice: int) -> None:
+        """Once staged: the save's work runs at nice ``nice`` (here: this thread's)."""
+        lower_priority(nice)
 
     def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
                give_back: Callable[[], None]) -> T:

@@ -48,6 +48,7 @@ from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
 from ckptfs.engine.stage import StagedSave, join_plans, split_plans
 from ckptfs.errors import ConfigError, WriterError
+from ckptfs.io.local_store import lower_priority
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
@@ -188,6 +189,7 @@ class ProcessSaver(BackgroundSaver):
         self._writer: _Writer | None = None
         #: the writer, agreed plans and token of the plans the writer keeps
         self._sent: tuple[_Writer, Any, int] | None = None
+        self._nice = 0
 
     @property
     def writer_pid(self) -> int | None:
@@ -218,7 +220,8 @@ class ProcessSaver(BackgroundSaver):
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise ConfigError(f"writer='process': the save cannot be sent to the writer "
                               f"process ({e})") from e
-        meta = (comm.rank, comm.size, comm.timeout, _members(comm), set(self._arena.names), token)
+        meta = (comm.rank, comm.size, comm.timeout, _members(comm), set(self._arena.names), token,
+                self._nice)
         try:
             writer.conn.send(("job", buf.getvalue(), meta))
             return self._serve(writer, comm, give_back)
@@ -227,6 +230,11 @@ class ProcessSaver(BackgroundSaver):
             if isinstance(e, WriterError):
                 raise
             raise WriterError(f"the writer process stopped answering: {e}") from e
+
+    def lower_priority(self, nice: int) -> None:
+        """The writer runs at nice ``nice``; this thread, which only serves its collectives,
+        keeps the caller's priority (a niced thread on a busy CPU would hold the writer up)."""
+        self._nice = nice
 
     def _known_plans(self, staged: StagedSave, writer: _Writer) -> tuple[StagedSave, int]:
         """``staged`` with its agreed plans replaced by ``PlansRef`` when ``writer`` already
@@ -313,6 +321,10 @@ def _members(comm: Comm) -> tuple[int, ...]:
         return tuple(range(comm.size))
 
 
+def _encode(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 # -- the writer process ---------------------------------------------------------------------
 class RemoteComm(Comm):
     """The writer's ``Comm``: each collective runs in the training process (over the pipe)."""
@@ -343,23 +355,38 @@ class RemoteComm(Comm):
             raise unpack_error(value)
         return value
 
+    # A world of one needs no training process (``Comm``'s own answers); otherwise objects are
+    # pickled here and travel as bytes, so the training process only moves bytes.
     def barrier(self, what: str = "a barrier") -> None:
-        self._call("barrier", what)
+        if self.size > 1:
+            self._call("barrier", what)
 
     def all_min(self, values: Any, what: str = "a reduction") -> list[int]:
+        if self.size == 1:
+            return list(values)
         return self._call("all_min", list(values), what)
 
     def all_gather_bytes(self, data: bytes, what: str = "an all-gather") -> list[bytes]:
+        if self.size == 1:
+            return [bytes(data)]
         return self._call("all_gather_bytes", data, what)
 
     def all_gather(self, obj: Any, what: str = "an all-gather") -> list[Any]:
-        return self._call("all_gather", obj, what)
+        if self.size == 1:
+            return [obj]
+        return [pickle.loads(b) for b in self._call("all_gather", _encode(obj), what)]
 
     def gather(self, obj: Any, what: str = "a gather", *, entries: bool = False) -> Any:
-        return self._call("gather", obj, what, entries=entries)
+        if self.size == 1:
+            return [obj]
+        got = self._call("gather", _encode(obj), what, entries=entries)
+        return None if got is None else [pickle.loads(b) for b in got]
 
     def broadcast(self, obj: Any, what: str = "a broadcast", *, src: int = 0) -> Any:
-        return self._call("broadcast", obj, what, src=src)
+        if self.size == 1:
+            return obj
+        return pickle.loads(self._call("broadcast", _encode(obj) if self.rank == src else None,
+                                       what, src=src))
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int, what: str = "a broadcast") -> None:
         raise ConfigError("tensor collectives do not run in a writer process")
@@ -406,8 +433,9 @@ def serve(conn: Connection, parent: int) -> None:
         if msg[0] == "stop":
             conn.close()
             return
-        _, payload, (rank, size, timeout, members, live, token) = msg
+        _, payload, (rank, size, timeout, members, live, token, nice) = msg
         maps.forget(live)
+        lower_priority(nice)
         try:
             _run_job(conn, maps, payload, RemoteComm(conn, rank, size, timeout, members), kept,
                      token)
