@@ -209,3 +209,14 @@ def test_a_killed_training_process_leaves_no_writer_nor_shared_memory(tmp_path):
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
+
+
+def test_settings_that_cannot_reach_the_writer_are_refused_at_once(tmp_path):
+    with pytest.raises(ckptfs.ConfigError, match="writer process"):
+        ckptfs.async_save({"w": torch.ones(4)}, str(tmp_path / "x"), writer="process",
+                          storage_options={"credentials": lambda: "secret"})
+    with pytest.raises(ckptfs.ConfigError, match="writer"):
+        ckptfs.async_save({"w": torch.ones(4)}, str(tmp_path / "y"), writer="fork")
+    assert writer_process.default_process_saver().writer_pid is None
+    ckptfs.close()
+    assert not os.path.exists(tmp_path / "x")

@@ -203,6 +203,11 @@ class ProcessSaver(BackgroundSaver):
         if options.host_memory_limit is not None:
             raise ConfigError("host_memory_limit is not supported with writer='process' yet "
                               "(the thread writer bounds its staging)")
+        try:  # refused here, on every rank alike, rather than in the background
+            pickle.dumps(finish, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise ConfigError(f"writer='process': the save's settings cannot be sent to the "
+                              f"writer process ({type(e).__name__}: {e})") from e
         return super().start(state_dict, url, be, finish, process_group=process_group,
                              options=options, check_finite=check_finite, stats=stats)
 
