@@ -12,9 +12,8 @@ repetition, all in the same process:
 - ``ckptfs-gil``: ``background_nice=0`` and the chunk checksums computed as before this option
   existed (google_crc32c in 1 MiB pieces holding the GIL, ``time.sleep(0)`` between them)
   instead of libcrc32c without the GIL;
-- ``ckptfs-proc``: the same stage, with the write and commit in a persistent spawned writer
-  process fed through shared-memory staging buffers (a prototype, here only to measure the
-  thread-vs-process choice; world 1 only);
+- ``ckptfs-proc``: ``ckptfs.async_save(writer="process")``: the same stage into shared
+  memory, the write, checksums and commit in a persistent writer process per rank;
 - ``DCP-stager``: ``dcp.async_save`` with one ``DefaultStager(use_async_staging=True)`` reused
   by every save (its staging storages are cached across saves; on torch 2.11, which cannot
   reuse one, a new stager per save: ``bench.libs.DcpStager``);
@@ -155,91 +154,20 @@ class Ckptfs:
 
         self.name = name
         self.nogil = checksum._extend_nogil if name != "ckptfs-gil" else None
-        self.options = {"ckptfs": None, "ckptfs-copy1": ckptfs.SaveOptions(copy_threads=1)}.get(
+        self.options = {"ckptfs": None, "ckptfs-proc": None,
+                        "ckptfs-copy1": ckptfs.SaveOptions(copy_threads=1)}.get(
             name, ckptfs.SaveOptions(background_nice=0))
+        self.writer = "process" if name == "ckptfs-proc" else "thread"
 
     def start(self, sd: dict[str, Any], path: str) -> Waits:
         from ckptfs.layout import checksum
 
         checksum._extend_nogil = self.nogil  # saves run one at a time: this one's setting
-        h = ckptfs.async_save(sd, path, options=self.options)
+        h = ckptfs.async_save(sd, path, options=self.options, writer=self.writer)
         return h.wait_staged, lambda: h.result()
 
     def close(self) -> None:
         ckptfs.close()
-
-
-class CkptfsProcess:
-    """The writer-process alternative: stage here, write and commit in a spawned process."""
-
-    name = "ckptfs-proc"
-
-    def __init__(self) -> None:
-        import torch.multiprocessing as mp
-
-        from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
-        from ckptfs.io import run_sync
-
-        class SharedAllocator(BufferAllocator):
-            def allocate(self, nbytes: int) -> torch.Tensor:
-                return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-
-        async def make() -> BufferPool:
-            return BufferPool(CachingAllocator(SharedAllocator()))
-
-        self.pool = run_sync(make())
-        ctx = mp.get_context("spawn")
-        self.requests, self.replies = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=writer_main, args=(self.requests, self.replies),
-                                name="ckptfs-writer", daemon=True)
-        self.proc.start()
-        assert self.replies.get(timeout=300) == "ready"
-
-    def start(self, sd: dict[str, Any], path: str) -> Waits:
-        from ckptfs.dist import Comm
-        from ckptfs.engine.background import default_saver
-        from ckptfs.engine.stage import release, stage
-        from ckptfs.save import make_backend
-
-        be = make_backend("safetensors_chunks", None, None)
-
-        def job(on_copied: Callable[[], None]) -> None:
-            staged = stage(sd, Comm(None), be, self.pool, copy=True, on_copied=on_copied)
-            try:
-                self.requests.put((staged, path))
-                ok, msg = self.replies.get()
-                if not ok:
-                    raise RuntimeError(f"writer process: {msg}")
-            finally:
-                release(staged, self.pool)
-
-        staged, done = default_saver().launch(job)
-        return lambda: staged.result(), lambda: done.result()
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.proc.join(timeout=60)
-        self.pool.allocator.clear()
-
-
-def writer_main(requests: Any, replies: Any) -> None:
-    """The writer process: write and commit each staged save it is sent (world of one)."""
-    from ckptfs.dist import Comm
-    from ckptfs.save import make_backend, open_agreed, save_staged
-
-    be = make_backend("safetensors_chunks", None, None)
-    replies.put("ready")
-    while (req := requests.get()) is not None:
-        staged, path = req
-        try:
-            comm = Comm(None)
-            save_staged(staged, be, open_agreed(comm, path, None, None), path, comm,
-                        overwrite=False, progress=False, options=ckptfs.SaveOptions(),
-                        started=time.perf_counter())
-            replies.put((True, ""))
-        except Exception as e:
-            replies.put((False, f"{type(e).__name__}: {e}"))
-        del staged, req
 
 
 class Dcp:
@@ -297,13 +225,10 @@ class PlainWrite:
 def make_checkpointers(names: list[str], world: int, srcs: list[torch.Tensor]) -> list[Any]:
     out: list[Any] = []
     for n in names:
-        if n in ("ckptfs", "ckptfs-gil", "ckptfs-nice0", "ckptfs-copy1"):
+        if n in ("ckptfs", "ckptfs-gil", "ckptfs-nice0", "ckptfs-copy1", "ckptfs-proc"):
             out.append(Ckptfs(n))
         elif n == "plain-write":
             out.append(PlainWrite(srcs))
-        elif n == "ckptfs-proc":
-            if world == 1:
-                out.append(CkptfsProcess())
         else:
             out.append(Dcp(n.removeprefix("DCP-")))
     return out

@@ -42,6 +42,7 @@ from ckptfs.errors import (
     UnknownBackendError,
     UnsupportedValueError,
     UsageError,
+    WriterError,
 )
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
@@ -148,6 +149,7 @@ __all__ = [
     "UnsupportedValueError",
     "UsageError",
     "VerifyReport",
+    "WriterError",
     "__version__",
     "async_save",
     "async_save_model_and_optim_state",

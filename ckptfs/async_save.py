@@ -12,6 +12,8 @@ saver) first waits for the previous one's ``done``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +26,8 @@ from ckptfs.engine.background import BackgroundSaver, default_saver
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.writer_process import ProcessSaver, close_default_process_saver, default_process_saver
+from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.options import resolve_save
 from ckptfs.save import SaveResult, make_backend, open_agreed, save_staged
@@ -61,12 +65,19 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                store_options: StoreOptions | None = None, overwrite: bool = False,
                progress: bool = False, options: SaveOptions | None = None,
                saver: BackgroundSaver | None = None, check_finite: bool = False,
-               stats: bool = False, **deprecated: Any) -> AsyncSave:
+               stats: bool = False, writer: str = "thread", host_memory_limit: int | None = None,
+               **deprecated: Any) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
     ``process_group`` calls this. Options as for ``save``; ``options.collective_timeout``
     bounds every wait of the background save for the other ranks (a dead rank fails ``done``
     with CollectiveError). ``saver``: the ``BackgroundSaver`` to run on (default: the
-    per-process one, ``ckptfs.close()`` frees it). ``check_finite`` and ``stats`` as for ``save``
+    per-process one of ``writer``'s kind, ``ckptfs.close()`` frees it). ``writer``: where the
+    files are written, checksummed and committed once staged: ``"thread"`` (a thread of this
+    process) or ``"process"`` (a persistent writer process per rank, fed through shared memory:
+    the training loop's Python keeps the GIL to itself). ``host_memory_limit`` (bytes; also
+    ``SaveOptions.host_memory_limit``): the most host memory staging holds; what does not fit
+    is copied while the files are written, and ``staged`` resolves after the last byte
+    (thread writer). ``check_finite`` and ``stats`` as for ``save``
     (checked while staging: a refused save resolves ``done`` with NonFiniteError).
 
     Returns at once, unless the saver has a save still in flight: then it first waits for that
@@ -77,22 +88,44 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     started = time.perf_counter()
     url = os.fspath(url)
     opts, store_options = resolve_save(options, store_options, deprecated, "async_save")
+    if host_memory_limit is not None:
+        opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
     with public_errors(url):
         be = make_backend(backend, backend_version, backend_options)
 
-    def finish(staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
-        store = open_agreed(comm, url, storage_options, store_options, nice=opts.background_nice)
-        return save_staged(staged, be, store, url, comm, overwrite=overwrite, progress=progress,
-                           options=opts, started=started)
-
-    saver = saver or default_saver()
+    finish = functools.partial(_finish, url, be, storage_options, store_options, overwrite,
+                               progress, opts, started)
+    saver = _saver(saver, writer)
     staged, done = saver.start(state_dict, url, be, finish, process_group=process_group,
                                options=opts, check_finite=check_finite, stats=stats)
     return AsyncSave(url, staged, done)
 
 
+def _finish(url: str, be: Any, storage_options: Mapping[str, Any] | None,
+            store_options: StoreOptions | None, overwrite: bool, progress: bool, opts: SaveOptions,
+            started: float, staged: StagedSave, comm: Comm,
+            give_back: Callable[[], None]) -> SaveResult:
+    """Phases 2 and 3 of an asynchronous save (a function of values: it may run in a writer
+    process)."""
+    store = open_agreed(comm, url, storage_options, store_options, nice=opts.background_nice)
+    return save_staged(staged, be, store, url, comm, overwrite=overwrite, progress=progress,
+                       options=opts, started=started)
+
+
+def _saver(saver: BackgroundSaver | None, writer: str) -> BackgroundSaver:
+    if writer not in ("thread", "process"):
+        raise ConfigError(f"async_save: writer must be 'thread' or 'process', got {writer!r}")
+    if saver is None:
+        return default_process_saver() if writer == "process" else default_saver()
+    if writer == "process" and not isinstance(saver, ProcessSaver):
+        raise ConfigError("async_save: writer='process' needs a ProcessSaver as saver=")
+    return saver
+
+
 def close() -> None:
-    """Wait for the asynchronous save in flight on the default saver (if any), then free its
-    staging buffers and background process groups. Call it on every rank before
+    """Wait for the asynchronous saves in flight on the default savers (if any), then stop the
+    writer process (``writer="process"``), free the staging buffers (shared-memory files
+    included) and the background process groups. Call it on every rank before
     ``destroy_process_group()``; a later ``async_save`` starts afresh."""
     default_saver().close()
+    close_default_process_saver()

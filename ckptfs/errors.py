@@ -116,3 +116,8 @@ class NonFiniteError(CkptfsError, ValueError):
         more = f" (+{len(keys) - 20} more)" if len(keys) > 20 else ""
         super().__init__(f"check_finite: {len(keys)} tensor(s) hold NaN or infinite elements, "
                          f"nothing was saved: {shown}{more}")
+
+
+class WriterError(CkptfsError):
+    """A save's writer process died or could not be started: nothing of that save was
+    committed; the next save starts a new writer."""

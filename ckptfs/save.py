@@ -19,6 +19,7 @@ from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
+from ckptfs.engine.writer_process import wait_default_process_idle
 from ckptfs.errors import ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend
@@ -90,6 +91,7 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     url = os.fspath(url)
     opts, store_options = resolve_save(options, store_options, deprecated)
     wait_default_idle()
+    wait_default_process_idle()
     with public_errors(url):
         comm = Comm(process_group, timeout=opts.collective_timeout)
         be = make_backend(backend, backend_version, backend_options)

@@ -73,6 +73,8 @@ SMOKES = {
     "async_save": Smoke(("--mb", "1", "--reps", "2", "--libs", "ckptfs", "--train-s", "0.1",
                          "--plain", "--dir", "{tmp}"),
                         ("checkpointer  first staged", "targets (ckptfs):"), "*-async-1mb.json"),
+    "python_bound": Smoke(("--tensors", "200", "--reps", "1", "--dir", "{tmp}/pb"),
+                          ("| writer | staged (s) |", "| thread |", "| process |")),
     "s3_quick": Smoke(("--mb", "1", "--runs", "1"),
                       ("save  ckptfs-s3fs ", "save  ckptfs-obstore ", "load  dcp-fsspec ",
                        "partial ckptfs-obstore ")),

@@ -90,6 +90,7 @@ def test_an_explicit_step_that_is_neither_committed_nor_held_is_named(tmp_path):
     (dict(replicas=-1), "replicas"),
     (dict(keep_local=0), "keep_local"),
     (dict(local_dir=None), "local_interval_steps needs local_dir"),
+    (dict(writer="process"), "local_interval_steps needs writer='thread'"),
 ])
 def test_settings_are_checked(tmp_path, kw, field):
     with pytest.raises(ckptfs.ConfigError, match=field):

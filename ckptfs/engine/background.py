@@ -35,7 +35,9 @@ from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.overflow import Overflow
 from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
+from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
 from ckptfs.io.local_store import lower_priority
 from ckptfs.layout.backend import Backend
@@ -114,10 +116,11 @@ class BackgroundSaver:
                 with public_errors(url):
                     on_device = check_on_device(held[0], comm.rank, check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                                   threads=options.copy_threads, copy_piece=options.copy_piece)
+                                   threads=options.copy_threads, copy_piece=options.copy_piece,
+                                   overflow=bounded(options, be))
                     staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
                                      device=on_device)
-                    lower_priority(options.background_nice)  # the caller goes on
+                    self.lower_priority(options.background_nice)  # the caller goes on
                     given: list[StagedSave] = [staged]
 
                     def give_back() -> None:
@@ -125,11 +128,21 @@ class BackgroundSaver:
                             release(given.pop(), pool)
 
                     try:
-                        return finish(staged, comm, give_back)
+                        return self.finish(finish, staged, comm, give_back)
                     finally:
                         give_back()
 
             return self.launch(job)
+
+    def lower_priority(self, nice: int) -> None:
+        """Once staged: the save's work runs at nice ``nice`` (here: this thread's)."""
+        lower_priority(nice)
+
+    def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
+               give_back: Callable[[], None]) -> T:
+        """Run ``finish`` once staged: here, in the save's thread (a saver of another kind may
+        run it elsewhere: engine/writer_process.py)."""
+        return finish(staged, comm, give_back)
 
     def launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
         """Run ``job(on_copied)`` in a new thread once the save in flight is done: ``on_copied()``
@@ -187,6 +200,17 @@ class BackgroundSaver:
         # the save in flight was waited for above; leave torch.distributed alone
         if self._pool is not None:
             self._pool.allocator.clear()
+
+
+def bounded(options: SaveOptions, be: Backend) -> Overflow | None:
+    """The overflow of a save under ``options.host_memory_limit`` (None: no bound)."""
+    limit = options.host_memory_limit
+    if limit is None:
+        return None
+    if not be.streams_device_chunks:
+        raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
+                          f"writing (safetensors_chunks); {be.name} does not")
+    return Overflow(limit, options.ring_bytes, options.ring_slots)
 
 
 class _Default:

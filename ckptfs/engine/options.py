@@ -57,9 +57,15 @@ class SaveOptions:
     #: threads writing its local data files: a busy CPU serves the training loop first.
     #: 0: the caller's priority
     background_nice: int = 10
+    #: bytes: the most host memory an asynchronous save's staging holds (thread writer); the
+    #: chunks that do not fit are copied through a few buffers within it while the files are
+    #: written, and ``staged`` resolves once the last of them is written. None: no bound (one
+    #: copy of the bytes the rank writes)
+    host_memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         _timeout("SaveOptions", self.collective_timeout)
+        _positive("SaveOptions", "host_memory_limit", self.host_memory_limit, optional=True)
         _positive("SaveOptions", "throttle_uploads", self.throttle_uploads, optional=True)
         _positive("SaveOptions", "copy_threads", self.copy_threads, optional=True)
         for name in ("copy_piece", "ring_bytes", "ring_slots"):

@@ -35,6 +35,7 @@ share entries safely (plan_cache.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
 from ckptfs.engine.copies import PIECE, copy_all, copy_threads
 from ckptfs.engine.device_parts import DeviceParts
+from ckptfs.engine.overflow import Overflow
 from ckptfs.engine.ring import SideStreams
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
@@ -202,7 +204,7 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
           copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
           on_copied: Callable[[], None] | None = None,
           threads: int | None = None, copy_piece: int = PIECE,
-          device: DeviceParts | None = None) -> StagedSave:
+          device: DeviceParts | None = None, overflow: Overflow | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
@@ -212,7 +214,10 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     copy (``SaveOptions.copy_piece``; engine/copies.py). The garbage collector is paused
     meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py).
     ``device`` (a synchronous save, ``copy=False``): the chunks it accepts are not copied but
-    streamed off their device while they are written (engine/device_parts.py)."""
+    streamed off their device while they are written (engine/device_parts.py). ``overflow``
+    (``copy=True`` under ``SaveOptions.host_memory_limit``): the chunks beyond its bound are
+    streamed through its ring while written, and ``on_copied`` waits for their last byte
+    (engine/overflow.py)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     ckey = (comm.members, comm.rank)
@@ -232,9 +237,14 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
         sums = comm.run_everywhere("save: checksumming replicas", lambda: replica_sums(replicas))
         replicas = ()
     shards = {**d.shards, **d.own}
+    if copy and overflow is not None:
+        device = overflow  # type: ignore[assignment]  # the same hooks: accepts, part
+        if on_copied is not None:
+            on_copied = functools.partial(overflow.arm, on_copied)
+    elif copy:
+        device = None
     chunks, leases = _take_agreed(comm, views, shards, pool, copy,
-                                  (copy_threads(threads), copy_piece), None if copy else device,
-                                  on_copied)
+                                  (copy_threads(threads), copy_piece), device, on_copied)
     return StagedSave(comm.rank, comm.size, _Plans(plan.plans, private_plans), chunks, leases,
                       copy, sums, replicas, agreed.cached, content)
 
@@ -385,6 +395,20 @@ class _Plans(Mapping[str, TensorPlan]):
 
     def __len__(self) -> int:
         return len(self._planned) + len(self._own)
+
+
+def split_plans(plans: Mapping[str, TensorPlan]) -> tuple[Any, Mapping[str, TensorPlan]] | None:
+    """A staged save's plans as (the agreed plans, the PerRank plans), or None when they are
+    not in that form (a writer process keeps the agreed plans of the plan cache)."""
+    if isinstance(plans, _Plans):
+        return plans._planned, plans._own
+    return None
+
+
+def join_plans(planned: Any, own: Mapping[str, TensorPlan]
+               ) -> Mapping[str, TensorPlan]:
+    """The plans ``split_plans`` split."""
+    return _Plans(planned, own)
 
 
 def merge_values(parts: Sequence[tuple[Mapping[str, Json], Mapping[str, str], Private]],

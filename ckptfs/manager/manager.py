@@ -10,6 +10,7 @@ save in flight per process) with two more steps in the same background job: the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
 from ckptfs.engine.options import LoadOptions, SaveOptions
 from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.writer_process import new_saver
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
@@ -112,7 +114,9 @@ class CheckpointManager:
       every rank (default SIGTERM, SIGUSR1), and whether the ranks exit after it.
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
       as they tune ``save`` and ``load``; ``saver``: the ``BackgroundSaver`` its saves run on
-      (default: one of its own, closed with it).
+      (default: one of its own, closed with it); ``writer``: the kind of that saver,
+      ``"thread"`` or ``"process"`` (``ckptfs.async_save``'s ``writer``);
+      ``host_memory_limit``: ``SaveOptions.host_memory_limit`` for its saves.
     - ``progress``: rank 0 shows the bytes each save writes and each restore reads (a bar on a
       terminal, one summary line in a log).
     - ``check_finite`` / ``stats``: as for ``ckptfs.save``; a step holding NaN or infinity is
@@ -131,13 +135,18 @@ class CheckpointManager:
                  save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None,
                  saver: BackgroundSaver | None = None, check_finite: bool = False,
-                 stats: bool = False, progress: bool = False,
+                 stats: bool = False, progress: bool = False, writer: str = "thread",
+                 host_memory_limit: int | None = None,
                  local_interval_steps: int | None = None, replicas: int = 1,
                  keep_local: int = 2, **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.local_interval_steps, self.replicas, self.keep_local = local_tiers(
             self.local_dir, local_interval_steps, replicas, keep_local)
+        if local_interval_steps is not None and writer != "thread":
+            # a local step's copies to other nodes travel over this process's group
+            raise ConfigError(f"CheckpointManager: local_interval_steps needs writer='thread', "
+                              f"got writer={writer!r}")
         self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
         if save_interval_steps is not None and (not isinstance(save_interval_steps, int)
                                                 or save_interval_steps < 1):
@@ -148,10 +157,12 @@ class CheckpointManager:
         self.process_group = process_group
         self.save_options, self.store_options = resolve_save(
             save_options, store_options, deprecated, "CheckpointManager")
+        if host_memory_limit is not None:
+            self.save_options = replace(self.save_options, host_memory_limit=host_memory_limit)
         self.load_options = load_options or LoadOptions(
             collective_timeout=self.save_options.collective_timeout)
         #: runs this manager's saves (its own, on a lane named by the URL, unless one is given)
-        self.saver = saver or BackgroundSaver(f"background:{self.url}")
+        self.saver = saver or new_saver(writer, f"background:{self.url}")
         self._owns_saver = saver is None
         self.health = Health(check_finite, stats)  #: what each save checks and records
         self.progress = progress  #: rank 0 shows the bytes its saves write and restores read
@@ -268,19 +279,9 @@ class CheckpointManager:
             Comm(self.process_group)
 
         local_step = self.is_local_step(step)
-
-        def finish(staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
-            if local_step:
-                assert self.local_dir is not None
-                return save_local(staged, self._backend, self.local_dir, step, comm,
-                                  replicas=self.replicas, keep_local=self.keep_local,
-                                  store_options=self.store_options, started=started,
-                                  release=give_back)
-            result = self._write_step(staged, comm, name, local, force=force, started=started,
-                                      give_back=give_back)
-            self._retain(comm)
-            return result
-
+        finish = (functools.partial(_finish_local_step, self, step, started)
+                  if local_step
+                  else functools.partial(_finish_step, self, name, local, force, started))
         staged, done = self.saver.start(state_dict, url, self._backend, finish,
                                         process_group=self.process_group, options=self.save_options,
                                         **self.health.flags)
@@ -291,6 +292,19 @@ class CheckpointManager:
             handle.result()
             self._preempted()
         return handle
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a writer process needs to finish a step's save (``writer="process"``): the
+        manager's settings, without its saver, group, open store or preemption handler."""
+        state = dict(self.__dict__)
+        for name in ("saver", "_preemption", "process_group", "_last", "_store", "_store_lock",
+                     "last_restore"):
+            state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._store_lock = threading.Lock()
 
     def _write_step(self, staged: StagedSave, comm: Comm, name: str, local: str | None, *,
                     force: bool, started: float, give_back: Callable[[], None]) -> SaveResult:
@@ -481,3 +495,23 @@ async def _clear_dead(store: Store, claim: Claim) -> None:
     leftovers = [f for f in await store.list() if f != LOCK_FILE]
     if leftovers:
         await store.delete(leftovers)
+
+
+def _finish_local_step(manager: CheckpointManager, step: int, started: float,
+                       staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
+    """A local step's save: this node's tier, then its copies to other nodes."""
+    assert manager.local_dir is not None
+    return save_local(staged, manager._backend, manager.local_dir, step, comm,
+                      replicas=manager.replicas, keep_local=manager.keep_local,
+                      store_options=manager.store_options, started=started, release=give_back)
+
+
+def _finish_step(manager: CheckpointManager, name: str, local: str | None, force: bool,
+                 started: float, staged: StagedSave, comm: Comm,
+                 give_back: Callable[[], None]) -> SaveResult:
+    """Phases 2 and 3 of a step's save, then retention (a function of values: it may run in a
+    writer process, on a copy of the manager)."""
+    result = manager._write_step(staged, comm, name, local, force=force, started=started,
+                                 give_back=give_back)
+    manager._retain(comm)
+    return result

@@ -1,0 +1,544 @@
+"""``ProcessSaver``: a ``BackgroundSaver`` whose writes run in a writer process of its own.
+
+The training process stages as the thread writer does (``BackgroundSaver.start``), but into
+shared memory (engine/shm.py: ``/dev/shm`` files it owns). Once staged, the save's finishing
+work (claiming the target, writing the files, checksums, building and committing the index:
+everything ``finish`` does) runs in one persistent writer process per saver, started with the
+multiprocessing *spawn* context on first use and reused by later saves. The writer maps the
+staging files once and reads the staged chunks in place.
+
+Cross-rank agreement stays in the training process: the writer's ``Comm`` (``RemoteComm``)
+sends each collective (small: outcomes, descriptions, index entries) over the pipe to the
+save's background thread, which runs it on the saver's own gloo lane and sends the answer back.
+So the failure discipline is ``Comm``'s: a failure on any rank fails every rank.
+
+Faults: a writer that dies during a save (pipe EOF) fails that save's ``done`` with
+``WriterError`` on its rank, drops the lane's group there, and the other ranks' next collective
+fails within the collective timeout; nothing is committed (the commit is the writer's last
+step). The next save starts a new writer. A writer whose training process dies notices (its
+parent changes, or the pipe closes), removes the staging files of that process and exits.
+``close()`` stops the writer and unlinks the files.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import io
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ckptfs.dist import BACKGROUND, Comm
+from ckptfs.dist.comm import CommStats
+from ckptfs.dist.groups import drop
+from ckptfs.engine.background import BackgroundSaver, Finish, T
+from ckptfs.engine.buffers import BufferAllocator, BufferPool
+from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
+from ckptfs.engine.stage import StagedSave, join_plans, split_plans
+from ckptfs.errors import ConfigError, WriterError
+from ckptfs.io.local_store import lower_priority
+from ckptfs.layout.backend import ChunkData
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.dtypes import DType
+
+#: seconds between checks that the other side is still alive
+POLL = 0.2
+#: seconds a writer waits for its parent to be gone after the pipe closed
+PARENT_GRACE = 5.0
+
+
+def shared_tensor(ref: TensorRef) -> torch.Tensor:
+    """Stands in the pickle for a tensor in shared memory; a writer's unpickler maps it to its
+    own ``Mappings.from_ref`` (never called elsewhere)."""
+    raise WriterError("a shared-memory tensor can only be read in a writer process")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles tensors that lie in ``arena`` as references. A per-type ``dispatch_table``
+    entry, looked up in C, so only tensors cost a Python call (a ``persistent_id`` is called
+    for every object: seconds for a state of 20,000 tensors)."""
+
+    def __init__(self, file: io.BytesIO, arena: SharedArena) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._tensor}
+        self.arena = arena
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        ref = None if t.requires_grad else self.arena.to_ref(t)
+        if ref is None:
+            return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return shared_tensor, (ref,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlansRef:
+    """Stands for the agreed plans a writer received with an earlier save (``token``)."""
+
+    token: int
+
+
+#: one chunk as it travels: key, dtype, global shape, box offsets, its data's (shared-memory
+#: place or the tensor itself, torch dtype, shape)
+Packed = tuple[str, DType, tuple[int, ...], tuple[int, ...], Any, torch.dtype, tuple[int, ...]]
+
+
+def pack(staged: StagedSave, arena: SharedArena) -> tuple[StagedSave, list[Packed]]:
+    """``staged`` without its chunks and leases (the writer does not release buffers: the
+    training process does), and its chunks as plain tuples (a slotted dataclass pickles
+    through Python calls: seconds for 20,000 chunks)."""
+    table: list[Packed] = []
+    for c in staged.chunks:
+        if c.source is not None:
+            raise ConfigError("writer='process' cannot write streamed chunks")
+        ref = arena.flat_ref(c.data)
+        table.append((c.key, c.dtype, c.global_shape, c.box.offsets,
+                      c.data if ref is None else ref, c.data.dtype, tuple(c.data.shape)))
+    return dataclasses.replace(staged, chunks=(), leases=()), table
+
+
+def unpack(rest: StagedSave, table: list[Packed], maps: Mappings) -> StagedSave:
+    chunks = []
+    for key, dtype, global_shape, offsets, data, torch_dtype, shape in table:
+        if not isinstance(data, torch.Tensor):
+            data = maps.flat(data).view(torch_dtype).view(shape)
+        chunks.append(ChunkData(key, dtype, global_shape, Box(offsets, shape), data))
+    return dataclasses.replace(rest, chunks=tuple(chunks))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, maps: Mappings) -> None:
+        super().__init__(file)
+        self.maps = maps
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == shared_tensor.__name__:
+            return self.maps.from_ref
+        return super().find_class(module, name)
+
+
+class _Writer:
+    """The training process's handle on one writer process: a fresh interpreter (never a
+    fork, and unlike multiprocessing's spawn it does not import the caller's main module
+    again), connected by a socket pair."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        code = "import sys; from ckptfs.engine.writer_process import main; main(sys.argv[1:])"
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        self.conn = Connection(ours.detach())
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def recv(self) -> Any:
+        """The writer's next message; WriterError once it is gone."""
+        while not self.conn.poll(POLL):
+            if not self.alive:
+                break
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as e:
+            self.join(1)
+            raise WriterError(f"the writer process (pid {self.proc.pid}) died "
+                              f"(exit code {self.proc.returncode})") from e
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.join(timeout)
+        if self.alive:
+            self.proc.kill()
+            self.join(timeout)
+        self.conn.close()
+
+
+class ProcessSaver(BackgroundSaver):
+    """Runs asynchronous saves one at a time: staged by the training process into shared
+    memory, written and committed by a writer process of its own (``writer="process"``)."""
+
+    def __init__(self, lane: str = BACKGROUND) -> None:
+        super().__init__(lane)
+        self._arena = SharedArena()
+        self._writer: _Writer | None = None
+        #: the writer, agreed plans and token of the plans the writer keeps
+        self._sent: tuple[_Writer, Any, int] | None = None
+        self._nice = 0
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid (None before the first save and after ``close``)."""
+        w = self._writer
+        return w.proc.pid if w is not None and w.alive else None
+
+    def start(self, state_dict: Any, url: str, be: Any, finish: Finish[T], *,
+              process_group: Any, options: SaveOptions, check_finite: bool = False,
+              stats: bool = False) -> tuple[Future[None], Future[T]]:
+        if options.host_memory_limit is not None:
+            raise ConfigError("host_memory_limit is not supported with writer='process' yet "
+                              "(the thread writer bounds its staging)")
+        try:  # refused here, on every rank alike, rather than in the background
+            pickle.dumps(finish, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise ConfigError(f"writer='process': the save's settings cannot be sent to the "
+                              f"writer process ({type(e).__name__}: {e})") from e
+        return super().start(state_dict, url, be, finish, process_group=process_group,
+                             options=options, check_finite=check_finite, stats=stats)
+
+    def staging_pool(self, inner: BufferAllocator | None = None) -> BufferPool:
+        return super().staging_pool(self._arena)  # always shared memory
+
+    def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
+               give_back: Callable[[], None]) -> T:
+        """Run ``finish`` in the writer; serve its collectives and buffer returns meanwhile."""
+        writer = self._writer_ready()
+        staged, token = self._known_plans(staged, writer)
+        buf = io.BytesIO()
+        try:
+            _Pickler(buf, self._arena).dump((finish, *pack(staged, self._arena)))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise ConfigError(f"writer='process': the save cannot be sent to the writer "
+                              f"process ({e})") from e
+        meta = (comm.rank, comm.size, comm.timeout, _members(comm), set(self._arena.names), token,
+                self._nice)
+        try:
+            writer.conn.send(("job", buf.getvalue(), meta))
+            return self._serve(writer, comm, give_back)
+        except (WriterError, OSError) as e:
+            self._lost(writer, comm)
+            if isinstance(e, WriterError):
+                raise
+            raise WriterError(f"the writer process stopped answering: {e}") from e
+
+    def lower_priority(self, nice: int) -> None:
+        """The writer runs at nice ``nice``; this thread, which only serves its collectives,
+        keeps the caller's priority (a niced thread on a busy CPU would hold the writer up)."""
+        self._nice = nice
+
+    def _known_plans(self, staged: StagedSave, writer: _Writer) -> tuple[StagedSave, int]:
+        """``staged`` with its agreed plans replaced by ``PlansRef`` when ``writer`` already
+        has them (the plan cache's: the same object as the last save's), and their token."""
+        split = split_plans(staged.plans)
+        if split is None:
+            return staged, 0
+        planned, own = split
+        sent = self._sent
+        if sent is not None and sent[0] is writer and sent[1] is planned:
+            return dataclasses.replace(staged, plans=join_plans(PlansRef(sent[2]), own)), sent[2]
+        token = (sent[2] if sent is not None else 0) + 1
+        self._sent = (writer, planned, token)
+        return staged, token
+
+    def _serve(self, writer: _Writer, comm: Comm, give_back: Callable[[], None]) -> Any:
+        while True:
+            msg = writer.recv()
+            if msg[0] == "call":
+                _, name, args, kwargs = msg
+                try:
+                    answer: tuple = ("ret", getattr(comm, name)(*args, **kwargs))
+                except Exception as e:
+                    answer = ("raise", pack_error(e))
+                writer.conn.send(answer)
+            elif msg[0] == "give_back":
+                give_back()
+            elif msg[0] == "done":
+                result = msg[1]
+                if (dataclasses.is_dataclass(result) and not isinstance(result, type)
+                        and hasattr(result, "comm")):  # what moved through the collectives here
+                    result = dataclasses.replace(result, comm=comm.stats.snapshot())
+                return result
+            else:  # "failed"
+                raise unpack_error(msg[1])
+
+    def _writer_ready(self) -> _Writer:
+        w = self._writer
+        if w is None or not w.alive:
+            if w is not None:
+                w.stop(1)
+            try:
+                w = self._writer = _Writer()
+            except Exception as e:
+                raise WriterError(f"could not start the writer process: {e}") from e
+        return w
+
+    def _lost(self, writer: _Writer, comm: Comm) -> None:
+        if writer.alive:
+            writer.proc.kill()
+        writer.join(5)
+        writer.conn.close()
+        if self._writer is writer:
+            self._writer = None
+            try:  # a writer watches this process's shared memory at all times
+                self._writer_ready()
+            except WriterError:
+                pass  # the next save tries again
+        if comm.group is not None and comm.size > 1:
+            drop(comm.group)  # the other ranks drop theirs when their collective fails
+
+    def close(self) -> None:
+        """Wait for the save in flight, stop the writer, unlink the staging files and free the
+        lane's process groups (every rank calls it; a later save starts afresh)."""
+        with self._lock:
+            super().close()
+            if self._writer is not None:
+                self._writer.stop()
+                self._writer = None
+            self._arena.clear()
+
+    def _free_at_exit(self) -> None:
+        super()._free_at_exit()
+        if self._writer is not None:
+            self._writer.stop(2)
+            self._writer = None
+        self._arena.clear()
+
+
+def _members(comm: Comm) -> tuple[int, ...]:
+    try:
+        return comm.members
+    except (ValueError, RuntimeError):
+        return tuple(range(comm.size))
+
+
+def _encode(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# -- the writer process ---------------------------------------------------------------------
+class RemoteComm(Comm):
+    """The writer's ``Comm``: each collective runs in the training process (over the pipe)."""
+
+    def __init__(self, conn: Connection, rank: int, size: int, timeout: float,
+                 members: tuple[int, ...]) -> None:  # no super().__init__: no group here
+        self.distributed = size > 1
+        self.group = self._callers = None
+        self.timeout = timeout
+        self.stats = CommStats()
+        self._device = torch.device("cpu")
+        self.rank, self.size = rank, size
+        self._conn = conn
+        self._members = members
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return self._members
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self._conn.send(("call", name, args, kwargs))
+        kind, value = self._conn.recv()
+        if kind == "raise":
+            raise unpack_error(value)
+        return value
+
+    # A world of one needs no training process (``Comm``'s own answers); otherwise objects are
+    # pickled here and travel as bytes, so the training process only moves bytes.
+    def barrier(self, what: str = "a barrier") -> None:
+        if self.size > 1:
+            self._call("barrier", what)
+
+    def all_min(self, values: Any, what: str = "a reduction") -> list[int]:
+        if self.size == 1:
+            return list(values)
+        return self._call("all_min", list(values), what)
+
+    def all_gather_bytes(self, data: bytes, what: str = "an all-gather") -> list[bytes]:
+        if self.size == 1:
+            return [bytes(data)]
+        return self._call("all_gather_bytes", data, what)
+
+    def all_gather(self, obj: Any, what: str = "an all-gather") -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        return [pickle.loads(b) for b in self._call("all_gather", _encode(obj), what)]
+
+    def gather(self, obj: Any, what: str = "a gather", *, entries: bool = False) -> Any:
+        if self.size == 1:
+            return [obj]
+        got = self._call("gather", _encode(obj), what, entries=entries)
+        return None if got is None else [pickle.loads(b) for b in got]
+
+    def broadcast(self, obj: Any, what: str = "a broadcast", *, src: int = 0) -> Any:
+        if self.size == 1:
+            return obj
+        return pickle.loads(self._call("broadcast", _encode(obj) if self.rank == src else None,
+                                       what, src=src))
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int, what: str = "a broadcast") -> None:
+        raise ConfigError("tensor collectives do not run in a writer process")
+
+    def point_to_point(self, ops: Any, what: str = "an exchange") -> None:
+        raise ConfigError("tensor collectives do not run in a writer process")
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL)
+    unlink_owned(parent)
+    os._exit(0)
+
+
+def _parent_gone(parent: int) -> None:
+    """The pipe closed: if the parent is dying, clean up after it; exit in any case."""
+    deadline = time.monotonic() + PARENT_GRACE
+    while time.monotonic() < deadline:
+        if os.getppid() != parent:
+            unlink_owned(parent)
+            break
+        time.sleep(POLL)
+    os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """The writer process's entry point: ``<socket fd> <parent pid>``."""
+    serve(Connection(int(argv[0])), int(argv[1]))
+
+
+def serve(conn: Connection, parent: int) -> None:
+    """The writer process's loop: one job at a time until told to stop."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    unlink_orphans()
+    maps = Mappings()
+    kept: dict[int, Any] = {}  # token -> the agreed plans of the plan cache
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            _parent_gone(parent)
+            return
+        if msg[0] == "stop":
+            conn.close()
+            return
+        _, payload, (rank, size, timeout, members, live, token, nice) = msg
+        maps.forget(live)
+        lower_priority(nice)
+        try:
+            _run_job(conn, maps, payload, RemoteComm(conn, rank, size, timeout, members), kept,
+                     token)
+        except (EOFError, OSError):
+            _parent_gone(parent)
+            return
+
+
+def _run_job(conn: Connection, maps: Mappings, payload: bytes, comm: RemoteComm,
+             kept: dict[int, Any], token: int) -> None:
+    try:
+        finish, rest, table = _Unpickler(io.BytesIO(payload), maps).load()
+        staged = _with_plans(unpack(rest, table, maps), kept, token)
+        result = finish(staged, comm, lambda: conn.send(("give_back",)))
+        del staged
+        conn.send(("done", result))
+    except (EOFError, OSError) as e:
+        if isinstance(e, (EOFError, BrokenPipeError, ConnectionResetError)):
+            raise
+        _send_failure(conn, e)
+    except BaseException as e:
+        _send_failure(conn, e)
+
+
+def _with_plans(staged: StagedSave, kept: dict[int, Any], token: int) -> StagedSave:
+    split = split_plans(staged.plans)
+    if split is None:
+        return staged
+    planned, own = split
+    if isinstance(planned, PlansRef):
+        if planned.token not in kept:
+            raise WriterError(f"the writer process lost the plans of token {planned.token}")
+        return dataclasses.replace(staged, plans=join_plans(kept[planned.token], own))
+    kept.clear()
+    kept[token] = planned
+    return staged
+
+
+def _send_failure(conn: Connection, e: BaseException) -> None:
+    conn.send(("failed", pack_error(e)))
+
+
+def pack_error(e: BaseException) -> tuple[Any, str, dict[str, Any]]:
+    """``e`` as what crosses the pipe whether or not its class pickles (ckptfs's rank errors
+    take other arguments than their message): its class, message and attributes."""
+    for packed in ((type(e), str(e), dict(vars(e))), (WriterError, f"{type(e).__name__}: {e}", {})):
+        try:
+            pickle.dumps(packed)
+            return packed
+        except Exception:
+            continue
+    return (WriterError, f"{type(e).__name__}: {e}", {})
+
+
+def unpack_error(packed: tuple[Any, str, dict[str, Any]]) -> BaseException:
+    """The exception ``pack_error`` packed (same class, message and attributes)."""
+    cls, message, attrs = packed
+    e = cls.__new__(cls)
+    BaseException.__init__(e, message)
+    e.__dict__.update(attrs)
+    return e
+
+
+class _Default:
+    """Holder of the per-process default process saver (made on first use)."""
+
+    saver: ProcessSaver | None = None
+    lock = threading.Lock()
+
+
+def default_process_saver() -> ProcessSaver:
+    """The per-process saver ``ckptfs.async_save(..., writer="process")`` uses unless given one
+    (its lane is its own, so it may run beside the default thread saver)."""
+    with _Default.lock:
+        if _Default.saver is None:
+            _Default.saver = ProcessSaver(f"{BACKGROUND}:process")
+        return _Default.saver
+
+
+def wait_default_process_idle() -> None:
+    """Wait until the default process saver runs no save (if it was ever made)."""
+    saver = _Default.saver
+    if saver is not None:
+        saver.wait_idle()
+
+
+def close_default_process_saver() -> None:
+    """``close()`` the default process saver if it was made (every rank calls it)."""
+    with _Default.lock:
+        saver, _Default.saver = _Default.saver, None
+    if saver is not None:
+        saver.close()
+
+
+def new_saver(writer: str, lane: str) -> BackgroundSaver:
+    """A saver of ``writer``'s kind (``"thread"`` or ``"process"``) on ``lane``."""
+    if writer == "thread":
+        return BackgroundSaver(lane)
+    if writer == "process":
+        return ProcessSaver(lane)
+    raise ConfigError(f"writer must be 'thread' or 'process', got {writer!r}")
