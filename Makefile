@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
 	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
-	test-two-node
+	test-two-node test-extended
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -36,7 +36,12 @@ test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m "not extended"
+
+# The longer runs `make test` leaves out (marker `extended`): the conformance suite from an
+# installed wheel and the larger benches' smoke runs; each has a quicker twin in `make test`
+test-extended: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m extended
 
 # The fast lane: the tests that start no processes and no servers (`pytest -m "not slow"`).
 # A test that spawns ranks, runs a program in a subprocess or starts moto is marked

@@ -26,6 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     audit records go."""
     config.addinivalue_line("markers", "slow: starts processes (spawned ranks, programs) or a "
                                        "server (`make test-fast` leaves it out; `make test` runs it)")
+    config.addinivalue_line("markers", "extended: a long run beside a quicker one that covers the "
+                                       "same code (`make test` leaves it out; `make test-extended` "
+                                       "runs it)")
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name

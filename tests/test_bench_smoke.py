@@ -84,6 +84,9 @@ SMOKES = {
     # needs megatron-core (its own venv: make bench-megatron); here it says so and exits 2
     "megatron_strategies": Smoke(("--gb", "0.01", "--runs", "1"),
                                  ("bench.megatron_strategies needs megatron-core",)),
+    "recovery_tiers": Smoke(("--mb", "1", "--runs", "1"),
+                            ("| what | seconds |", "S3 restore / local restore:",
+                             "in the local ones: 0")),
     "distributed": Smoke(("--mb", "1", "--runs", "1", "--link-mibs", "0", "--dir", "{tmp}"),
                          ("| local disk | ckptfs |", "| moto S3 | dcp |", "| moto S3 | True |",
                           "| local disk, cold | False |"), "distributed-*.json"),
@@ -101,9 +104,14 @@ def test_every_bench_with_a_main_has_a_smoke_run():
         assert imports in (REPO / path).read_text(), name
 
 
+#: the smoke runs of the larger benches (tens of seconds each): `make test-extended`
+EXTENDED = frozenset({"distributed", "torch_dist_quick", "tools_quick", "scale", "recovery_tiers"})
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", sorted(SMOKES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED
+                                  else n for n in sorted(SMOKES)])
 def test_bench_runs_at_its_smallest_size(name, tmp_path):
     smoke = SMOKES[name]
     shutil.copytree(BENCH, tmp_path / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))

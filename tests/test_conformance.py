@@ -123,6 +123,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the same suite runs in-process in `make test`
 @pytest.mark.timeout(900)  # the whole suite over every pair, in a subprocess (about 90 s quiet)
 def test_conformance_passes_from_an_installed_wheel(wheel_venv: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}

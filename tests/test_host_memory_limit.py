@@ -20,18 +20,24 @@ LIMIT_MIB = 24
 STATE_MIB = 128  #: four tensors of 32 MiB, and small ones
 
 SAVER = textwrap.dedent("""
-    import json, os, resource, sys, torch, ckptfs
+    import json, os, sys, torch, ckptfs
     MiB = 1 << 20
     root, limit = sys.argv[1], (int(sys.argv[2]) * MiB if sys.argv[2] != "none" else None)
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(8 * MiB, generator=g) for i in range(4)}
     state["small"] = [torch.arange(i + 1) for i in range(50)]
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    # the peak of this process's own memory from here on: VmHWM reset to the current RSS (the
+    # lifetime ru_maxrss would also hold the launching process's peak, carried across exec)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
     h = ckptfs.async_save(state, root, host_memory_limit=limit)
     h.wait_staged(60)
     h.result(60)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status("VmHWM")
     ckptfs.close()
     print(json.dumps({"growth": peak - before}))
 """)

@@ -105,7 +105,7 @@ def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
             continue
         raw = next(per[step][1] for per in every if step in per)
         index = Index.loads(raw)
-        need = _needs(comm, nodes, state_dict, index, f"local step {step}", strict)
+        _, need = _needs(comm, nodes, state_dict, index, f"local step {step}", strict)
         holders = _holders(every, nodes, step)
         wanted = set().union(*need)
         if _missing(step, wanted, holders, reasons, "no node holds"):
@@ -118,9 +118,9 @@ def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
 
 
 def _needs(comm: Comm, nodes: Nodes, state_dict: dict[str, Any], index: Index, where: str,
-           strict: bool) -> list[set[str]]:
-    """Collective: the files each node's ranks read to fill their ``state_dict`` from
-    ``index`` (planned as ``load`` plans them: any world size and layout)."""
+           strict: bool) -> tuple[list[str], list[set[str]]]:
+    """Collective: the files this rank reads, and those each node's ranks read, to fill their
+    ``state_dict`` from ``index`` (planned as ``load`` plans them: any world size and layout)."""
 
     def plan() -> list[str]:
         p = plan_targets(state_dict, index, comm.rank)
@@ -128,9 +128,10 @@ def _needs(comm: Comm, nodes: Nodes, state_dict: dict[str, Any], index: Index, w
             raise MissingKeysError(where, list(p.missing))
         return sorted(chunks_read(p.reads)[0])
 
-    _, wanted = comm.run_everywhere(f"restore: planning the reads of {where}", plan,
-                                    lambda files: files, to="all")
-    return [set().union(*(wanted[r] for r in nodes.layout.ranks_on(n))) for n in range(nodes.count)]
+    read, wanted = comm.run_everywhere(f"restore: planning the reads of {where}", plan,
+                                       lambda files: files, to="all")
+    return read, [set().union(*(wanted[r] for r in nodes.layout.ranks_on(n)))
+                  for n in range(nodes.count)]
 
 
 def _check(comm: Comm, nodes: Nodes, held: Held | None, index: Index, need: list[set[str]],
@@ -187,16 +188,8 @@ def restore_local(state_dict: dict[str, Any], choice: Choice, comm: Comm, local_
     assert choice.step is not None
     step, index, nodes = choice.step, Index.loads(choice.index), choice.nodes
     where = f"local step {step}"
-
-    def plan() -> set[str]:
-        p = plan_targets(state_dict, index, comm.rank)
-        if strict and p.missing:
-            raise MissingKeysError(where, list(p.missing))
-        return set(chunks_read(p.reads)[0])
-
-    read, wanted = comm.run_everywhere(f"restore: planning the reads of {where}", plan,
-                                       lambda files: sorted(files), to="all")
-    need = [set().union(*(wanted[r] for r in nodes.layout.ranks_on(n))) for n in range(nodes.count)]
+    files, need = _needs(comm, nodes, state_dict, index, where, strict)
+    read = set(files)
     scratch = os.path.join(local_dir, SCRATCH_DIR, f"step-{step:08d}")
     fetched = comm.run_everywhere(
         f"restore: gathering the files of {where}",
