@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import ckptfs
-from bench.s3_quick import BUCKET, start_moto, storage_options
+from bench.s3_quick import BUCKET, moto_endpoint, storage_options
 from ckptfs.testing.ranks import run_ranks
 
 warnings.filterwarnings("ignore")
@@ -143,19 +143,14 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    proc, endpoint = start_moto()
-    work = tempfile.mkdtemp(prefix="ckptfs-bench-tiers-")
-    try:
+    with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(
+            prefix="ckptfs-bench-tiers-", ignore_cleanup_errors=True) as work:
         out_file = os.path.join(work, "out.txt")
         run_ranks(4, _rank, f"s3://{BUCKET}/tiers", [os.path.join(work, "n0"),
                                                      os.path.join(work, "n1")],
                   storage_options(endpoint), args.mb, args.runs, out_file, timeout=1800, threads=1)
         with open(out_file) as f:
             print(f.read())
-    finally:
-        proc.terminate()
-        proc.wait()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _rank(rank: int, world: int, url: str, locals_: list[str], opts: dict, mb: float, runs: int,

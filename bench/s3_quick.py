@@ -28,6 +28,8 @@ import sys
 import time
 import urllib.request
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -94,6 +96,17 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 
     boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
     return proc, url
+
+
+@contextmanager
+def moto_endpoint() -> Iterator[str]:
+    """``start_moto``'s endpoint for the ``with`` block; the server stops after it."""
+    proc, url = start_moto()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def med(xs: list[float]) -> float:
