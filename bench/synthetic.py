@@ -123,3 +123,28 @@ def small_specs(n: int) -> list[TensorSpec]:
 def make_plain(specs: list[TensorSpec], *, zeros: bool) -> dict[str, torch.Tensor]:
     """Whole (unsharded) tensors: zeros, or the contents ``fill`` gives them."""
     return {s.key: torch.zeros(s.shape, dtype=s.dtype) if zeros else fill(s, 0, s.shape[0]) for s in specs}
+
+
+def mid_layer_specs(layer: int) -> list[TensorSpec]:
+    """One layer of mid-size tensors (12-16 MiB each, 52 MiB in all): fp32 (4096, 1024),
+    fp32 (1024, 4096), fp32 (3072, 1024), bf16 (4096, 1024): the size of the tensors of a
+    model sharded over many ranks, where a save is many writes of a few MiB each per rank."""
+    p = f"mid.{layer}."
+    base = 16 * layer + 5000
+    return [
+        TensorSpec(p + "attn.wqkv", torch.float32, (4096, 1024), base + 1),
+        TensorSpec(p + "attn.wo", torch.float32, (1024, 4096), base + 2),
+        TensorSpec(p + "mlp.w_in", torch.float32, (3072, 1024), base + 3),
+        TensorSpec(p + "mlp.w_out", torch.bfloat16, (4096, 1024), base + 4),
+    ]
+
+
+def mid_specs(gb: float) -> list[TensorSpec]:
+    """Mid-size-tensor layers (``mid_layer_specs``) until the state holds at least ``gb`` GB;
+    at least one layer."""
+    specs: list[TensorSpec] = []
+    layer = 0
+    while not specs or sum(s.nbytes for s in specs) < gb * 1e9:
+        specs += mid_layer_specs(layer)
+        layer += 1
+    return specs
