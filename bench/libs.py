@@ -57,12 +57,18 @@ class Checkpointer(ABC):
 
 
 class Ckptfs(Checkpointer):
-    def __init__(self, backend: str, version: int) -> None:
-        self.backend, self.version = backend, version
-        self.name = f"ckptfs[{backend}-{version}]"
+    def __init__(self, backend: str, version: int, *, fsync: bool = True) -> None:
+        self.backend, self.version, self.fsync = backend, version, fsync
+        self.name = f"ckptfs[{backend}-{version}]" + ("" if fsync else " fsync=False")
+
+    def without_fsync(self) -> Ckptfs:
+        """The same checkpointer saving with ``StoreOptions(fsync=False)``."""
+        return Ckptfs(self.backend, self.version, fsync=False)
 
     def save(self, state, path):
-        ckptfs.save(state, path, backend=self.backend, backend_version=self.version)
+        opts = None if self.fsync else ckptfs.StoreOptions(fsync=False)
+        ckptfs.save(state, path, backend=self.backend, backend_version=self.version,
+                    store_options=opts)
 
     def load(self, state, path):
         res = ckptfs.load(state, path)

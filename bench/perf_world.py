@@ -9,9 +9,12 @@ measurement to the results file. Before anything is timed, each library saves an
 state once (its imports and first-call set-up are not measured). Every load is verified
 bit-exact against the expected shards (the targets are zeroed first, outside the timing).
 
-Worlds: 2 saves (W1, W5) and loads 2->2 (W1), warm (W6) and 10% of the keys (W3, with a floor of
-its own: the cold read of only those keys' local bytes); 1 saves and
-loads 1->1 (W1, W5, W6), loads 2->1 (W2) and the 20,000 small tensors (W4); 3 loads 2->3 (W2).
+Worlds: 2 saves (W1, W5; again without dropping the page cache, W7) and loads 2->2 (W1), warm
+(W6) and 10% of the keys (W3, with a floor of its own: the cold read of only those keys' local
+bytes); 1 saves and loads 1->1 (W1, W5, W6, W7), loads 2->1 (W2) and the 20,000 small tensors
+(W4); 3 loads 2->3 (W2). Worlds 1 and 2 also save and load the mid-size-tensor state (W8), with
+the page cache dropped and warm. Beside every ckptfs save that starts from a dropped page cache
+(W1, W8), the same save without fsync is timed (kind ``save-nofsync``).
 Beside every cold W1/W2/W4 load, the checkpoint's own files are read whole with plain calls, and
 right after every W4 save its files are created anew with plain calls (``bench.floors``): the
 ``of own files`` column of ``bench.perf``.
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 from bench import floors
 from bench.libs import Checkpointer, Ckptfs, Dcp
-from bench.synthetic import make_plain, make_state, same_bits, small_specs, state_specs
+from bench.synthetic import make_plain, make_state, mid_specs, same_bits, small_specs, state_specs
 from bench.worker import ckpt_path, drop_caches
 from ckptfs.testing.ranks import run_ranks
 
@@ -110,18 +113,44 @@ class World:
         dist.barrier()
         return time.perf_counter() - t0, result
 
-    def save(self, case: str, ck: Checkpointer, state: dict, path: str, nbytes: int) -> None:
+    def save(self, case: str, ck: Checkpointer, state: dict, path: str, nbytes: int, *,
+             drop: bool | None = None, no_fsync: bool = False) -> None:
+        """One timed save. ``drop`` (default: the run's ``drop``): the page cache is dropped
+        first; False: it keeps what the earlier cases left (a warm save). ``no_fsync`` (a
+        ckptfs library): the same save with ``fsync=False`` is timed beside it (alternately
+        before and after it, from the same page-cache state), kind ``save-nofsync``."""
+        drop = self.cfg["drop"] if drop is None else drop
+        plain = ck.without_fsync() if no_fsync and isinstance(ck, Ckptfs) else None
+        if plain is not None and self.rep % 2:
+            self.save_nofsync(case, ck.name, plain, state, path + "-nofsync", nbytes, drop)
         if self.rank == 0:
             ck.remove(path)
-            if self.cfg["drop"]:  # every save starts from the same page cache (docs/performance.md)
+            if drop:  # every save starts from the same page cache (docs/performance.md)
                 drop_caches()
         dist.barrier()
         base = reset_peak()
         secs, _ = self.timed(lambda: ck.save(state, path))
         self.emit(case=case, lib=ck.name, kind="save", seconds=secs, bytes=nbytes,
                   peak_rss=_status("VmHWM") - base, local_bytes=_local_bytes(state))
+        if plain is not None and not self.rep % 2:
+            self.save_nofsync(case, ck.name, plain, state, path + "-nofsync", nbytes, drop)
         if many_files(case):
             self.write_floor(case, ck, path)
+
+    def save_nofsync(self, case: str, lib: str, plain: Checkpointer, state: dict, path: str,
+                     nbytes: int, drop: bool) -> None:
+        """The save of ``case`` by ``plain`` (the library without fsync), recorded under
+        ``lib`` as kind ``save-nofsync``; its checkpoint is removed after."""
+        if self.rank == 0:
+            plain.remove(path)
+            if drop:
+                drop_caches()
+        dist.barrier()
+        secs, _ = self.timed(lambda: plain.save(state, path))
+        self.emit(case=case, lib=lib, kind="save-nofsync", seconds=secs, bytes=nbytes)
+        dist.barrier()
+        if self.rank == 0:
+            plain.remove(path)
 
     def load(self, case: str, kind: str, ck: Checkpointer, target: dict, expected: dict, path: str,
              nbytes: int) -> None:
@@ -223,7 +252,9 @@ class World:
         root = cfg["root"]
         if saves:
             for ck in self.libs:
-                self.save(f"W1 save {w}", ck, expected, ckpt_path(root, ck, w), total)
+                self.save(f"W1 save {w}", ck, expected, ckpt_path(root, ck, w), total, no_fsync=True)
+            for ck in self.libs[::-1]:  # the same save again, the page cache as it is
+                self.save(f"W7 warm save {w}", ck, expected, ckpt_path(root, ck, w), total, drop=False)
         for ck in self.libs:
             if saves:
                 path = ckpt_path(root, ck, w)
@@ -239,6 +270,8 @@ class World:
                 self.load(f"W3 load 10% keys {w}->{w}", "cold", ck, part, expected, ckpt_path(root, ck, w),
                           nbytes)
         del target
+        if saves and cfg.get("mid_gb"):
+            self.run_mid(cfg["mid_gb"])
         if w == 1 and cfg["small"]:
             sspecs = small_specs(cfg["small"])
             src = make_plain(sspecs, zeros=False)
@@ -248,6 +281,28 @@ class World:
                 path = ckpt_path(root, ck, w) + "-small"
                 self.save(f"W4 save {len(sspecs)} small", ck, src, path, nbytes)
                 self.load(f"W4 load {len(sspecs)} small", "cold", ck, dst, src, path, nbytes)
+
+
+    def run_mid(self, gb: float) -> None:
+        """W8: the mid-size-tensor state (``bench.synthetic.mid_specs``) saved with the page
+        cache dropped and warm, then loaded cold and warm, at this world size."""
+        w, root = self.world, self.cfg["root"]
+        specs = mid_specs(gb)
+        total = sum(s.nbytes for s in specs)
+        expected = make_state(specs, self.rank, w, zeros=False)
+        target = make_state(specs, self.rank, w, zeros=True)
+        for ck in self.libs:
+            path = ckpt_path(root, ck, w) + "-mid"
+            self.save(f"W8 mid save {w}", ck, expected, path, total, no_fsync=True)
+        for ck in self.libs[::-1]:
+            path = ckpt_path(root, ck, w) + "-mid"
+            self.save(f"W8 mid warm save {w}", ck, expected, path, total, drop=False)
+        for ck in self.libs:
+            path = ckpt_path(root, ck, w) + "-mid"
+            self.load(f"W8 mid load {w}->{w}", "cold", ck, target, expected, path, total)
+            self.load(f"W8 mid warm load {w}->{w}", "warm", ck, target, expected, path, total)
+            if self.rank == 0:
+                ck.remove(path)
 
 
 def many_files(case: str) -> bool:

@@ -255,13 +255,19 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         groups[(r["world"], r["drop"], r["lib"])].append(r)
     rows = []
-    for (world, drop, lib), rs in sorted(groups.items(), key=lambda g: (g[0][0], not g[0][1], LIBS.index(g[0][2]))):
+    def order(g: tuple) -> tuple:
+        (world, drop, lib), _ = g
+        return world, not drop, LIBS.index(lib)
+
+    for (world, drop, lib), rs in sorted(groups.items(), key=order):
         ranks = []
         for rank in range(world):
-            names = sorted({n for r in rs for n in r["ranks"][rank]},
-                           key=lambda n: statistics.median(r["ranks"][rank].get(n, {"from": 1e9})["from"] for r in rs))
-            ranks.append({n: {"seconds": statistics.median(r["ranks"][rank].get(n, {"seconds": 0.0})["seconds"] for r in rs),
-                              "calls": max(r["ranks"][rank].get(n, {"calls": 0})["calls"] for r in rs)}
+            got = [r["ranks"][rank] for r in rs]
+            names = sorted({n for g in got for n in g},
+                           key=lambda n: statistics.median(g.get(n, {"from": 1e9})["from"] for g in got))
+            ranks.append({n: {"seconds": statistics.median(g.get(n, {"seconds": 0.0})["seconds"]
+                                                           for g in got),
+                              "calls": max(g.get(n, {"calls": 0})["calls"] for g in got)}
                           for n in names})
         rows.append({"world": world, "page_cache": "dropped" if drop else "warm", "lib": lib,
                      "seconds": statistics.median(r["seconds"] for r in rs),

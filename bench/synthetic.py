@@ -125,26 +125,32 @@ def make_plain(specs: list[TensorSpec], *, zeros: bool) -> dict[str, torch.Tenso
     return {s.key: torch.zeros(s.shape, dtype=s.dtype) if zeros else fill(s, 0, s.shape[0]) for s in specs}
 
 
-def mid_layer_specs(layer: int) -> list[TensorSpec]:
+def mid_layer_specs(layer: int, shrink: int = 1) -> list[TensorSpec]:
     """One layer of mid-size tensors (12-16 MiB each, 52 MiB in all): fp32 (4096, 1024),
     fp32 (1024, 4096), fp32 (3072, 1024), bf16 (4096, 1024): the size of the tensors of a
-    model sharded over many ranks, where a save is many writes of a few MiB each per rank."""
+    model sharded over many ranks, where a save is many writes of a few MiB each per rank;
+    every dimension divided by ``shrink`` (quick checks)."""
     p = f"mid.{layer}."
     base = 16 * layer + 5000
+    k, m = 1024 // shrink, 4096 // shrink
     return [
-        TensorSpec(p + "attn.wqkv", torch.float32, (4096, 1024), base + 1),
-        TensorSpec(p + "attn.wo", torch.float32, (1024, 4096), base + 2),
-        TensorSpec(p + "mlp.w_in", torch.float32, (3072, 1024), base + 3),
-        TensorSpec(p + "mlp.w_out", torch.bfloat16, (4096, 1024), base + 4),
+        TensorSpec(p + "attn.wqkv", torch.float32, (m, k), base + 1),
+        TensorSpec(p + "attn.wo", torch.float32, (k, m), base + 2),
+        TensorSpec(p + "mlp.w_in", torch.float32, (3 * k, k), base + 3),
+        TensorSpec(p + "mlp.w_out", torch.bfloat16, (m, k), base + 4),
     ]
 
 
 def mid_specs(gb: float) -> list[TensorSpec]:
     """Mid-size-tensor layers (``mid_layer_specs``) until the state holds at least ``gb`` GB;
-    at least one layer."""
+    at least one layer. Below one full layer (quick checks) the layer shrinks, down to 1/64 of
+    each dimension."""
+    shrink = 1
+    while shrink < 64 and sum(s.nbytes for s in mid_layer_specs(0, shrink * 2)) >= gb * 1e9:
+        shrink *= 2
     specs: list[TensorSpec] = []
     layer = 0
     while not specs or sum(s.nbytes for s in specs) < gb * 1e9:
-        specs += mid_layer_specs(layer)
+        specs += mid_layer_specs(layer, shrink)
         layer += 1
     return specs

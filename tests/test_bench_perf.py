@@ -12,12 +12,16 @@ from bench import perf
 
 CASES = {"W1 save 1", "W1 save 2", "W1 load 1->1", "W1 load 2->2", "W2 load 2->1", "W2 load 2->3",
          "W3 load 10% keys 2->2", "W4 save 40 small", "W4 load 40 small", "W6 warm load 1->1",
-         "W6 warm load 2->2"}
+         "W6 warm load 2->2", "W7 warm save 1", "W7 warm save 2",
+         *(f"W8 mid {c}" for w in (1, 2) for c in (f"save {w}", f"warm save {w}", f"load {w}->{w}",
+                                                   f"warm load {w}->{w}"))}
+WARM = {"W6 warm load 1->1", "W6 warm load 2->2", "W7 warm save 1", "W7 warm save 2",
+        "W8 mid warm save 1", "W8 mid warm save 2", "W8 mid warm load 1->1", "W8 mid warm load 2->2"}
 
 
 @pytest.mark.slow
 def test_perf_tiny(tmp_path, capsys):
-    rc = perf.main(["--gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
+    rc = perf.main(["--gb", "0.0005", "--mid-gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
                     "--backends", "safetensors_chunks", "--peers", "DCP,OLMo-core",
                     "--olmo-venv", str(tmp_path / "no-venv"), "--floor-threads", "1",
                     "--no-drop-caches", "--no-plot", "--results", str(tmp_path / "res"),
@@ -40,8 +44,17 @@ def test_perf_tiny(tmp_path, capsys):
     assert res["floors"] == pytest.approx(measured)
     want_floor = {"save": "write", "cold": "cold", "warm": "warm"}
     for c in res["cases"]:
+        assert c["page_cache"] == ("warm" if c["case"] in WARM else "dropped"), c
+        # beside every ckptfs save from a dropped page cache, the same save without fsync
+        plain = [r for r in res["records"] if r["kind"] == "save-nofsync" and r["case"] == c["case"]
+                 and r["lib"] == c["lib"]]
+        if c["lib"].startswith("ckptfs") and c["case"].startswith(("W1 save", "W8 mid save")):
+            assert len(plain) == 1 and plain[0]["seconds"] > 0, plain
+            assert c["nofsync_fraction"] == pytest.approx(plain[0]["seconds"] / c["seconds"])
+        else:
+            assert not plain and "nofsync_fraction" not in c
         rec = [r for r in res["records"] if r.get("case") == c["case"] and r.get("lib") == c["lib"]
-               and r["kind"] != "floor-beside"]
+               and r["kind"] not in ("floor-beside", "save-nofsync")]
         assert len(rec) == 1
         assert ("bad" in rec[0]) == (c["kind"] != "save") and not rec[0].get("bad"), rec
         assert c["seconds"] == rec[0]["seconds"]
@@ -62,7 +75,17 @@ def test_perf_tiny(tmp_path, capsys):
     for case in CASES:
         assert case in report
     targets = [ln for ln in report.splitlines() if ln.startswith("  ckptfs[")]
-    assert len(targets) == 8 and all(ln.endswith(("-> met", "-> NOT met")) for ln in targets), targets
+    assert len(targets) == 9 and all(ln.endswith(("-> met", "-> NOT met")) for ln in targets), targets
+    (never,) = [ln for ln in targets if "never behind" in ln]
+    assert "W1, W7, W8" in never and "dropped and warm" in never, never
+    (plain,) = [ln for ln in targets if "without fsync" in ln]
+    assert "(W1, W8)" in plain, plain
+    # the worst ratio to each peer over every case, warm ones included
+    worst = [ln for ln in report.splitlines() if ln.startswith("  worst, ckptfs[") and " vs DCP: " in ln]
+    assert len(worst) == 1, worst
+    by = {(c["case"], c["lib"]): c["seconds"] for c in res["cases"]}
+    want = min((by[(k, "DCP")] / by[(k, lib)], k) for k, lib in by if lib != "DCP")
+    assert f"vs DCP: {want[0]:.2f}x ({want[1]})" in worst[0], (worst, want)
     (w3,) = [ln for ln in targets if "W3" in ln]
     near = [ln for ln in report.splitlines() if ln.startswith("  beside, ckptfs[")]
     assert len(near) == 2 and "same files read whole" in near[0] and "(W4)" in near[1], near
