@@ -245,7 +245,11 @@ class LocalStore(Store):
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             n = 0
-            with closing(pieces(parts, _WRITE_PIECE)) as todo:  # streamed parts: as they come
+            # with fsync, short pieces: each write-back request is small enough to be queued
+            # at once, so the disk writes one piece while the next is copied (a large request
+            # blocks the copy until the disk has taken most of it)
+            piece_bytes = _WRITEBACK_PIECE if self.options.fsync else _WRITE_PIECE
+            with closing(pieces(parts, piece_bytes)) as todo:  # streamed parts: as they come
                 for piece in todo:
                     size = _write_all(fd, piece)
                     if self.options.fsync:  # start write-back now; fsync below only waits
@@ -328,6 +332,8 @@ class LocalStore(Store):
 
 _IOV_MAX = 1024
 _WRITE_PIECE = 64 << 20
+#: bytes between two write-back requests of a file written with fsync (``_start_writeback``)
+_WRITEBACK_PIECE = 8 << 20
 
 #: per-process: the write threads of each nice value, made on first use and kept (a thread's
 #: nice cannot go back down in an unprivileged process, so they are never mixed with others)
