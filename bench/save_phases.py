@@ -183,12 +183,21 @@ def traced(points: list[tuple[Any, str, str]], os_modules: list[Any], trace: Tra
             setattr(owner, attr, orig)
 
 
+def store_options(lib: str) -> Any:
+    """The ``StoreOptions`` a library name gives: "ckptfs" the defaults, "ckptfs fsync=False
+    max_concurrency=2" those fields (ints or booleans)."""
+    import ckptfs
+
+    fields = dict(kv.split("=", 1) for kv in lib.split()[1:])
+    return ckptfs.StoreOptions(**{k: v == "True" if v in ("True", "False") else int(v)
+                                  for k, v in fields.items()})
+
+
 def do_save(lib: str, state: dict, path: str, backend: str) -> None:
     if lib.startswith("ckptfs"):
         import ckptfs
 
-        opts = ckptfs.StoreOptions(fsync=False) if "fsync=False" in lib else None
-        ckptfs.save(state, path, backend=backend, store_options=opts)
+        ckptfs.save(state, path, backend=backend, store_options=store_options(lib))
     else:
         import torch.distributed.checkpoint as dcp
 
@@ -211,13 +220,14 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     state = make_state(specs, rank, world, zeros=False)
     root = cfg["root"]
     small = make_state(mid_specs(0.0)[:1], rank, world, zeros=False)
-    for lib in LIBS:  # imports and first-call set-up, untimed
+    libs = cfg["libs"]
+    for lib in libs:  # imports and first-call set-up, untimed
         path = os.path.join(root, f"warm-{world}-{lib.replace(' ', '_')}")
         do_save(lib, small, path, cfg["backend"])
         dist.barrier()
     for rep in range(-cfg["warmup"], cfg["reps"]):
         for drop in cfg["drops"]:
-            order = LIBS if rep % 2 == 0 else LIBS[::-1]
+            order = libs if rep % 2 == 0 else libs[::-1]
             for lib in order:
                 path = os.path.join(root, f"w{world}-{lib.replace(' ', '_').replace('=', '')}")
                 if rank == 0:
@@ -248,7 +258,7 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
                 dist.barrier()
 
 
-def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarize(records: list[dict[str, Any]], libs: list[str]) -> list[dict[str, Any]]:
     """Per (world, cache, lib): the median save time and, per rank and phase, the median seconds
     covered and calls."""
     groups: dict[tuple[int, bool, str], list[dict]] = defaultdict(list)
@@ -257,7 +267,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     def order(g: tuple) -> tuple:
         (world, drop, lib), _ = g
-        return world, not drop, LIBS.index(lib)
+        return world, not drop, libs.index(lib)
 
     for (world, drop, lib), rs in sorted(groups.items(), key=order):
         ranks = []
@@ -302,12 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--cache", default="dropped,warm", help="page cache states: dropped, warm or both")
     p.add_argument("--backend", default="safetensors_chunks")
+    p.add_argument("--libs", default=",".join(LIBS),
+                   help="comma list: DCP, ckptfs, ckptfs with StoreOptions fields ('ckptfs fsync=False')")
     p.add_argument("--label", default="current", help="the key of this run in the results file")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--dir", default=None)
     args = p.parse_args(argv)
     from ckptfs.testing.ranks import run_ranks
 
+    libs = [x.strip() for x in args.libs.split(",") if x.strip()]
     drops = [c.strip() == "dropped" for c in args.cache.split(",") if c.strip()]
     if any(drops) and not drop_caches():
         sys.exit("cannot drop the page cache (needs root); pass --cache warm")
@@ -319,14 +332,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.reps} reps + {args.warmup} warm-up, libraries alternate", flush=True)
     try:
         for world in (int(w) for w in args.worlds.split(",")):
-            cfg = {"gb": args.gb, "reps": args.reps, "warmup": args.warmup, "drops": drops,
+            cfg = {"libs": libs, "gb": args.gb, "reps": args.reps, "warmup": args.warmup, "drops": drops,
                    "backend": args.backend, "root": root, "out": out}
             run_ranks(world, rank_main, cfg, timeout=1200)
         records = [json.loads(line) for line in Path(out).read_text().splitlines()]
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    rows = summarize(records)
+    rows = summarize(records, libs)
     report = render(rows, args.label)
     print(report)
     path = Path(args.results)
@@ -334,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(path.read_text()) if path.exists() else {}
     old[args.label] = {
         "config": {"gb": args.gb, "state_bytes": nbytes, "tensors": len(specs), "reps": args.reps,
-                   "warmup": args.warmup, "backend": args.backend},
+                   "warmup": args.warmup, "backend": args.backend, "libs": libs},
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                  "loadavg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         "rows": rows, "report": report}

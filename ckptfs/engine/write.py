@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptfs.dist import Comm, run_throttled
+from ckptfs.engine.checked_parts import CheckedPart, address, checked_files
 from ckptfs.engine.small_files import group_small
 from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.io import run_sync
@@ -98,28 +99,44 @@ def file_sums(files: Sequence[FileWrite],
 @paused_gc()  # many small acyclic objects (layout/nogc.py)
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                progress: bool) -> WrittenRank:
-    """This rank's files; checksums are computed here while the I/O threads write."""
+    """This rank's files; checksums are computed here while the I/O threads write (a store
+    that takes streamed parts checksums each chunk in its writer threads as it writes it:
+    engine/checked_parts.py)."""
     keys = {c.key for c in staged.chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
                        _Some(staged.plans, keys))
     rw = backend.write_rank(job)
-    writing = submit(write_files(store, rw.files, progress))
+    views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
+    files = rw.files
+    checked: dict[tuple[int, int], CheckedPart] = {}
+    if store.streams_parts:
+        files, checked = checked_files(rw.files, (data for _, data in views))
+    writing = submit(write_files(store, files, progress))
     try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
-        views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
-        crcs = [(c, data, crc_of(data, yielding=True)) for c, data in views]
+        apart = [(c, data) for c, data in views if not checked or address(data) not in checked]
+        crcs = [(c, data, crc_of(data, yielding=True)) for c, data in apart]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
     finally:
         writing.result()
+    crcs += [(c, data, _streamed_crc(part)) for c, data in views
+             if checked and (part := checked.get(address(data))) is not None]
     sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
-    sums.update(((c.key, c.box.offsets, c.box.shape), render(c.source.crc))  # type: ignore[arg-type]
+    sums.update(((c.key, c.box.offsets, c.box.shape), render(_streamed_crc(c.source)))
                 for c in staged.chunks if c.source is not None)
-    whole = file_sums(rw.files, memo((data, crc) for _, data, crc in crcs))
+    whole = file_sums(files, memo((data, crc) for _, data, crc in crcs))
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
                        {p: crc for p, (_, crc) in whole.items()}, replicas)
+
+
+def _streamed_crc(part: StreamedPart | None) -> int:
+    """The crc32c a streamed part computed while it was written."""
+    if part is None or part.crc is None:
+        raise RuntimeError("a streamed part's checksum is asked for before it was written")
+    return part.crc
 
 
 class _Some(Mapping[str, TensorPlan]):

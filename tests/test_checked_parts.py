@@ -1,0 +1,92 @@
+"""Chunk bytes checksummed while they are written (engine/checked_parts.py): on a local store
+each large chunk's crc32c is computed in the writer thread, slice by slice, and the index holds
+the same chunk and file checksums as bytes read back give; small chunks, encoded chunks and
+stores that do not take streamed parts keep the checksum computed apart."""
+
+from __future__ import annotations
+
+import threading
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.engine import write as write_mod
+from ckptfs.engine.checked_parts import MIN_BYTES, CheckedPart, address, checked_files
+from ckptfs.layout.backend import FileWrite
+from ckptfs.layout.index import Index
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+
+def test_a_checked_part_yields_its_bytes_in_slices_and_their_crc():
+    data = memoryview(np.random.default_rng(0).integers(0, 255, 5000, dtype=np.uint8).tobytes())
+    part = CheckedPart(data, slice_bytes=1024)
+    assert part.nbytes == 5000 and part.crc is None
+    got = []
+    for view in part.stream():
+        assert part.crc is None  # known only once every slice went by
+        got.append(bytes(view))
+    assert [len(g) for g in got] == [1024] * 4 + [904]
+    assert b"".join(got) == bytes(data) and part.crc == google_crc32c.value(bytes(data))
+    stream = part.stream()  # a retried write streams again, from the start
+    next(stream)
+    assert part.crc is None
+    stream.close()
+
+
+def test_only_parts_that_are_large_chunks_are_wrapped():
+    big = torch.arange(MIN_BYTES // 4 + 7, dtype=torch.float32)
+    small = torch.arange(100, dtype=torch.float32)
+    encoded = bytes(tensor_bytes(big))  # the same bytes elsewhere: an encoded copy
+    header = b"h" * 16
+    files = [FileWrite("a", (header, tensor_bytes(big), tensor_bytes(small))),
+             FileWrite("b", (encoded,)), FileWrite("c", (tensor_bytes(small),))]
+    out, made = checked_files(files, [tensor_bytes(big), tensor_bytes(small)])
+    assert list(made) == [address(tensor_bytes(big))]
+    a, b, c = out
+    assert a.parts[0] is header and isinstance(a.parts[1], CheckedPart) and a.parts[1] is made[
+        address(tensor_bytes(big))]
+    assert not isinstance(a.parts[2], CheckedPart)
+    assert b is files[1] and c is files[2]  # unchanged files are the same objects
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(3 << 18, generator=g),  # 3 MiB: checked while written
+            "wide": torch.randn(512, 1024, generator=g).bfloat16(),  # 1 MiB
+            "small": torch.randn(300, generator=g), "step": 7}
+
+
+@pytest.mark.parametrize("backend", ["safetensors_chunks", "torch_dist", "zarr"])
+def test_large_chunks_are_checksummed_in_the_writer_threads(tmp_path, monkeypatch, backend):
+    """No large chunk is checksummed by the saving thread; every chunk and file checksum in the
+    index is the crc32c of the bytes on disk, and the checkpoint loads and verifies."""
+    main = threading.current_thread()
+    apart: list[int] = []
+    real = write_mod.crc_of
+
+    def crc_of(data, **kw):
+        if threading.current_thread() is main:
+            apart.append(memoryview(data).nbytes)
+        return real(data, **kw)
+
+    monkeypatch.setattr(write_mod, "crc_of", crc_of)
+    state = _state()
+    ckptfs.save(state, tmp_path / "ck", backend=backend)
+    assert all(n < MIN_BYTES for n in apart), apart
+    index = Index.loads((tmp_path / "ck" / ckptfs.INDEX_FILE).read_bytes())
+    for path, want in index.file_checksums.items():
+        data = (tmp_path / "ck" / path).read_bytes()
+        assert f"crc32c:{google_crc32c.value(data):08x}" == want, path
+    for key in ("big", "wide", "small"):
+        raw = bytes(tensor_bytes(state[key]))
+        (chunk,) = index.tensors[key].chunks
+        assert chunk.checksum == f"crc32c:{google_crc32c.value(raw):08x}", key
+    report = ckptfs.verify(tmp_path / "ck")
+    assert report.ok, report.problems
+    back = {"big": torch.zeros(3 << 18), "wide": torch.zeros(512, 1024).bfloat16(),
+            "small": torch.zeros(300), "step": 0}
+    ckptfs.load(back, tmp_path / "ck")
+    assert all(torch.equal(back[k], state[k]) for k in ("big", "wide", "small"))
