@@ -116,6 +116,7 @@ def _timed(fn: Any, name: str, trace: Trace) -> Any:
 
 def ckptfs_points() -> list[tuple[Any, str, str]]:
     """(owner, attribute, phase) of every function timed in a ckptfs save."""
+    import ckptfs.engine.checked_parts as checked
     import ckptfs.engine.commit as commit
     import ckptfs.engine.stage as stage
     import ckptfs.engine.write as write
@@ -136,6 +137,7 @@ def ckptfs_points() -> list[tuple[Any, str, str]]:
         (write, "write_rank", "write: this rank's files"),
         (write, "write_files", "write: files in flight"),
         (write, "crc_of", "crc: chunks"),
+        (checked, "crc_of", "crc: chunks, in the writer threads"),
         (write, "replica_sums", "crc: replicas"),
         (write, "file_sums", "crc: whole files"),
         (local.LocalStore, "_write_file", "io: one file, open to close"),

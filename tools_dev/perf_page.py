@@ -3,10 +3,12 @@
     python -m tools_dev.perf_page            # rewrite docs/performance.md between its markers
     python -m tools_dev.perf_page --check    # exit 1 if the page differs from what the JSON gives
 
-The newest file of ``docs/perf_results/*.json`` (by its ``date``) gives the current table: the
+The newest file of ``docs/perf_results/*.json`` (by its ``date``) gives the current tables: the
 ``cases`` list that ``bench.perf`` writes (``case``, ``lib``, ``seconds``, ``gbps``,
-``floor_kind``, ``floor_gbps``, ``fraction``, ``beside_fraction``) with the run's ``date``,
-``machine`` and ``command``. Older result files stay as JSON; the page shows the newest only.
+``floor_kind``, ``floor_gbps``, ``fraction``, ``beside_fraction``, ``nofsync_fraction``,
+``page_cache``) with the run's ``date``, ``machine`` and ``command``; one table per state of the
+page cache the cases start from (dropped, warm). Older result files stay as JSON; the page shows
+the newest only.
 """
 
 from __future__ import annotations
@@ -34,18 +36,35 @@ def _order(case: str) -> tuple:
     return (case[:2], "load" in case and "save" not in case, case)
 
 
+def page_cache(c: dict[str, Any]) -> str:
+    """The page cache a case starts from (results written before the field: by the case)."""
+    if "page_cache" in c:
+        return c["page_cache"]
+    return "warm" if c["case"].startswith(("W6", "W7")) or " warm " in c["case"] else "dropped"
+
+
 def table(doc: dict[str, Any]) -> str:
-    """The markdown of the run's header lines and its table of cases."""
+    """The markdown of the run's header lines and its tables of cases, by page cache."""
     cases = doc["cases"]
+    lines = [f"Run of {doc['date']} on a {doc['machine']}; median of {doc['reps']} runs, "
+             f"state {doc['state_bytes'] / 1e9:.2f} GB:", "", "```", doc["command"], "```"]
+    for state, title in (("dropped", "Page cache dropped before each case"),
+                         ("warm", "Page cache warm (not dropped: what the earlier cases left)")):
+        part = [c for c in cases if page_cache(c) == state]
+        if part:
+            lines += ["", f"**{title}**", "", *_rows(part)]
+    return "\n".join(lines)
+
+
+def _rows(cases: list[dict[str, Any]]) -> list[str]:
     by = {(c["case"], c["lib"]): c for c in cases}
     peers = [p for p in PEERS if any(c["lib"] == p for c in cases)]
     libs = sorted({c["lib"] for c in cases},
                   key=lambda lib: (lib in PEERS, PEERS.index(lib) if lib in PEERS else 0, lib))
+    plain = any(c.get("nofsync_fraction") for c in cases)
     head = ["case", "library", "time", "GB/s", "floor GB/s", "of floor", "of own files",
-            *(f"x {p}" for p in peers)]
-    lines = [f"Run of {doc['date']} on a {doc['machine']}; median of {doc['reps']} runs, "
-             f"state {doc['state_bytes'] / 1e9:.2f} GB:", "", "```", doc["command"], "```", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            *(["x no fsync"] if plain else []), *(f"x {p}" for p in peers)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in sorted({c["case"] for c in cases}, key=_order):
         for lib in libs:
             c = by.get((case, lib))
@@ -54,10 +73,12 @@ def table(doc: dict[str, Any]) -> str:
             ratios = [f"{by[(case, p)]['seconds'] / c['seconds']:.2f}x"
                       if (case, p) in by and lib not in PEERS else "" for p in peers]
             own = f"{c['beside_fraction']:.0%}" if c.get("beside_fraction") is not None else ""
+            nofsync = [f"{c['nofsync_fraction']:.2f}x" if c.get("nofsync_fraction") else ""]
             lines.append("| " + " | ".join([
                 case, lib + MARKS.get(lib, ""), f"{c['seconds']:.3f} s", f"{c['gbps']:.2f}",
-                f"{c['floor_kind']} {c['floor_gbps']:.2f}", f"{c['fraction']:.0%}", own, *ratios]) + " |")
-    return "\n".join(lines)
+                f"{c['floor_kind']} {c['floor_gbps']:.2f}", f"{c['fraction']:.0%}", own,
+                *(nofsync if plain else []), *ratios]) + " |")
+    return lines
 
 
 def render(page: str, doc: dict[str, Any]) -> str:
