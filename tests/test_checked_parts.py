@@ -90,3 +90,22 @@ def test_large_chunks_are_checksummed_in_the_writer_threads(tmp_path, monkeypatc
             "small": torch.zeros(300), "step": 0}
     ckptfs.load(back, tmp_path / "ck")
     assert all(torch.equal(back[k], state[k]) for k in ("big", "wide", "small"))
+
+
+def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypatch):
+    """A remote store takes streamed parts but copies their views to upload them: its chunks
+    are checksummed apart, as before, never streamed."""
+    main = threading.current_thread()
+    apart: list[int] = []
+    real = write_mod.crc_of
+
+    def crc_of(data, **kw):
+        if threading.current_thread() is main:
+            apart.append(memoryview(data).nbytes)
+        return real(data, **kw)
+
+    monkeypatch.setattr(write_mod, "crc_of", crc_of)
+    state = _state()
+    ckptfs.save(state, "memory://remote")
+    assert sorted(apart)[-2:] == [1 << 20, 3 << 20], apart
+    assert ckptfs.verify("memory://remote").ok

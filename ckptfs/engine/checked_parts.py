@@ -3,9 +3,10 @@ before the store writes it, in the store's writer thread.
 
 A chunk's crc32c read apart from its write (another thread, the whole chunk first) reads every
 byte from memory twice, and on a host whose cores are shared by several ranks adds a busy
-thread per rank beside the writers. A ``CheckedPart`` hands a store that takes streamed parts
-(``Store.streams_parts``) the chunk's host bytes in slices; the crc32c of each slice is computed
-just before the slice is yielded, so the write that follows reads it from the CPU's cache, and
+thread per rank beside the writers. A ``CheckedPart`` hands a store that writes streamed parts
+in place (``Store.streams_in_place``: a local disk) the chunk's host bytes in slices; the
+crc32c of each slice is computed just before the slice is yielded, so the write that follows
+reads it from the CPU's cache, and
 the chunk's crc32c is there once the stream has ended (``StreamedPart.crc``: the file's
 checksum combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) and
 parts that are not a chunk's bytes as they are (encoded chunks) are left as they were.

@@ -109,7 +109,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
     files = rw.files
     checked: dict[tuple[int, int], CheckedPart] = {}
-    if store.streams_parts:
+    if store.streams_in_place:  # not a store that would copy the views (remote uploads)
         files, checked = checked_files(rw.files, (data for _, data in views))
     writing = submit(write_files(store, files, progress))
     try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written

@@ -212,6 +212,7 @@ class LocalStore(Store):
         await super().close()
 
     streams_parts = True
+    streams_in_place = True  #: ``put`` writes each view as it comes (``_write_file``)
 
     async def put(self, path: str, parts: Sequence[Part]) -> None:
         full = self._p(path)

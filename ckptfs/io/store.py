@@ -126,6 +126,13 @@ class Store(ABC):
         next); the engine gives other stores host bytes only."""
         return False
 
+    @property
+    def streams_in_place(self) -> bool:
+        """Whether ``put`` writes each view of a ``StreamedPart`` as it comes, without copying it
+        (a local disk; implies ``streams_parts``): the engine then hands it host chunk bytes as
+        streamed parts too, to checksum each slice as it is written (engine/checked_parts.py)."""
+        return False
+
     def check_writable(self, path: str) -> None:
         """Raise ``ReadOnlyStoreError`` naming the store and ``path`` if this store is read-only
         (every write and delete method of a store that can be read-only calls it first)."""

@@ -70,6 +70,10 @@ class WrapperStore(Store):
     def streams_parts(self) -> bool:
         return self.base.streams_parts
 
+    @property
+    def streams_in_place(self) -> bool:
+        return self.base.streams_in_place
+
     def full_path(self, path: str) -> str:
         store, p = self.route(path)
         return store.full_path(p)

@@ -81,8 +81,9 @@ class StoreTests:
     # -- capabilities and lifecycle --------------------------------------------------------
     def test_capabilities_are_booleans(self, store: Store) -> None:
         flags = ("read_only", "supports_writes", "supports_deletes", "supports_listing",
-                 "supports_ranged_reads", "streams_parts")
+                 "supports_ranged_reads", "streams_parts", "streams_in_place")
         assert all(isinstance(getattr(store, f), bool) for f in flags)
+        assert store.streams_parts or not store.streams_in_place
 
     def test_read_only_cannot_be_set(self, store: Store) -> None:
         with pytest.raises(AttributeError):
