@@ -3,7 +3,8 @@
 The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
 computing each chunk's crc32c and each file's (formats/README.md §6), and the checksums of the
-replica slices a synchronous save left to this phase (stage.py), while the I/O threads write;
+replica slices a synchronous save left to this phase (stage.py), while the I/O threads write
+(a local store's writer threads checksum each large chunk as they write it: checked_parts.py);
 a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading them again. With
 ``throttle_uploads=K`` at most K ranks of a node write at once. A failure anywhere raises on
 every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
@@ -99,9 +100,9 @@ def file_sums(files: Sequence[FileWrite],
 @paused_gc()  # many small acyclic objects (layout/nogc.py)
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                progress: bool) -> WrittenRank:
-    """This rank's files; checksums are computed here while the I/O threads write (a store
-    that takes streamed parts checksums each chunk in its writer threads as it writes it:
-    engine/checked_parts.py)."""
+    """This rank's files; checksums are computed here while the I/O threads write, or, for a
+    store that writes streamed parts in place, by its writer threads slice by slice as they
+    write each chunk (engine/checked_parts.py)."""
     keys = {c.key for c in staged.chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
                        _Some(staged.plans, keys))
