@@ -116,7 +116,9 @@ class World:
     def save(self, case: str, ck: Checkpointer, state: dict, path: str, nbytes: int, *,
              drop: bool | None = None, no_fsync: bool = False) -> None:
         """One timed save. ``drop`` (default: the run's ``drop``): the page cache is dropped
-        first; False: it keeps what the earlier cases left (a warm save). ``no_fsync`` (a
+        first; False: it keeps what the earlier cases left (a warm save), the file system
+        synced first (the removal of the previous checkpoint and the earlier cases' dirty pages
+        are not charged to this save). ``no_fsync`` (a
         ckptfs library): the same save with ``fsync=False`` is timed beside it (alternately
         before and after it, from the same page-cache state), kind ``save-nofsync``."""
         drop = self.cfg["drop"] if drop is None else drop
@@ -127,6 +129,8 @@ class World:
             ck.remove(path)
             if drop:  # every save starts from the same page cache (docs/performance.md)
                 drop_caches()
+            else:  # a warm save keeps the page cache but pays for no earlier case's write-back
+                os.sync()
         dist.barrier()
         base = reset_peak()
         secs, _ = self.timed(lambda: ck.save(state, path))
