@@ -4,9 +4,10 @@ and DCP with the same clock.
 A state of mid-size row-sharded DTensors (``bench.synthetic.mid_specs``: 12-16 MiB tensors) is
 saved on 1 and 2 spawned gloo ranks by ckptfs (defaults), ckptfs with ``fsync=False``, and DCP
 (``FileSystemWriter(sync_files=True)``), alternating, with and without dropping the page cache
-first. While each save runs, the functions of each phase are wrapped with ``time.perf_counter``
-timers (a bench-only patch, removed after the save; the library has no tracing code): stage
-(describe and agree, plan, take the bytes), the save lock, each file's write (``writev``,
+first (without: the file system is synced first, the page cache kept). While each save runs,
+the functions of each phase are wrapped with ``time.perf_counter`` timers (a bench-only patch,
+removed after the save; the library has no tracing code): stage (describe and agree, plan,
+take the bytes), the save lock, each file's write (``writev``,
 write-back requests, ``fsync``), the checksums of chunks and of whole files, the index build and
 the commit; for DCP its planner steps, the plan's reduce-scatter, each item's serialisation and
 write, ``fsync``, and ``finish``. Per phase: the seconds the phase's calls covered (the union of
@@ -236,6 +237,8 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
                     shutil.rmtree(path, ignore_errors=True)
                     if drop:
                         drop_caches()
+                    else:  # warm: the page cache kept, no earlier save's write-back charged
+                        os.sync()
                 dist.barrier()
                 trace = Trace()
                 points = ckptfs_points() if lib.startswith("ckptfs") else dcp_points()
