@@ -18,8 +18,9 @@ row-sharded DTensors (per layer fp32 (4096, 1024), (1024, 4096), (3072, 1024) an
 (4096, 1024), 12-16 MiB each; ``--gb`` in all) with every writer that loads through its own
 library (ckptfs zarr-2, zarr-3, safetensors_chunks, DCP); then, ``--runs`` times, each writer
 in turn (the order reversed every run) loads it into one rank, in a fresh spawned world of its
-own, with the page cache warm: the first load in that process (what a restarted job meets:
-the library imported, nothing else done yet) and the same load again. Every load is checked
+own, with the page cache warm (its files read whole right before: another job on a shared
+machine may have dropped the cache): the first load in that process (what a restarted job
+meets: the library imported, nothing else done yet) and the same load again. Every load is checked
 bit for bit. Results: bench/results/zarr-reshard-<time>.json.
 """
 
@@ -194,12 +195,23 @@ def _reshard_load(rank: int, world: int, root: str, gb: float, name: str, out: s
     for _ in range(2):
         for t in target.values():
             t.to_local().zero_()
+        _warm(path)
         t0 = time.perf_counter()
         load(target, path)
         secs.append(time.perf_counter() - t0)
         bad = check_state(specs, target, rank, world)
         assert not bad, f"{name}: loaded bytes differ in {bad[:3]}"
     Path(out).write_text(json.dumps(secs))
+
+
+def _warm(path: str) -> None:
+    """Read every file under ``path`` whole (into the page cache)."""
+    buf = bytearray(16 << 20)
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
 
 
 def reshard_main(args: argparse.Namespace) -> None:
