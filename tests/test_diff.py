@@ -268,3 +268,39 @@ def test_megatron_checkpoint_against_ckptfs(tmp_path):
     ckptfs.save(state, tmp_path / "changed")
     (k,) = ckptfs.diff(mcore / "checkpoint", tmp_path / "changed").differences
     assert (k.key, k.differing) == (key, 1)
+
+
+def test_region_pairs_are_read_side_by_side_in_reused_aligned_buffers(tmp_path):
+    """tools/pairs.py: every pair's two regions, in order, from two layouts of mixed dtypes
+    (odd sizes, a scalar, an empty tensor), in batches within half the budget per side; a data
+    file missing on one side fails the read naming it, with no read left in flight."""
+    from ckptfs.tools.pairs import pair_batches, read_region_pairs
+    from ckptfs.tools.source import Region, open_checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    state = {"f": torch.randn(37, 11, generator=g), "h": torch.randn(5, 9, generator=g).bfloat16(),
+             "b": torch.randint(0, 9, (13,), generator=g, dtype=torch.int8), "s": torch.tensor(2.5),
+             "e": torch.empty(0, 3), "d": torch.randn(7, generator=g, dtype=torch.float64)}
+    ckptfs.save(state, tmp_path / "a")
+    ckptfs.save(state, tmp_path / "b", backend="zarr", backend_version=3,
+                backend_options={"max_chunk_bytes": 64})
+    budget = 256
+    with open_checkpoint(tmp_path / "a") as sa, open_checkpoint(tmp_path / "b") as sb:
+        pairs = [(Region(sa.index.tensors[k], box), Region(sb.index.tensors[k], box))
+                 for k in state for box in cut(Region.whole(sa.index.tensors[k]).box,
+                                               state[k].element_size(), budget // 2)]
+        groups = list(pair_batches(pairs, budget // 2))
+        assert sum(len(x) for x in groups) == len(pairs) and len(groups) > 5
+        assert all(sum(-(-r.nbytes // 64) * 64 for r, _ in x) <= budget // 2 for x in groups)
+        seen: list[int] = []
+        got = [(ra.entry.key, ra.box, x.clone(), y.clone()) for ra, x, y in read_region_pairs(
+            sa, sb, pairs, buffer_bytes=budget, on_batch=seen.append)]
+        assert [(k, box) for k, box, _, _ in got] == [(a.entry.key, a.box) for a, _ in pairs]
+        for key, box, x, y in got:
+            want = state[key][box.slices()]
+            assert x.dtype == y.dtype == want.dtype and torch.equal(x, want) and torch.equal(y, want)
+        assert sum(seen) == 2 * sum(t.nbytes for t in state.values())
+        os.remove(tmp_path / "b" / "f" / "c" / "30" / "0")
+        with pytest.raises(ckptfs.IntegrityError, match="missing"):
+            for _ in read_region_pairs(sa, sb, pairs, buffer_bytes=budget):
+                pass

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 import ckptfs
+from ckptfs.layout.backend import ChunkData
+from ckptfs.layout.boxes import full_box
+from ckptfs.layout.dtypes import from_torch
 from ckptfs.layout.index import Index
 from ckptfs.manager.steps import step_dir
 from ckptfs.testing.conformance.cases import differences
@@ -308,3 +311,36 @@ def test_async_save_records_fingerprints(tmp_path):
     stats = ckptfs.load_metadata(tmp_path / "a").tensors["w"].stats
     assert (stats.count, stats.min, stats.max, stats.mean) == (4, 0.0, 3.0, 1.5)
     assert stats.l2 == pytest.approx(math.sqrt(14.0), rel=1e-15)
+
+
+def _chunk(key: str, t: torch.Tensor) -> ChunkData:
+    return ChunkData(key, from_torch(t.dtype, key), tuple(t.shape), full_box(t.shape), t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                   torch.float8_e5m2, torch.float8_e4m3fn])
+def test_the_quick_pass_clears_exactly_the_finite_tensors(dtype, monkeypatch):
+    """The one-pass test of CPU tensors (sums, bit patterns), in pieces over threads: every
+    finite extreme passes it, every NaN and infinity of either sign anywhere fails it, and an
+    overflowing sum of finite numbers is counted exactly (nothing found)."""
+    from ckptfs.engine import health
+
+    monkeypatch.setattr(health, "PIECE_BYTES", 64)  # many pieces, dealt over the threads
+    fi = torch.finfo(dtype)
+    finite = torch.tensor([0.0, -0.0, fi.max, -fi.max, fi.tiny, -fi.tiny, fi.eps, 1.0] * 40,
+                          dtype=torch.float64).to(dtype)
+    assert health.non_finite([_chunk("x", finite)]) == ()
+    assert health.non_finite([_chunk("col", finite.reshape(40, 8)[:, 2:5])]) == ()  # strided
+    if dtype.itemsize < 4:  # the bit test is exact: no false alarm to count
+        assert health._suspects([finite]) == [False]
+    for where in (0, 137, 319):
+        for value in (math.nan, -math.nan, math.inf, -math.inf):
+            x = finite.clone()
+            x[where] = torch.tensor(value, dtype=torch.float64).to(dtype)  # e4m3fn has no inf
+            nan, inf = int(torch.isnan(x.double()).sum()), int(torch.isinf(x.double()).sum())
+            assert nan + inf == 1 or (dtype == torch.float8_e4m3fn and math.isinf(value))
+            want = (("x", nan, inf),) if nan + inf else ()
+            assert health.non_finite([_chunk("x", x), _chunk("ok", finite)]) == want
+    if dtype.itemsize >= 4:
+        big = torch.full((64,), fi.max, dtype=dtype)
+        assert health._suspects([big]) == [True] and health.non_finite([_chunk("big", big)]) == ()

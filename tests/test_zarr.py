@@ -286,6 +286,32 @@ for root in sys.argv[1:]:
 
 
 @pytest.mark.slow
+def test_a_load_of_raw_chunks_imports_no_zarr_library(saved):
+    """A fresh interpreter loading uncompressed zarr checkpoints (byte ranges) never imports
+    zarr-python, numcodecs or ml_dtypes (each import costs more than a small load); a
+    compressed one imports numcodecs, and a zarr save imports zarr-python and registers the ML
+    dtypes with it."""
+    script = r"""
+import sys, torch, ckptfs
+libs = lambda: sorted({"zarr", "numcodecs", "ml_dtypes"} & set(sys.modules))
+root, out = sys.argv[1], sys.argv[2]
+for name in ("v2", "v3-shard"):  # two ranks' chunks, one padded at the edge
+    ckptfs.load_keys(f"{root}/{name}", ["model/float32"])
+print(libs())
+ckptfs.load_keys(f"{root}/v2-zstd-crc", ["model/float32"])
+print(libs())
+ckptfs.save({"w": torch.ones(2, dtype=torch.bfloat16)}, out, backend="zarr")
+import zarr
+print(libs(), zarr.open_group(out, mode="r")["w"][...].dtype)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(saved), str(saved) + "-fresh-save"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "['numcodecs']",
+                                       "['ml_dtypes', 'numcodecs', 'zarr'] bfloat16"]
+
+
+@pytest.mark.slow
 def test_load_keys_and_metadata(saved):
     idx = ckptfs.load_metadata(f"{saved}/v3-shard")
     assert (idx.backend, idx.backend_version) == ("zarr", 3)

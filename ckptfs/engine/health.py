@@ -4,13 +4,20 @@
 any byte is written, before the target is claimed: a checkpoint already at the URL is untouched):
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity
-  with torch ops where the data lives. CUDA tensors are checked on their device before staging
-  (``check_on_device``: their host copies are not read again); the other chunks once staged
-  (a synchronous save stages CPU tensors as views, so this is the tensor itself). One
-  ``aminmax`` pass tells a finite tensor (no allocation, no overflow); only one that fails it is
-  counted element by element. One small reduction tells every rank whether any rank found one;
-  then every rank raises the same ``NonFiniteError`` naming each key and its counts, and
-  nothing is committed (the write phase never starts).
+  where the data lives. CUDA tensors are checked on their device before staging
+  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each); the
+  other chunks once staged (a synchronous save stages CPU tensors as views, so this is the
+  tensor itself), in one read-only pass of pieces of ``PIECE_BYTES`` dealt over
+  ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on one
+  core with the GIL released, so the pass never waits on a parallel team of which a busy
+  machine has descheduled a member): a float32/float64 piece is finite if its sum is (the sum
+  of finite numbers is finite unless it overflows, and any NaN or infinity makes it NaN or
+  infinite); a 16- and 8-bit float piece holds a NaN or infinity exactly when the largest of
+  its bit patterns read as signed integers reaches the positive ones, or read as unsigned
+  integers the negative ones (``_BITS``). Only a chunk that fails is counted element by
+  element (an overflowed sum then counts nothing). One small reduction tells every rank
+  whether any rank found one; then every rank raises the same ``NonFiniteError`` naming each
+  key and its counts, and nothing is committed (the write phase never starts).
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
@@ -21,9 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckptfs.dist import Comm
@@ -39,6 +48,14 @@ from ckptfs.state.shards import LocalShard, local_shard
 PIECE = 1 << 22
 #: dtypes ``aminmax`` does not take: measured in float32 pieces
 _WIDEN = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+#: bytes of a CPU tensor one thread of the finiteness pass reduces at once
+PIECE_BYTES = 16 << 20
+#: float dtype -> (integer view of its bits, the smallest bit pattern of a positive NaN or
+#: infinity); the negative ones are that pattern with the sign bit set
+_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float8_e5m2: (torch.int8, 0x7C), torch.float8_e4m3fn: (torch.int8, 0x7F),
+}
 
 Found = tuple[tuple[str, int, int], ...]  #: (key, NaN count, infinity count) per chunk
 
@@ -125,19 +142,73 @@ def agree_finite(comm: Comm, chunks: Sequence[ChunkData | LocalShard], before: F
 def non_finite(chunks: Sequence[ChunkData | LocalShard]) -> Found:
     """(key, NaN count, infinity count) of every floating chunk (or local shard) that holds
     either, computed where its data lives."""
+    tensors = [(c.key, c.data if isinstance(c, ChunkData) else c.local) for c in chunks]
+    tensors = [(k, t) for k, t in tensors if t.is_floating_point() and t.numel()]
+    suspect = _suspects([t for _, t in tensors])
     out = []
-    for c in chunks:
-        t = c.data if isinstance(c, ChunkData) else c.local
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        if t.dtype not in _WIDEN:
-            lo, hi = torch.aminmax(t)
-            if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):  # NaN propagates
-                continue
-        nan, inf = count_non_finite(t)
-        if nan or inf:
-            out.append((c.key, nan, inf))
+    for (key, t), maybe in zip(tensors, suspect, strict=True):
+        if maybe:
+            nan, inf = count_non_finite(t)
+            if nan or inf:
+                out.append((key, nan, inf))
     return tuple(out)
+
+
+def _suspects(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each tensor, whether the quick pass cannot rule out a NaN or infinity in it."""
+    out = [False] * len(tensors)
+    host: list[tuple[int, np.ndarray, Callable[[np.ndarray], bool]]] = []
+    for i, t in enumerate(tensors):
+        test = _host_test(t)
+        if test is None:
+            out[i] = _may_hold_non_finite(t)
+        else:
+            host += [(i, a, test) for a in _host_pieces(t)]
+    if host:
+        with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(host)))) as pool:
+            for (i, _, _), bad in zip(host, pool.map(lambda h: h[2](h[1]), host), strict=True):
+                out[i] = out[i] or bad
+    return out
+
+
+def _may_hold_non_finite(t: torch.Tensor) -> bool:
+    """Where the data lives (a device): one ``aminmax`` pass (NaN propagates)."""
+    if t.dtype in _WIDEN:
+        return True
+    lo, hi = torch.aminmax(t)
+    return not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))
+
+
+def _host_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
+    """The quick test of one piece of a CPU tensor's numpy view (``_host_pieces``), or None
+    for a tensor that is not on the CPU or of a float dtype it does not know."""
+    if t.device.type != "cpu":
+        return None
+    if t.dtype in (torch.float32, torch.float64):
+        return _sum_is_not_finite
+    if t.dtype not in _BITS:
+        return None
+    bits, first = _BITS[t.dtype][0].itemsize * 8, _BITS[t.dtype][1]
+    negative = first | 1 << (bits - 1)
+    unsigned = np.dtype(f"u{bits // 8}")
+    return lambda a: bool(a.max() >= first) or bool(a.view(unsigned).max() >= negative)
+
+
+def _sum_is_not_finite(a: np.ndarray) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow and inf - inf: told by the result
+        return not np.isfinite(np.add.reduce(a, axis=None))
+
+
+def _host_pieces(t: torch.Tensor) -> list[np.ndarray]:
+    """``t``'s elements as numpy arrays of at most ``PIECE_BYTES`` (bit patterns as signed
+    integers for ``_BITS`` dtypes); a non-contiguous tensor as one strided array."""
+    x = t.detach()
+    x = x.view(_BITS[x.dtype][0]) if x.dtype in _BITS else x
+    if not x.is_contiguous():
+        return [x.numpy()]
+    flat = x.reshape(-1).numpy()
+    step = max(1, PIECE_BYTES // flat.itemsize)
+    return [flat[i:i + step] for i in range(0, flat.size, step)]
 
 
 def count_non_finite(t: torch.Tensor) -> tuple[int, int]:

@@ -9,11 +9,12 @@ indexes allow:
 1. **From checksums.** When both sides store the tensor as the same chunk boxes and every chunk
    has a checksum, equal checksums decide "equal" without reading a byte; only the chunks
    whose checksums differ are read (from both sides) and compared.
-2. **Streaming.** Otherwise the tensor is cut into C-order pieces of at most
-   ``buffer_bytes`` and both sides are read piece by piece through the read engine (any
-   backend, any layout, local or object store) and compared.
+2. **Streaming.** Otherwise the tensor is cut into C-order pieces of at most half of
+   ``buffer_bytes`` and both sides are read through the read engine (any backend, any
+   layout, local or object store) in batches of such pieces, A's and B's at once, the next
+   batch read while this one is compared (tools/pairs.py).
 
-Memory: at most one batch of ``buffer_bytes`` per side is held, plus the comparison's float64
+Memory: at most two half batches per side (``buffer_bytes``) are held, plus the comparison's float64
 scratch (``COMPARE_SCRATCH``) and what the read engine needs to decode a stored chunk that
 cannot land in place (at most the largest such chunk): ``memory_bound`` gives the figure, which
 does not grow with the checkpoint. Elements compare as ``torch.isclose(a, b, rtol, atol,
@@ -38,13 +39,13 @@ from ckptfs.errors import ConfigError
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import TensorEntry
+from ckptfs.tools.pairs import read_region_pairs
 from ckptfs.tools.source import (
     DEFAULT_BUFFER,
     Region,
     Source,
     open_checkpoint,
     progress_bar,
-    read_regions,
     select,
 )
 
@@ -129,9 +130,10 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, keys: Iterable[str] | No
                           f"({buffer_bytes}) >= 1")
     opts_b = storage_options if storage_options_b is None else storage_options_b
     with open_checkpoint(a, storage_options) as sa, open_checkpoint(b, opts_b) as sb:
-        # the read engine's scratch (chunks that cannot land in place) under the same budget
-        sa = dataclasses.replace(sa, pool=BufferPool(limit=buffer_bytes))
-        sb = dataclasses.replace(sb, pool=BufferPool(limit=buffer_bytes))
+        # the read engine's scratch (chunks that cannot land in place) under one budget for
+        # both sides, which are read at once
+        pool = BufferPool(limit=buffer_bytes)
+        sa, sb = dataclasses.replace(sa, pool=pool), dataclasses.replace(sb, pool=pool)
         plan = _Plan.make(sa, sb, None if keys is None else list(keys))
         cmp = _Comparer(sa, sb, rtol, atol, buffer_bytes, verify)
         out = cmp.run(plan, progress)
@@ -276,23 +278,19 @@ class _Comparer:
         self.bytes_read = 0
 
     def run(self, plan: _Plan, progress: bool) -> tuple[KeyDiff, ...]:
+        half = max(1, self.buffer // 2)  # a batch being compared, the next one being read
         pieces = [(k, p) for k, ea, _, boxes, _ in plan.reads
-                  for box in boxes for p in cut(box, from_name(ea.dtype, k).itemsize, self.buffer)]
+                  for box in boxes for p in cut(box, from_name(ea.dtype, k).itemsize, half)]
         entries = {k: (ea, eb, by_sums) for k, ea, eb, _, by_sums in plan.reads}
         tallies = {k: _Tally() for k in entries}
         total = sum(2 * p.volume * from_name(entries[k][0].dtype, k).itemsize for k, p in pieces)
         bar = progress_bar(total, "diff", progress)
         try:
-            side_a = read_regions(self.sa, [Region(entries[k][0], p) for k, p in pieces],
-                                  buffer_bytes=self.buffer, verify=self.verify, on_batch=bar.update)
-            side_b = read_regions(self.sb, [Region(entries[k][1], p) for k, p in pieces],
-                                  buffer_bytes=self.buffer, verify=self.verify, on_batch=bar.update)
-            for _ in pieces:  # not zip: its reused result tuple would keep the last pair alive
-                ra, x = next(side_a)  # while the next batches are read
-                _, y = next(side_b)
+            pairs = [(Region(entries[k][0], p), Region(entries[k][1], p)) for k, p in pieces]
+            for ra, x, y in read_region_pairs(self.sa, self.sb, pairs, buffer_bytes=self.buffer,
+                                              verify=self.verify, on_batch=bar.update):
                 self.bytes_read += x.nbytes + y.nbytes
                 compare(x, y, ra.box, self.rtol, self.atol, tallies[ra.entry.key])
-                del x, y
         finally:
             bar.close()
         out = []

@@ -162,7 +162,7 @@ def batches(regions: Iterable[Region], budget: int) -> Iterator[list[Region]]:
 def _read_batch(source: Source, batch: list[Region], verify: bool,
                 on_batch: Callable[[int], None] | None) -> Iterator[tuple[Region, torch.Tensor]]:
     out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch) for r in batch]
-    jobs = [TensorRead(r.entry, t, _pieces(r)) for r, t in zip(batch, out, strict=True) if t.numel()]
+    jobs = [TensorRead(r.entry, t, region_pieces(r)) for r, t in zip(batch, out, strict=True) if t.numel()]
     run_sync(execute_reads(source.store, source.backend, jobs, pool=source.pool, verify=verify))
     if on_batch is not None:
         on_batch(sum(t.nbytes for t in out))
@@ -171,7 +171,8 @@ def _read_batch(source: Source, batch: list[Region], verify: bool,
         yield r, t
 
 
-def _pieces(r: Region) -> tuple[ReadPiece, ...]:
+def region_pieces(r: Region) -> tuple[ReadPiece, ...]:
+    """The read pieces of region ``r`` (from the chunks that cover it, or its one chunk)."""
     if r.chunk is None:
         return tuple(plan_reads(r.entry, r.box))
     whole = full_box(r.chunk.shape)

@@ -6,6 +6,8 @@ is written by that rank alone (zarr_grid), as a file at its zarr chunk key. zarr
 the metadata documents (zarr_meta); the chunk bytes never go through it: uncompressed chunks
 are the raw C-order bytes, padded at array edges, so a resharded load reads only the byte
 ranges it needs; compressed or checksummed chunks are encoded and decoded with numcodecs.
+Neither zarr-python, numcodecs nor ml_dtypes is imported to read raw chunks (their imports
+cost more than a small load): zarr-python only makes the metadata of a save (zarr_meta).
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
-import numcodecs
 import numpy as np
 
 from ckptfs.errors import (
@@ -27,6 +28,7 @@ from ckptfs.errors import (
     ShardingError,
     UnsupportedValueError,
 )
+from ckptfs.io.optional import optional_dependency
 from ckptfs.layout.backend import (
     Backend,
     Buffer,
@@ -40,11 +42,8 @@ from ckptfs.layout.backend import (
     RankWriteJob,
     RawChunk,
 )
-from ckptfs.layout.backends import zarr_dtypes
-from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline, ZarrFormat
+from ckptfs.layout.backends.zarr_codecs import CodecOptions, Pipeline, ZarrFormat, numcodecs_module
 from ckptfs.layout.backends.zarr_grid import Grid, grid_for_boxes, shrink
-from ckptfs.layout.backends.zarr_megatron import sniff_megatron
-from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
 from ckptfs.layout.backends.zarr_paths import array_path, chunk_key, group_paths, join
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum
@@ -53,13 +52,13 @@ from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
+if TYPE_CHECKING:
+    from ckptfs.layout.backends.zarr_meta import MetadataBuilder
+
 #: blosc cannot take buffers of 2 GiB or more: compressed chunks are kept below this
 BLOSC_MAX_CHUNK_BYTES = 1 << 30
 #: the v3 shard index marks an absent inner chunk with this offset and length
 EMPTY = np.uint64(2**64 - 1)
-
-# zarr-python readers in this process (tools, tests) see bfloat16/float8 arrays (zarr_dtypes)
-zarr_dtypes.register()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +121,8 @@ class _ZarrBackend(Backend):
         return [FileWrite(k, (v,)) for k, v in self._metadata(plans).files().items()]
 
     def _metadata(self, plans: Mapping[str, TensorPlan]) -> MetadataBuilder:
+        with optional_dependency(f"backend zarr-{self.zarr_format}"):  # saves only
+            from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
         meta = MetadataBuilder(self.zarr_format, self.codecs, self.separator)
         paths = {}
         for key, plan in plans.items():
@@ -215,7 +216,7 @@ class _ZarrBackend(Backend):
                                               extra)))
             parts.extend(enc)
             pos += n
-        parts.extend(Pipeline((numcodecs.CRC32C(),)).encode(table.reshape(-1)))
+        parts.extend(Pipeline((numcodecs_module().CRC32C(),)).encode(table.reshape(-1)))
         return tuple(parts)
 
     # -- reading ----------------------------------------------------------------------------
@@ -327,7 +328,9 @@ class ZarrV2Backend(_ZarrBackend):
 
     @classmethod
     async def sniff(cls, reader: ByteReader) -> Index | None:
-        """Megatron-Core zarr checkpoints (zarr_megatron)."""
+        """Megatron-Core zarr checkpoints (zarr_megatron, imported only for a foreign one)."""
+        from ckptfs.layout.backends.zarr_megatron import sniff_megatron
+
         return await sniff_megatron(reader)
 
 

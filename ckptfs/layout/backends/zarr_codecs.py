@@ -4,6 +4,9 @@ the matching zarr-python codec definitions for the array metadata.
 The pipeline is a tuple of numcodecs codecs in encoding order. zarr v2 applies ``filters``
 then the ``compressor`` (so a crc32c filter checksums the raw bytes); zarr v3 applies the
 bytes-to-bytes ``codecs`` in order (compressor, then crc32c over the compressed bytes).
+
+numcodecs is imported where a codec is made or looked up, not with this module: a load of raw
+(uncompressed, unchecksummed) chunks never needs it, and its import costs more than a small load.
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import numcodecs
 import numpy as np
-from numcodecs.abc import Codec
 
 from ckptfs.errors import BackendOptionsError
+from ckptfs.io.optional import import_optional
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from numcodecs.abc import Codec
 
 Buffer = bytes | bytearray | memoryview
 ZarrFormat = Literal[2, 3]
@@ -25,9 +32,14 @@ BloscCname = Literal["lz4", "lz4hc", "blosclz", "snappy", "zlib", "zstd"]  #: za
 BloscShuffle = Literal["noshuffle", "shuffle", "bitshuffle"]
 
 COMPRESSORS = (None, "zstd", "blosc")
-BLOSC_SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
-                  "bitshuffle": numcodecs.Blosc.BITSHUFFLE}
+#: numcodecs.Blosc's shuffle constants, by name
+BLOSC_SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 DEFAULT_LEVELS = {"zstd": 3, "blosc": 5}
+
+
+def numcodecs_module() -> ModuleType:
+    """numcodecs, imported on first use (a missing one names the extra that installs it)."""
+    return import_optional("numcodecs", "the zarr backends' chunk codecs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +68,13 @@ class CodecOptions:
             raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'blosc_shuffle' must be one of "
                              f"{list(BLOSC_SHUFFLES)}, got {shuffle!r}")
         cname = options.get("blosc_cname", "zstd")
-        if cname not in numcodecs.blosc.list_compressors():
+        names: Sequence[str] = get_args(BloscCname)
+        if comp == "blosc":  # the ones this numcodecs build has
+            numcodecs = numcodecs_module()
+            names = numcodecs.blosc.list_compressors()
+        if cname not in names:
             raise BackendOptionsError(f"backend zarr-{zarr_format}: option 'blosc_cname' must be one of "
-                             f"{numcodecs.blosc.list_compressors()}, got {cname!r}")
+                             f"{list(names)}, got {cname!r}")
         return cls(zarr_format, comp, level, cname, shuffle, bool(options.get("checksum", False)))
 
     @property
@@ -67,6 +83,7 @@ class CodecOptions:
         return self.compressor is None and not self.checksum
 
     def _compressor(self, itemsize: int | None) -> Codec | None:
+        numcodecs = numcodecs_module()
         if self.compressor == "zstd":
             return numcodecs.Zstd(level=self._level)
         if self.compressor == "blosc":
@@ -79,6 +96,9 @@ class CodecOptions:
         return self.level if self.level is not None else DEFAULT_LEVELS[self.compressor or "zstd"]
 
     def pipeline(self, itemsize: int | None = None) -> Pipeline:
+        if self.raw:
+            return Pipeline(())
+        numcodecs = numcodecs_module()
         comp = self._compressor(itemsize)
         crc = [numcodecs.CRC32C()] if self.checksum else []
         if self.zarr_format == 2:
@@ -88,6 +108,7 @@ class CodecOptions:
     def zarr_python_kwargs(self) -> dict[str, Any]:
         """``compressors``/``filters`` for zarr-python's ``create_array`` (metadata only)."""
         if self.zarr_format == 2:
+            numcodecs = numcodecs_module()
             return {"compressors": self._compressor(None),
                     "filters": [numcodecs.CRC32C()] if self.checksum else None}
         from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
@@ -112,6 +133,7 @@ class Pipeline:
     @classmethod
     def from_zarray(cls, doc: Mapping[str, Any]) -> Pipeline:
         """The pipeline of a zarr v2 ``.zarray`` document (any numcodecs codec)."""
+        numcodecs = numcodecs_module()
         filters = [numcodecs.get_codec(dict(f)) for f in doc.get("filters") or ()]
         comp = doc.get("compressor")
         return cls(tuple(filters + ([numcodecs.get_codec(dict(comp))] if comp else [])))
@@ -122,12 +144,14 @@ class Pipeline:
 
     @classmethod
     def from_configs(cls, configs: Sequence[Mapping[str, Any]]) -> Pipeline:
+        numcodecs = numcodecs_module()
         return cls(tuple(numcodecs.get_codec(dict(c)) for c in configs))
 
     def encode(self, arr: np.ndarray) -> tuple[Buffer, ...]:
         """Encode one chunk given as a C-contiguous array (its itemsize guides blosc)."""
         if not self.codecs:
             return (_bytes_view(arr),)
+        numcodecs = numcodecs_module()
         *head, last = self.codecs
         buf: Any = arr
         for c in head:

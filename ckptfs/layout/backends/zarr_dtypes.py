@@ -18,14 +18,13 @@ import logging
 import ml_dtypes
 import numpy as np
 
+from ckptfs.layout.backends.zarr_meta import ML_NAMES
+
 log = logging.getLogger(__name__)
 
 #: ckptfs dtype name -> (zarr name, used in v2 ``dtype`` and v3 ``data_type``; numpy dtype)
 ML_DTYPES: dict[str, tuple[str, np.dtype]] = {
-    "bfloat16": ("bfloat16", np.dtype(ml_dtypes.bfloat16)),
-    "float8_e4m3fn": ("float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn)),
-    "float8_e5m2": ("float8_e5m2", np.dtype(ml_dtypes.float8_e5m2)),
-}
+    name: (zarr_name, np.dtype(getattr(ml_dtypes, name))) for name, zarr_name in ML_NAMES.items()}
 
 #: per-process: whether zarr-python's registry took the types (it is itself per process)
 _registered: bool | None = None

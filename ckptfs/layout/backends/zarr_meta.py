@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ckptfs.errors import UnsupportedValueError
+from ckptfs.io.optional import import_optional
 from ckptfs.layout.backends.zarr_codecs import CodecOptions, ZarrFormat
-from ckptfs.layout.backends.zarr_dtypes import ML_DTYPES
 from ckptfs.layout.backends.zarr_paths import join
 from ckptfs.layout.dtypes import BY_NAME
 
@@ -31,16 +31,20 @@ _NATIVE: dict[str, np.dtype] = {
     "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
     "complex64": np.dtype("<c8"),
 }
+#: ckptfs dtype name -> the name other zarr implementations give this ML data type, which
+#: zarr-python lacks (v2 ``dtype``, v3 ``data_type``; zarr_dtypes teaches zarr-python them)
+ML_NAMES: dict[str, str] = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
+                            "float8_e5m2": "float8_e5m2"}
 #: v2 ``dtype`` strings ckptfs reads (little-endian or single-byte), to ckptfs names
 V2_DTYPES: dict[str, str] = {
     **{np.dtype(d).str: n for n, d in _NATIVE.items()},
-    **{zname: n for n, (zname, _) in ML_DTYPES.items()},
+    **{zname: n for n, zname in ML_NAMES.items()},
 }
 
 
 def standin_dtype(name: str) -> np.dtype:
     """The numpy dtype zarr-python creates an array of ckptfs dtype ``name`` with."""
-    if name in ML_DTYPES:
+    if name in ML_NAMES:
         return np.dtype(f"<u{BY_NAME[name].itemsize}")
     return _NATIVE[name]
 
@@ -136,8 +140,12 @@ class MetadataBuilder:
         return doc
 
     def _create(self, layout: ArrayLayout) -> Json:
-        import zarr
+        zarr = import_optional("zarr", "the zarr backends' metadata")
         from zarr.storage import MemoryStore
+
+        from ckptfs.layout.backends.zarr_dtypes import register
+
+        register()  # zarr-python readers in this process see bfloat16/float8 arrays too
 
         if layout.dtype not in BY_NAME:
             raise UnsupportedValueError(f"zarr backend: dtype {layout.dtype!r} is unknown")
@@ -156,8 +164,8 @@ class MetadataBuilder:
                           zarr_format=self.zarr_format, **kwargs)
         meta = ".zarray" if self.zarr_format == 2 else "zarr.json"
         doc = json.loads(backing[meta].to_bytes())
-        if layout.dtype in ML_DTYPES:
-            doc["dtype" if self.zarr_format == 2 else "data_type"] = ML_DTYPES[layout.dtype][0]
+        if layout.dtype in ML_NAMES:
+            doc["dtype" if self.zarr_format == 2 else "data_type"] = ML_NAMES[layout.dtype]
         return doc
 
 

@@ -97,6 +97,7 @@ def check_zarr(root: Path, index: ckptfs.Index, expected: Mapping[str, torch.Ten
     tensor's bytes (bfloat16/float8 may be stored as same-size integer views)."""
     import zarr
 
+    ckptfs.register_zarr_dtypes()  # bfloat16/float8 arrays
     with warnings.catch_warnings():  # ckptfs.index.json is not a zarr node: zarr says so
         warnings.simplefilter("ignore")
         group = zarr.open_group(str(root), mode="r")
