@@ -117,7 +117,7 @@ class BackgroundSaver:
                     on_device = check_on_device(held[0], comm.rank, check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                    threads=options.copy_threads, copy_piece=options.copy_piece,
-                                   overflow=bounded(options, be))
+                                   overflow=self.bounded(options, be))
                     staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
                                      device=on_device)
                     self.lower_priority(options.background_nice)  # the caller goes on
@@ -133,6 +133,11 @@ class BackgroundSaver:
                         give_back()
 
             return self.launch(job)
+
+    def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
+        """The overflow of a save under ``options.host_memory_limit`` (None: no bound; a saver
+        of another kind streams it otherwise: engine/shared_ring.py)."""
+        return bounded(options, be)
 
     def lower_priority(self, nice: int) -> None:
         """Once staged: the save's work runs at nice ``nice`` (here: this thread's)."""
