@@ -207,15 +207,16 @@ class BackgroundSaver:
             self._pool.allocator.clear()
 
 
-def bounded(options: SaveOptions, be: Backend) -> Overflow | None:
-    """The overflow of a save under ``options.host_memory_limit`` (None: no bound)."""
+def bounded(options: SaveOptions, be: Backend, *, in_place: bool = False) -> Overflow | None:
+    """The overflow of a save under ``options.host_memory_limit`` (None: no bound;
+    ``in_place``: a synchronous save's, see ``Overflow``)."""
     limit = options.host_memory_limit
     if limit is None:
         return None
     if not be.streams_device_chunks:
         raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
                           f"writing (safetensors_chunks); {be.name} does not")
-    return Overflow(limit, options.ring_bytes, options.ring_slots)
+    return Overflow(limit, options.ring_bytes, options.ring_slots, in_place=in_place)
 
 
 class _Default:
