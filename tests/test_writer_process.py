@@ -220,3 +220,34 @@ def test_settings_that_cannot_reach_the_writer_are_refused_at_once(tmp_path):
     assert writer_process.default_process_saver().writer_pid is None
     ckptfs.close()
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_saves_of_one_structure_send_the_chunk_table_once(tmp_path):
+    """The writer keeps the chunks it built for a save; a later save of the same structure,
+    staged into the same buffers, sends none, and still writes its own values. A bounded save
+    (chunks streamed through the shared ring) always sends its table."""
+    saver = writer_process.ProcessSaver("test:tables")
+    sent: list[bool] = []
+    known = saver._known_table
+
+    def spy(table, writer):
+        got = known(table, writer)
+        sent.append(got[1] is not None)
+        return got
+
+    saver._known_table = spy
+    try:
+        for i, limit in enumerate((None, None, None, 1 << 20, None)):
+            sd = {f"t{k}": torch.full((64, 1024), float(i * 10 + k)) for k in range(4)}
+            sd["step"] = i
+            ckptfs.async_save(sd, str(tmp_path / f"s{i}"), saver=saver, writer="process",
+                              host_memory_limit=limit).result(timeout=60)
+            got = {f"t{k}": torch.empty(64, 1024) for k in range(4)}
+            got["step"] = -1
+            ckptfs.load(got, str(tmp_path / f"s{i}"))
+            assert got["step"] == i and all(torch.equal(got[f"t{k}"], sd[f"t{k}"]) for k in range(4))
+        assert sent == [True, False, False, True, True], sent
+    finally:
+        saver.close()

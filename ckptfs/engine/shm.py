@@ -13,6 +13,7 @@ file whose every buffer was freed is unlinked at once.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import secrets
@@ -134,6 +135,24 @@ class SharedArena(BufferAllocator):
         if seg is None:
             return None
         return seg.name, t.data_ptr() - seg.base, t.numel() * t.element_size()
+
+
+    def flat_refs(self, tensors: list[torch.Tensor]) -> list[tuple[str, int, int] | None]:
+        """``flat_ref`` of each of ``tensors`` (one lock and one lookup table for all)."""
+        with self._lock:
+            spans = sorted((s.base, s.base + s.size, s.name) for s in self._segments)
+        starts = [b for b, _, _ in spans]
+        out: list[tuple[str, int, int] | None] = []
+        for t in tensors:
+            ref = None
+            if t.device.type == "cpu" and t.is_contiguous():
+                n = t.numel() * t.element_size()
+                ptr = t.data_ptr()
+                i = bisect.bisect_right(starts, ptr) - 1
+                if n and i >= 0 and ptr < spans[i][1]:
+                    ref = (spans[i][2], ptr - spans[i][0], n)
+            out.append(ref)
+        return out
 
 
 class Mappings:

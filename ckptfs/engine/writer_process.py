@@ -103,17 +103,23 @@ def pack(staged: StagedSave, arena: SharedArena) -> tuple[StagedSave, list[Packe
     training process does), and its chunks as plain tuples (a slotted dataclass pickles
     through Python calls: seconds for 20,000 chunks)."""
     table: list[Packed] = []
-    for c in staged.chunks:
+    refs = arena.flat_refs([c.data for c in staged.chunks])
+    for c, ref in zip(staged.chunks, refs, strict=True):
+        data: Any = ref
         if isinstance(c.source, FedPart):  # beyond host_memory_limit: the writer asks for it
-            table.append((c.key, c.dtype, c.global_shape, c.box.offsets, FedRef(c.source.index),
-                          c.data.dtype, tuple(c.data.shape)))
-            continue
-        if c.source is not None:
+            data = FedRef(c.source.index)
+        elif c.source is not None:
             raise ConfigError("writer='process' cannot write streamed chunks")
-        ref = arena.flat_ref(c.data)
-        table.append((c.key, c.dtype, c.global_shape, c.box.offsets,
-                      c.data if ref is None else ref, c.data.dtype, tuple(c.data.shape)))
+        elif ref is None:
+            data = c.data
+        table.append((c.key, c.dtype, c.global_shape, c.box.offsets, data, c.data.dtype,
+                      tuple(c.data.shape)))
     return dataclasses.replace(staged, chunks=(), leases=()), table
+
+
+def _in_place(table: list[Packed]) -> bool:
+    """Whether every chunk of ``table`` lies in shared memory (a table the writer may keep)."""
+    return all(type(data) is tuple for *_, data, _, _ in table)
 
 
 def unpack(rest: StagedSave, table: list[Packed], maps: Mappings,
@@ -209,6 +215,9 @@ class ProcessSaver(BackgroundSaver):
         self._sent: tuple[_Writer, Any, int] | None = None
         self._nice = 0
         self._ring: list[torch.Tensor] = []  #: the shared ring of bounded saves (kept)
+        #: the writer, the chunk table it holds and that table's token
+        self._table: tuple[_Writer, list[Packed], int] | None = None
+        self._tables = itertools.count(1)
 
     @property
     def writer_pid(self) -> int | None:
@@ -254,9 +263,11 @@ class ProcessSaver(BackgroundSaver):
         """Run ``finish`` in the writer; serve its collectives and buffer returns meanwhile."""
         writer = self._writer_ready()
         staged, token = self._known_plans(staged, writer)
+        rest, table = pack(staged, self._arena)
+        tables = self._known_table(table, writer)
         buf = io.BytesIO()
         try:
-            _Pickler(buf, self._arena).dump((finish, *pack(staged, self._arena)))
+            _Pickler(buf, self._arena).dump((finish, rest, tables))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise ConfigError(f"writer='process': the save cannot be sent to the writer "
                               f"process ({e})") from e
@@ -267,7 +278,10 @@ class ProcessSaver(BackgroundSaver):
         try:
             writer.conn.send(("job", buf.getvalue(), meta))
             return self._serve(writer, comm, give_back, fed)
-        except (WriterError, OSError) as e:
+        except BaseException as e:
+            self._table = None  # the writer may not hold the table last sent
+            if not isinstance(e, (WriterError, OSError)):
+                raise
             self._lost(writer, comm)
             if isinstance(e, WriterError):
                 raise
@@ -291,6 +305,18 @@ class ProcessSaver(BackgroundSaver):
         token = (sent[2] if sent is not None else 0) + 1
         self._sent = (writer, planned, token)
         return staged, token
+
+    def _known_table(self, table: list[Packed], writer: _Writer
+                     ) -> tuple[int, list[Packed] | None]:
+        """(token, the chunk table), or (token, None) when ``writer`` holds an equal table:
+        a save of the same structure staged into the same buffers (the caching allocator
+        hands them back in order) needs no new chunk records built in the writer."""
+        sent = self._table
+        if sent is not None and sent[0] is writer and sent[1] == table:
+            return sent[2], None
+        token = next(self._tables)
+        self._table = (writer, table, token) if _in_place(table) else None
+        return token, table
 
     def _serve(self, writer: _Writer, comm: Comm, give_back: Callable[[], None],
                fed: SharedOverflow | None) -> Any:
@@ -553,6 +579,7 @@ def serve(conn: Connection, parent: int) -> None:
     maps = Mappings()
     mail = Mailbox(conn)
     kept: dict[int, Any] = {}  # token -> the agreed plans of the plan cache
+    built: dict[int, tuple[ChunkData, ...]] = {}  # token -> the chunks of the last table
     while True:
         try:
             msg = conn.recv()
@@ -568,20 +595,23 @@ def serve(conn: Connection, parent: int) -> None:
         maps.forget(live)
         lower_priority(nice)
         try:
-            _run_job(mail, maps, payload, RemoteComm(mail, rank, size, timeout, members), kept,
-                     token, ring)
+            _run_job(mail, maps, payload, RemoteComm(mail, rank, size, timeout, members),
+                     (kept, built), token, ring)
         except (EOFError, OSError):
             _parent_gone(parent)
             return
 
 
 def _run_job(mail: Mailbox, maps: Mappings, payload: bytes, comm: RemoteComm,
-             kept: dict[int, Any], token: int, ring: list[tuple[str, int, int]]) -> None:
+             memo: tuple[dict[int, Any], dict[int, tuple[ChunkData, ...]]], token: int,
+             ring: list[tuple[str, int, int]]) -> None:
+    kept, built = memo
     try:
-        finish, rest, table = _Unpickler(io.BytesIO(payload), maps).load()
+        finish, rest, (table_token, table) = _Unpickler(io.BytesIO(payload), maps).load()
         shared = WriterRing([maps.flat(r) for r in ring],
                             lambda *a: mail.completion(mail.ask("copy", *a))) if ring else None
-        staged = _with_plans(unpack(rest, table, maps, shared), kept, token)
+        staged = _with_plans(_with_chunks(rest, table_token, table, maps, shared, built), kept,
+                             token)
         result = finish(staged, comm, lambda: mail.send(("give_back",)))
         del staged
         mail.send(("done", result))
@@ -591,6 +621,22 @@ def _run_job(mail: Mailbox, maps: Mappings, payload: bytes, comm: RemoteComm,
         _send_failure(mail, e)
     except BaseException as e:
         _send_failure(mail, e)
+
+
+def _with_chunks(rest: StagedSave, token: int, table: list[Packed] | None, maps: Mappings,
+                 ring: WriterRing | None, built: dict[int, tuple[ChunkData, ...]]
+                 ) -> StagedSave:
+    """``rest`` with its chunks: unpacked from ``table``, or (None) those built for the table
+    of ``token`` by an earlier job (kept when they all lie in shared memory)."""
+    if table is None:
+        if token not in built:
+            raise WriterError(f"the writer process lost the chunk table of token {token}")
+        return dataclasses.replace(rest, chunks=built[token])
+    staged = unpack(rest, table, maps, ring)
+    built.clear()
+    if _in_place(table):
+        built[token] = staged.chunks
+    return staged
 
 
 def _with_plans(staged: StagedSave, kept: dict[int, Any], token: int) -> StagedSave:
