@@ -48,9 +48,27 @@ class AsyncSave:
     staged: Future[None]
     done: Future[SaveResult]
 
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the caller may change its tensors; raises a staging failure."""
-        self.staged.result(timeout)
+    def wait_staged(self, timeout: float | None = None, *, stream: Any = None) -> None:
+        """Block until the caller may change its tensors; raises a staging failure.
+
+        ``stream`` (a ``torch.cuda.Stream``, e.g. ``torch.cuda.current_stream()``): where the
+        state is on CUDA, block only until the device-to-host copies are queued (they run on a
+        side stream), then make ``stream`` wait on a CUDA event recorded after them: work
+        queued on ``stream`` from now on (the optimizer step) runs once they are done, and the
+        host goes on at once. A failure found after the copies were queued is raised by
+        ``done``. Where nothing is copied from CUDA (CPU state), or chunks beyond a
+        ``host_memory_limit`` are copied while written, it blocks until ``staged`` as without
+        ``stream``."""
+        queued = getattr(self.staged, "queued", None)
+        if stream is None or queued is None:
+            self.staged.result(timeout)
+            return
+        events = queued.result(timeout)
+        if not events:
+            self.staged.result(timeout)
+            return
+        for event in events:
+            stream.wait_event(event)
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Block until the checkpoint is committed; raises the save's failure."""

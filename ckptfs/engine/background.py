@@ -50,6 +50,27 @@ T = TypeVar("T")
 Finish = Callable[[StagedSave, Comm, Callable[[], None]], T]
 
 
+class Staged(Future[None]):
+    """``staged`` of a background save. ``queued`` resolves earlier where the state is on
+    CUDA: with the CUDA events recorded after its device-to-host copies, once the CPU copies
+    are done and the CUDA copies queued on their side streams (with ``()`` when ``staged``
+    resolves first: nothing was copied from CUDA, or a ``host_memory_limit`` streams chunks
+    later). A stream that waits on those events runs its later work after the copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: Future[tuple[Any, ...]] = Future()
+
+    def resolve_queued(self, events: tuple[Any, ...] = (), error: BaseException | None = None
+                       ) -> None:
+        if self.queued.done():
+            return
+        if error is not None:
+            self.queued.set_exception(error)
+        else:
+            self.queued.set_result(events)
+
+
 class BackgroundSaver:
     """Runs asynchronous saves one at a time, on a background gloo lane of its own.
 
@@ -111,13 +132,15 @@ class BackgroundSaver:
                 comm = Comm(process_group, timeout=options.collective_timeout, background=self.lane)
             pool = self.staging_pool(staging_allocator(state_dict))  # pinned for CUDA sources
             held = [state_dict]  # let go of the caller's tensors once staged
+            overflow = self.bounded(options, be)
 
-            def job(on_copied: Callable[[], None]) -> T:
+            def job(on_copied: Callable[[], None], marker: Staged) -> T:
                 with public_errors(url):
                     on_device = check_on_device(held[0], comm.rank, check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                    threads=options.copy_threads, copy_piece=options.copy_piece,
-                                   overflow=self.bounded(options, be))
+                                   overflow=overflow, on_queued=None if overflow is not None
+                                   else lambda events: marker.resolve_queued(tuple(events)))
                     staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
                                      device=on_device)
                     self.lower_priority(options.background_nice)  # the caller goes on
@@ -149,23 +172,27 @@ class BackgroundSaver:
         run it elsewhere: engine/writer_process.py)."""
         return finish(staged, comm, give_back)
 
-    def launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
-        """Run ``job(on_copied)`` in a new thread once the save in flight is done: ``on_copied()``
-        resolves ``staged``, the job's result ``done``, an exception both that are pending
-        (what ``start`` runs; a writer of another kind may launch its own job)."""
-        staged: Future[None] = Future()
+    def launch(self, job: Callable[[Callable[[], None], Staged], T]
+               ) -> tuple[Future[None], Future[T]]:
+        """Run ``job(on_copied, staged)`` in a new thread once the save in flight is done:
+        ``on_copied()`` resolves ``staged`` (a ``Staged``: the job may resolve its ``queued``
+        first), the job's result ``done``, an exception both that are pending (what ``start``
+        runs; a writer of another kind may launch its own job)."""
+        staged = Staged()
         done: Future[T] = Future()
-        staged.set_running_or_notify_cancel()  # running futures cannot be cancelled
-        done.set_running_or_notify_cancel()
+        for f in (staged, staged.queued, done):
+            f.set_running_or_notify_cancel()  # running futures cannot be cancelled
 
         def on_copied() -> None:
+            staged.resolve_queued()
             if not staged.done():
                 staged.set_result(None)
 
         def run() -> None:
             try:
-                result = job(on_copied)
+                result = job(on_copied, staged)
             except BaseException as e:  # handed to the caller through the futures
+                staged.resolve_queued(error=e)
                 if not staged.done():
                     staged.set_exception(e)
                 done.set_exception(e)

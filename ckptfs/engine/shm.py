@@ -18,6 +18,7 @@ import mmap
 import os
 import secrets
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,26 @@ class _Segment:
         self.base = self.tensor.data_ptr()
         self.used = 0
         self.live = 0
+        self.pinned = False
+
+    def pin(self) -> None:
+        """Page-lock the segment for CUDA (``cudaHostRegister``): device-to-host copies into
+        it run asynchronously. Best effort: a segment that cannot be pinned stays pageable
+        (the copies into it are then synchronous)."""
+        if self.pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
+        if int(err) != 0:
+            warnings.warn(f"shared staging memory {self.name} could not be pinned "
+                          f"(cudaHostRegister error {int(err)}); its CUDA copies are synchronous",
+                          RuntimeWarning, stacklevel=2)
+            return
+        self.pinned = True
 
     def unlink(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self.pinned = False
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
@@ -72,6 +91,15 @@ class SharedArena(BufferAllocator):
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()
         self._count = 0
+        self._pinned = False
+
+    def pin(self) -> None:
+        """From now on every segment is page-locked for CUDA (those made so far too): the
+        staging of a state on CUDA (``SaveOptions``' pinned staging, here in shared memory)."""
+        with self._lock:
+            self._pinned = True
+            for seg in self._segments:
+                seg.pin()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -85,6 +113,8 @@ class SharedArena(BufferAllocator):
             if seg is None or seg.size - seg.used < size:
                 self._count += 1
                 seg = _Segment(f"{self._token}-{self._count}", max(size, SEGMENT))
+                if self._pinned:
+                    seg.pin()
                 self._segments.append(seg)
             start = seg.used
             seg.used += size

@@ -44,7 +44,7 @@ from ckptfs.dist import BACKGROUND, Comm
 from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
 from ckptfs.engine.background import BackgroundSaver, Finish, T, bounded
-from ckptfs.engine.buffers import BufferAllocator, BufferPool
+from ckptfs.engine.buffers import BufferAllocator, BufferPool, PinnedAllocator
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.overflow import Overflow
 from ckptfs.engine.ring import Completion
@@ -237,7 +237,11 @@ class ProcessSaver(BackgroundSaver):
                              options=options, check_finite=check_finite, stats=stats)
 
     def staging_pool(self, inner: BufferAllocator | None = None) -> BufferPool:
-        return super().staging_pool(self._arena)  # always shared memory
+        """Always shared memory; page-locked (``cudaHostRegister``) once a save stages a
+        state on CUDA (``inner``: pinned), so its device-to-host copies run asynchronously."""
+        if isinstance(inner, PinnedAllocator):
+            self._arena.pin()
+        return super().staging_pool(self._arena)
 
     def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
         """Under ``host_memory_limit`` the overflow crosses to the writer through a ring of
