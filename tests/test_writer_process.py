@@ -251,3 +251,33 @@ def test_saves_of_one_structure_send_the_chunk_table_once(tmp_path):
         assert sent == [True, False, False, True, True], sent
     finally:
         saver.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_close_keeps_the_thread_saver_and_drops_the_process_saver(tmp_path):
+    """``ckptfs.close()``: the default thread saver is closed but stays the default (usable
+    again at once); the default process saver is dropped, its writer stopped and its shared
+    memory removed; the next process save makes a new one."""
+    from ckptfs.engine import background
+
+    ckptfs.close()
+    sd = {"w": torch.randn(64, 64), "step": 1}
+    ckptfs.async_save(sd, str(tmp_path / "t1")).result(timeout=60)
+    ckptfs.async_save(sd, str(tmp_path / "p1"), writer="process").result(timeout=60)
+    thread_saver = background.default_saver()
+    process_saver = writer_process.default_process_saver()
+    pid = process_saver.writer_pid
+    assert pid is not None and segments()
+    ckptfs.close()
+    assert segments() == [] and process_saver.writer_pid is None
+    assert background.default_saver() is thread_saver
+    ckptfs.async_save(sd, str(tmp_path / "t2")).result(timeout=60)
+    assert writer_process.default_process_saver() is not process_saver
+    ckptfs.async_save(sd, str(tmp_path / "p2"), writer="process").result(timeout=60)
+    for name in ("t1", "p1", "t2", "p2"):
+        got = {"w": torch.empty(64, 64), "step": 0}
+        ckptfs.load(got, str(tmp_path / name))
+        assert torch.equal(got["w"], sd["w"]) and got["step"] == 1
+    ckptfs.close()
+    assert segments() == []
