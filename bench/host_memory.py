@@ -86,14 +86,14 @@ def child(a: argparse.Namespace) -> dict:
     import torch
 
     import ckptfs
-    from ckptfs.engine.writer_process import default_process_saver
+    from ckptfs.engine.defaults import default_saver
 
     limit = a.limit_mib * MiB if a.limit_mib else None
     state = make_state(a.gb, a.tensor_mib, a.layout)
     writer = None
     if a.mode == "process":  # the writer exists before the save measured
         ckptfs.async_save({"w": torch.ones(4)}, f"{a.root}/warm", writer="process").result(120)
-        writer = default_process_saver().writer_pid
+        writer = default_saver("process").writer_pid
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS (ru_maxrss would carry the launcher's peak across exec)
     before = _status("self", "VmRSS")

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.engine.background import BackgroundSaver, default_saver
+from ckptfs.engine.background import BackgroundSaver
+from ckptfs.engine.defaults import DEFAULTS
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.writer_process import ProcessSaver, close_default_process_saver, default_process_saver
+from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.options import resolve_save
@@ -134,7 +135,7 @@ def _saver(saver: BackgroundSaver | None, writer: str) -> BackgroundSaver:
     if writer not in ("thread", "process"):
         raise ConfigError(f"async_save: writer must be 'thread' or 'process', got {writer!r}")
     if saver is None:
-        return default_process_saver() if writer == "process" else default_saver()
+        return DEFAULTS.get(writer)
     if writer == "process" and not isinstance(saver, ProcessSaver):
         raise ConfigError("async_save: writer='process' needs a ProcessSaver as saver=")
     return saver
@@ -145,5 +146,4 @@ def close() -> None:
     writer process (``writer="process"``), free the staging buffers (shared-memory files
     included) and the background process groups. Call it on every rank before
     ``destroy_process_group()``; a later ``async_save`` starts afresh."""
-    default_saver().close()
-    close_default_process_saver()
+    DEFAULTS.close()

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
-from ckptfs.engine.background import bounded, wait_default_idle
+from ckptfs.engine.background import bounded
 from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
+from ckptfs.engine.defaults import wait_default_idle
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
-from ckptfs.engine.writer_process import wait_default_process_idle
 from ckptfs.errors import ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend
@@ -98,7 +98,6 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     if host_memory_limit is not None:
         opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
     wait_default_idle()
-    wait_default_process_idle()
     with public_errors(url):
         comm = Comm(process_group, timeout=opts.collective_timeout)
         be = make_backend(backend, backend_version, backend_options)

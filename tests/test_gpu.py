@@ -206,13 +206,13 @@ def test_wait_staged_on_a_stream_lets_the_host_go_on_before_the_copies_end(tmp_p
 
 
 def test_process_writer_pins_its_shared_staging_for_cuda_state(tmp_path):
-    from ckptfs.engine.writer_process import default_process_saver
+    from ckptfs.engine.defaults import default_saver
 
     sd = {f"t{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
     want = {k: v.cpu() for k, v in sd.items()}
     h = ckptfs.async_save(sd, tmp_path / "c", writer="process")
     h.wait_staged(timeout=60, stream=torch.cuda.current_stream())
-    arena = default_process_saver()._arena
+    arena = default_saver("process")._arena
     assert arena._segments and all(s.pinned for s in arena._segments)
     assert h.staged.queued.result(0)  # events recorded: the copies ran asynchronously
     for v in sd.values():

@@ -7,7 +7,7 @@ makes the Comm on the saver's own background lane; stages in a new thread; retur
 ``staged`` and ``done`` futures) -> later ``saver.wait_idle()`` (what a synchronous save does
 first) or ``saver.close()`` (every rank: waits, frees the buffers and the lane's groups).
 
-``ckptfs.async_save`` uses the per-process default saver (``default_saver()``); each
+``ckptfs.async_save`` uses the per-process default saver (engine/defaults.py); each
 ``CheckpointManager`` has its own unless one is passed. Two savers run their saves at once, each
 on a gloo group of its own (``lane``), so their collectives never interleave.
 
@@ -244,26 +244,3 @@ def bounded(options: SaveOptions, be: Backend, *, in_place: bool = False) -> Ove
         raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
                           f"writing (safetensors_chunks); {be.name} does not")
     return Overflow(limit, options.ring_bytes, options.ring_slots, in_place=in_place)
-
-
-class _Default:
-    """Holder of the per-process default saver (made on first use)."""
-
-    saver: BackgroundSaver | None = None
-    lock = threading.Lock()
-
-
-def default_saver() -> BackgroundSaver:
-    """The per-process saver ``ckptfs.async_save`` uses unless given one."""
-    with _Default.lock:
-        if _Default.saver is None:
-            _Default.saver = BackgroundSaver()
-        return _Default.saver
-
-
-def wait_default_idle() -> None:
-    """Wait until the default saver runs no save (if it was ever made): a synchronous save
-    does not overlap ``ckptfs.async_save``'s."""
-    saver = _Default.saver
-    if saver is not None:
-        saver.wait_idle()

@@ -682,37 +682,6 @@ def unpack_error(packed: tuple[Any, str, dict[str, Any]]) -> BaseException:
     return e
 
 
-class _Default:
-    """Holder of the per-process default process saver (made on first use)."""
-
-    saver: ProcessSaver | None = None
-    lock = threading.Lock()
-
-
-def default_process_saver() -> ProcessSaver:
-    """The per-process saver ``ckptfs.async_save(..., writer="process")`` uses unless given one
-    (its lane is its own, so it may run beside the default thread saver)."""
-    with _Default.lock:
-        if _Default.saver is None:
-            _Default.saver = ProcessSaver(f"{BACKGROUND}:process")
-        return _Default.saver
-
-
-def wait_default_process_idle() -> None:
-    """Wait until the default process saver runs no save (if it was ever made)."""
-    saver = _Default.saver
-    if saver is not None:
-        saver.wait_idle()
-
-
-def close_default_process_saver() -> None:
-    """``close()`` the default process saver if it was made (every rank calls it)."""
-    with _Default.lock:
-        saver, _Default.saver = _Default.saver, None
-    if saver is not None:
-        saver.close()
-
-
 def new_saver(writer: str, lane: str) -> BackgroundSaver:
     """A saver of ``writer``'s kind (``"thread"`` or ``"process"``) on ``lane``."""
     if writer == "thread":
