@@ -53,6 +53,7 @@ from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, 
 from ckptfs.engine.stage import StagedSave, join_plans, split_plans
 from ckptfs.errors import ConfigError, WriterError
 from ckptfs.io.local_store import lower_priority
+from ckptfs.io.loop import get_loop
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
@@ -579,6 +580,10 @@ def main(argv: list[str]) -> None:
 def serve(conn: Connection, parent: int) -> None:
     """The writer process's loop: one job at a time until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # the I/O loop's thread is made now, at the caller's priority, as in the training process:
+    # a job lowers its own thread to ``background_nice`` (for good), the loop that serves the
+    # store's bookkeeping would inherit it, and on a busy CPU every write would wait on it
+    get_loop()
     unlink_orphans()
     maps = Mappings()
     mail = Mailbox(conn)
