@@ -95,8 +95,10 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     process) or ``"process"`` (a persistent writer process per rank, fed through shared memory:
     the training loop's Python keeps the GIL to itself). ``host_memory_limit`` (bytes; also
     ``SaveOptions.host_memory_limit``): the most host memory staging holds; what does not fit
-    is copied while the files are written, and ``staged`` resolves after the last byte
-    (thread writer). ``check_finite`` and ``stats`` as for ``save``
+    is copied while the files are written (with ``writer="process"`` through a ring of shared
+    memory, at the writer's request), and ``staged`` resolves after the last byte; with CUDA
+    state, ``handle.wait_staged(stream=...)`` lets the host go on before the copies end.
+    ``check_finite`` and ``stats`` as for ``save``
     (checked while staging: a refused save resolves ``done`` with NonFiniteError).
 
     Returns at once, unless the saver has a save still in flight: then it first waits for that
