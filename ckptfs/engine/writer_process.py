@@ -274,6 +274,7 @@ class ProcessSaver(BackgroundSaver):
         try:
             _Pickler(buf, self._arena).dump((finish, rest, tables))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
+            self._table = None  # never sent
             raise ConfigError(f"writer='process': the save cannot be sent to the writer "
                               f"process ({e})") from e
         fed = _fed(staged)
