@@ -70,6 +70,7 @@ bench: $(STAMP)
 bench-async: $(STAMP)
 	$(BIN)/python -m bench.async_save
 	$(BIN)/python -m bench.python_bound
+	$(BIN)/python -m bench.host_memory
 
 # The performance bench (bench/perf.py): every case against the floors measured in the same run
 # and every peer. DCP runs in .venv; OLMo-core and Megatron-Core run in their own venvs when they

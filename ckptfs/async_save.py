@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.engine.background import BackgroundSaver, default_saver
+from ckptfs.engine.background import BackgroundSaver
+from ckptfs.engine.defaults import DEFAULTS
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.writer_process import ProcessSaver, close_default_process_saver, default_process_saver
+from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.options import resolve_save
@@ -48,9 +49,27 @@ class AsyncSave:
     staged: Future[None]
     done: Future[SaveResult]
 
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the caller may change its tensors; raises a staging failure."""
-        self.staged.result(timeout)
+    def wait_staged(self, timeout: float | None = None, *, stream: Any = None) -> None:
+        """Block until the caller may change its tensors; raises a staging failure.
+
+        ``stream`` (a ``torch.cuda.Stream``, e.g. ``torch.cuda.current_stream()``): where the
+        state is on CUDA, block only until the device-to-host copies are queued (they run on a
+        side stream), then make ``stream`` wait on a CUDA event recorded after them: work
+        queued on ``stream`` from now on (the optimizer step) runs once they are done, and the
+        host goes on at once. A failure found after the copies were queued is raised by
+        ``done``. Where nothing is copied from CUDA (CPU state), or chunks beyond a
+        ``host_memory_limit`` are copied while written, it blocks until ``staged`` as without
+        ``stream``."""
+        queued = getattr(self.staged, "queued", None)
+        if stream is None or queued is None:
+            self.staged.result(timeout)
+            return
+        events = queued.result(timeout)
+        if not events:
+            self.staged.result(timeout)
+            return
+        for event in events:
+            stream.wait_event(event)
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Block until the checkpoint is committed; raises the save's failure."""
@@ -76,8 +95,10 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     process) or ``"process"`` (a persistent writer process per rank, fed through shared memory:
     the training loop's Python keeps the GIL to itself). ``host_memory_limit`` (bytes; also
     ``SaveOptions.host_memory_limit``): the most host memory staging holds; what does not fit
-    is copied while the files are written, and ``staged`` resolves after the last byte
-    (thread writer). ``check_finite`` and ``stats`` as for ``save``
+    is copied while the files are written (with ``writer="process"`` through a ring of shared
+    memory, at the writer's request), and ``staged`` resolves after the last byte; with CUDA
+    state, ``handle.wait_staged(stream=...)`` lets the host go on before the copies end.
+    ``check_finite`` and ``stats`` as for ``save``
     (checked while staging: a refused save resolves ``done`` with NonFiniteError).
 
     Returns at once, unless the saver has a save still in flight: then it first waits for that
@@ -116,7 +137,7 @@ def _saver(saver: BackgroundSaver | None, writer: str) -> BackgroundSaver:
     if writer not in ("thread", "process"):
         raise ConfigError(f"async_save: writer must be 'thread' or 'process', got {writer!r}")
     if saver is None:
-        return default_process_saver() if writer == "process" else default_saver()
+        return DEFAULTS.get(writer)
     if writer == "process" and not isinstance(saver, ProcessSaver):
         raise ConfigError("async_save: writer='process' needs a ProcessSaver as saver=")
     return saver
@@ -127,5 +148,4 @@ def close() -> None:
     writer process (``writer="process"``), free the staging buffers (shared-memory files
     included) and the background process groups. Call it on every rank before
     ``destroy_process_group()``; a later ``async_save`` starts afresh."""
-    default_saver().close()
-    close_default_process_saver()
+    DEFAULTS.close()

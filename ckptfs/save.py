@@ -3,23 +3,24 @@ to it, then rank 0 commits the index."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
-from ckptfs.engine.background import wait_default_idle
+from ckptfs.engine.background import bounded
 from ckptfs.engine.buffers import BufferPool, HostAllocator
 from ckptfs.engine.commit import Claim, claimed, commit
+from ckptfs.engine.defaults import wait_default_idle
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
 from ckptfs.engine.write import write
-from ckptfs.engine.writer_process import wait_default_process_idle
 from ckptfs.errors import ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend
@@ -72,7 +73,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          storage_options: Mapping[str, Any] | None = None,
          store_options: StoreOptions | None = None, overwrite: bool = False,
          progress: bool = False, options: SaveOptions | None = None,
-         check_finite: bool = False, stats: bool = False, **deprecated: Any) -> SaveResult:
+         check_finite: bool = False, stats: bool = False, host_memory_limit: int | None = None,
+         **deprecated: Any) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
@@ -85,21 +87,29 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
     ``check_finite``: a NaN or infinity in any floating tensor fails the save on every rank with
     NonFiniteError, before anything is written; ``stats``: the index records every tensor's
-    fingerprint (docs/health.md).
+    fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
+    ``SaveOptions.host_memory_limit``): the most host memory the save's copies hold (the chunks
+    it cannot write in place: not CPU, or not C-contiguous); the copies beyond it stream through
+    a ring within it while the files are written.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
     opts, store_options = resolve_save(options, store_options, deprecated)
+    if host_memory_limit is not None:
+        opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
     wait_default_idle()
-    wait_default_process_idle()
     with public_errors(url):
         comm = Comm(process_group, timeout=opts.collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
         # CUDA chunks stream off the device through a pinned ring while they are written
         # (backends that pass chunk bytes through); staging copies only what is not
         # CPU-contiguous and not streamed (unbounded; pinned for CUDA sources staged whole)
-        device = device_parts(state_dict, be, opts)
-        pool = BufferPool(HostAllocator() if device is not None else staging_allocator(state_dict))
+        # under host_memory_limit: the copies beyond the bound stream through a ring within it
+        overflow = bounded(opts, be, in_place=True)
+        device = (cast(DeviceParts, overflow) if overflow is not None  # the same hooks
+                  else device_parts(state_dict, be, opts))
+        pool = BufferPool(HostAllocator() if device is not None and overflow is None
+                          else staging_allocator(state_dict))
         try:
             on_device = check_on_device(state_dict, comm.rank, check_finite)
             staged = stage(state_dict, comm, be, pool, copy=False, threads=opts.copy_threads,

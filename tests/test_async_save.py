@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptfs
 from ckptfs.dist import Comm
-from ckptfs.engine import background
+from ckptfs.engine import defaults
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
 from ckptfs.testing.ranks import run_ranks
@@ -134,7 +134,7 @@ def snapshot(rank: int, world: int, root: str) -> None:
     check_loads(rank, f"{root}/snap", 1.0)
     # staging holds what this rank writes: its shards, and the replicated bias on one rank only
     per_rank = [0] * world
-    dist.all_gather_object(per_rank, background.default_saver().staging_pool().allocator.cached_bytes)
+    dist.all_gather_object(per_rank, defaults.default_saver().staging_pool().allocator.cached_bytes)
     shards = 2 * 64 * 16 * 4  # w and exp_avg: 64 x 16 fp32 per rank
     assert sorted(per_rank) == [shards, shards + 8 * 8], per_rank
 
@@ -232,7 +232,7 @@ def buffer_reuse(rank: int, world: int, root: str) -> None:
     big = {f"layer{i}": state(rank, 9.0, rows=rows) for i in range(3)}
     mine = sum(t.numel() * t.element_size() for lay in big.values()
                for t in (lay["w"].local_tensor, lay["opt"]["state"][0]["exp_avg"].local_tensor))
-    alloc = background.default_saver().staging_pool().allocator
+    alloc = defaults.default_saver().staging_pool().allocator
     fast = ckptfs.StoreOptions(fsync=False)
     sizes = []
     for i in range(10):
@@ -461,16 +461,16 @@ def test_staging_pool_follows_the_allocator_kind():
     async def cycle(pool, n):
         await pool.release(await pool.lease(n))
 
-    host = background.default_saver().staging_pool(HostAllocator())
-    assert background.default_saver().staging_pool(HostAllocator()) is host  # same kind: the same cache
+    host = defaults.default_saver().staging_pool(HostAllocator())
+    assert defaults.default_saver().staging_pool(HostAllocator()) is host  # same kind: the same cache
     host.allocator.clear()  # what earlier saves in this process left there
     run_sync(cycle(host, 4096))
     assert host.allocator.cached_bytes == 4096
-    other = background.default_saver().staging_pool(Other())
+    other = defaults.default_saver().staging_pool(Other())
     assert other is not host and type(other.allocator.inner) is Other
     assert host.allocator.cached_bytes == 0, "the old kind's buffers were kept"
-    assert background.default_saver().staging_pool() is other  # no kind asked: the pool as it is
-    background.default_saver().staging_pool(HostAllocator())  # leave the process's pool as the others expect
+    assert defaults.default_saver().staging_pool() is other  # no kind asked: the pool as it is
+    defaults.default_saver().staging_pool(HostAllocator())  # leave the process's pool as the others expect
 
 
 def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):

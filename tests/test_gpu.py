@@ -182,3 +182,41 @@ def test_gds_path_when_kvikio_is_installed(tmp_path):
     ckptfs.load(target, tmp_path / "c", options=ckptfs.LoadOptions(gds=True, verify=False))
     for k, v in sd.items():
         assert torch.equal(target[k].cpu(), v), k
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_wait_staged_on_a_stream_lets_the_host_go_on_before_the_copies_end(tmp_path, writer):
+    """The caller's stream is busy, so the device-to-host copies (queued after its work) cannot
+    end soon: ``wait_staged(stream=...)`` returns while ``staged`` is pending, and the step
+    queued next on the stream (``add_``) runs after the copies: the checkpoint holds the values
+    at the call."""
+    sd = {f"t{i}": torch.randn(512, 256, device="cuda") for i in range(4)}
+    want = {k: v.cpu() for k, v in sd.items()}
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time before the copies
+    h = ckptfs.async_save(sd, tmp_path / "c", writer=writer)
+    h.wait_staged(timeout=60, stream=stream)
+    if writer == "thread":  # pinned staging: the copies are asynchronous
+        assert h.staged.queued.result(0) and not h.staged.done()
+    for v in sd.values():
+        v.add_(1)  # queued on ``stream``: after the events
+    h.result(timeout=120)
+    _assert_saved(tmp_path / "c", want)
+    ckptfs.close()
+
+
+def test_process_writer_pins_its_shared_staging_for_cuda_state(tmp_path):
+    from ckptfs.engine.defaults import default_saver
+
+    sd = {f"t{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
+    want = {k: v.cpu() for k, v in sd.items()}
+    h = ckptfs.async_save(sd, tmp_path / "c", writer="process")
+    h.wait_staged(timeout=60, stream=torch.cuda.current_stream())
+    arena = default_saver("process")._arena
+    assert arena._segments and all(s.pinned for s in arena._segments)
+    assert h.staged.queued.result(0)  # events recorded: the copies ran asynchronously
+    for v in sd.values():
+        v.zero_()
+    h.result(timeout=120)
+    _assert_saved(tmp_path / "c", want)
+    ckptfs.close()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine import writer_process
+from ckptfs.engine import defaults, writer_process
 from ckptfs.engine.shm import PREFIX, SHM_DIR
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
@@ -60,7 +60,7 @@ def round_trip(rank: int, world: int, root: str) -> None:
     res = h.result(timeout=60)
     assert res.bytes_written > 0 and res.comm.collectives > 0, res
     check_loads(rank, f"{root}/one", 1.0)
-    saver = writer_process.default_process_saver()
+    saver = defaults.default_saver("process")
     pid, files = saver.writer_pid, segments()
     assert pid is not None and files, (pid, files)
     ckptfs.async_save(state(rank, 2.0), f"{root}/two", writer="process").result(timeout=60)
@@ -73,7 +73,7 @@ def writer_killed(rank: int, world: int, root: str) -> None:
     committed, the previous checkpoint loads, and the next save runs on a new writer."""
     register_backend(SlowWrite.name, 1, SlowWrite, replace=True)
     opts = ckptfs.SaveOptions(collective_timeout=TIMEOUT)
-    saver = writer_process.default_process_saver()
+    saver = defaults.default_saver("process")
     old = saver.writer_pid
     started = time.monotonic()
     h = ckptfs.async_save(state(rank, 3.0), f"{root}/killed", writer="process",
@@ -115,7 +115,7 @@ def manager(rank: int, world: int, root: str) -> None:
 
 def closing(rank: int, world: int, root: str) -> None:
     """`ckptfs.close()` stops the default writer and removes every shared-memory file."""
-    pid = writer_process.default_process_saver().writer_pid
+    pid = defaults.default_saver("process").writer_pid
     assert pid is not None and segments()
     ckptfs.close()
     assert segments() == []
@@ -167,7 +167,7 @@ def test_close_stops_the_writer_and_frees_shared_memory(outcomes):
 
 TRAINER = textwrap.dedent("""
     import sys, time, torch, ckptfs
-    from ckptfs.engine import writer_process
+    from ckptfs.engine import defaults
     from tests.test_writer_process import SlowWrite
     from ckptfs.layout.registry import register_backend
     register_backend(SlowWrite.name, 1, SlowWrite, replace=True)
@@ -176,7 +176,7 @@ TRAINER = textwrap.dedent("""
     ckptfs.async_save(state, root + "/first", writer="process").result(timeout=60)
     h = ckptfs.async_save(state, root + "/second", writer="process", backend=SlowWrite.name)
     h.wait_staged(timeout=60)
-    print(writer_process.default_process_saver().writer_pid, flush=True)
+    print(defaults.default_saver("process").writer_pid, flush=True)
     time.sleep(60)
 """)
 
@@ -217,6 +217,66 @@ def test_settings_that_cannot_reach_the_writer_are_refused_at_once(tmp_path):
                           storage_options={"credentials": lambda: "secret"})
     with pytest.raises(ckptfs.ConfigError, match="writer"):
         ckptfs.async_save({"w": torch.ones(4)}, str(tmp_path / "y"), writer="fork")
-    assert writer_process.default_process_saver().writer_pid is None
+    assert defaults.default_saver("process").writer_pid is None
     ckptfs.close()
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_saves_of_one_structure_send_the_chunk_table_once(tmp_path):
+    """The writer keeps the chunks it built for a save; a later save of the same structure,
+    staged into the same buffers, sends none, and still writes its own values. A bounded save
+    (chunks streamed through the shared ring) always sends its table."""
+    saver = writer_process.ProcessSaver("test:tables")
+    sent: list[bool] = []
+    known = saver._known_table
+
+    def spy(table, writer):
+        got = known(table, writer)
+        sent.append(got[1] is not None)
+        return got
+
+    saver._known_table = spy
+    try:
+        for i, limit in enumerate((None, None, None, 1 << 20, None)):
+            sd = {f"t{k}": torch.full((64, 1024), float(i * 10 + k)) for k in range(4)}
+            sd["step"] = i
+            ckptfs.async_save(sd, str(tmp_path / f"s{i}"), saver=saver, writer="process",
+                              host_memory_limit=limit).result(timeout=60)
+            got = {f"t{k}": torch.empty(64, 1024) for k in range(4)}
+            got["step"] = -1
+            ckptfs.load(got, str(tmp_path / f"s{i}"))
+            assert got["step"] == i and all(torch.equal(got[f"t{k}"], sd[f"t{k}"]) for k in range(4))
+        assert sent == [True, False, False, True, True], sent
+    finally:
+        saver.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_close_keeps_the_thread_saver_and_drops_the_process_saver(tmp_path):
+    """``ckptfs.close()``: the default thread saver is closed but stays the default (usable
+    again at once); the default process saver is dropped, its writer stopped and its shared
+    memory removed; the next process save makes a new one."""
+
+    ckptfs.close()
+    sd = {"w": torch.randn(64, 64), "step": 1}
+    ckptfs.async_save(sd, str(tmp_path / "t1")).result(timeout=60)
+    ckptfs.async_save(sd, str(tmp_path / "p1"), writer="process").result(timeout=60)
+    thread_saver = defaults.default_saver()
+    process_saver = defaults.default_saver("process")
+    pid = process_saver.writer_pid
+    assert pid is not None and segments()
+    ckptfs.close()
+    assert segments() == [] and process_saver.writer_pid is None
+    assert defaults.default_saver() is thread_saver
+    ckptfs.async_save(sd, str(tmp_path / "t2")).result(timeout=60)
+    assert defaults.default_saver("process") is not process_saver
+    ckptfs.async_save(sd, str(tmp_path / "p2"), writer="process").result(timeout=60)
+    for name in ("t1", "p1", "t2", "p2"):
+        got = {"w": torch.empty(64, 64), "step": 0}
+        ckptfs.load(got, str(tmp_path / name))
+        assert torch.equal(got["w"], sd["w"]) and got["step"] == 1
+    ckptfs.close()
+    assert segments() == []

@@ -7,7 +7,7 @@ makes the Comm on the saver's own background lane; stages in a new thread; retur
 ``staged`` and ``done`` futures) -> later ``saver.wait_idle()`` (what a synchronous save does
 first) or ``saver.close()`` (every rank: waits, frees the buffers and the lane's groups).
 
-``ckptfs.async_save`` uses the per-process default saver (``default_saver()``); each
+``ckptfs.async_save`` uses the per-process default saver (engine/defaults.py); each
 ``CheckpointManager`` has its own unless one is passed. Two savers run their saves at once, each
 on a gloo group of its own (``lane``), so their collectives never interleave.
 
@@ -48,6 +48,27 @@ T = TypeVar("T")
 #: ``give_back()`` returns the staging buffers to the pool early (idempotent; called after
 #: ``finish`` in any case)
 Finish = Callable[[StagedSave, Comm, Callable[[], None]], T]
+
+
+class Staged(Future[None]):
+    """``staged`` of a background save. ``queued`` resolves earlier where the state is on
+    CUDA: with the CUDA events recorded after its device-to-host copies, once the CPU copies
+    are done and the CUDA copies queued on their side streams (with ``()`` when ``staged``
+    resolves first: nothing was copied from CUDA, or a ``host_memory_limit`` streams chunks
+    later). A stream that waits on those events runs its later work after the copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued: Future[tuple[Any, ...]] = Future()
+
+    def resolve_queued(self, events: tuple[Any, ...] = (), error: BaseException | None = None
+                       ) -> None:
+        if self.queued.done():
+            return
+        if error is not None:
+            self.queued.set_exception(error)
+        else:
+            self.queued.set_result(events)
 
 
 class BackgroundSaver:
@@ -111,13 +132,15 @@ class BackgroundSaver:
                 comm = Comm(process_group, timeout=options.collective_timeout, background=self.lane)
             pool = self.staging_pool(staging_allocator(state_dict))  # pinned for CUDA sources
             held = [state_dict]  # let go of the caller's tensors once staged
+            overflow = self.bounded(options, be)
 
-            def job(on_copied: Callable[[], None]) -> T:
+            def job(on_copied: Callable[[], None], marker: Staged) -> T:
                 with public_errors(url):
                     on_device = check_on_device(held[0], comm.rank, check_finite)
                     staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
                                    threads=options.copy_threads, copy_piece=options.copy_piece,
-                                   overflow=bounded(options, be))
+                                   overflow=overflow, on_queued=None if overflow is not None
+                                   else lambda events: marker.resolve_queued(tuple(events)))
                     staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
                                      device=on_device)
                     self.lower_priority(options.background_nice)  # the caller goes on
@@ -134,6 +157,11 @@ class BackgroundSaver:
 
             return self.launch(job)
 
+    def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
+        """The overflow of a save under ``options.host_memory_limit`` (None: no bound; a saver
+        of another kind streams it otherwise: engine/shared_ring.py)."""
+        return bounded(options, be)
+
     def lower_priority(self, nice: int) -> None:
         """Once staged: the save's work runs at nice ``nice`` (here: this thread's)."""
         lower_priority(nice)
@@ -144,23 +172,27 @@ class BackgroundSaver:
         run it elsewhere: engine/writer_process.py)."""
         return finish(staged, comm, give_back)
 
-    def launch(self, job: Callable[[Callable[[], None]], T]) -> tuple[Future[None], Future[T]]:
-        """Run ``job(on_copied)`` in a new thread once the save in flight is done: ``on_copied()``
-        resolves ``staged``, the job's result ``done``, an exception both that are pending
-        (what ``start`` runs; a writer of another kind may launch its own job)."""
-        staged: Future[None] = Future()
+    def launch(self, job: Callable[[Callable[[], None], Staged], T]
+               ) -> tuple[Future[None], Future[T]]:
+        """Run ``job(on_copied, staged)`` in a new thread once the save in flight is done:
+        ``on_copied()`` resolves ``staged`` (a ``Staged``: the job may resolve its ``queued``
+        first), the job's result ``done``, an exception both that are pending (what ``start``
+        runs; a writer of another kind may launch its own job)."""
+        staged = Staged()
         done: Future[T] = Future()
-        staged.set_running_or_notify_cancel()  # running futures cannot be cancelled
-        done.set_running_or_notify_cancel()
+        for f in (staged, staged.queued, done):
+            f.set_running_or_notify_cancel()  # running futures cannot be cancelled
 
         def on_copied() -> None:
+            staged.resolve_queued()
             if not staged.done():
                 staged.set_result(None)
 
         def run() -> None:
             try:
-                result = job(on_copied)
+                result = job(on_copied, staged)
             except BaseException as e:  # handed to the caller through the futures
+                staged.resolve_queued(error=e)
                 if not staged.done():
                     staged.set_exception(e)
                 done.set_exception(e)
@@ -202,35 +234,13 @@ class BackgroundSaver:
             self._pool.allocator.clear()
 
 
-def bounded(options: SaveOptions, be: Backend) -> Overflow | None:
-    """The overflow of a save under ``options.host_memory_limit`` (None: no bound)."""
+def bounded(options: SaveOptions, be: Backend, *, in_place: bool = False) -> Overflow | None:
+    """The overflow of a save under ``options.host_memory_limit`` (None: no bound;
+    ``in_place``: a synchronous save's, see ``Overflow``)."""
     limit = options.host_memory_limit
     if limit is None:
         return None
     if not be.streams_device_chunks:
         raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
                           f"writing (safetensors_chunks); {be.name} does not")
-    return Overflow(limit, options.ring_bytes, options.ring_slots)
-
-
-class _Default:
-    """Holder of the per-process default saver (made on first use)."""
-
-    saver: BackgroundSaver | None = None
-    lock = threading.Lock()
-
-
-def default_saver() -> BackgroundSaver:
-    """The per-process saver ``ckptfs.async_save`` uses unless given one."""
-    with _Default.lock:
-        if _Default.saver is None:
-            _Default.saver = BackgroundSaver()
-        return _Default.saver
-
-
-def wait_default_idle() -> None:
-    """Wait until the default saver runs no save (if it was ever made): a synchronous save
-    does not overlap ``ckptfs.async_save``'s."""
-    saver = _Default.saver
-    if saver is not None:
-        saver.wait_idle()
+    return Overflow(limit, options.ring_bytes, options.ring_slots, in_place=in_place)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -87,7 +87,10 @@ class CachingAllocator(BufferAllocator):
 
     def __init__(self, inner: BufferAllocator | None = None) -> None:
         self.inner = inner or HostAllocator()
-        self._cached: dict[int, list[torch.Tensor]] = defaultdict(list)
+        #: first in, first out: a save gets its buffers in the order the last save of the same
+        #: structure released them, so each chunk lands where it did then (a writer process
+        #: reuses what it built for that save: engine/writer_process.py)
+        self._cached: dict[int, deque[torch.Tensor]] = defaultdict(deque)
         self._lock = threading.Lock()
         self.allocations = 0  #: buffers obtained from ``inner`` (reuse keeps this flat)
 
@@ -111,7 +114,7 @@ class CachingAllocator(BufferAllocator):
         with self._lock:
             bufs = self._cached.get(nbytes)
             if bufs:
-                return bufs.pop()
+                return bufs.popleft()
             self.allocations += 1
         return self.inner.allocate(nbytes)
 

@@ -31,6 +31,7 @@ import torch
 
 from ckptfs.engine.ring import Completion, Copier, CudaEvents, SideStreams, pinned_slot_bytes
 from ckptfs.io.streamed import StreamedPart
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import combine, crc_of
 from ckptfs.layout.geometry import c_order_cuts
 
@@ -92,7 +93,9 @@ class DeviceChunk(StreamedPart):
         self.data = data
         self.pool = pool
         self.copier = copier
-        self._nbytes = data.numel() * data.element_size()
+        self.shape, self.dtype = tuple(data.shape), data.dtype
+        self.itemsize = data.element_size()
+        self._nbytes = data.numel() * self.itemsize
         self.crc: int | None = None
 
     @property
@@ -104,8 +107,8 @@ class DeviceChunk(StreamedPart):
         if not self._nbytes:
             self.crc = 0
             return
-        itemsize = self.data.element_size()
-        cuts = c_order_cuts(tuple(self.data.shape), itemsize, self.pool.slot_bytes)
+        itemsize = self.itemsize
+        cuts = c_order_cuts(self.shape, itemsize, self.pool.slot_bytes)
         flying: deque[tuple[torch.Tensor, int, Completion]] = deque()
         crc, i = 0, 0  # cuts[i] is the next piece to copy
         try:
@@ -117,8 +120,7 @@ class DeviceChunk(StreamedPart):
                     box = cuts[i]
                     n = box.volume * itemsize
                     try:
-                        dst = buf[:n].view(self.data.dtype).view(box.shape)
-                        flying.append((buf, n, self.copier(dst, self.data[box.slices()])))
+                        flying.append((buf, n, self.start_copy(buf[:n], box, i)))
                     except BaseException:
                         self.pool.give(buf)
                         raise
@@ -140,6 +142,11 @@ class DeviceChunk(StreamedPart):
                     done.wait()
                 finally:
                     self.pool.give(buf)
+
+
+    def start_copy(self, buf: torch.Tensor, box: Box, index: int) -> Completion:
+        """Start copying piece ``index`` (``box`` of the data) into ``buf`` (its bytes)."""
+        return self.copier(buf.view(self.dtype).view(box.shape), self.data[box.slices()])
 
 
 class CudaD2H:

@@ -57,10 +57,11 @@ class SaveOptions:
     #: threads writing its local data files: a busy CPU serves the training loop first.
     #: 0: the caller's priority
     background_nice: int = 10
-    #: bytes: the most host memory an asynchronous save's staging holds (thread writer); the
-    #: chunks that do not fit are copied through a few buffers within it while the files are
-    #: written, and ``staged`` resolves once the last of them is written. None: no bound (one
-    #: copy of the bytes the rank writes)
+    #: bytes: the most host memory a save's staging holds (either writer of an asynchronous
+    #: save; a synchronous save's copies of what it cannot write in place); the chunks that do
+    #: not fit are copied through a few buffers within it while the files are written, and
+    #: ``staged`` resolves once the last of them is copied. None: no bound (an asynchronous
+    #: save stages one copy of the bytes the rank writes)
     host_memory_limit: int | None = None
 
     def __post_init__(self) -> None:

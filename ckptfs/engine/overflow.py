@@ -45,9 +45,15 @@ def _cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> _Copied:
 
 
 class Overflow:
-    """The chunks of one save beyond its staging bound, and the ring they stream through."""
+    """The chunks of one save beyond its staging bound, and the ring they stream through.
 
-    def __init__(self, limit: int, ring_bytes: int, slots: int) -> None:
+    ``in_place=True`` (a synchronous save, whose caller waits): chunks the save writes in
+    place (CPU, C-contiguous) take no staging memory and are neither counted nor streamed, and
+    a streamed chunk may be streamed again (a retried write): the caller's tensors do not
+    change meanwhile."""
+
+    def __init__(self, limit: int, ring_bytes: int, slots: int, *, in_place: bool = False) -> None:
+        self.in_place = in_place
         ring = max(1, min(ring_bytes, limit // RING_SHARE))
         self.budget = limit - ring  #: bytes of chunks copied while staging
         self.used = 0
@@ -61,7 +67,7 @@ class Overflow:
     def accepts(self, data: torch.Tensor) -> bool:
         """Whether ``data`` (the next chunk, in order) is streamed rather than copied now."""
         n = data.numel() * data.element_size()
-        if not n:
+        if not n or (self.in_place and data.device.type == "cpu" and data.is_contiguous()):
             return False
         if self.used + n <= self.budget:
             self.used += n
@@ -79,11 +85,21 @@ class Overflow:
                 self._cuda = (SlotPool(self._slots, slot, PinnedAllocator().allocate), CudaD2H())
             pool, d2h = self._cuda
             d2h.record(data.device)
-            return _Tracked(DeviceChunk(data, pool, d2h), self)
-        if self._cpu is None:
-            slot = max(1, self._ring // self._slots)
-            self._cpu = SlotPool(self._slots, slot, HostAllocator().allocate)
-        return _Tracked(DeviceChunk(data, self._cpu, _cpu_copy), self)
+            chunk = DeviceChunk(data, pool, d2h)
+        else:
+            if self._cpu is None:
+                slot = max(1, self._ring // self._slots)
+                self._cpu = SlotPool(self._slots, slot, HostAllocator().allocate)
+            chunk = DeviceChunk(data, self._cpu, _cpu_copy)
+        if self.in_place:
+            return chunk
+        return _Tracked(chunk, self)
+
+    def close(self) -> None:
+        """Drop the ring's buffers (after every stream ended)."""
+        for pool in (self._cpu, self._cuda[0] if self._cuda is not None else None):
+            if pool is not None:
+                pool.close()
 
     @property
     def streamed(self) -> bool:

@@ -13,10 +13,12 @@ file whose every buffer was freed is unlinked at once.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import secrets
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +57,26 @@ class _Segment:
         self.base = self.tensor.data_ptr()
         self.used = 0
         self.live = 0
+        self.pinned = False
+
+    def pin(self) -> None:
+        """Page-lock the segment for CUDA (``cudaHostRegister``): device-to-host copies into
+        it run asynchronously. Best effort: a segment that cannot be pinned stays pageable
+        (the copies into it are then synchronous)."""
+        if self.pinned:
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
+        if int(err) != 0:
+            warnings.warn(f"shared staging memory {self.name} could not be pinned "
+                          f"(cudaHostRegister error {int(err)}); its CUDA copies are synchronous",
+                          RuntimeWarning, stacklevel=2)
+            return
+        self.pinned = True
 
     def unlink(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self.pinned = False
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
@@ -71,6 +91,15 @@ class SharedArena(BufferAllocator):
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()
         self._count = 0
+        self._pinned = False
+
+    def pin(self) -> None:
+        """From now on every segment is page-locked for CUDA (those made so far too): the
+        staging of a state on CUDA (``SaveOptions``' pinned staging, here in shared memory)."""
+        with self._lock:
+            self._pinned = True
+            for seg in self._segments:
+                seg.pin()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -84,6 +113,8 @@ class SharedArena(BufferAllocator):
             if seg is None or seg.size - seg.used < size:
                 self._count += 1
                 seg = _Segment(f"{self._token}-{self._count}", max(size, SEGMENT))
+                if self._pinned:
+                    seg.pin()
                 self._segments.append(seg)
             start = seg.used
             seg.used += size
@@ -134,6 +165,24 @@ class SharedArena(BufferAllocator):
         if seg is None:
             return None
         return seg.name, t.data_ptr() - seg.base, t.numel() * t.element_size()
+
+
+    def flat_refs(self, tensors: list[torch.Tensor]) -> list[tuple[str, int, int] | None]:
+        """``flat_ref`` of each of ``tensors`` (one lock and one lookup table for all)."""
+        with self._lock:
+            spans = sorted((s.base, s.base + s.size, s.name) for s in self._segments)
+        starts = [b for b, _, _ in spans]
+        out: list[tuple[str, int, int] | None] = []
+        for t in tensors:
+            ref = None
+            if t.device.type == "cpu" and t.is_contiguous():
+                n = t.numel() * t.element_size()
+                ptr = t.data_ptr()
+                i = bisect.bisect_right(starts, ptr) - 1
+                if n and i >= 0 and ptr < spans[i][1]:
+                    ref = (spans[i][2], ptr - spans[i][0], n)
+            out.append(ref)
+        return out
 
 
 class Mappings:

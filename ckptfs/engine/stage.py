@@ -204,7 +204,8 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
           copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
           on_copied: Callable[[], None] | None = None,
           threads: int | None = None, copy_piece: int = PIECE,
-          device: DeviceParts | None = None, overflow: Overflow | None = None) -> StagedSave:
+          device: DeviceParts | None = None, overflow: Overflow | None = None,
+          on_queued: Callable[[list[Any]], None] | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
@@ -217,7 +218,9 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     streamed off their device while they are written (engine/device_parts.py). ``overflow``
     (``copy=True`` under ``SaveOptions.host_memory_limit``): the chunks beyond its bound are
     streamed through its ring while written, and ``on_copied`` waits for their last byte
-    (engine/overflow.py)."""
+    (engine/overflow.py). ``on_queued(events)``: called once the CPU copies are done and the
+    CUDA copies queued, with a CUDA event recorded after them on each side stream (not called
+    when nothing is copied from CUDA)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     ckey = (comm.members, comm.rank)
@@ -244,7 +247,8 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     elif copy:
         device = None
     chunks, leases = _take_agreed(comm, views, shards, pool, copy,
-                                  (copy_threads(threads), copy_piece), device, on_copied)
+                                  (copy_threads(threads), copy_piece), device, on_copied,
+                                  on_queued)
     return StagedSave(comm.rank, comm.size, _Plans(plan.plans, private_plans), chunks, leases,
                       copy, sums, replicas, agreed.cached, content)
 
@@ -312,13 +316,14 @@ def _write_views(d: Described, plan: SavePlan) -> list[tuple[str, tuple[int, ...
 def _take_agreed(comm: Comm, views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
                  copy: bool, threads: tuple[int, int], device: DeviceParts | None,
                  on_copied: Callable[[], None] | None,
+                 on_queued: Callable[[list[Any]], None] | None = None,
                  ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """``_take``, then ``on_copied``; the ranks settle the outcome (a failed rank fails all,
     its leases given back)."""
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
     def take() -> None:
-        taken.append(_take(views, shards, pool, copy, threads, device))
+        taken.append(_take(views, shards, pool, copy, threads, device, on_queued))
         if on_copied is not None:
             on_copied()
 
@@ -472,7 +477,8 @@ def _taking(data: torch.Tensor, copy: bool, device: DeviceParts | None) -> Takin
 
 
 def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy: bool,
-          threads: tuple[int, int], device: DeviceParts | None = None
+          threads: tuple[int, int], device: DeviceParts | None = None,
+          on_queued: Callable[[list[Any]], None] | None = None,
           ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """ChunkData for every view: copied into leased buffers (all of them with ``copy``,
     otherwise only those that are not CPU and contiguous, and not streamed by ``device``); CPU
@@ -499,6 +505,8 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
             chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
         copy_all(on_host, *threads)
         if d2h is not None:
+            if on_queued is not None:
+                on_queued(d2h.record())
             d2h.wait()  # the bytes are on the host before anyone reads them (or ``staged``)
     except BaseException:
         if d2h is not None:
@@ -535,6 +543,15 @@ class DeviceToHost:
     def copy(self, buf: torch.Tensor, data: torch.Tensor) -> None:
         with torch.cuda.stream(self.streams.get(data.device)):
             buf.copy_(data, non_blocking=buf.is_pinned())
+
+    def record(self) -> list[torch.cuda.Event]:
+        """A CUDA event recorded after the copies queued so far, on each side stream."""
+        events = []
+        for _, stream in self.streams.items():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events
 
     def wait(self) -> None:
         for _, stream in self.streams.items():

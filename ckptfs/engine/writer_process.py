@@ -25,6 +25,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import io
+import itertools
 import os
 import pickle
 import socket
@@ -42,14 +43,18 @@ import torch
 from ckptfs.dist import BACKGROUND, Comm
 from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
-from ckptfs.engine.background import BackgroundSaver, Finish, T
-from ckptfs.engine.buffers import BufferAllocator, BufferPool
+from ckptfs.engine.background import BackgroundSaver, Finish, T, bounded
+from ckptfs.engine.buffers import BufferAllocator, BufferPool, PinnedAllocator
 from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.overflow import Overflow
+from ckptfs.engine.ring import Completion
+from ckptfs.engine.shared_ring import FedPart, FedRef, SharedOverflow, WriterRing
 from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
 from ckptfs.engine.stage import StagedSave, join_plans, split_plans
 from ckptfs.errors import ConfigError, WriterError
 from ckptfs.io.local_store import lower_priority
-from ckptfs.layout.backend import ChunkData
+from ckptfs.io.loop import get_loop
+from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
 
@@ -99,18 +104,38 @@ def pack(staged: StagedSave, arena: SharedArena) -> tuple[StagedSave, list[Packe
     training process does), and its chunks as plain tuples (a slotted dataclass pickles
     through Python calls: seconds for 20,000 chunks)."""
     table: list[Packed] = []
-    for c in staged.chunks:
-        if c.source is not None:
+    refs = arena.flat_refs([c.data for c in staged.chunks])
+    for c, ref in zip(staged.chunks, refs, strict=True):
+        data: Any = ref
+        if isinstance(c.source, FedPart):  # beyond host_memory_limit: the writer asks for it
+            data = FedRef(c.source.index)
+        elif c.source is not None:
             raise ConfigError("writer='process' cannot write streamed chunks")
-        ref = arena.flat_ref(c.data)
-        table.append((c.key, c.dtype, c.global_shape, c.box.offsets,
-                      c.data if ref is None else ref, c.data.dtype, tuple(c.data.shape)))
+        elif ref is None:
+            data = c.data
+        table.append((c.key, c.dtype, c.global_shape, c.box.offsets, data, c.data.dtype,
+                      tuple(c.data.shape)))
     return dataclasses.replace(staged, chunks=(), leases=()), table
 
 
-def unpack(rest: StagedSave, table: list[Packed], maps: Mappings) -> StagedSave:
+def _in_place(table: list[Packed]) -> bool:
+    """Whether every chunk of ``table`` lies in shared memory (a table the writer may keep)."""
+    return all(type(data) is tuple for *_, data, _, _ in table)
+
+
+def unpack(rest: StagedSave, table: list[Packed], maps: Mappings,
+           ring: WriterRing | None = None) -> StagedSave:
+    """What ``pack`` packed, in the writer: staged chunks as views of its mappings, and the
+    chunks beyond ``host_memory_limit`` as parts streamed through ``ring``."""
     chunks = []
     for key, dtype, global_shape, offsets, data, torch_dtype, shape in table:
+        if isinstance(data, FedRef):
+            if ring is None:
+                raise WriterError(f"key {key!r}: a streamed chunk came without its ring")
+            meta = torch.empty(shape, dtype=torch_dtype, device="meta")
+            chunks.append(ChunkData(key, dtype, global_shape, Box(offsets, shape), meta,
+                                    ring.chunk(shape, torch_dtype, data.index)))
+            continue
         if not isinstance(data, torch.Tensor):
             data = maps.flat(data).view(torch_dtype).view(shape)
         chunks.append(ChunkData(key, dtype, global_shape, Box(offsets, shape), data))
@@ -190,6 +215,10 @@ class ProcessSaver(BackgroundSaver):
         #: the writer, agreed plans and token of the plans the writer keeps
         self._sent: tuple[_Writer, Any, int] | None = None
         self._nice = 0
+        self._ring: list[torch.Tensor] = []  #: the shared ring of bounded saves (kept)
+        #: the writer, the chunk table it holds and that table's token
+        self._table: tuple[_Writer, list[Packed], int] | None = None
+        self._tables = itertools.count(1)
 
     @property
     def writer_pid(self) -> int | None:
@@ -200,9 +229,6 @@ class ProcessSaver(BackgroundSaver):
     def start(self, state_dict: Any, url: str, be: Any, finish: Finish[T], *,
               process_group: Any, options: SaveOptions, check_finite: bool = False,
               stats: bool = False) -> tuple[Future[None], Future[T]]:
-        if options.host_memory_limit is not None:
-            raise ConfigError("host_memory_limit is not supported with writer='process' yet "
-                              "(the thread writer bounds its staging)")
         try:  # refused here, on every rank alike, rather than in the background
             pickle.dumps(finish, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
@@ -212,25 +238,56 @@ class ProcessSaver(BackgroundSaver):
                              options=options, check_finite=check_finite, stats=stats)
 
     def staging_pool(self, inner: BufferAllocator | None = None) -> BufferPool:
-        return super().staging_pool(self._arena)  # always shared memory
+        """Always shared memory; page-locked (``cudaHostRegister``) once a save stages a
+        state on CUDA (``inner``: pinned), so its device-to-host copies run asynchronously."""
+        if isinstance(inner, PinnedAllocator):
+            self._arena.pin()
+        return super().staging_pool(self._arena)
+
+    def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
+        """Under ``host_memory_limit`` the overflow crosses to the writer through a ring of
+        shared memory (engine/shared_ring.py)."""
+        if bounded(options, be) is None:
+            return None
+        assert options.host_memory_limit is not None
+        return SharedOverflow(options.host_memory_limit, options.ring_bytes, options.ring_slots,
+                              self._ring_slots)
+
+    def _ring_slots(self, count: int, size: int) -> list[torch.Tensor]:
+        """``count`` shared buffers of ``size`` bytes, kept from one bounded save to the next
+        of the same geometry."""
+        ring = self._ring
+        if len(ring) != count or ring[0].numel() != size:
+            for t in ring:
+                self._arena.free(t)
+            ring = self._ring = [self._arena.allocate(size) for _ in range(count)]
+        return ring
 
     def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
                give_back: Callable[[], None]) -> T:
         """Run ``finish`` in the writer; serve its collectives and buffer returns meanwhile."""
         writer = self._writer_ready()
         staged, token = self._known_plans(staged, writer)
+        rest, table = pack(staged, self._arena)
+        tables = self._known_table(table, writer)
         buf = io.BytesIO()
         try:
-            _Pickler(buf, self._arena).dump((finish, *pack(staged, self._arena)))
+            _Pickler(buf, self._arena).dump((finish, rest, tables))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
+            self._table = None  # never sent
             raise ConfigError(f"writer='process': the save cannot be sent to the writer "
                               f"process ({e})") from e
+        fed = _fed(staged)
+        ring = [self._arena.flat_ref(t) for t in fed.slots] if fed is not None else []
         meta = (comm.rank, comm.size, comm.timeout, _members(comm), set(self._arena.names), token,
-                self._nice)
+                self._nice, ring)
         try:
             writer.conn.send(("job", buf.getvalue(), meta))
-            return self._serve(writer, comm, give_back)
-        except (WriterError, OSError) as e:
+            return self._serve(writer, comm, give_back, fed)
+        except BaseException as e:
+            self._table = None  # the writer may not hold the table last sent
+            if not isinstance(e, (WriterError, OSError)):
+                raise
             self._lost(writer, comm)
             if isinstance(e, WriterError):
                 raise
@@ -255,15 +312,29 @@ class ProcessSaver(BackgroundSaver):
         self._sent = (writer, planned, token)
         return staged, token
 
-    def _serve(self, writer: _Writer, comm: Comm, give_back: Callable[[], None]) -> Any:
+    def _known_table(self, table: list[Packed], writer: _Writer
+                     ) -> tuple[int, list[Packed] | None]:
+        """(token, the chunk table), or (token, None) when ``writer`` holds an equal table:
+        a save of the same structure staged into the same buffers (the caching allocator
+        hands them back in order) needs no new chunk records built in the writer."""
+        sent = self._table
+        if sent is not None and sent[0] is writer and sent[1] == table:
+            return sent[2], None
+        token = next(self._tables)
+        self._table = (writer, table, token) if _in_place(table) else None
+        return token, table
+
+    def _serve(self, writer: _Writer, comm: Comm, give_back: Callable[[], None],
+               fed: SharedOverflow | None) -> Any:
+        """Answer the writer until its job ends: its collectives (run on ``comm``), its copies
+        out of the caller's tensors into the shared ring (``fed``), its buffer return."""
         while True:
             msg = writer.recv()
-            if msg[0] == "call":
-                _, name, args, kwargs = msg
+            if msg[0] in ("call", "copy"):
                 try:
-                    answer: tuple = ("ret", getattr(comm, name)(*args, **kwargs))
+                    answer: tuple = ("reply", msg[1], "ret", _answer(msg, comm, fed))
                 except Exception as e:
-                    answer = ("raise", pack_error(e))
+                    answer = ("reply", msg[1], "raise", pack_error(e))
                 writer.conn.send(answer)
             elif msg[0] == "give_back":
                 give_back()
@@ -309,6 +380,7 @@ class ProcessSaver(BackgroundSaver):
             if self._writer is not None:
                 self._writer.stop()
                 self._writer = None
+            self._ring = []
             self._arena.clear()
 
     def _free_at_exit(self) -> None:
@@ -317,6 +389,25 @@ class ProcessSaver(BackgroundSaver):
             self._writer.stop(2)
             self._writer = None
         self._arena.clear()
+
+
+def _fed(staged: StagedSave) -> SharedOverflow | None:
+    """The shared overflow of a bounded save (None: every chunk was staged)."""
+    for c in staged.chunks:
+        if isinstance(c.source, FedPart):
+            return c.source.owner
+    return None
+
+
+def _answer(msg: tuple, comm: Comm, fed: SharedOverflow | None) -> Any:
+    """What the training process answers to a writer's ``call`` (a collective) or ``copy``."""
+    if msg[0] == "call":
+        _, _, name, args, kwargs = msg
+        return getattr(comm, name)(*args, **kwargs)
+    if fed is None:
+        raise WriterError("the writer asked for a copy, but no chunk of this save is streamed")
+    fed.copy(*msg[2:])
+    return None
 
 
 def _members(comm: Comm) -> tuple[int, ...]:
@@ -331,10 +422,78 @@ def _encode(obj: Any) -> bytes:
 
 
 # -- the writer process ---------------------------------------------------------------------
+class Mailbox:
+    """The writer's end of the pipe, shared by its threads (the job's, and the store's threads
+    streaming chunks): requests go out tagged; a thread waiting for its answer reads whatever
+    arrives and hands each answer to the thread that asked."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._send = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._answers: dict[int, tuple[str, Any]] = {}
+        self._reading = False
+        self._error: BaseException | None = None
+        self._tags = itertools.count(1)
+
+    def send(self, msg: tuple) -> None:
+        with self._send:
+            self.conn.send(msg)
+
+    def ask(self, kind: str, *args: Any) -> int:
+        """Send request ``kind``; its tag, for ``answer``."""
+        with self._send:
+            tag = next(self._tags)
+            self.conn.send((kind, tag, *args))
+        return tag
+
+    def answer(self, tag: int) -> Any:
+        """The answer to request ``tag`` (raises the error it carries, or the pipe's)."""
+        with self._cond:
+            while tag not in self._answers:
+                if self._error is not None:
+                    raise self._error
+                if self._reading:
+                    self._cond.wait()
+                    continue
+                self._reading = True
+                self._cond.release()
+                try:
+                    msg: Any = self.conn.recv()
+                except BaseException as e:
+                    msg = e
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                    self._cond.notify_all()
+                if isinstance(msg, BaseException):
+                    self._error = msg
+                    raise msg
+                self._answers[msg[1]] = (msg[2], msg[3])
+            kind, value = self._answers.pop(tag)
+        if kind == "raise":
+            raise unpack_error(value)
+        return value
+
+    def completion(self, tag: int) -> Completion:
+        """The answer to request ``tag`` as a copy's completion."""
+        return _Answer(self, tag)
+
+
+class _Answer:
+    __slots__ = ("mail", "tag")
+
+    def __init__(self, mail: Mailbox, tag: int) -> None:
+        self.mail, self.tag = mail, tag
+
+    def wait(self) -> None:
+        self.mail.answer(self.tag)
+
+
 class RemoteComm(Comm):
     """The writer's ``Comm``: each collective runs in the training process (over the pipe)."""
 
-    def __init__(self, conn: Connection, rank: int, size: int, timeout: float,
+    def __init__(self, mail: Mailbox, rank: int, size: int, timeout: float,
                  members: tuple[int, ...]) -> None:  # no super().__init__: no group here
         self.distributed = size > 1
         self.group = self._callers = None
@@ -342,7 +501,7 @@ class RemoteComm(Comm):
         self.stats = CommStats()
         self._device = torch.device("cpu")
         self.rank, self.size = rank, size
-        self._conn = conn
+        self._mail = mail
         self._members = members
 
     @property
@@ -354,11 +513,7 @@ class RemoteComm(Comm):
         return torch.device("cpu")
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        self._conn.send(("call", name, args, kwargs))
-        kind, value = self._conn.recv()
-        if kind == "raise":
-            raise unpack_error(value)
-        return value
+        return self._mail.answer(self._mail.ask("call", name, args, kwargs))
 
     # A world of one needs no training process (``Comm``'s own answers); otherwise objects are
     # pickled here and travel as bytes, so the training process only moves bytes.
@@ -426,9 +581,15 @@ def main(argv: list[str]) -> None:
 def serve(conn: Connection, parent: int) -> None:
     """The writer process's loop: one job at a time until told to stop."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # the I/O loop's thread is made now, at the caller's priority, as in the training process:
+    # a job lowers its own thread to ``background_nice`` (for good), the loop that serves the
+    # store's bookkeeping would inherit it, and on a busy CPU every write would wait on it
+    get_loop()
     unlink_orphans()
     maps = Mappings()
+    mail = Mailbox(conn)
     kept: dict[int, Any] = {}  # token -> the agreed plans of the plan cache
+    built: dict[int, tuple[ChunkData, ...]] = {}  # token -> the chunks of the last table
     while True:
         try:
             msg = conn.recv()
@@ -438,31 +599,54 @@ def serve(conn: Connection, parent: int) -> None:
         if msg[0] == "stop":
             conn.close()
             return
-        _, payload, (rank, size, timeout, members, live, token, nice) = msg
+        if msg[0] == "reply":  # late: its request's job has ended
+            continue
+        _, payload, (rank, size, timeout, members, live, token, nice, ring) = msg
         maps.forget(live)
         lower_priority(nice)
         try:
-            _run_job(conn, maps, payload, RemoteComm(conn, rank, size, timeout, members), kept,
-                     token)
+            _run_job(mail, maps, payload, RemoteComm(mail, rank, size, timeout, members),
+                     (kept, built), token, ring)
         except (EOFError, OSError):
             _parent_gone(parent)
             return
 
 
-def _run_job(conn: Connection, maps: Mappings, payload: bytes, comm: RemoteComm,
-             kept: dict[int, Any], token: int) -> None:
+def _run_job(mail: Mailbox, maps: Mappings, payload: bytes, comm: RemoteComm,
+             memo: tuple[dict[int, Any], dict[int, tuple[ChunkData, ...]]], token: int,
+             ring: list[tuple[str, int, int]]) -> None:
+    kept, built = memo
     try:
-        finish, rest, table = _Unpickler(io.BytesIO(payload), maps).load()
-        staged = _with_plans(unpack(rest, table, maps), kept, token)
-        result = finish(staged, comm, lambda: conn.send(("give_back",)))
+        finish, rest, (table_token, table) = _Unpickler(io.BytesIO(payload), maps).load()
+        shared = WriterRing([maps.flat(r) for r in ring],
+                            lambda *a: mail.completion(mail.ask("copy", *a))) if ring else None
+        staged = _with_plans(_with_chunks(rest, table_token, table, maps, shared, built), kept,
+                             token)
+        result = finish(staged, comm, lambda: mail.send(("give_back",)))
         del staged
-        conn.send(("done", result))
+        mail.send(("done", result))
     except (EOFError, OSError) as e:
         if isinstance(e, (EOFError, BrokenPipeError, ConnectionResetError)):
             raise
-        _send_failure(conn, e)
+        _send_failure(mail, e)
     except BaseException as e:
-        _send_failure(conn, e)
+        _send_failure(mail, e)
+
+
+def _with_chunks(rest: StagedSave, token: int, table: list[Packed] | None, maps: Mappings,
+                 ring: WriterRing | None, built: dict[int, tuple[ChunkData, ...]]
+                 ) -> StagedSave:
+    """``rest`` with its chunks: unpacked from ``table``, or (None) those built for the table
+    of ``token`` by an earlier job (kept when they all lie in shared memory)."""
+    if table is None:
+        if token not in built:
+            raise WriterError(f"the writer process lost the chunk table of token {token}")
+        return dataclasses.replace(rest, chunks=built[token])
+    staged = unpack(rest, table, maps, ring)
+    built.clear()
+    if _in_place(table):
+        built[token] = staged.chunks
+    return staged
 
 
 def _with_plans(staged: StagedSave, kept: dict[int, Any], token: int) -> StagedSave:
@@ -479,8 +663,8 @@ def _with_plans(staged: StagedSave, kept: dict[int, Any], token: int) -> StagedS
     return staged
 
 
-def _send_failure(conn: Connection, e: BaseException) -> None:
-    conn.send(("failed", pack_error(e)))
+def _send_failure(mail: Mailbox, e: BaseException) -> None:
+    mail.send(("failed", pack_error(e)))
 
 
 def pack_error(e: BaseException) -> tuple[Any, str, dict[str, Any]]:
@@ -502,37 +686,6 @@ def unpack_error(packed: tuple[Any, str, dict[str, Any]]) -> BaseException:
     BaseException.__init__(e, message)
     e.__dict__.update(attrs)
     return e
-
-
-class _Default:
-    """Holder of the per-process default process saver (made on first use)."""
-
-    saver: ProcessSaver | None = None
-    lock = threading.Lock()
-
-
-def default_process_saver() -> ProcessSaver:
-    """The per-process saver ``ckptfs.async_save(..., writer="process")`` uses unless given one
-    (its lane is its own, so it may run beside the default thread saver)."""
-    with _Default.lock:
-        if _Default.saver is None:
-            _Default.saver = ProcessSaver(f"{BACKGROUND}:process")
-        return _Default.saver
-
-
-def wait_default_process_idle() -> None:
-    """Wait until the default process saver runs no save (if it was ever made)."""
-    saver = _Default.saver
-    if saver is not None:
-        saver.wait_idle()
-
-
-def close_default_process_saver() -> None:
-    """``close()`` the default process saver if it was made (every rank calls it)."""
-    with _Default.lock:
-        saver, _Default.saver = _Default.saver, None
-    if saver is not None:
-        saver.close()
 
 
 def new_saver(writer: str, lane: str) -> BackgroundSaver:

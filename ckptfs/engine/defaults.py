@@ -1,0 +1,73 @@
+"""The per-process default savers: the saver of each writer kind (``"thread"``,
+``"process"``) that ``ckptfs.async_save`` uses unless it is given one, made on first use.
+
+``ckptfs.close()`` closes them all (``close``): the thread saver stays the default and is
+usable again at once (its buffers and groups are made anew); the process saver is dropped
+(its writer stopped, its shared memory removed) and the next process save makes a new one.
+A synchronous save first waits until none of them runs a save (``wait_idle``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ckptfs.dist import BACKGROUND
+from ckptfs.engine.background import BackgroundSaver
+from ckptfs.engine.writer_process import new_saver
+
+#: the lane of each kind's default saver (their groups are their own: both may run at once)
+LANES = {"thread": BACKGROUND, "process": f"{BACKGROUND}:process"}
+#: the kinds ``close`` drops rather than keeps
+DROPPED = frozenset({"process"})
+
+
+class DefaultSavers:
+    """One saver per writer kind, made on first use (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._savers: dict[str, BackgroundSaver] = {}
+        self._lock = threading.Lock()
+
+    def get(self, writer: str = "thread") -> BackgroundSaver:
+        """The default saver of ``writer``'s kind (ConfigError for an unknown kind)."""
+        with self._lock:
+            saver = self._savers.get(writer)
+            if saver is None:
+                saver = self._savers[writer] = new_saver(writer, LANES.get(writer, writer))
+            return saver
+
+    def made(self, writer: str) -> BackgroundSaver | None:
+        """The default saver of ``writer``'s kind if it was made (None otherwise)."""
+        with self._lock:
+            return self._savers.get(writer)
+
+    def wait_idle(self) -> None:
+        """Wait until no default saver runs a save (their outcomes are not raised here)."""
+        with self._lock:
+            savers = list(self._savers.values())
+        for saver in savers:
+            saver.wait_idle()
+
+    def close(self) -> None:
+        """Close every default saver (every rank calls it); drop those of ``DROPPED`` kinds."""
+        with self._lock:
+            savers = list(self._savers.items())
+            for kind in DROPPED:
+                self._savers.pop(kind, None)
+        for _, saver in sorted(savers, key=lambda ks: ks[0] in DROPPED):  # the thread saver first
+            saver.close()
+
+
+#: this process's default savers
+DEFAULTS = DefaultSavers()
+
+
+def default_saver(writer: str = "thread") -> BackgroundSaver:
+    """The per-process saver ``ckptfs.async_save(..., writer=writer)`` uses unless given one."""
+    return DEFAULTS.get(writer)
+
+
+def wait_default_idle() -> None:
+    """Wait until no default saver runs a save (a synchronous save does not overlap
+    ``ckptfs.async_save``'s)."""
+    DEFAULTS.wait_idle()
