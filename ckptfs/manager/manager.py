@@ -31,7 +31,7 @@ from ckptfs.engine.lock import read_lock
 from ckptfs.engine.options import LoadOptions, SaveOptions
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.writer_process import new_saver
-from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
+from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError, ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
@@ -395,11 +395,11 @@ class CheckpointManager:
                                   f"{LAST_GOOD!r}, got {step!r}")
             choice = self._local_choice(comm, found, step, state_dict, strict)
             if choice is not None and choice.step is not None:
-                self.last_restore = restore_local(
-                    state_dict, choice, comm, self.local_dir or "", options=self.load_options,
-                    store_options=self.store_options, strict=strict)
-                self._leave_newer(choice.step, resumed=step is None)
-                return choice.step
+                local, choice = self._restore_local(state_dict, comm, found, step, choice, strict)
+                if local is not None:
+                    self.last_restore = local
+                    self._leave_newer(local.step, resumed=step is None)
+                    return local.step
             if step is None and not found.committed:
                 return None
             self.last_restore = self._restore_persistent(state_dict, comm, store, found, step,
@@ -422,14 +422,44 @@ class CheckpointManager:
         more = " and no newer local step is restorable" if reasons else ""
         return replace(result, reason="; ".join([f"persistent step {step}: {why}{more}", *reasons]))
 
+    def _restore_local(self, state_dict: dict[str, Any], comm: Comm, found: Listing,
+                       step: int | None, choice: Choice, strict: bool
+                       ) -> tuple[RestoreResult | None, Choice]:
+        """Collective: restore ``choice``'s local step, its copies checked as they are read; if
+        a check (or any read) fails, choose again with every copy checked whole first and
+        restore that choice (None: no local step is restorable; the returned choice says why).
+        A failure that the full check does not explain is raised."""
+        def run(c: Choice) -> RestoreResult:
+            return restore_local(state_dict, c, comm, self.local_dir or "",
+                                 options=self.load_options, store_options=self.store_options,
+                                 strict=strict)
+
+        try:
+            return run(choice), choice
+        except CollectiveError:
+            raise
+        except Exception as e:  # every rank gets here: its own error or a RankError
+            if choice.verified:
+                raise
+            log.warning("ckptfs: restoring local step %s failed (%s); checking every copy",
+                        choice.step, e)
+            again = self._local_choice(comm, found, step, state_dict, strict, verify=True)
+            assert again is not None
+            if again.step == choice.step and again.holders == choice.holders:
+                raise
+            return (run(again) if again.step is not None else None), again
+
     def _local_choice(self, comm: Comm, found: Listing, step: int | None,
-                      state_dict: dict[str, Any], strict: bool) -> Choice | None:
+                      state_dict: dict[str, Any], strict: bool,
+                      verify: bool = False) -> Choice | None:
         """Collective: the local step to restore (None: no local tier, or ``step`` is a
-        committed one), with the reasons newer local steps were passed."""
+        committed one), with the reasons newer local steps were passed (``verify``: every copy
+        to be read checked whole first, recover.py)."""
         if self.local_dir is None or (step is not None and step in found.committed):
             return None
         latest = found.committed[-1] if found.committed else None
-        choice = choose(comm, self.local_dir, latest, state_dict, only=step, strict=strict)
+        choice = choose(comm, self.local_dir, latest, state_dict, only=step, strict=strict,
+                        verify=verify)
         if step is not None and choice.step is None:
             raise CheckpointNotFoundError(
                 f"{self._url(step_dir(step))}: step {step} is neither committed nor restorable "
