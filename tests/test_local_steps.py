@@ -12,6 +12,7 @@ import torch
 
 import ckptfs
 from ckptfs.dist.nodes import node_id
+from ckptfs.manager.peers import replica_targets
 from ckptfs.manager.replicas import TIER_FILE
 from tests.test_manager import flip
 
@@ -91,6 +92,7 @@ def test_an_explicit_step_that_is_neither_committed_nor_held_is_named(tmp_path):
     (dict(keep_local=0), "keep_local"),
     (dict(local_dir=None), "local_interval_steps needs local_dir"),
     (dict(writer="process"), "local_interval_steps needs writer='thread'"),
+    (dict(failure_domain=3), "failure_domain must be a str"),
 ])
 def test_settings_are_checked(tmp_path, kw, field):
     with pytest.raises(ckptfs.ConfigError, match=field):
@@ -104,3 +106,17 @@ def test_a_torchrun_agent_names_the_node(monkeypatch):
     assert node_id().endswith(":3")
     monkeypatch.setenv("CKPTFS_NODE_ID", "rack1-a")
     assert node_id() == "rack1-a"
+
+
+@pytest.mark.parametrize("domains, node, replicas, want", [
+    (["", "", "", ""], 0, 2, [1, 2]),  # no domains: the ring after the node
+    (["", "", "", ""], 3, 1, [0]),
+    (["a", "a", "b", "b"], 0, 1, [2]),  # the other rack before the next node of its own
+    (["a", "a", "b", "b"], 1, 3, [2, 3, 0]),
+    (["a", "a", "b", "b"], 2, 1, [0]),
+    (["a", "b", "a", "c", "b", "c"], 0, 3, [1, 3, 4]),  # one per other domain first
+    (["a", "a"], 0, 5, [1]),  # one domain: the other node; never the node itself
+    (["a"], 0, 1, []),
+])
+def test_copies_go_to_other_failure_domains_first(domains, node, replicas, want):
+    assert replica_targets(node, domains, replicas) == want

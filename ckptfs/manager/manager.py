@@ -37,6 +37,7 @@ from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.health import LAST_GOOD, Health, last_good
+from ckptfs.manager.peers import failure_domain as failure_domain_of
 from ckptfs.manager.preemption import Preemption, PreemptionPolicy
 from ckptfs.manager.recover import Choice, choose, restore_local
 from ckptfs.manager.replicas import drop_local, read_record, save_local
@@ -107,9 +108,10 @@ class CheckpointManager:
     - ``local_interval_steps=N`` (with ``local_dir``): ``should_save`` is also True when N
       divides ``step``, and ``save`` of such a step (not one of ``save_interval_steps``) is a
       local step: written to the nodes' local tiers only, each node's files copied to
-      ``replicas`` other nodes in the background; the newest ``keep_local`` are kept
-      (docs/guide/recovery-tiers.md). ``restore`` picks the newest step it can restore intact
-      from the local tiers of the nodes present or from the URL.
+      ``replicas`` other nodes in the background, nodes of other failure domains first
+      (``failure_domain``, else ``$CKPTFS_FAILURE_DOMAIN``: a rack, a power feed); the newest
+      ``keep_local`` are kept (docs/guide/recovery-tiers.md). ``restore`` picks the newest
+      step it can restore intact from the local tiers of the nodes present or from the URL.
     - ``preemption=PreemptionPolicy(...)``: the signals whose notice triggers a save agreed by
       every rank (default SIGTERM, SIGUSR1), and whether the ranks exit after it.
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
@@ -138,11 +140,17 @@ class CheckpointManager:
                  stats: bool = False, progress: bool = False, writer: str = "thread",
                  host_memory_limit: int | None = None,
                  local_interval_steps: int | None = None, replicas: int = 1,
-                 keep_local: int = 2, **deprecated: Any) -> None:
+                 keep_local: int = 2, failure_domain: str | None = None,
+                 **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.local_interval_steps, self.replicas, self.keep_local = local_tiers(
             self.local_dir, local_interval_steps, replicas, keep_local)
+        if failure_domain is not None and not isinstance(failure_domain, str):
+            raise ConfigError(f"CheckpointManager: failure_domain must be a str or None, got "
+                              f"{failure_domain!r}")
+        #: this rank's failure domain (manager/peers.py): local steps' copies go to others first
+        self.failure_domain = failure_domain_of(failure_domain)
         if local_interval_steps is not None and writer != "thread":
             # a local step's copies to other nodes travel over this process's group
             raise ConfigError(f"CheckpointManager: local_interval_steps needs writer='thread', "
@@ -533,7 +541,8 @@ def _finish_local_step(manager: CheckpointManager, step: int, started: float,
     assert manager.local_dir is not None
     return save_local(staged, manager._backend, manager.local_dir, step, comm,
                       replicas=manager.replicas, keep_local=manager.keep_local,
-                      store_options=manager.store_options, started=started, release=give_back)
+                      store_options=manager.store_options, started=started, release=give_back,
+                      domain=manager.failure_domain)
 
 
 def _finish_step(manager: CheckpointManager, name: str, local: str | None, force: bool,

@@ -1,6 +1,12 @@
 """Nodes and the files that travel between them: which ranks form each node (its leader, the
-lowest rank, moves its files), the ring of nodes a node's local files are copied to, and files
-sent and received over torch.distributed in bounded pieces.
+lowest rank, moves its files), the nodes a node's local files are copied to (other failure
+domains first), and files sent and received over torch.distributed in bounded pieces.
+
+A failure domain (``$CKPTFS_FAILURE_DOMAIN`` or the manager's ``failure_domain=``: a rack, a
+power feed, a switch) groups nodes that may fail together. A node's copies go to the nodes
+after it in ring order, those of other domains first, one per domain in turn, then the rest of
+other domains, then its own domain's; never the node itself. Without domains every node is a
+domain of its own: the plain ring.
 
 A transfer is a pair of node leaders; every rank walks the same list of transfers in the same
 order and takes part only in its own, so the blocking sends and receives always pair up (the
@@ -13,18 +19,46 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ckptfs.dist import Comm
 from ckptfs.dist.nodes import NodeLayout, node_id
-from ckptfs.errors import IntegrityError
+from ckptfs.errors import ConfigError, IntegrityError
 from ckptfs.layout.checksum import extend, render
 
 #: the largest piece of a file sent at once (the memory a transfer holds)
 PIECE_BYTES = 8 * 2**20
+DOMAIN_ENV = "CKPTFS_FAILURE_DOMAIN"  #: this process's failure domain ('' or unset: its node)
+
+
+def failure_domain(given: str | None = None) -> str:
+    """This process's failure domain: ``given``, else ``$CKPTFS_FAILURE_DOMAIN``, else ''."""
+    if given is not None:
+        return given
+    return os.environ.get(DOMAIN_ENV, "")
+
+
+def replica_targets(node: int, domains: Sequence[str], replicas: int) -> list[int]:
+    """The nodes that receive copies of ``node``'s files (``domains``: each node's failure
+    domain, '' for a domain of its own): up to ``replicas`` nodes after ``node`` in ring order,
+    other domains first, one per domain in turn, then the same domain; never ``node``."""
+    count = len(domains)
+
+    def key(n: int) -> str:
+        return domains[n] or f"\0node {n}"  # unnamed: a domain of its own
+
+    ring = [(node + k) % count for k in range(1, count)]
+    by_domain: dict[str, list[int]] = {}
+    for n in ring:
+        if key(n) != key(node):
+            by_domain.setdefault(key(n), []).append(n)
+    spread = [n for turn in range(count) for held in by_domain.values()
+              for n in held[turn:turn + 1]]
+    same = [n for n in ring if key(n) == key(node)]
+    return (spread + same)[:max(replicas, 0)]
 
 
 @dataclass(frozen=True)
@@ -34,6 +68,7 @@ class Nodes:
     names: tuple[str, ...]  #: each node's name ($CKPTFS_NODE_ID, the launcher's node rank, host)
     layout: NodeLayout
     rank: int  #: this rank (in the group)
+    domains: tuple[str, ...] = ()  #: each node's failure domain ('': its own; () for none)
 
     @property
     def count(self) -> int:
@@ -52,19 +87,28 @@ class Nodes:
     def leader_of(self, node: int) -> int:
         return self.layout.ranks_on(node)[0]
 
-    def ring(self, node: int, replicas: int) -> list[int]:
-        """The ``replicas`` nodes after ``node`` in ring order (never ``node`` itself)."""
-        return [(node + k) % self.count for k in range(1, min(replicas, self.count - 1) + 1)]
+    def targets(self, node: int, replicas: int) -> list[int]:
+        """The nodes ``node``'s files are copied to (``replica_targets``)."""
+        return replica_targets(node, self.domains or ("",) * self.count, replicas)
 
     def nearest(self, node: int, holders: list[int]) -> int:
         """Of ``holders``, the first after ``node`` in ring order (``node`` itself first)."""
         return min(holders, key=lambda h: (h - node) % self.count)
 
 
-def nodes_of(comm: Comm) -> Nodes:
-    """Collective: every rank's node."""
-    ids = comm.all_gather(node_id(), "naming each rank's node")
-    return Nodes(tuple(dict.fromkeys(ids)), NodeLayout.from_ids(ids), comm.rank)
+def nodes_of(comm: Comm, domain: str = "") -> Nodes:
+    """Collective: every rank's node, and each node's failure domain (``domain``: this rank's;
+    the ranks of a node must agree)."""
+    pairs = comm.all_gather((node_id(), domain), "naming each rank's node")
+    ids = [n for n, _ in pairs]
+    names = tuple(dict.fromkeys(ids))
+    domains: dict[str, str] = {}
+    for (name, dom), rank in zip(pairs, range(len(pairs))):
+        if domains.setdefault(name, dom) != dom:
+            raise ConfigError(f"node {name}: its ranks name different failure domains "
+                              f"({domains[name]!r}, {dom!r} on rank {rank}): ${DOMAIN_ENV} or "
+                              f"failure_domain= must be the same on every rank of a node")
+    return Nodes(names, NodeLayout.from_ids(ids), comm.rank, tuple(domains[n] for n in names))
 
 
 def safe_name(node: str) -> str:
