@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,7 @@ from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.health import LAST_GOOD, Health, last_good
 from ckptfs.manager.peers import failure_domain as failure_domain_of
 from ckptfs.manager.preemption import Preemption, PreemptionPolicy
+from ckptfs.manager.promote import promote
 from ckptfs.manager.recover import Choice, choose, restore_local
 from ckptfs.manager.replicas import drop_local, read_record, save_local
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
@@ -286,18 +288,24 @@ class CheckpointManager:
         with public_errors(url):
             Comm(self.process_group)
 
+        preempt = self._preempt_step is not None and step == self._preempt_step
+        restorable: Future[SaveResult] = Future()
         local_step = self.is_local_step(step)
-        finish = (functools.partial(_finish_local_step, self, step, started)
-                  if local_step
-                  else functools.partial(_finish_step, self, name, local, force, started))
+        if preempt and self.local_interval_steps is not None:  # the fastest restorable tier
+            finish = functools.partial(_finish_preempt_step, self, step, name, started, restorable)
+        elif local_step:
+            finish = functools.partial(_finish_local_step, self, step, started)
+        else:
+            finish = functools.partial(_finish_step, self, name, local, force, started)
         staged, done = self.saver.start(state_dict, url, self._backend, finish,
                                         process_group=self.process_group, options=self.save_options,
                                         **self.health.flags)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
         handle = AsyncSave(local if local_step and local else url, staged, done)
         self._last = handle
-        if self._preempt_step is not None and step == self._preempt_step:
-            handle.result()
+        if preempt:
+            wait([restorable, done], return_when=FIRST_COMPLETED)
+            (restorable if restorable.done() else done).result()
             self._preempted()
         return handle
 
@@ -374,7 +382,8 @@ class CheckpointManager:
                 if s is not None and s not in kept and not (
                         s > newest and read_record(os.path.join(self.local_dir, name))):
                     shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
-            drop_local(self.local_dir, lambda s: s <= newest)  # made redundant by the URL's
+            # made redundant by the URL's (a preemption's local step, persisted too, stays)
+            drop_local(self.local_dir, lambda s: s < newest)
 
     # -- restoring -------------------------------------------------------------------------
     def restore(self, state_dict: dict[str, Any], step: int | str | None = None, *,
@@ -543,6 +552,32 @@ def _finish_local_step(manager: CheckpointManager, step: int, started: float,
                       replicas=manager.replicas, keep_local=manager.keep_local,
                       store_options=manager.store_options, started=started, release=give_back,
                       domain=manager.failure_domain)
+
+
+def _finish_preempt_step(manager: CheckpointManager, step: int, name: str, started: float,
+                         restorable: Future[SaveResult], staged: StagedSave, comm: Comm,
+                         give_back: Callable[[], None]) -> SaveResult:
+    """The preemption save with local steps: a local step (``restorable`` resolves once it is
+    held by this node and copied to others), then, with ``PreemptionPolicy.persist``, the same
+    files committed at the URL (manager/promote.py) and retention."""
+    try:
+        result = _finish_local_step(manager, step, started, staged, comm, give_back)
+    except BaseException as e:
+        restorable.set_exception(e)
+        raise
+    restorable.set_result(result)
+    if not manager.preemption.persist:
+        return result
+    assert manager.local_dir is not None
+    root = os.path.join(manager.local_dir, name)
+    target = PrefixedStore(manager._open_agreed(comm, f"save: opening {manager.url}"), name)
+    with claimed(target, comm, False, manager._backend) as claim:
+        comm.run_on_coordinator(f"save: clearing a dead save's files at {manager._url(name)}",
+                                lambda: run_sync(_clear_dead(target, claim)))
+        total = promote(root, target, result.files, comm, store_options=manager.store_options)
+    manager._retain(comm)
+    return replace(result, url=manager._url(name), total_bytes=total,
+                   seconds=time.perf_counter() - started)
 
 
 def _finish_step(manager: CheckpointManager, name: str, local: str | None, force: bool,

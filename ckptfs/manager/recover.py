@@ -2,7 +2,8 @@
 
 Choosing (collective): each node's leader lists the copies its tier holds (its own and those
 other nodes sent), every file with the size its step's index records; the newest local step
-newer than the newest persistent step whose files are all held somewhere is restored. Its
+at or after the newest persistent step (a preemption's local step is persisted too: its
+copies spare the URL) whose files are all held somewhere is restored. Its
 bytes are checked as they are used: every chunk read whole against its crc32c as it lands, and
 every file fetched from another node against the file's crc32c as it arrives; only the files
 some rank reads a chunk of in part (another layout) are checked whole before (by the node that
@@ -97,12 +98,12 @@ def _size(path: str) -> int:
         return -1
 
 
-def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
+def choose(comm: Comm, local_dir: str | None, from_step: int | None,
            state_dict: dict[str, Any], *, only: int | None = None, strict: bool = True,
            verify: bool = False) -> Choice:
-    """Collective: the newest local step after ``newer_than`` (or exactly ``only``) whose files
-    the reads of ``state_dict`` touch the nodes hold between them (module doc). ``verify``:
-    held intact, every copy to be read checked whole; else only those read in part."""
+    """Collective: the newest local step at or after ``from_step`` (or exactly ``only``) whose
+    files the reads of ``state_dict`` touch the nodes hold between them (module doc).
+    ``verify``: held intact, every copy to be read checked whole; else only those read in part."""
     nodes = nodes_of(comm)
     mine = scan(local_dir) if nodes.leader else {}
     summary = {s: (sorted(h.files), h.index) for s, h in mine.items()}
@@ -110,8 +111,8 @@ def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
     steps = sorted({s for per in every for s in per}, reverse=True)
     reasons: list[str] = []
     for step in steps:
-        if (only is not None and step != only) or (only is None and newer_than is not None
-                                                    and step <= newer_than):
+        if (only is not None and step != only) or (only is None and from_step is not None
+                                                    and step < from_step):
             continue
         raw = next(per[step][1] for per in every if step in per)
         index = Index.loads(raw)
