@@ -6,8 +6,11 @@ In ``make test``: one node's agent and processes are SIGKILLed mid-run and its l
 wiped (a replaced node); both restart and restore the newest local step bit-exact, reading 0
 bytes from the URL. ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
 restarts on one node (world 4 -> 2) from that node's tier alone, then with the last copy of one
-of the other node's files spoiled it falls back to the persistent step and says why; and a node
-killed while receiving the other node's copy leaves no step restorable that is not.
+of the other node's files spoiled it falls back to the persistent step and says why; a node
+killed while receiving the other node's copy leaves no step restorable that is not; a SIGTERM
+to one rank saves a local step copied to the other node, persisted at the URL after (or not:
+then a replaced node restores it from the copy); and a plain ``ckptfs.save`` on the 4 ranks
+loads bit-exact on 2 ranks, one per node.
 """
 
 from __future__ import annotations
@@ -163,6 +166,15 @@ def test_a_node_killed_mid_copy_leaves_no_false_step(tmp_path):
     got = results(out)
     assert len(got) == 4 and all(r["step"] == 4 and r["source"] == "persistent" for r in got), got
     assert all("local step 6: no node holds" in r["reason"] for r in got), got
+
+
+@pytest.mark.skipif(not FULL, reason="make test-two-node")
+def test_a_plain_save_on_two_nodes_loads_on_two_ranks_bit_exact(tmp_path):
+    """``ckptfs.save`` on 4 ranks (2 nodes x 2), ``ckptfs.load`` on 2 (one per node)."""
+    url, out = str(tmp_path / "ckpt"), tmp_path / "reshard"
+    finish(agents([str(tmp_path / "n0"), str(tmp_path / "n1")], out, "reshard", "--url", url), out)
+    got = results(out)
+    assert [r["loaded_as"] for r in got] == [0, 1] and all(r["bytes"] > 0 for r in got), got
 
 
 def preempted(tmp_path: Path, name: str, *args: str) -> tuple[str, list[str], int]:

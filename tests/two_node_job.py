@@ -4,7 +4,8 @@ local directory of its own; the node's identity comes from the launcher's enviro
 ``train``: steps 1..``--steps`` with local steps every 2 and persistent ones every 4, then it
 keeps stepping without saving (the test kills a node there, mid-run). ``resume``: restore,
 check the state bit-exact against the step restored, and write what the restore reports to
-``<out>/rank<N>.json``. ``preempt``: step until a preemption notice (SIGTERM to any rank)
+``<out>/rank<N>.json``. ``reshard``: a plain ``ckptfs.save`` on every rank, then ``ckptfs.load`` on two ranks, one per
+node, checked bit-exact. ``preempt``: step until a preemption notice (SIGTERM to any rank)
 has been saved (no other saves), wait for its persistence (unless ``--no-persist``) and write
 the step and the steps committed at the URL to ``<out>/rank<N>.json``. Every rank writes its
 pid and local directory to ``<out>/pids/``; ``<out>/stepping`` appears once the ranks step.
@@ -36,7 +37,7 @@ def manager(url: str, local: str, **kw: Any) -> ckptfs.CheckpointManager:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["train", "resume", "preempt"])
+    p.add_argument("mode", choices=["train", "resume", "preempt", "reshard"])
     p.add_argument("--url", required=True)
     p.add_argument("--node-dir", required=True)
     p.add_argument("--out", required=True)
@@ -51,7 +52,9 @@ def main() -> None:
     os.makedirs(os.path.join(a.out, "pids"), exist_ok=True)
     with open(os.path.join(a.out, "pids", f"rank{rank}"), "w") as f:
         f.write(f"{os.getpid()} {a.node_dir}")
-    if a.mode == "preempt":
+    if a.mode == "reshard":
+        reshard(rank, world, a.url, a.out)
+    elif a.mode == "preempt":
         policy = ckptfs.PreemptionPolicy(signals=(signal.SIGTERM,), exit=False,
                                          persist=not a.no_persist)
         with manager(a.url, a.node_dir, local_interval_steps=10**6, save_interval_steps=10**6,
@@ -97,6 +100,21 @@ def resume(mgr: ckptfs.CheckpointManager, rank: int, world: int, out: str) -> No
                    "local": r.local_bytes, "peer": r.peer_bytes,
                    "remote": r.remote_bytes, "fetched": r.fetched_bytes,
                    "node": os.environ.get("GROUP_RANK")}, f)
+
+
+def reshard(rank: int, world: int, url: str, out: str) -> None:
+    """A plain ``ckptfs.save`` on every rank, then ``ckptfs.load`` on two ranks, one per node
+    (a group of its own), resharded and checked bit-exact."""
+    ckptfs.save(state(rank, world, 7), url)
+    pair = [0, world // 2]
+    sub = dist.new_group(pair)
+    if rank in pair:
+        me = pair.index(rank)
+        sd = blank(me, len(pair))
+        r = ckptfs.load(sd, url, process_group=sub)
+        check(sd, me, len(pair), 7)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"loaded_as": me, "bytes": r.bytes_read}, f)
 
 
 def preempt(mgr: ckptfs.CheckpointManager, rank: int, world: int, out: str) -> None:
