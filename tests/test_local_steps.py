@@ -120,3 +120,53 @@ def test_a_torchrun_agent_names_the_node(monkeypatch):
 ])
 def test_copies_go_to_other_failure_domains_first(domains, node, replicas, want):
     assert replica_targets(node, domains, replicas) == want
+
+
+class Pipe:
+    """Two ends of a one-way channel with ``Comm.point_to_point``'s contract (a test double: a
+    real pair of ranks would also work, but only over gloo's host tensors)."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.q: queue.Queue = queue.Queue()
+        self.device = torch.device("cpu")
+        self.sent: list[torch.Tensor] = []
+
+    def point_to_point(self, ops, what):
+        for kind, t, _, _ in ops:
+            if kind == "send":
+                self.sent.append(t)
+                self.q.put(t.clone())
+            else:
+                t.copy_(self.q.get(timeout=10))
+
+
+def test_pieces_travel_through_a_device_buffer_when_the_group_needs_one(tmp_path, monkeypatch):
+    """A group whose backend takes only accelerator tensors gets each piece copied through one
+    buffer on its device; here that buffer is a second host buffer (no accelerator)."""
+    import threading
+
+    from ckptfs.layout.checksum import checksum
+    from ckptfs.manager import peers
+
+    wires: list[torch.Tensor] = []
+
+    def wire(comm, size):
+        wires.append(torch.empty(size, dtype=torch.uint8))
+        return wires[-1]
+
+    monkeypatch.setattr(peers, "_wire", wire)
+    data = os.urandom(3 * 1000 + 17)
+    (tmp_path / "a").write_bytes(data)
+    pipe = Pipe()
+    sender = threading.Thread(target=lambda: (
+        peers.send_bytes(pipe, b"record", 1, "test"),
+        peers.send_file(pipe, str(tmp_path / "a"), len(data), 1, "test", bytearray(1000))))
+    sender.start()
+    assert peers.recv_bytes(pipe, 0, "test") == b"record"
+    crc = peers.recv_file(pipe, str(tmp_path / "b"), len(data), 0, "test", bytearray(1000))
+    sender.join()
+    assert (tmp_path / "b").read_bytes() == data and crc == checksum(data)
+    pool = {w.data_ptr() for w in wires}
+    assert pipe.sent and all(t.data_ptr() in pool for t in pipe.sent)  # never the host buffer

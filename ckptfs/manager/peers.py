@@ -13,6 +13,11 @@ order and takes part only in its own, so the blocking sends and receives always 
 earliest unfinished transfer has both sides ready). A piece is at most ``PIECE_BYTES``: one
 buffer per transfer, never a whole file in memory. A received file's crc32c is computed as its
 pieces land and compared with what the sender's record says.
+
+Pieces travel as tensors on the group's device (``Comm.device``): the host buffer itself over
+gloo (a save's copies run on ckptfs's own gloo group), a device buffer of the same size the
+pieces are copied through over a backend that takes only accelerator tensors (NCCL, when a
+restore is called with such a group). Only the gloo path is tested.
 """
 
 from __future__ import annotations
@@ -116,45 +121,67 @@ def safe_name(node: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in node) or "_"
 
 
+def _wire(comm: Comm, size: int) -> torch.Tensor | None:
+    """The device buffer pieces are copied through (None: the group takes host tensors)."""
+    device = comm.device
+    return None if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
+
+
+def _send(comm: Comm, host: torch.Tensor, wire: torch.Tensor | None, peer: int, what: str) -> None:
+    if wire is not None:
+        wire = wire[:host.numel()]
+        wire.copy_(host)
+    comm.point_to_point([("send", host if wire is None else wire, peer, 0)], what)
+
+
+def _recv(comm: Comm, host: torch.Tensor, wire: torch.Tensor | None, peer: int, what: str) -> None:
+    comm.point_to_point([("recv", host if wire is None else wire[:host.numel()], peer, 0)], what)
+    if wire is not None:
+        host.copy_(wire[:host.numel()])
+
+
 def send_bytes(comm: Comm, data: bytes, peer: int, what: str) -> None:
-    comm.point_to_point([("send", torch.tensor([len(data)], dtype=torch.int64), peer, 0)], what)
+    wire = _wire(comm, 8)
+    _send(comm, torch.tensor([len(data)], dtype=torch.int64),
+          None if wire is None else wire.view(torch.int64), peer, what)
     if data:
-        comm.point_to_point([("send", torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                              peer, 0)], what)
+        _send(comm, torch.frombuffer(bytearray(data), dtype=torch.uint8), _wire(comm, len(data)),
+              peer, what)
 
 
 def recv_bytes(comm: Comm, peer: int, what: str) -> bytes:
     n = torch.zeros(1, dtype=torch.int64)
-    comm.point_to_point([("recv", n, peer, 0)], what)
+    wire = _wire(comm, 8)
+    _recv(comm, n, None if wire is None else wire.view(torch.int64), peer, what)
     buf = bytearray(int(n.item()))
     if buf:
-        comm.point_to_point([("recv", torch.frombuffer(buf, dtype=torch.uint8), peer, 0)], what)
+        _recv(comm, torch.frombuffer(buf, dtype=torch.uint8), _wire(comm, len(buf)), peer, what)
     return bytes(buf)
 
 
 def send_file(comm: Comm, path: str, size: int, peer: int, what: str, buf: bytearray) -> None:
     """Send ``size`` bytes of ``path`` to ``peer`` in pieces of ``len(buf)``."""
+    wire = _wire(comm, len(buf))
     with open(path, "rb") as f:
         left = size
         while left:
             n = f.readinto(memoryview(buf)[:min(left, len(buf))])
             if not n:
                 raise IntegrityError(f"{path}: shorter than the {size} bytes its record names")
-            comm.point_to_point([("send", torch.frombuffer(buf, dtype=torch.uint8, count=n),
-                                  peer, 0)], what)
+            _send(comm, torch.frombuffer(buf, dtype=torch.uint8, count=n), wire, peer, what)
             left -= n
 
 
 def recv_file(comm: Comm, path: str, size: int, peer: int, what: str, buf: bytearray) -> str:
     """Receive ``size`` bytes from ``peer`` into ``path``; returns their crc32c."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    wire = _wire(comm, len(buf))
     crc = 0
     with open(path, "wb") as f:
         left = size
         while left:
             n = min(left, len(buf))
-            comm.point_to_point([("recv", torch.frombuffer(buf, dtype=torch.uint8, count=n),
-                                  peer, 0)], what)
+            _recv(comm, torch.frombuffer(buf, dtype=torch.uint8, count=n), wire, peer, what)
             piece = memoryview(buf)[:n]
             crc = extend(crc, piece)
             f.write(piece)
