@@ -157,7 +157,7 @@ def test_pieces_travel_through_a_device_buffer_when_the_group_needs_one(tmp_path
         return wires[-1]
 
     monkeypatch.setattr(peers, "_wire", wire)
-    data = os.urandom(3 * 1000 + 17)
+    data = os.urandom(3 * 500 + 17)
     (tmp_path / "a").write_bytes(data)
     pipe = Pipe()
     sender = threading.Thread(target=lambda: (

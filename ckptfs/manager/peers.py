@@ -10,8 +10,9 @@ domain of its own: the plain ring.
 
 A transfer is a pair of node leaders; every rank walks the same list of transfers in the same
 order and takes part only in its own, so the blocking sends and receives always pair up (the
-earliest unfinished transfer has both sides ready). A piece is at most ``PIECE_BYTES``: one
-buffer per transfer, never a whole file in memory. A received file's crc32c is computed as its
+earliest unfinished transfer has both sides ready). A transfer holds one buffer of
+``PIECE_BYTES`` in two halves, never a whole file in memory: a piece travels from one half while
+the other is read from disk (sender) or checksummed and written (receiver). A received file's crc32c is computed as its
 pieces land and compared with what the sender's record says.
 
 Pieces travel as tensors on the group's device (``Comm.device``): the host buffer itself over
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +34,10 @@ import torch
 from ckptfs.dist import Comm
 from ckptfs.dist.nodes import NodeLayout, node_id
 from ckptfs.errors import ConfigError, IntegrityError
-from ckptfs.layout.checksum import extend, render
+from ckptfs.layout.checksum import combine, crc_of, extend, render
 
-#: the largest piece of a file sent at once (the memory a transfer holds)
-PIECE_BYTES = 8 * 2**20
+#: the memory a transfer holds: two pieces of a file (one travelling, one read or written)
+PIECE_BYTES = 16 * 2**20
 DOMAIN_ENV = "CKPTFS_FAILURE_DOMAIN"  #: this process's failure domain ('' or unset: its node)
 
 
@@ -160,32 +162,55 @@ def recv_bytes(comm: Comm, peer: int, what: str) -> bytes:
 
 
 def send_file(comm: Comm, path: str, size: int, peer: int, what: str, buf: bytearray) -> None:
-    """Send ``size`` bytes of ``path`` to ``peer`` in pieces of ``len(buf)``."""
-    wire = _wire(comm, len(buf))
-    with open(path, "rb") as f:
-        left = size
+    """Send ``size`` bytes of ``path`` to ``peer`` in pieces of half ``len(buf)``, the next
+    piece read (a worker thread) while the last one travels."""
+    half = len(buf) // 2
+    wire = _wire(comm, half)
+    with open(path, "rb") as f, ThreadPoolExecutor(1) as worker:
+        def read(at: int, n: int) -> int:
+            return f.readinto(memoryview(buf)[at:at + n]) if n else 0
+
+        at, left = 0, size
+        ahead = worker.submit(read, at, min(left, half))
         while left:
-            n = f.readinto(memoryview(buf)[:min(left, len(buf))])
+            n = ahead.result()
             if not n:
                 raise IntegrityError(f"{path}: shorter than the {size} bytes its record names")
-            _send(comm, torch.frombuffer(buf, dtype=torch.uint8, count=n), wire, peer, what)
             left -= n
+            ahead = worker.submit(read, half - at, min(left, half))
+            _send(comm, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=at), wire,
+                  peer, what)
+            at = half - at
 
 
 def recv_file(comm: Comm, path: str, size: int, peer: int, what: str, buf: bytearray) -> str:
-    """Receive ``size`` bytes from ``peer`` into ``path``; returns their crc32c."""
+    """Receive ``size`` bytes from ``peer`` into ``path`` in pieces of half ``len(buf)``, each
+    checksummed and written (a worker thread) while the next one arrives; returns their
+    crc32c."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    wire = _wire(comm, len(buf))
+    half = len(buf) // 2
+    wire = _wire(comm, half)
     crc = 0
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            n = min(left, len(buf))
-            _recv(comm, torch.frombuffer(buf, dtype=torch.uint8, count=n), wire, peer, what)
-            piece = memoryview(buf)[:n]
-            crc = extend(crc, piece)
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as worker:
+        def land(at: int, n: int) -> None:
+            nonlocal crc
+            piece = memoryview(buf)[at:at + n]
+            crc = combine(crc, crc_of(piece), n)  # without the GIL (layout/checksum.py)
             f.write(piece)
+
+        at, left = 0, size
+        landing: Future[None] | None = None
+        while left:
+            n = min(left, half)
+            _recv(comm, torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=at), wire,
+                  peer, what)
+            if landing is not None:
+                landing.result()  # the other half is free again
+            landing = worker.submit(land, at, n)
             left -= n
+            at = half - at
+        if landing is not None:
+            landing.result()
     return render(crc)
 
 
