@@ -11,9 +11,9 @@ domain of its own: the plain ring.
 A transfer is a pair of node leaders; every rank walks the same list of transfers in the same
 order and takes part only in its own, so the blocking sends and receives always pair up (the
 earliest unfinished transfer has both sides ready). A transfer holds one buffer of
-``PIECE_BYTES`` in two halves, never a whole file in memory: a piece travels from one half while
-the other is read from disk (sender) or checksummed and written (receiver). A received file's crc32c is computed as its
-pieces land and compared with what the sender's record says.
+``PIECE_BYTES`` in two halves, never a whole file in memory: a piece travels from one half
+while the other is read from disk (sender) or checksummed and written (receiver). A received
+file's crc32c is computed as its pieces land and compared with what the sender's record says.
 
 Pieces travel as tensors on the group's device (``Comm.device``): the host buffer itself over
 gloo (a save's copies run on ckptfs's own gloo group), a device buffer of the same size the

@@ -252,7 +252,7 @@ def _gather(comm: Comm, nodes: Nodes, choice: Choice, held: Held | None,
         if nodes.mine in choice.holders[f]:
             assert held is not None
             _link(held.files[f], os.path.join(scratch, f))
-    buf, got, bad = bytearray(PIECE_BYTES), 0, []
+    buf, got, bad = bytearray(), 0, []  # allocated for the first transfer
     for dst in range(nodes.count):
         for f in sorted(need[dst]):
             src = nodes.nearest(dst, choice.holders[f])
@@ -260,6 +260,7 @@ def _gather(comm: Comm, nodes: Nodes, choice: Choice, held: Held | None,
                 continue
             what = f"restore: fetching {f} from node {nodes.names[src]} to {nodes.names[dst]}"
             size = index.all_files[f]
+            buf = buf or bytearray(PIECE_BYTES)
             if src == nodes.mine:
                 assert held is not None
                 send_file(comm, held.files[f], size, nodes.leader_of(dst), what, buf)
