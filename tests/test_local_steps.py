@@ -170,3 +170,24 @@ def test_pieces_travel_through_a_device_buffer_when_the_group_needs_one(tmp_path
     assert (tmp_path / "b").read_bytes() == data and crc == checksum(data)
     pool = {w.data_ptr() for w in wires}
     assert pipe.sent and all(t.data_ptr() in pool for t in pipe.sent)  # never the host buffer
+
+
+def test_a_local_restore_checks_the_copies_as_it_reads_them(tmp_path, monkeypatch):
+    """No pass over the copies before the read; a spoiled chunk fails the read, and only then
+    is every copy checked whole, the step passed and the older one restored."""
+    from ckptfs.manager import recover
+
+    checked: list[str] = []
+    whole = recover.file_crc
+    monkeypatch.setattr(recover, "file_crc", lambda path, buf: checked.append(path) or whole(path, buf))
+    with manager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save_sync(step, sd_at(step))
+        sd = blank()
+        assert mgr.restore(sd, step=2) == 2 and torch.equal(sd["w"], sd_at(2)["w"])
+        assert checked == [] and mgr.last_restore.local_bytes == 256
+        (path,) = (tmp_path / "local" / "step-00000002").rglob("*.safetensors")
+        flip(str(path), path.stat().st_size - 1)  # a byte of the chunk's data
+        sd = blank()
+        assert mgr.restore(sd) == 1 and torch.equal(sd["w"], sd_at(1)["w"])
+        assert str(path) in checked and "local step 2: no intact copy" in mgr.last_restore.reason
