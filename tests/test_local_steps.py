@@ -12,6 +12,7 @@ import torch
 
 import ckptfs
 from ckptfs.dist.nodes import node_id
+from ckptfs.manager.peers import replica_targets
 from ckptfs.manager.replicas import TIER_FILE
 from tests.test_manager import flip
 
@@ -91,6 +92,7 @@ def test_an_explicit_step_that_is_neither_committed_nor_held_is_named(tmp_path):
     (dict(keep_local=0), "keep_local"),
     (dict(local_dir=None), "local_interval_steps needs local_dir"),
     (dict(writer="process"), "local_interval_steps needs writer='thread'"),
+    (dict(failure_domain=3), "failure_domain must be a str"),
 ])
 def test_settings_are_checked(tmp_path, kw, field):
     with pytest.raises(ckptfs.ConfigError, match=field):
@@ -104,3 +106,88 @@ def test_a_torchrun_agent_names_the_node(monkeypatch):
     assert node_id().endswith(":3")
     monkeypatch.setenv("CKPTFS_NODE_ID", "rack1-a")
     assert node_id() == "rack1-a"
+
+
+@pytest.mark.parametrize("domains, node, replicas, want", [
+    (["", "", "", ""], 0, 2, [1, 2]),  # no domains: the ring after the node
+    (["", "", "", ""], 3, 1, [0]),
+    (["a", "a", "b", "b"], 0, 1, [2]),  # the other rack before the next node of its own
+    (["a", "a", "b", "b"], 1, 3, [2, 3, 0]),
+    (["a", "a", "b", "b"], 2, 1, [0]),
+    (["a", "b", "a", "c", "b", "c"], 0, 3, [1, 3, 4]),  # one per other domain first
+    (["a", "a"], 0, 5, [1]),  # one domain: the other node; never the node itself
+    (["a"], 0, 1, []),
+])
+def test_copies_go_to_other_failure_domains_first(domains, node, replicas, want):
+    assert replica_targets(node, domains, replicas) == want
+
+
+class Pipe:
+    """Two ends of a one-way channel with ``Comm.point_to_point``'s contract (a test double: a
+    real pair of ranks would also work, but only over gloo's host tensors)."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.q: queue.Queue = queue.Queue()
+        self.device = torch.device("cpu")
+        self.sent: list[torch.Tensor] = []
+
+    def point_to_point(self, ops, what):
+        for kind, t, _, _ in ops:
+            if kind == "send":
+                self.sent.append(t)
+                self.q.put(t.clone())
+            else:
+                t.copy_(self.q.get(timeout=10))
+
+
+def test_pieces_travel_through_a_device_buffer_when_the_group_needs_one(tmp_path, monkeypatch):
+    """A group whose backend takes only accelerator tensors gets each piece copied through one
+    buffer on its device; here that buffer is a second host buffer (no accelerator)."""
+    import threading
+
+    from ckptfs.layout.checksum import checksum
+    from ckptfs.manager import peers
+
+    wires: list[torch.Tensor] = []
+
+    def wire(comm, size):
+        wires.append(torch.empty(size, dtype=torch.uint8))
+        return wires[-1]
+
+    monkeypatch.setattr(peers, "_wire", wire)
+    data = os.urandom(3 * 500 + 17)
+    (tmp_path / "a").write_bytes(data)
+    pipe = Pipe()
+    sender = threading.Thread(target=lambda: (
+        peers.send_bytes(pipe, b"record", 1, "test"),
+        peers.send_file(pipe, str(tmp_path / "a"), len(data), 1, "test", bytearray(1000))))
+    sender.start()
+    assert peers.recv_bytes(pipe, 0, "test") == b"record"
+    crc = peers.recv_file(pipe, str(tmp_path / "b"), len(data), 0, "test", bytearray(1000))
+    sender.join()
+    assert (tmp_path / "b").read_bytes() == data and crc == checksum(data)
+    pool = {w.data_ptr() for w in wires}
+    assert pipe.sent and all(t.data_ptr() in pool for t in pipe.sent)  # never the host buffer
+
+
+def test_a_local_restore_checks_the_copies_as_it_reads_them(tmp_path, monkeypatch):
+    """No pass over the copies before the read; a spoiled chunk fails the read, and only then
+    is every copy checked whole, the step passed and the older one restored."""
+    from ckptfs.manager import recover
+
+    checked: list[str] = []
+    whole = recover.file_crc
+    monkeypatch.setattr(recover, "file_crc", lambda path, buf: checked.append(path) or whole(path, buf))
+    with manager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save_sync(step, sd_at(step))
+        sd = blank()
+        assert mgr.restore(sd, step=2) == 2 and torch.equal(sd["w"], sd_at(2)["w"])
+        assert checked == [] and mgr.last_restore.local_bytes == 256
+        (path,) = (tmp_path / "local" / "step-00000002").rglob("*.safetensors")
+        flip(str(path), path.stat().st_size - 1)  # a byte of the chunk's data
+        sd = blank()
+        assert mgr.restore(sd) == 1 and torch.equal(sd["w"], sd_at(1)["w"])
+        assert str(path) in checked and "local step 2: no intact copy" in mgr.last_restore.reason

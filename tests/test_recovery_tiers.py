@@ -99,3 +99,40 @@ def test_local_steps_restore_from_the_nearest_intact_copy(tmp_path):
     for r in results(str(out)):
         assert r["source"] == "persistent" and r["local"] + r["remote"] > 0
         assert "local step 6: no intact copy (crc32c) of" in r["reason"] and victim in r["reason"]
+
+
+def rack_loss(rank: int, world: int, url: str, locals_: list[str], out: str) -> None:
+    """Four nodes of one rank each in two racks (failure domains a: n0, n1; b: n2, n3): a local
+    step's copies go to the other rack; rack b's tiers wiped, the step is restored from rack a."""
+    os.environ["CKPTFS_NODE_ID"] = f"n{rank}"
+    os.environ["CKPTFS_FAILURE_DOMAIN"] = "ab"[rank // 2]
+    with manager(url, locals_[rank]) as mgr:
+        mgr.save_sync(2, state(rank, world, 2))
+        peers = os.path.join(locals_[rank], PEERS_DIR)
+        held = sorted(os.listdir(peers)) if os.path.isdir(peers) else []
+        dist.barrier()
+        if rank >= 2:
+            shutil.rmtree(locals_[rank])
+        dist.barrier()
+        sd = blank(rank, world)
+        assert mgr.restore(sd) == 2
+        check(sd, rank, world, 2)
+        r = mgr.last_restore
+        assert r is not None
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"held": held, "source": r.source, "remote": r.remote_bytes,
+                       "peer": r.peer_bytes}, f)
+        dist.barrier()
+
+
+def test_copies_cross_failure_domains_and_survive_a_rack(tmp_path):
+    url = str(tmp_path / "ckpt")
+    locals_ = [str(tmp_path / f"n{i}") for i in range(4)]
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(4, rack_loss, url, locals_, str(out), timeout=120)
+    got = results(str(out))
+    # the plain ring would send n0's copy to n1 and n2's to n3 (the same rack)
+    assert [r["held"] for r in got] == [["n2", "n3"], [], ["n0", "n1"], []], got
+    assert all(r["source"] == "local" and r["remote"] == 0 for r in got), got
+    assert got[2]["peer"] > 0 and got[3]["peer"] > 0, got

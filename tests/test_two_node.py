@@ -4,10 +4,13 @@ identity from the launcher's environment, running tests/two_node_job.py.
 
 In ``make test``: one node's agent and processes are SIGKILLed mid-run and its local directory
 wiped (a replaced node); both restart and restore the newest local step bit-exact, reading 0
-bytes from the URL. ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
+bytes from the URL; and a plain ``ckptfs.save`` on the 4 ranks loads bit-exact on 2 ranks, one
+per node (one launch). ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
 restarts on one node (world 4 -> 2) from that node's tier alone, then with the last copy of one
-of the other node's files spoiled it falls back to the persistent step and says why; and a node
-killed while receiving the other node's copy leaves no step restorable that is not.
+of the other node's files spoiled it falls back to the persistent step and says why; a node
+killed while receiving the other node's copy leaves no step restorable that is not; a SIGTERM
+to one rank saves a local step copied to the other node, persisted at the URL after (or not:
+then a replaced node restores it from the copy).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptfs.layout.index import INDEX_FILE
 from ckptfs.manager.replicas import PEERS_DIR, TIER_FILE
 from ckptfs.testing.ranks import free_port
 from tests.test_manager import flip
@@ -162,3 +166,61 @@ def test_a_node_killed_mid_copy_leaves_no_false_step(tmp_path):
     got = results(out)
     assert len(got) == 4 and all(r["step"] == 4 and r["source"] == "persistent" for r in got), got
     assert all("local step 6: no node holds" in r["reason"] for r in got), got
+
+
+def test_a_plain_save_on_two_nodes_loads_on_two_ranks_bit_exact(tmp_path):
+    """``ckptfs.save`` on 4 ranks (2 nodes x 2), ``ckptfs.load`` on 2 (one per node)."""
+    url, out = str(tmp_path / "ckpt"), tmp_path / "reshard"
+    finish(agents([str(tmp_path / "n0"), str(tmp_path / "n1")], out, "reshard", "--url", url), out)
+    got = results(out)
+    assert [r["loaded_as"] for r in got] == [0, 1] and all(r["bytes"] > 0 for r in got), got
+
+
+def preempted(tmp_path: Path, name: str, *args: str) -> tuple[str, list[str], int]:
+    """A two-node job stepping without saves until node n1's second rank gets SIGTERM; returns
+    the URL, the nodes' local directories and the step the preemption saved."""
+    url, nodes = str(tmp_path / "ckpt"), [str(tmp_path / "n0"), str(tmp_path / "n1")]
+    out = tmp_path / name
+    procs = agents(nodes, out, "preempt", "--url", url, *args)
+    deadline = time.monotonic() + 120
+    while not (out / "stepping").exists():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(f"the job did not start stepping\n{logs(out)}")
+        time.sleep(0.1)
+    pid = int((out / "pids" / "rank3").read_text().split(" ", 1)[0])
+    os.kill(pid, signal.SIGTERM)
+    finish(procs, out)
+    got = results(out)
+    assert len(got) == 4 and len({r["step"] for r in got}) == 1, got
+    return url, nodes, got[0]["step"]
+
+
+@pytest.mark.skipif(not FULL, reason="make test-two-node")
+def test_a_preemption_saves_a_replicated_local_step_then_persists_it(tmp_path):
+    url, nodes, step = preempted(tmp_path, "preempt")
+    name = f"step-{step:08d}"
+    assert sorted(os.listdir(url)) == [name]  # persisted: committed at the URL too
+    for n in nodes:  # and a local step, copied to the other node
+        assert os.path.isfile(os.path.join(n, name, INDEX_FILE))
+        assert os.path.isfile(os.path.join(n, name, TIER_FILE))
+        assert len(list((Path(n) / PEERS_DIR).glob(f"*/{name}/{TIER_FILE}"))) == 1
+    out = tmp_path / "resume"
+    finish(agents(nodes, out, "resume", "--url", url), out)
+    got = results(out)
+    assert all(r["step"] == step and r["source"] == "local" and r["remote"] == 0
+               and r["local"] > 0 for r in got), got
+
+
+@pytest.mark.skipif(not FULL, reason="make test-two-node")
+def test_a_preemption_without_persistence_survives_a_replaced_node(tmp_path):
+    url, nodes, step = preempted(tmp_path, "preempt", "--no-persist")
+    assert not os.path.exists(url) or os.listdir(url) == []  # nothing at the URL
+    assert (Path(nodes[0]) / PEERS_DIR).is_dir() and (Path(nodes[1]) / PEERS_DIR).is_dir()
+    shutil.rmtree(nodes[1])  # n1 replaced: its files come from n0's copy
+    out = tmp_path / "resume"
+    finish(agents(nodes, out, "resume", "--url", url), out)
+    got = results(out)
+    assert all(r["step"] == step and r["source"] == "local" and r["remote"] == 0 for r in got), got
+    assert sum(r["peer"] for r in got) > 0, got

@@ -30,6 +30,8 @@ CLASSES = (
 ENVIRONMENT = (
     ("CKPTFS_COLLECTIVE_TIMEOUT", "default of `collective_timeout` (seconds; else 600)"),
     ("CKPTFS_NODE_ID", "this process's node, where the hostname does not tell nodes apart"),
+    ("CKPTFS_FAILURE_DOMAIN", "this process's failure domain (a rack, a power feed): a "
+     "local step's copies go to nodes of other domains first (``failure_domain=`` wins)"),
     ("CKPTFS_MAX_INDEX_BYTES", "largest index file a reader parses (bytes; else 1 GiB)"),
 )
 DOC = Path(__file__).resolve().parent.parent / "docs" / "options.md"

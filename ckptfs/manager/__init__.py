@@ -6,6 +6,11 @@ in the background, preemption saves, restore that reshards (API layer, over the 
   steps.py       step folder names, listings, the retention policy
   tier.py        the local tier: save through it, restore from its intact files
   preemption.py  signal handlers and the store-agreed save step
+  replicas.py    local steps: the nodes' tiers and their copies to other nodes
+  peers.py       nodes, failure domains, where copies go, files sent between nodes
+  recover.py     restoring a local step from the nearest intact copies
+  promote.py     a local step (the preemption's) persisted at the URL after the fact
+  health.py      the last good step
 """
 
 from ckptfs.manager.manager import CheckpointManager

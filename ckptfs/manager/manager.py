@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Any
 
@@ -31,13 +32,15 @@ from ckptfs.engine.lock import read_lock
 from ckptfs.engine.options import LoadOptions, SaveOptions
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.writer_process import new_saver
-from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError
+from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError, ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.health import LAST_GOOD, Health, last_good
+from ckptfs.manager.peers import failure_domain as failure_domain_of
 from ckptfs.manager.preemption import Preemption, PreemptionPolicy
+from ckptfs.manager.promote import promote
 from ckptfs.manager.recover import Choice, choose, restore_local
 from ckptfs.manager.replicas import drop_local, read_record, save_local
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
@@ -107,9 +110,10 @@ class CheckpointManager:
     - ``local_interval_steps=N`` (with ``local_dir``): ``should_save`` is also True when N
       divides ``step``, and ``save`` of such a step (not one of ``save_interval_steps``) is a
       local step: written to the nodes' local tiers only, each node's files copied to
-      ``replicas`` other nodes in the background; the newest ``keep_local`` are kept
-      (docs/guide/recovery-tiers.md). ``restore`` picks the newest step it can restore intact
-      from the local tiers of the nodes present or from the URL.
+      ``replicas`` other nodes in the background, nodes of other failure domains first
+      (``failure_domain``, else ``$CKPTFS_FAILURE_DOMAIN``: a rack, a power feed); the newest
+      ``keep_local`` are kept (docs/guide/recovery-tiers.md). ``restore`` picks the newest
+      step it can restore intact from the local tiers of the nodes present or from the URL.
     - ``preemption=PreemptionPolicy(...)``: the signals whose notice triggers a save agreed by
       every rank (default SIGTERM, SIGUSR1), and whether the ranks exit after it.
     - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
@@ -138,11 +142,17 @@ class CheckpointManager:
                  stats: bool = False, progress: bool = False, writer: str = "thread",
                  host_memory_limit: int | None = None,
                  local_interval_steps: int | None = None, replicas: int = 1,
-                 keep_local: int = 2, **deprecated: Any) -> None:
+                 keep_local: int = 2, failure_domain: str | None = None,
+                 **deprecated: Any) -> None:
         self.url = os.fspath(url).rstrip("/")
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.local_interval_steps, self.replicas, self.keep_local = local_tiers(
             self.local_dir, local_interval_steps, replicas, keep_local)
+        if failure_domain is not None and not isinstance(failure_domain, str):
+            raise ConfigError(f"CheckpointManager: failure_domain must be a str or None, got "
+                              f"{failure_domain!r}")
+        #: this rank's failure domain (manager/peers.py): local steps' copies go to others first
+        self.failure_domain = failure_domain_of(failure_domain)
         if local_interval_steps is not None and writer != "thread":
             # a local step's copies to other nodes travel over this process's group
             raise ConfigError(f"CheckpointManager: local_interval_steps needs writer='thread', "
@@ -278,18 +288,24 @@ class CheckpointManager:
         with public_errors(url):
             Comm(self.process_group)
 
+        preempt = self._preempt_step is not None and step == self._preempt_step
+        restorable: Future[SaveResult] = Future()
         local_step = self.is_local_step(step)
-        finish = (functools.partial(_finish_local_step, self, step, started)
-                  if local_step
-                  else functools.partial(_finish_step, self, name, local, force, started))
+        if preempt and self.local_interval_steps is not None:  # the fastest restorable tier
+            finish = functools.partial(_finish_preempt_step, self, step, name, started, restorable)
+        elif local_step:
+            finish = functools.partial(_finish_local_step, self, step, started)
+        else:
+            finish = functools.partial(_finish_step, self, name, local, force, started)
         staged, done = self.saver.start(state_dict, url, self._backend, finish,
                                         process_group=self.process_group, options=self.save_options,
                                         **self.health.flags)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
         handle = AsyncSave(local if local_step and local else url, staged, done)
         self._last = handle
-        if self._preempt_step is not None and step == self._preempt_step:
-            handle.result()
+        if preempt:
+            wait([restorable, done], return_when=FIRST_COMPLETED)
+            (restorable if restorable.done() else done).result()
             self._preempted()
         return handle
 
@@ -366,7 +382,8 @@ class CheckpointManager:
                 if s is not None and s not in kept and not (
                         s > newest and read_record(os.path.join(self.local_dir, name))):
                     shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
-            drop_local(self.local_dir, lambda s: s <= newest)  # made redundant by the URL's
+            # made redundant by the URL's (a preemption's local step, persisted too, stays)
+            drop_local(self.local_dir, lambda s: s < newest)
 
     # -- restoring -------------------------------------------------------------------------
     def restore(self, state_dict: dict[str, Any], step: int | str | None = None, *,
@@ -395,11 +412,11 @@ class CheckpointManager:
                                   f"{LAST_GOOD!r}, got {step!r}")
             choice = self._local_choice(comm, found, step, state_dict, strict)
             if choice is not None and choice.step is not None:
-                self.last_restore = restore_local(
-                    state_dict, choice, comm, self.local_dir or "", options=self.load_options,
-                    store_options=self.store_options, strict=strict)
-                self._leave_newer(choice.step, resumed=step is None)
-                return choice.step
+                local, choice = self._restore_local(state_dict, comm, found, step, choice, strict)
+                if local is not None:
+                    self.last_restore = local
+                    self._leave_newer(local.step, resumed=step is None)
+                    return local.step
             if step is None and not found.committed:
                 return None
             self.last_restore = self._restore_persistent(state_dict, comm, store, found, step,
@@ -422,14 +439,44 @@ class CheckpointManager:
         more = " and no newer local step is restorable" if reasons else ""
         return replace(result, reason="; ".join([f"persistent step {step}: {why}{more}", *reasons]))
 
+    def _restore_local(self, state_dict: dict[str, Any], comm: Comm, found: Listing,
+                       step: int | None, choice: Choice, strict: bool
+                       ) -> tuple[RestoreResult | None, Choice]:
+        """Collective: restore ``choice``'s local step, its copies checked as they are read; if
+        a check (or any read) fails, choose again with every copy checked whole first and
+        restore that choice (None: no local step is restorable; the returned choice says why).
+        A failure that the full check does not explain is raised."""
+        def run(c: Choice) -> RestoreResult:
+            return restore_local(state_dict, c, comm, self.local_dir or "",
+                                 options=self.load_options, store_options=self.store_options,
+                                 strict=strict)
+
+        try:
+            return run(choice), choice
+        except CollectiveError:
+            raise
+        except Exception as e:  # every rank gets here: its own error or a RankError
+            if choice.verified:
+                raise
+            log.warning("ckptfs: restoring local step %s failed (%s); checking every copy",
+                        choice.step, e)
+            again = self._local_choice(comm, found, step, state_dict, strict, verify=True)
+            assert again is not None
+            if again.step == choice.step and again.holders == choice.holders:
+                raise
+            return (run(again) if again.step is not None else None), again
+
     def _local_choice(self, comm: Comm, found: Listing, step: int | None,
-                      state_dict: dict[str, Any], strict: bool) -> Choice | None:
+                      state_dict: dict[str, Any], strict: bool,
+                      verify: bool = False) -> Choice | None:
         """Collective: the local step to restore (None: no local tier, or ``step`` is a
-        committed one), with the reasons newer local steps were passed."""
+        committed one), with the reasons newer local steps were passed (``verify``: every copy
+        to be read checked whole first, recover.py)."""
         if self.local_dir is None or (step is not None and step in found.committed):
             return None
         latest = found.committed[-1] if found.committed else None
-        choice = choose(comm, self.local_dir, latest, state_dict, only=step, strict=strict)
+        choice = choose(comm, self.local_dir, latest, state_dict, only=step, strict=strict,
+                        verify=verify)
         if step is not None and choice.step is None:
             raise CheckpointNotFoundError(
                 f"{self._url(step_dir(step))}: step {step} is neither committed nor restorable "
@@ -503,7 +550,34 @@ def _finish_local_step(manager: CheckpointManager, step: int, started: float,
     assert manager.local_dir is not None
     return save_local(staged, manager._backend, manager.local_dir, step, comm,
                       replicas=manager.replicas, keep_local=manager.keep_local,
-                      store_options=manager.store_options, started=started, release=give_back)
+                      store_options=manager.store_options, started=started, release=give_back,
+                      domain=manager.failure_domain)
+
+
+def _finish_preempt_step(manager: CheckpointManager, step: int, name: str, started: float,
+                         restorable: Future[SaveResult], staged: StagedSave, comm: Comm,
+                         give_back: Callable[[], None]) -> SaveResult:
+    """The preemption save with local steps: a local step (``restorable`` resolves once it is
+    held by this node and copied to others), then, with ``PreemptionPolicy.persist``, the same
+    files committed at the URL (manager/promote.py) and retention."""
+    try:
+        result = _finish_local_step(manager, step, started, staged, comm, give_back)
+    except BaseException as e:
+        restorable.set_exception(e)
+        raise
+    restorable.set_result(result)
+    if not manager.preemption.persist:
+        return result
+    assert manager.local_dir is not None
+    root = os.path.join(manager.local_dir, name)
+    target = PrefixedStore(manager._open_agreed(comm, f"save: opening {manager.url}"), name)
+    with claimed(target, comm, False, manager._backend) as claim:
+        comm.run_on_coordinator(f"save: clearing a dead save's files at {manager._url(name)}",
+                                lambda: run_sync(_clear_dead(target, claim)))
+        total = promote(root, target, result.files, comm, store_options=manager.store_options)
+    manager._retain(comm)
+    return replace(result, url=manager._url(name), total_bytes=total,
+                   seconds=time.perf_counter() - started)
 
 
 def _finish_step(manager: CheckpointManager, name: str, local: str | None, force: bool,

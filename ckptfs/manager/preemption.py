@@ -28,8 +28,13 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 @dataclass(frozen=True)
 class PreemptionPolicy:
     """How a ``CheckpointManager`` answers a preemption notice: a notice on any rank makes
-    ``should_save`` True on every rank at the same step; ``save`` at that step is synchronous,
-    then (``exit``) raises ``SystemExit(128 + signal)`` on every rank."""
+    ``should_save`` True on every rank at the same step; ``save`` at that step returns once the
+    step is restorable, then (``exit``) every rank raises ``SystemExit(128 + signal)``. With
+    local steps (``local_interval_steps``) the step is saved as a local step (the nodes' tiers
+    and their copies on other nodes: restorable soonest), then, with ``persist``, copied to the
+    URL and committed there while the process lives (``exit``: it exits once that is done or
+    has failed; a job killed before keeps the local step). Without local steps it is a
+    persistent step."""
 
     #: signals whose handlers the manager installs (``()``: none, e.g. off the main thread)
     signals: tuple[int, ...] = DEFAULT_SIGNALS
@@ -37,6 +42,8 @@ class PreemptionPolicy:
     timeout: float = 600.0
     #: raise ``SystemExit`` on every rank once the preemption save is committed
     exit: bool = True
+    #: with local steps: persist the preemption's local step at the URL once it is restorable
+    persist: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "signals", tuple(int(s) for s in self.signals))

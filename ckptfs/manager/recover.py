@@ -2,17 +2,23 @@
 
 Choosing (collective): each node's leader lists the copies its tier holds (its own and those
 other nodes sent), every file with the size its step's index records; the newest local step
-newer than the newest persistent step whose files are all held somewhere is a candidate. Its
-holders then check the crc32c of every file of it they hold; a step whose files are all still
-held intact by some node is restorable, else the next older one is tried, and when none is the
-manager restores the newest persistent step (the reasons say why each local step was passed).
+at or after the newest persistent step (a preemption's local step is persisted too: its
+copies spare the URL) whose files are all held somewhere is restored. Its
+bytes are checked as they are used: every chunk read whole against its crc32c as it lands, and
+every file fetched from another node against the file's crc32c as it arrives; only the files
+some rank reads a chunk of in part (another layout) are checked whole before (by the node that
+will serve them). If any check fails, the choice is made again with every copy to be read
+checked whole first (``verify``): a step whose files are all still held intact by some node is
+restorable, else the next older one is tried, and when none is the manager restores the newest
+persistent step (the reasons say why each local step was passed).
 
 Reading (collective): every rank plans its reads against the step's index (as ``load``
 reshards: any world size) and names the files they touch; each node's leader links the files
 its node holds into a scratch folder and receives the others from the nearest node holding
 them (ring order), checked against their crc32c as they land (manager/peers.py). Then every
-rank fills its state from its node's scratch folder with the read engine's checks, and the
-leader removes the folder.
+rank fills its state from its node's scratch folder (the read engine checking every chunk it
+reads whole, unless every file was checked whole in the choice), and the leader removes the
+folder.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class Choice:
     reasons: tuple[str, ...]
     nodes: Nodes  #: the group's nodes
     mine: dict[int, Held]  #: what this node holds (its leader; empty elsewhere)
+    verified: bool = False  #: every copy to be read was checked whole against its crc32c
+    read: tuple[str, ...] = ()  #: the files this rank's reads touch
+    need: tuple[frozenset[str], ...] = ()  #: the files each node's ranks read
 
 
 def scan(local_dir: str | None) -> dict[int, Held]:
@@ -89,10 +98,12 @@ def _size(path: str) -> int:
         return -1
 
 
-def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
-           state_dict: dict[str, Any], *, only: int | None = None, strict: bool = True) -> Choice:
-    """Collective: the newest local step after ``newer_than`` (or exactly ``only``) whose files
-    the reads of ``state_dict`` touch the nodes hold intact between them (module doc)."""
+def choose(comm: Comm, local_dir: str | None, from_step: int | None,
+           state_dict: dict[str, Any], *, only: int | None = None, strict: bool = True,
+           verify: bool = False) -> Choice:
+    """Collective: the newest local step at or after ``from_step`` (or exactly ``only``) whose
+    files the reads of ``state_dict`` touch the nodes hold between them (module doc).
+    ``verify``: held intact, every copy to be read checked whole; else only those read in part."""
     nodes = nodes_of(comm)
     mine = scan(local_dir) if nodes.leader else {}
     summary = {s: (sorted(h.files), h.index) for s, h in mine.items()}
@@ -100,38 +111,49 @@ def choose(comm: Comm, local_dir: str | None, newer_than: int | None,
     steps = sorted({s for per in every for s in per}, reverse=True)
     reasons: list[str] = []
     for step in steps:
-        if (only is not None and step != only) or (only is None and newer_than is not None
-                                                    and step <= newer_than):
+        if (only is not None and step != only) or (only is None and from_step is not None
+                                                    and step < from_step):
             continue
         raw = next(per[step][1] for per in every if step in per)
         index = Index.loads(raw)
-        _, need = _needs(comm, nodes, state_dict, index, f"local step {step}", strict)
+        read, need, partial = _needs(comm, nodes, state_dict, index, f"local step {step}", strict)
         holders = _holders(every, nodes, step)
         wanted = set().union(*need)
         if _missing(step, wanted, holders, reasons, "no node holds"):
             continue
-        holders = _check(comm, nodes, mine.get(step), index, need, holders)
+        check = need if verify else partial
+        if any(check):
+            holders = _check(comm, nodes, mine.get(step), index, check, holders)
         if _missing(step, wanted, holders, reasons, "no intact copy (crc32c) of"):
             continue
-        return Choice(step, holders, raw, tuple(reasons), nodes, mine)
-    return Choice(None, {}, b"", tuple(reasons), nodes, mine)
+        return Choice(step, holders, raw, tuple(reasons), nodes, mine, verify, tuple(read),
+                      tuple(frozenset(n) for n in need))
+    return Choice(None, {}, b"", tuple(reasons), nodes, mine, verify)
 
 
 def _needs(comm: Comm, nodes: Nodes, state_dict: dict[str, Any], index: Index, where: str,
-           strict: bool) -> tuple[list[str], list[set[str]]]:
-    """Collective: the files this rank reads, and those each node's ranks read, to fill their
-    ``state_dict`` from ``index`` (planned as ``load`` plans them: any world size and layout)."""
+           strict: bool) -> tuple[list[str], list[set[str]], list[set[str]]]:
+    """Collective: the files this rank reads, those each node's ranks read, and those of them
+    the read engine cannot check as they land (a chunk read in part, or without a checksum),
+    to fill their ``state_dict`` from ``index`` (planned as ``load`` plans them: any world
+    size and layout)."""
 
-    def plan() -> list[str]:
+    def plan() -> tuple[list[str], list[str]]:
         p = plan_targets(state_dict, index, comm.rank)
         if strict and p.missing:
             raise MissingKeysError(where, list(p.missing))
-        return sorted(chunks_read(p.reads)[0])
+        read, partial = chunks_read(p.reads)
+        unchecked = {f for f, held in read.items() if any(c.checksum is None for _, c in held)}
+        return sorted(read), sorted(unchecked | partial.keys())
 
-    read, wanted = comm.run_everywhere(f"restore: planning the reads of {where}", plan,
-                                       lambda files: files, to="all")
-    return read, [set().union(*(wanted[r] for r in nodes.layout.ranks_on(n)))
-                  for n in range(nodes.count)]
+    (read, _), wanted = comm.run_everywhere(f"restore: planning the reads of {where}", plan,
+                                            lambda files: files, to="all")
+
+    def per_node(i: int) -> list[set[str]]:
+        return [set().union(*(wanted[r][i] for r in nodes.layout.ranks_on(n)))
+                for n in range(nodes.count)]
+
+    return read, per_node(0), per_node(1)
 
 
 def _check(comm: Comm, nodes: Nodes, held: Held | None, index: Index, need: list[set[str]],
@@ -188,8 +210,8 @@ def restore_local(state_dict: dict[str, Any], choice: Choice, comm: Comm, local_
     assert choice.step is not None
     step, index, nodes = choice.step, Index.loads(choice.index), choice.nodes
     where = f"local step {step}"
-    files, need = _needs(comm, nodes, state_dict, index, where, strict)
-    read = set(files)
+    need = [set(n) for n in choice.need]
+    read = set(choice.read)
     scratch = os.path.join(local_dir, SCRATCH_DIR, f"step-{step:08d}")
     fetched = comm.run_everywhere(
         f"restore: gathering the files of {where}",
@@ -198,10 +220,11 @@ def restore_local(state_dict: dict[str, Any], choice: Choice, comm: Comm, local_
     own = LocalStore(scratch, local_options(store_options))
     peer = LocalStore(scratch, local_options(store_options))
     try:
-        # every file read was checked whole against the index's crc32c in this restore (by
-        # its holder, or as it arrived): the chunks it holds need no second check
+        # files fetched from other nodes were checked whole as they arrived; with
+        # ``choice.verified`` every file was (by its holder): their chunks need no second check
+        verify = bool(near) and not choice.verified
         result = fill(state_dict, RoutedStore(own, peer, near), index, comm, where,
-                      strict=strict, options=replace(options, verify=False), started=t0)
+                      strict=strict, options=replace(options, verify=verify), started=t0)
     finally:
         if nodes.leader:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -229,7 +252,7 @@ def _gather(comm: Comm, nodes: Nodes, choice: Choice, held: Held | None,
         if nodes.mine in choice.holders[f]:
             assert held is not None
             _link(held.files[f], os.path.join(scratch, f))
-    buf, got, bad = bytearray(PIECE_BYTES), 0, []
+    buf, got, bad = bytearray(), 0, []  # allocated for the first transfer
     for dst in range(nodes.count):
         for f in sorted(need[dst]):
             src = nodes.nearest(dst, choice.holders[f])
@@ -237,6 +260,7 @@ def _gather(comm: Comm, nodes: Nodes, choice: Choice, held: Held | None,
                 continue
             what = f"restore: fetching {f} from node {nodes.names[src]} to {nodes.names[dst]}"
             size = index.all_files[f]
+            buf = buf or bytearray(PIECE_BYTES)
             if src == nodes.mine:
                 assert held is not None
                 send_file(comm, held.files[f], size, nodes.leader_of(dst), what, buf)

@@ -14,9 +14,9 @@ A record is written last (write and rename), so a folder without one is an unfin
 Save (collective over the background group, after ``stage``): the node's leader removes its
 local steps at or after N (a timeline the run left by restoring an older step) -> every rank
 ``write``s into ``step-<N>/`` -> the coordinator commits the index there and every node stores
-a copy of it -> each leader records its node's files -> the leaders copy them around the ring
-of nodes (manager/peers.py) -> each leader keeps its newest ``keep_local`` local steps (its own
-and each origin's copies).
+a copy of it -> each leader records its node's files -> the leaders copy them to other nodes,
+other failure domains first (manager/peers.py) -> each leader keeps its newest ``keep_local``
+local steps (its own and each origin's copies).
 """
 
 from __future__ import annotations
@@ -99,10 +99,11 @@ def own_files(folder: str, index: Index) -> dict[str, list]:
 
 def save_local(staged: StagedSave, be: Backend, local_dir: str, step: int, comm: Comm, *,
                replicas: int, keep_local: int, store_options: StoreOptions | None,
-               started: float, release: Callable[[], None]) -> SaveResult:
-    """Save ``staged`` as local step ``step`` (collective over ``comm``; see the module doc)."""
+               started: float, release: Callable[[], None], domain: str = "") -> SaveResult:
+    """Save ``staged`` as local step ``step`` (collective over ``comm``; see the module doc;
+    ``domain``: this rank's failure domain, manager/peers.py)."""
     root = os.path.join(local_dir, step_dir(step))
-    nodes = nodes_of(comm)
+    nodes = nodes_of(comm, domain)
     save_id = comm.run_on_coordinator("local save: naming the save", lambda: secrets.token_hex(6))
     comm.run_everywhere(f"local save: clearing {root}",
                         lambda: _clear(local_dir, root, step) if nodes.leader else None)
@@ -148,14 +149,15 @@ def _record(root: str, step: int, nodes: Nodes, raw: bytes) -> dict[str, Any]:
 
 def replicate(comm: Comm, nodes: Nodes, local_dir: str, record: dict[str, Any] | None,
               replicas: int) -> None:
-    """The leaders send their node's copy (``record``, under ``local_dir``) to the ``replicas``
-    nodes after theirs in ring order and receive the copies sent to them; the other ranks
-    return at once. Transfers run in one order on every rank (manager/peers.py)."""
+    """The leaders send their node's copy (``record``, under ``local_dir``) to ``replicas``
+    other nodes (``Nodes.targets``: other failure domains first) and receive the copies sent
+    to them; the other ranks return at once. Transfers run in one order on every rank
+    (manager/peers.py)."""
     if not nodes.leader or record is None:
         return
     step = record["step"]
     for src in range(nodes.count):
-        for dst in nodes.ring(src, replicas):
+        for dst in nodes.targets(src, replicas):
             what = f"local save: copying step {step} from node {nodes.names[src]} to {nodes.names[dst]}"
             if src == nodes.mine:
                 folder = os.path.join(local_dir, step_dir(step))
