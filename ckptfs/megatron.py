@@ -74,6 +74,11 @@ class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
                  *, ckptfs_backend: str = "torch_dist",
                  storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(backend, version)
+        if not _REGISTRY and ckptfs_backend != "torch_dist":
+            raise ConfigError(
+                f"ckptfs.megatron.SaveStrategy: ckptfs_backend={ckptfs_backend!r}; with "
+                f"megatron-core >= 0.19 dist_checkpointing.load reads the common state through "
+                f"DCP, so the layout must be 'torch_dist'")
         self.ckptfs_backend = ckptfs_backend
         self.storage_options = dict(storage_options or {})
 
