@@ -5,13 +5,15 @@ Two CPU ranks (gloo, FSDP over both) train torchtitan's ``llama3_debugmodel`` th
 ``Trainer`` (its dataloader over a small local text set, its AdamW and LR schedule), with
 ``config.checkpoint = ckptfs.torchtitan.CheckpointManager.Config(interval=2)``:
 
-1. run A trains 6 steps, saving steps 2, 4 and 6;
-2. run B trains the same 6 steps and is SIGKILLed (the launcher's whole process group) once
+1. a first run trains 6 steps, saving steps 2, 4 and 6;
+2. a second run trains the same 6 steps and is SIGKILLed (the launcher and each rank) once
    step 4 is committed; step 6 was never saved;
-3. run C starts again in B's folder: torchtitan's trainer loads step 4 through ckptfs (model,
-   optimizer, LR schedulers, dataloader position, train state) and trains to step 6.
+3. a third starts again in the second's folder: torchtitan's trainer loads step 4 through
+   ckptfs (model, optimizer, LR schedulers, dataloader position, train state) and trains to
+   step 6.
 
-Step 6 of C equals step 6 of A in every tensor and value. torchtitan 0.3.0 assumes an
+Step 6 of the resumed run equals step 6 of the first in every tensor and value (the dataloader's
+state: the same token stream, see ``same_stream``). torchtitan 0.3.0 assumes an
 accelerator in a few places; ``cpu_shims`` lists them (file and line) and routes each to CPU.
 """
 
@@ -217,11 +219,11 @@ def main() -> int:
         text_set(data)
         a, b = os.path.join(root, "a"), os.path.join(root, "b")
         t0 = time.perf_counter()
-        finish(launch(a, data), "run A")
+        finish(launch(a, data), "the first run")
         t_a = time.perf_counter() - t0
         kill_after(launch(b, data), b, KILL_AFTER)
-        assert not committed(b, STEPS), "run B saved its last step before it was killed"
-        finish(launch(b, data), "run C (resumed)")
+        assert not committed(b, STEPS), "the killed run saved its last step"
+        finish(launch(b, data), "the resumed run")
         last = f"checkpoint/step-{STEPS:08d}"
         want, got = (ckptfs.load_keys(os.path.join(x, last)) for x in (a, b))
         assert int(want["train_state"]["step"]) == STEPS, want["train_state"]
