@@ -14,7 +14,9 @@ Both subclass Megatron's ``TorchDistSaveShardedStrategy`` / ``TorchDistLoadShard
 ``ckptfs.save``; on 0.19 the common state goes with them, in Megatron's ``common_state`` form, so
 Megatron's own reader reads the checkpoint too. A load fills the ``ShardedTensor``s' tensors in
 place with ``ckptfs.load`` (resharded: other TP/DP layouts), from any checkpoint ckptfs reads
-(its own, Megatron's torch_dist or zarr, DCP's). Needs megatron-core (tested with 0.19.2 and
+(its own, Megatron's torch_dist or zarr, DCP's). The distributed optimizer's
+``flattened_range`` (0.15) is stored as Megatron's torch_dist stores it, on the chunk grid
+(``_grid``), and loaded across DP and TP changes. Needs megatron-core (tested with 0.19.2 and
 0.15.3).
 """
 
