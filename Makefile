@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
 	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
-	test-two-node test-extended
+	test-two-node test-extended titan-trainer
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -141,10 +141,13 @@ interop: megatron-venvs
 	$(MEGATRON_VENV)/bin/python tests/interop/megatron_live.py \
 		--venv019 $(abspath $(MEGATRON_VENV)) --venv015 $(abspath $(MEGATRON015_VENV))
 
-# ckptfs.megatron's strategies under megatron-core 0.19.2 and 0.15.3 (tests/interop/megatron_strategies.py)
+# ckptfs.megatron's strategies under megatron-core 0.19.2 and 0.15.3 (tests/interop/megatron_strategies.py;
+# the distributed optimizer's flattened_range: tests/interop/megatron_flattened.py)
 interop-strategies: megatron-venvs
 	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_strategies.py
 	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_strategies.py
+	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_flattened.py
+	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_flattened.py
 
 # Megatron's dist_checkpointing with ckptfs's strategies against its torch_dist (bench/megatron_strategies.py)
 bench-megatron: $(MEGATRON_VENV)/.installed
@@ -154,6 +157,21 @@ bench-megatron: $(MEGATRON_VENV)/.installed
 megatron-fixtures: megatron-venvs
 	$(MEGATRON_VENV)/bin/python tests/fixtures/megatron/make_fixtures.py
 	$(MEGATRON015_VENV)/bin/python tests/fixtures/megatron/make_fixtures.py
+
+# torchtitan's own trainer on CPU ranks with ckptfs's checkpoint manager (tests/interop/titan_trainer.py):
+# torchtitan 0.3.0 with the training stack its trainer imports (datasets, torchdata, tensorboard,
+# triton), torch pinned; ckptfs from PYTHONPATH
+TITAN_VENV ?= .venv-titan
+$(TITAN_VENV)/.installed:
+	$(PY) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/pip install -q $(TORCH)
+	$(TITAN_VENV)/bin/pip install -q --no-deps $(TITAN)
+	$(TITAN_VENV)/bin/pip install -q $(TORCH) torchdata einops tensorboard "datasets>=3.6,<4.8" tokenizers \
+		triton pillow $(CKPTFS_DEPS)
+	touch $@
+
+titan-trainer: $(TITAN_VENV)/.installed
+	PYTHONPATH=$(abspath .) $(TITAN_VENV)/bin/python tests/interop/titan_trainer.py
 
 mutate: $(STAMP)
 	$(BIN)/python -m tools_dev.mutate

@@ -82,10 +82,14 @@ def run(rank: int, world: int, port: int, root: str, gb: float, runs: int, out: 
         "ckptfs": (lambda: ckptfs.megatron.SaveStrategy(), lambda: ckptfs.megatron.LoadStrategy()),
         "torch_dist": (lambda: None, lambda: TorchDistLoadShardedStrategy()),
     }
+    if ckptfs.megatron._REGISTRY:  # <= 0.18: Megatron saves the common state, any layout loads
+        peers["ckptfs-chunks"] = (
+            lambda: ckptfs.megatron.SaveStrategy(ckptfs_backend="safetensors_chunks"),
+            lambda: ckptfs.megatron.LoadStrategy())
     times: dict = {f"{op}/{name}": [] for op in ("save", "load") for name in peers}
     sd = state(rank, world, gb, True)
     for r in range(runs):
-        order = list(peers) if r % 2 == 0 else list(peers)[::-1]
+        order = list(peers)[r % len(peers):] + list(peers)[:r % len(peers)]
         for name in order:
             path = os.path.join(root, f"{name}-{r}")
             if rank == 0:
@@ -100,7 +104,8 @@ def run(rank: int, world: int, port: int, root: str, gb: float, runs: int, out: 
             if rank == 0:
                 shutil.rmtree(path)
     if rank == 0:
-        result = {k: round(statistics.median(v), 3) for k, v in times.items()}
+        result = {f"{k}/{how}": round(fn(v), 3) for k, v in times.items()
+                  for how, fn in (("median", statistics.median), ("min", min))}
         result.update(gb=gb, runs=runs, ranks=world, cache_dropped=drop_caches())
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

@@ -14,19 +14,24 @@ Both subclass Megatron's ``TorchDistSaveShardedStrategy`` / ``TorchDistLoadShard
 ``ckptfs.save``; on 0.19 the common state goes with them, in Megatron's ``common_state`` form, so
 Megatron's own reader reads the checkpoint too. A load fills the ``ShardedTensor``s' tensors in
 place with ``ckptfs.load`` (resharded: other TP/DP layouts), from any checkpoint ckptfs reads
-(its own, Megatron's torch_dist or zarr, DCP's). Needs megatron-core (tested with 0.19.2 and
+(its own, Megatron's torch_dist or zarr, DCP's). The distributed optimizer's
+``flattened_range`` (0.15) is stored as Megatron's torch_dist stores it, on the chunk grid
+(``_grid``), and loaded across DP and TP changes. Needs megatron-core (tested with 0.19.2 and
 0.15.3).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ckptfs.errors import ConfigError, UnsupportedValueError, UsageError
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.geometry import c_strides
 from ckptfs.layout.keys import decode_key
 from ckptfs.load import load
 from ckptfs.metadata import load_metadata
@@ -71,6 +76,11 @@ class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
                  *, ckptfs_backend: str = "torch_dist",
                  storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(backend, version)
+        if not _REGISTRY and ckptfs_backend != "torch_dist":
+            raise ConfigError(
+                f"ckptfs.megatron.SaveStrategy: ckptfs_backend={ckptfs_backend!r}; with "
+                f"megatron-core >= 0.19 dist_checkpointing.load reads the common state through "
+                f"DCP, so the layout must be 'torch_dist'")
         self.ckptfs_backend = ckptfs_backend
         self.storage_options = dict(storage_options or {})
 
@@ -86,7 +96,8 @@ class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
             if isinstance(sh, ShardedObject) and sh.key == _COMMON and not _REGISTRY:
                 tree.update(sh.data)
             elif isinstance(sh, ShardedTensor):
-                _put(tree, sh.key, _shard(sh, sh.data))
+                if not _empty_range(sh):
+                    _put(tree, sh.key, _shard(sh, sh.data))
             else:
                 raise UnsupportedValueError(
                     f"ckptfs.megatron: {_what(sh)} is not supported (ckptfs stores no pickled "
@@ -113,25 +124,36 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
         return not _REGISTRY
 
     def load(self, sharded_state_dict: dict, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> dict:
-        target: dict[str, Any] = {}
+        url = os.fspath(checkpoint_dir)
+        options = self.storage_options or None
+        tensors = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
         for sh in nested_values(sharded_state_dict):
             if not isinstance(sh, ShardedTensor):
                 raise UnsupportedValueError(f"ckptfs.megatron: loading {_what(sh)} is not supported")
-            _put(target, sh.key, _shard(sh, sh.data))
-        load(target, os.fspath(checkpoint_dir), storage_options=self.storage_options or None)
+        stored = {k: shape for k, (shape, _) in _stored(url, options).items()}
+        target: dict[str, Any] = {}
+        copies: list[Callable[[], None]] = []
+        for sh in tensors:
+            if sh.data is None:
+                sh.init_data("cpu")
+            if not _empty_range(sh):
+                shard, copy = _target(sh, stored.get(sh.key))
+                _put(target, sh.key, shard)
+                if copy is not None:
+                    copies.append(copy)
+        load(target, url, storage_options=options)
+        for copy in copies:
+            copy()
         return dict_list_map_inplace(lambda sh: sh.data if isinstance(sh, ShardedTensor) else sh,
                                      sharded_state_dict)
 
     def load_tensors_metadata(self, checkpoint_dir: Any, metadata: Any = None) -> dict:
         """Every tensor's key, global shape and dtype (from the index; no tensor data)."""
-        index = load_metadata(os.fspath(checkpoint_dir), storage_options=self.storage_options or None)
         out = {}
-        for key, entry in index.tensors.items():
-            path = decode_key(key)
-            if len(path) != 1 or not isinstance(path[0], str):
-                continue  # not a ShardedTensor's key (a nested value's tensor)
-            meta = torch.empty(entry.shape, dtype=_dtype(entry.dtype), device="meta")
-            out[path[0]] = ShardedTensor.from_rank_offsets(path[0], meta).without_data()
+        stored = _stored(os.fspath(checkpoint_dir), self.storage_options or None)
+        for key, (shape, dtype) in stored.items():
+            meta = torch.empty(shape, dtype=_dtype(dtype), device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
         return out
 
     def load_sharded_metadata(self, checkpoint_dir: Any) -> dict:
@@ -150,13 +172,130 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
 
 def _shard(sh: Any, data: torch.Tensor) -> _Shard:
     """ckptfs's ShardedTensor of Megatron's: the box at ``global_offset`` (prepended axes are
-    size 1 in ``local_shape``); the main replica is replica 0, the others get the rank + 1."""
-    if getattr(sh, "flattened_range", None) is not None:
-        raise UnsupportedValueError(
-            f"ckptfs.megatron: key {sh.key!r} has a flattened_range (the distributed optimizer's "
-            f"flat buffers); not supported: save the optimizer with a fully sharded layout")
+    size 1 in ``local_shape``); the main replica is replica 0, the others get the rank + 1. A
+    ``flattened_range`` is a box of the chunk grid (``_grid``)."""
     replica = 0 if is_main_replica(sh.replica_id) else 1 + torch.distributed.get_rank()
-    return _Shard(data.view(sh.local_shape), tuple(sh.global_shape), tuple(sh.global_offset), replica)
+    if _flat(sh):
+        grid, index = _grid(sh)
+        r = sh.flattened_range
+        return _Shard(data.view((1,) * len(grid) + (r.stop - r.start,)),
+                      (*grid, math.prod(sh.local_shape)), (*index, r.start), replica)
+    return _Shard(data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape)),
+                  tuple(sh.global_shape), tuple(sh.global_offset), replica)
+
+
+def _flat(sh: Any) -> bool:
+    return getattr(sh, "flattened_range", None) is not None
+
+
+def _empty_range(sh: Any) -> bool:
+    """A flattened range with no element (the distributed optimizer gives one to the ranks
+    whose part of the flat buffer misses the parameter): nothing to save or load."""
+    r = getattr(sh, "flattened_range", None)
+    return r is not None and r.stop <= r.start
+
+
+def _grid(sh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chunk grid of a flattened ShardedTensor, as Megatron's torch_dist lays it out: a
+    tensor of global shape ``[X, Y]`` cut in local chunks ``[x, y]`` is stored as the tensor
+    ``[X // x, Y // y, x * y]`` whose row ``[i, j]`` is chunk ``(i, j)`` flattened, so each
+    rank's flat range of its chunk is one box of it. Returns (grid shape, this chunk's index)."""
+    local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    grid, index = [], []
+    for n, size, off in zip(sh.global_shape, local, sh.global_offset, strict=True):
+        if size == 0 or n % size or off % size:
+            raise UnsupportedValueError(
+                f"ckptfs.megatron: key {sh.key!r} has a flattened_range but its local shape "
+                f"{tuple(sh.local_shape)} at {tuple(sh.global_offset)} does not tile its global "
+                f"shape {tuple(sh.global_shape)} (a flattened tensor needs a regular grid)")
+        grid.append(n // size)
+        index.append(off // size)
+    return tuple(grid), tuple(index)
+
+
+def _stored(url: str, options: Mapping[str, Any] | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every ShardedTensor key's stored shape and dtype name (from the index)."""
+    out = {}
+    for key, entry in load_metadata(url, storage_options=options).tensors.items():
+        path = decode_key(key)
+        if len(path) == 1 and isinstance(path[0], str):  # not a nested value's tensor
+            out[path[0]] = (tuple(entry.shape), entry.dtype)
+    return out
+
+
+def _target(sh: Any, stored: tuple[int, ...] | None) -> tuple[_Shard, Callable[[], None] | None]:
+    """What ckptfs loads for ``sh`` and what to do after: the shard itself when the checkpoint
+    stores the key as ``sh`` lays it out (its global shape, or the chunk grid of a flattened
+    range); else the natural region ``sh`` needs, read into a buffer from the global tensor or
+    from the chunk grid of another local shape, then copied into ``sh.data``."""
+    direct = _shard(sh, sh.data)
+    shape = tuple(sh.global_shape)
+    if stored is None or stored == direct.global_shape:
+        return direct, None
+    region = _region(sh)
+    saved = _saved_chunk(shape, stored)
+    if stored == shape:
+        buf = torch.empty(region.shape, dtype=sh.data.dtype)
+        return _Shard(buf, shape, region.offsets, 0), lambda: _fill(sh, region, buf)
+    if saved is None:
+        return direct, None  # ckptfs.load names the shape that does not match
+    lo = tuple(o // n for o, n in zip(region.offsets, saved, strict=True))
+    hi = tuple(-(-e // n) for e, n in zip(region.ends, saved, strict=True))
+    counts = tuple(b - a for a, b in zip(lo, hi, strict=True))
+    rows = torch.empty((*counts, stored[-1]), dtype=sh.data.dtype)
+    inner = Box(tuple(o - a * n for o, a, n in zip(region.offsets, lo, saved, strict=True)),
+                region.shape)
+
+    def finish() -> None:
+        k = len(counts)
+        grid = rows.view(*counts, *saved).permute(*(i for d in range(k) for i in (d, k + d)))
+        _fill(sh, region, grid.reshape([c * n for c, n in zip(counts, saved, strict=True)])[
+            inner.slices()])
+
+    return _Shard(rows, stored, (*lo, 0), 0), finish
+
+
+def _region(sh: Any) -> Box:
+    """The box of the global tensor ``sh`` holds: its local chunk, or for a flattened range the
+    smallest box of the chunk that holds the range and whose elements follow one another in
+    the chunk's flat order (some whole rows of one axis, the axes before it fixed)."""
+    chunk = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    if not _flat(sh):
+        return Box(tuple(sh.global_offset), chunk)
+    start, stop = sh.flattened_range.start, sh.flattened_range.stop - 1
+    offsets, sizes = [], []
+    for d, stride in enumerate(c_strides(chunk)):
+        a, b = start // stride, stop // stride
+        offsets.append(a)
+        sizes.append(b - a + 1)
+        if a != b:
+            offsets += [0] * (len(chunk) - d - 1)
+            sizes += chunk[d + 1:]
+            break
+        start, stop = start - a * stride, stop - a * stride
+    return Box(tuple(o + g for o, g in zip(offsets, sh.global_offset, strict=True)), tuple(sizes))
+
+
+def _saved_chunk(shape: tuple[int, ...], stored: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The local shape whose chunk grid of ``shape`` is ``stored``; None when it is none."""
+    grid = stored[:-1]
+    if len(grid) != len(shape) or any(f <= 0 or n % f for n, f in zip(shape, grid, strict=True)):
+        return None
+    chunk = tuple(n // f for n, f in zip(shape, grid, strict=True))
+    return chunk if math.prod(chunk) == stored[-1] else None
+
+
+def _fill(sh: Any, region: Box, values: torch.Tensor) -> None:
+    """Copy ``values`` (the natural ``region``) into ``sh.data``."""
+    if not _flat(sh):
+        sh.data.view(region.shape).copy_(values)
+        return
+    chunk = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    first = sum((o - g) * s for o, g, s in zip(region.offsets, sh.global_offset, c_strides(chunk),
+                                               strict=True))
+    r = sh.flattened_range
+    at = r.start - first
+    sh.data.copy_(values.reshape(-1)[at:at + r.stop - r.start])
 
 
 def _put(tree: dict[str, Any], key: str, shard: _Shard) -> None:

@@ -9,8 +9,8 @@ a column-split one with an uneven split, a replicated bias and the common state.
 0.19 with ckptfs's load strategy and with Megatron's own; 0.15 with no strategy given (picked
 from metadata.json). An unknown backend or version is refused, naming it; ckptfs reads the
 checkpoint by itself; ckptfs's load strategy reads a checkpoint Megatron's own strategy wrote and
-one Megatron's ``FullyParallelSaveStrategyWrapper`` wrote around ckptfs's save strategy; a
-``flattened_range`` is refused naming its key (0.15; 0.19 has none).
+one Megatron's ``FullyParallelSaveStrategyWrapper`` wrote around ckptfs's save strategy. The
+distributed optimizer's ``flattened_range``: tests/interop/megatron_flattened.py.
 """
 
 from __future__ import annotations
@@ -90,8 +90,6 @@ def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
             dc.save(state(rank, world, True), root + "-fp",
                     sharded_strategy=fp.FullyParallelSaveStrategyWrapper(
                         ckptfs.megatron.SaveStrategy(), None, False, *backend_of_wrapper()))
-            if not NEW:  # 0.19 refuses flattened_range itself
-                refuse_flattened(rank, world, root)
         else:
             if NEW:
                 check(dc.load(state(rank, world, False), root,
@@ -124,18 +122,6 @@ def cpu_only_cuda() -> None:
     if not torch.cuda.is_available():
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.current_device = lambda: "cpu"
-
-
-def refuse_flattened(rank: int, world: int, root: str) -> None:
-    bad = state(rank, world, True)
-    bad["bias"] = ShardedTensor.from_rank_offsets_flat(
-        "bias", torch.zeros(5), (5,), flattened_range=slice(0, 5), replica_id=rank)
-    try:
-        ckptfs.megatron.SaveStrategy().save(bad, root + "-bad")
-    except ckptfs.UnsupportedValueError as e:
-        assert "'bias'" in str(e) and "flattened_range" in str(e), e
-    else:
-        raise AssertionError("a flattened_range was saved")
 
 
 def spawn(world: int, root: str, phase: str) -> None:
