@@ -148,9 +148,6 @@ class CheckpointManager:
         self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
         self.local_interval_steps, self.replicas, self.keep_local = local_tiers(
             self.local_dir, local_interval_steps, replicas, keep_local)
-        if failure_domain is not None and not isinstance(failure_domain, str):
-            raise ConfigError(f"CheckpointManager: failure_domain must be a str or None, got "
-                              f"{failure_domain!r}")
         #: this rank's failure domain (manager/peers.py): local steps' copies go to others first
         self.failure_domain = failure_domain_of(failure_domain)
         if local_interval_steps is not None and writer != "thread":

@@ -43,6 +43,9 @@ DOMAIN_ENV = "CKPTFS_FAILURE_DOMAIN"  #: this process's failure domain ('' or un
 
 def failure_domain(given: str | None = None) -> str:
     """This process's failure domain: ``given``, else ``$CKPTFS_FAILURE_DOMAIN``, else ''."""
+    if given is not None and not isinstance(given, str):
+        raise ConfigError(f"CheckpointManager: failure_domain must be a str or None, got "
+                          f"{given!r}")
     if given is not None:
         return given
     return os.environ.get(DOMAIN_ENV, "")
