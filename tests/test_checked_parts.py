@@ -59,10 +59,8 @@ def _state() -> dict:
             "small": torch.randn(300, generator=g), "step": 7}
 
 
-@pytest.mark.parametrize("backend", ["safetensors_chunks", "torch_dist", "zarr"])
-def test_large_chunks_are_checksummed_in_the_writer_threads(tmp_path, monkeypatch, backend):
-    """No large chunk is checksummed by the saving thread; every chunk and file checksum in the
-    index is the crc32c of the bytes on disk, and the checkpoint loads and verifies."""
+def _sizes_checksummed_by_this_thread(monkeypatch) -> list[int]:
+    """The sizes of the buffers the calling thread checksums from now on (write.crc_of wrapped)."""
     main = threading.current_thread()
     apart: list[int] = []
     real = write_mod.crc_of
@@ -73,6 +71,14 @@ def test_large_chunks_are_checksummed_in_the_writer_threads(tmp_path, monkeypatc
         return real(data, **kw)
 
     monkeypatch.setattr(write_mod, "crc_of", crc_of)
+    return apart
+
+
+@pytest.mark.parametrize("backend", ["safetensors_chunks", "torch_dist", "zarr"])
+def test_large_chunks_are_checksummed_in_the_writer_threads(tmp_path, monkeypatch, backend):
+    """No large chunk is checksummed by the saving thread; every chunk and file checksum in the
+    index is the crc32c of the bytes on disk, and the checkpoint loads and verifies."""
+    apart = _sizes_checksummed_by_this_thread(monkeypatch)
     state = _state()
     ckptfs.save(state, tmp_path / "ck", backend=backend)
     assert all(n < MIN_BYTES for n in apart), apart
@@ -95,16 +101,7 @@ def test_large_chunks_are_checksummed_in_the_writer_threads(tmp_path, monkeypatc
 def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypatch):
     """A remote store takes streamed parts but copies their views to upload them: its chunks
     are checksummed apart, as before, never streamed."""
-    main = threading.current_thread()
-    apart: list[int] = []
-    real = write_mod.crc_of
-
-    def crc_of(data, **kw):
-        if threading.current_thread() is main:
-            apart.append(memoryview(data).nbytes)
-        return real(data, **kw)
-
-    monkeypatch.setattr(write_mod, "crc_of", crc_of)
+    apart = _sizes_checksummed_by_this_thread(monkeypatch)
     state = _state()
     ckptfs.save(state, "memory://remote")
     assert sorted(apart)[-2:] == [1 << 20, 3 << 20], apart
