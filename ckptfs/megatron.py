@@ -16,7 +16,9 @@ Megatron's own reader reads the checkpoint too. A load fills the ``ShardedTensor
 place with ``ckptfs.load`` (resharded: other TP/DP layouts), from any checkpoint ckptfs reads
 (its own, Megatron's torch_dist or zarr, DCP's). The distributed optimizer's
 ``flattened_range`` (0.15) is stored as Megatron's torch_dist stores it, on the chunk grid
-(``_grid``), and loaded across DP and TP changes. Needs megatron-core (tested with 0.19.2 and
+(``_grid``), and loaded across DP and TP changes. Several ``ShardedTensor``s of one key on one
+rank (0.15's stacked layers) that tile one box are saved as one copy of that box and loaded
+into it, then copied back (``_Stacked``). Needs megatron-core (tested with 0.19.2 and
 0.15.3).
 """
 
@@ -25,12 +27,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptfs.errors import ConfigError, UnsupportedValueError, UsageError
-from ckptfs.layout.boxes import Box
+from ckptfs.layout.boxes import Box, first_overlap
 from ckptfs.layout.geometry import c_strides
 from ckptfs.layout.keys import decode_key
 from ckptfs.load import load
@@ -92,16 +95,19 @@ class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: Any) -> None:
         tree: dict[str, Any] = {}
+        tensors: list[Any] = []
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedObject) and sh.key == _COMMON and not _REGISTRY:
                 tree.update(sh.data)
             elif isinstance(sh, ShardedTensor):
-                if not _empty_range(sh):
-                    _put(tree, sh.key, _shard(sh, sh.data))
+                tensors.append(sh)
             else:
                 raise UnsupportedValueError(
                     f"ckptfs.megatron: {_what(sh)} is not supported (ckptfs stores no pickled "
                     f"objects); keep it in the common state as plain values")
+        for group in _by_key(tensors).values():
+            one = _joined(group, save=True)
+            _put(tree, one.key, _shard(one, one.data))
         native = not _REGISTRY and self.ckptfs_backend == "torch_dist"
         options = {"megatron": "common_state"} if native else {}
         save(tree, os.fspath(checkpoint_dir), backend=self.ckptfs_backend, backend_options=options,
@@ -136,11 +142,11 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
         for sh in tensors:
             if sh.data is None:
                 sh.init_data("cpu")
-            if not _empty_range(sh):
-                shard, copy = _target(sh, stored.get(sh.key))
-                _put(target, sh.key, shard)
-                if copy is not None:
-                    copies.append(copy)
+        for group in _by_key(tensors).values():
+            one = _joined(group, save=False)
+            shard, copy = _target(one, stored.get(one.key))
+            _put(target, one.key, shard)
+            copies += [c for c in (copy, _splitter(one, group)) if c is not None]
         load(target, url, storage_options=options)
         for copy in copies:
             copy()
@@ -168,6 +174,87 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
         if loaded_version != VERSION:
             raise ConfigError(f"ckptfs.megatron.LoadStrategy: metadata.json names backend version "
                               f"{loaded_version!r}; this strategy knows version {VERSION}")
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    """Several ``ShardedTensor``s of one key on one rank that tile one box (Megatron's stacked
+    layers: one shard per layer along a prepended axis), as one, in the fields ``_shard`` and
+    ``_target`` read; ``data`` is a tensor of the whole box (a copy of the parts)."""
+
+    key: str
+    data: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    replica_id: Any = 0
+    prepend_axis_num: int = 0
+    flattened_range: None = None
+
+
+def _by_key(tensors: list[Any]) -> dict[str, list[Any]]:
+    """The ``ShardedTensor``s with something to save or load, by key, in their order."""
+    out: dict[str, list[Any]] = {}
+    for sh in tensors:
+        if not _empty_range(sh):
+            out.setdefault(sh.key, []).append(sh)
+    return out
+
+
+def _box(sh: Any) -> Box:
+    return Box(tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+
+
+def _joined(group: list[Any], *, save: bool) -> Any:
+    """The one shard of a key on this rank: the ``ShardedTensor`` itself, or a ``_Stacked`` of
+    several that tile one box (on save holding a copy of their data; on load an empty buffer).
+    Shards of one key that do not tile one box are refused, naming the key."""
+    if len(group) == 1:
+        return group[0]
+    first = group[0]
+    bound = _tiled(group)
+    if bound is None:
+        raise UnsupportedValueError(
+            f"ckptfs.megatron: key {first.key!r} is held {len(group)} times by this rank and "
+            f"its shards {[str(_box(sh)) for sh in group]} do not tile one box (a ckptfs shard "
+            f"is one box per rank and key)")
+    data = torch.empty(bound.shape, dtype=first.data.dtype, device=first.data.device)
+    if save:
+        for sh in group:
+            data[_box(sh).relative_to(bound).slices()] = sh.data.reshape(_box(sh).shape)
+    replica = first.replica_id if save else 0
+    return _Stacked(first.key, data, tuple(first.global_shape), bound.offsets, bound.shape, replica)
+
+
+def _tiled(group: list[Any]) -> Box | None:
+    """The box several shards of one key tile (pairwise disjoint, filling it), or None when
+    they do not: a flattened range, another global shape, dtype or replica among them, a gap
+    or an overlap."""
+    first = group[0]
+    if any(_flat(sh) or tuple(sh.global_shape) != tuple(first.global_shape)
+           or sh.data.dtype != first.data.dtype
+           or is_main_replica(sh.replica_id) != is_main_replica(first.replica_id) for sh in group):
+        return None
+    boxes = [_box(sh) for sh in group]
+    lo = tuple(map(min, *(b.offsets for b in boxes)))
+    hi = tuple(map(max, *(b.ends for b in boxes)))
+    bound = Box(lo, tuple(h - a for a, h in zip(lo, hi, strict=True)))
+    if sum(b.volume for b in boxes) != bound.volume or first_overlap(boxes) is not None:
+        return None
+    return bound
+
+
+def _splitter(one: Any, group: list[Any]) -> Callable[[], None] | None:
+    """After a load into a ``_Stacked``: copy each part of its box into its shard's data."""
+    if not isinstance(one, _Stacked):
+        return None
+    bound = Box(one.global_offset, one.local_shape)
+
+    def split() -> None:
+        for sh in group:
+            sh.data.view(_box(sh).shape).copy_(one.data[_box(sh).relative_to(bound).slices()])
+
+    return split
 
 
 def _shard(sh: Any, data: torch.Tensor) -> _Shard:
@@ -300,7 +387,8 @@ def _fill(sh: Any, region: Box, values: torch.Tensor) -> None:
 
 def _put(tree: dict[str, Any], key: str, shard: _Shard) -> None:
     if key in tree:
-        raise UnsupportedValueError(f"ckptfs.megatron: key {key!r} is held twice by this rank")
+        raise UnsupportedValueError(f"ckptfs.megatron: key {key!r} is both a tensor's and a "
+                                    f"common state's")
     tree[key] = shard
 
 

@@ -1,0 +1,122 @@
+"""Megatron's stacked layers through ckptfs.megatron's strategies, on spawned gloo ranks
+(``make interop-strategies``; not in ``make test``: it needs the Megatron venvs).
+
+With ``non_homogeneous_layers`` off (megatron-core 0.15's default), every layer of a pipeline
+stage is a shard of one key along a prepended axis (``ShardedTensor.from_rank_offsets(key,
+layer, (0, layer_index, layers), prepend_axis_num=1)``), so a stage of several layers holds
+several shards of one key. Two ranks of two layers each save; the checkpoint is loaded bit-exact
+with the same layout, by one rank holding all four layers, by two ranks holding all four layers
+split on a tensor-parallel axis (four shards each), and by two ranks holding one plain (not
+stacked) shard each; ckptfs reads it alone, and on 0.19 Megatron's own load strategy does too.
+Shards of one key on one rank that do not tile one box (layers 0 and 2) are refused naming the
+key.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import ShardedTensor
+
+import ckptfs
+import ckptfs.megatron
+
+NEW = not ckptfs.megatron._REGISTRY  # megatron-core >= 0.19
+KEY, LAYERS, SHAPE = "decoder.layers.mlp.weight", 4, (6, 8)
+
+
+def whole() -> torch.Tensor:
+    return torch.arange(LAYERS * 48, dtype=torch.float32).reshape(LAYERS, *SHAPE) / 7 + 0.25
+
+
+def layer(index: int, fill: bool, cols: tuple[int, int] = (0, 8)) -> torch.Tensor:
+    data = whole()[index, :, cols[0]:cols[1]].clone()
+    return data if fill else torch.full_like(data, -1.0)
+
+
+def stacked(layers: list[int], fill: bool, tp: tuple[int, int] = (0, 1)) -> dict:
+    """Megatron's stacked layers: one shard per layer, along the prepended axis 0; ``tp`` (rank,
+    size) splits each layer's axis 1 (axis 2 of the global tensor)."""
+    n = SHAPE[1] // tp[1]
+    return {f"layer{i}": ShardedTensor.from_rank_offsets(
+        KEY, layer(i, fill, (tp[0] * n, tp[0] * n + n)), (0, i, LAYERS), (2, *tp),
+        prepend_axis_num=1) for i in layers}
+
+
+def check(got: dict, want: dict) -> None:
+    for name, sh in want.items():
+        assert torch.equal(got[name], sh.data), (name, got[name])
+
+
+def save_phase(rank: int, root: str) -> None:
+    strategy = ckptfs.megatron.SaveStrategy() if NEW else ("ckptfs", 1)
+    if rank == 0:
+        os.makedirs(root)
+        os.makedirs(root + "-bad")
+    dist.barrier()
+    dc.save(stacked([2 * rank, 2 * rank + 1], True), root, sharded_strategy=strategy)
+    try:
+        dc.save(stacked([rank, rank + 2], True), root + "-bad", sharded_strategy=strategy)
+    except ckptfs.UnsupportedValueError as e:
+        assert KEY in str(e) and "do not tile one box" in str(e), e
+    else:
+        raise AssertionError("layers 0 and 2 on one rank were saved")
+
+
+def load(sd: dict, root: str) -> dict:
+    return dc.load(sd, root, sharded_strategy=ckptfs.megatron.LoadStrategy() if NEW else None)
+
+
+def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if phase == "save":
+            save_phase(rank, root)
+        elif phase == "same":  # two layers a rank, as saved
+            mine = [2 * rank, 2 * rank + 1]
+            check(load(stacked(mine, False), root), stacked(mine, True))
+            if NEW:  # Megatron's own load strategy reads it too
+                check(dc.load(stacked(mine, False), root), stacked(mine, True))
+        elif phase == "tp":  # every layer on each rank, its columns split in two
+            check(load(stacked(list(range(LAYERS)), False, (rank, world)), root),
+                  stacked(list(range(LAYERS)), True, (rank, world)))
+        elif phase == "plain":  # one plain shard a rank: all layers, half the rows
+            rows = slice(3 * rank, 3 * rank + 3)
+            want = whole()[:, rows].clone()
+            sd = {"w": ShardedTensor.from_rank_offsets(KEY, torch.zeros_like(want), (1, rank, 2))}
+            assert torch.equal(load(sd, root)["w"], want)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, root: str, phase: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(run, args=(world, port, root, phase), nprocs=world, start_method="spawn")
+
+
+def main() -> int:
+    root = os.path.join(tempfile.mkdtemp(prefix="ckptfs-megatron-"), "ckpt")
+    spawn(2, root, "save")
+    assert torch.equal(ckptfs.load_keys(root)[KEY], whole()), "ckptfs reads it alone"
+    spawn(2, root, "same")
+    spawn(1, root, "tp")  # one rank holding all four layers
+    spawn(2, root, "tp")
+    spawn(2, root, "plain")
+    print(f"ckptfs.megatron stacked layers with megatron-core "
+          f"{'>= 0.19' if NEW else '<= 0.18 (registry)'}: 2x2 layers saved; loads as saved, "
+          f"4 layers on 1 rank, 4 layers x TP=2, plain shards ok; a non-tiling stack refused")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
