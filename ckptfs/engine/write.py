@@ -113,14 +113,16 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     if store.streams_in_place:  # not a store that would copy the views (remote uploads)
         files, checked = checked_files(rw.files, (data for _, data in views))
     writing = submit(write_files(store, files, progress))
+    # each view's part checksummed as it is written (None: checksummed here)
+    parts = [checked.get(address(data)) if checked else None for _, data in views]
     try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
-        apart = [(c, data) for c, data in views if not checked or address(data) not in checked]
-        crcs = [(c, data, crc_of(data, yielding=True)) for c, data in apart]
+        crcs = [(c, data, crc_of(data, yielding=True))
+                for (c, data), part in zip(views, parts, strict=True) if part is None]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
     finally:
         writing.result()
-    crcs += [(c, data, _streamed_crc(part)) for c, data in views
-             if checked and (part := checked.get(address(data))) is not None]
+    crcs += [(c, data, _streamed_crc(part))
+             for (c, data), part in zip(views, parts, strict=True) if part is not None]
     sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
     sums.update(((c.key, c.box.offsets, c.box.shape), render(_streamed_crc(c.source)))
                 for c in staged.chunks if c.source is not None)
