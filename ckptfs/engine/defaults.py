@@ -36,11 +36,6 @@ class DefaultSavers:
                 saver = self._savers[writer] = new_saver(writer, LANES.get(writer, writer))
             return saver
 
-    def made(self, writer: str) -> BackgroundSaver | None:
-        """The default saver of ``writer``'s kind if it was made (None otherwise)."""
-        with self._lock:
-            return self._savers.get(writer)
-
     def wait_idle(self) -> None:
         """Wait until no default saver runs a save (their outcomes are not raised here)."""
         with self._lock:
