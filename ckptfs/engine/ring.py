@@ -196,6 +196,15 @@ class SideStreams:
         with self._lock:
             return list(self._streams.items())
 
+    def record(self) -> list[torch.cuda.Event]:
+        """A CUDA event recorded after the work queued so far, on each side stream."""
+        events = []
+        for _, stream in self.items():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events
+
 
 class CudaCopier:
     """Host-to-device copies on a dedicated CUDA stream per target device.
@@ -221,12 +230,7 @@ class CudaCopier:
 
     def fence(self) -> Completion:
         """Completes once every copy started so far completed."""
-        events = []
-        for _, stream in self.streams.items():
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
-        return CudaEvents(events)
+        return CudaEvents(self.streams.record())
 
     def finish(self) -> None:
         for device, stream in self.streams.items():

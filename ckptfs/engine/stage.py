@@ -546,12 +546,7 @@ class DeviceToHost:
 
     def record(self) -> list[torch.cuda.Event]:
         """A CUDA event recorded after the copies queued so far, on each side stream."""
-        events = []
-        for _, stream in self.streams.items():
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
-        return events
+        return self.streams.record()
 
     def wait(self) -> None:
         for _, stream in self.streams.items():
