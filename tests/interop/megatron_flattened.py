@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.core import CheckpointingException
+from ranks import cpu_only_cuda, spawn
 
 import ckptfs
 import ckptfs.megatron
@@ -99,11 +98,6 @@ def check(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[key], sh.data), (what, key, got[key], sh.data)
 
 
-def cpu_only_cuda() -> None:
-    """Megatron's own save synchronises CUDA (a CPU-only torch has none)."""
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *a, **k: None
-        torch.cuda.current_device = lambda: "cpu"
 
 
 def save_all(rank: int, world: int, root: str) -> None:
@@ -137,20 +131,10 @@ def load_all(rank: int, world: int, root: str) -> None:
     check(got, optimizer_state(rank, world, tp0, True), f"plain on world {world}")
 
 
-def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        (save_all if phase == "save" else load_all)(rank, world, root)
-    finally:
-        dist.destroy_process_group()
+def run(rank: int, world: int, root: str, phase: str) -> None:
+    (save_all if phase == "save" else load_all)(rank, world, root)
 
 
-def spawn(world: int, root: str, phase: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(run, args=(world, port, root, phase), nprocs=world, start_method="spawn")
 
 
 def main() -> int:
@@ -165,11 +149,11 @@ def main() -> int:
         print("megatron-core >= 0.19 refuses flattened_range itself: nothing to test")
         return 0
     root = os.path.join(tempfile.mkdtemp(prefix="ckptfs-megatron-flat-"), "ckpt")
-    spawn(2, root, "save")
+    spawn(run, 2, root, "save")
     got = ckptfs.load_keys(root + "-dp2")
     assert got["optimizer.state.exp_avg.w1"].shape == (1, 1, 24), "stored as Megatron's chunk grid"
     for world in (1, 3, 2):
-        spawn(world, root, "load")
+        spawn(run, world, root, "load")
     print("flattened_range: DP=2 and TP=2 saves; DP=1, DP=3, TP=2, plain-chunk loads and "
           "Megatron's own DP=2 save, bit-exact")
     return 0

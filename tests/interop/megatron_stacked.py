@@ -8,22 +8,22 @@ several shards of one key. Two ranks of two layers each save; the checkpoint is 
 with the same layout, by one rank holding all four layers, by two ranks holding all four layers
 split on a tensor-parallel axis (four shards each), and by two ranks holding one plain (not
 stacked) shard each; ckptfs reads it alone, and on 0.19 Megatron's own load strategy does too.
-Shards of one key on one rank that do not tile one box (layers 0 and 2) are refused naming the
-key.
+Shards of one key on one rank need not tile one box: ranks holding layers 0 and 2, and 1 and 3,
+save too (each layer its own chunk), and load as two consecutive layers a rank. Shards of one key
+on one rank of different dtypes are refused naming the key.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import ShardedTensor
+from ranks import spawn
 
 import ckptfs
 import ckptfs.megatron
@@ -59,62 +59,56 @@ def save_phase(rank: int, root: str) -> None:
     strategy = ckptfs.megatron.SaveStrategy() if NEW else ("ckptfs", 1)
     if rank == 0:
         os.makedirs(root)
+        os.makedirs(root + "-apart")
         os.makedirs(root + "-bad")
     dist.barrier()
     dc.save(stacked([2 * rank, 2 * rank + 1], True), root, sharded_strategy=strategy)
-    try:
-        dc.save(stacked([rank, rank + 2], True), root + "-bad", sharded_strategy=strategy)
+    dc.save(stacked([rank, rank + 2], True), root + "-apart", sharded_strategy=strategy)
+    mixed = stacked([2 * rank, 2 * rank + 1], True)
+    mixed[f"layer{2 * rank}"] = ShardedTensor.from_rank_offsets(
+        KEY, layer(2 * rank, True).double(), (0, 2 * rank, LAYERS), prepend_axis_num=1)
+    try:  # Megatron's save checks dtypes across ranks itself: the strategy alone
+        ckptfs.megatron.SaveStrategy().save(mixed, root + "-bad")
     except ckptfs.UnsupportedValueError as e:
-        assert KEY in str(e) and "do not tile one box" in str(e), e
+        assert KEY in str(e) and "dtypes" in str(e), e
     else:
-        raise AssertionError("layers 0 and 2 on one rank were saved")
+        raise AssertionError("float32 and float64 shards of one key on one rank were saved")
 
 
 def load(sd: dict, root: str) -> dict:
     return dc.load(sd, root, sharded_strategy=ckptfs.megatron.LoadStrategy() if NEW else None)
 
 
-def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        if phase == "save":
-            save_phase(rank, root)
-        elif phase == "same":  # two layers a rank, as saved
-            mine = [2 * rank, 2 * rank + 1]
-            check(load(stacked(mine, False), root), stacked(mine, True))
-            if NEW:  # Megatron's own load strategy reads it too
-                check(dc.load(stacked(mine, False), root), stacked(mine, True))
-        elif phase == "tp":  # every layer on each rank, its columns split in two
-            check(load(stacked(list(range(LAYERS)), False, (rank, world)), root),
-                  stacked(list(range(LAYERS)), True, (rank, world)))
-        elif phase == "plain":  # one plain shard a rank: all layers, half the rows
-            rows = slice(3 * rank, 3 * rank + 3)
-            want = whole()[:, rows].clone()
-            sd = {"w": ShardedTensor.from_rank_offsets(KEY, torch.zeros_like(want), (1, rank, 2))}
-            assert torch.equal(load(sd, root)["w"], want)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(world: int, root: str, phase: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(run, args=(world, port, root, phase), nprocs=world, start_method="spawn")
+def run(rank: int, world: int, root: str, phase: str) -> None:
+    if phase == "save":
+        save_phase(rank, root)
+    elif phase == "same":  # two layers a rank, as saved
+        mine = [2 * rank, 2 * rank + 1]
+        check(load(stacked(mine, False), root), stacked(mine, True))
+        check(load(stacked(mine, False), root + "-apart"), stacked(mine, True))
+        if NEW:  # Megatron's own load strategy reads it too
+            check(dc.load(stacked(mine, False), root), stacked(mine, True))
+    elif phase == "tp":  # every layer on each rank, its columns split in two
+        check(load(stacked(list(range(LAYERS)), False, (rank, world)), root),
+              stacked(list(range(LAYERS)), True, (rank, world)))
+    elif phase == "plain":  # one plain shard a rank: all layers, half the rows
+        rows = slice(3 * rank, 3 * rank + 3)
+        want = whole()[:, rows].clone()
+        sd = {"w": ShardedTensor.from_rank_offsets(KEY, torch.zeros_like(want), (1, rank, 2))}
+        assert torch.equal(load(sd, root)["w"], want)
 
 
 def main() -> int:
     root = os.path.join(tempfile.mkdtemp(prefix="ckptfs-megatron-"), "ckpt")
-    spawn(2, root, "save")
+    spawn(run, 2, root, "save")
     assert torch.equal(ckptfs.load_keys(root)[KEY], whole()), "ckptfs reads it alone"
-    spawn(2, root, "same")
-    spawn(1, root, "tp")  # one rank holding all four layers
-    spawn(2, root, "tp")
-    spawn(2, root, "plain")
+    spawn(run, 2, root, "same")
+    spawn(run, 1, root, "tp")  # one rank holding all four layers
+    spawn(run, 2, root, "tp")
+    spawn(run, 2, root, "plain")
     print(f"ckptfs.megatron stacked layers with megatron-core "
           f"{'>= 0.19' if NEW else '<= 0.18 (registry)'}: 2x2 layers saved; loads as saved, "
-          f"4 layers on 1 rank, 4 layers x TP=2, plain shards ok; a non-tiling stack refused")
+          f"4 layers on 1 rank, 4 layers x TP=2, plain shards ok; layers 0 and 2 on one rank ok; mixed dtypes refused")
     return 0
 
 

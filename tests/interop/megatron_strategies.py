@@ -9,24 +9,25 @@ a column-split one with an uneven split, a replicated bias and the common state.
 0.19 with ckptfs's load strategy and with Megatron's own; 0.15 with no strategy given (picked
 from metadata.json). An unknown backend or version is refused, naming it; ckptfs reads the
 checkpoint by itself; ckptfs's load strategy reads a checkpoint Megatron's own strategy wrote and
-one Megatron's ``FullyParallelSaveStrategyWrapper`` wrote around ckptfs's save strategy. The
-distributed optimizer's ``flattened_range``: tests/interop/megatron_flattened.py.
+one Megatron's ``FullyParallelSaveStrategyWrapper`` wrote around ckptfs's save strategy, and
+Megatron's ``FullyParallelLoadStrategyWrapper`` around it loads (its ``gather_object``
+exchange). The distributed optimizer's ``flattened_range``: tests/interop/megatron_flattened.py
+and megatron_flat_layers.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
+from ranks import cpu_only_cuda, spawn
 
 import ckptfs
 import ckptfs.megatron
@@ -69,45 +70,47 @@ def check(got: dict, rank: int, world: int) -> None:
     assert got["iteration"] == 12 and got["args"] == {"lr": 0.5, "name": "gpt"}, got
 
 
-def run(rank: int, world: int, port: int, root: str, phase: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        if phase == "save":
-            if rank == 0:
-                os.makedirs(root)
-            dist.barrier()
-            strategy = ckptfs.megatron.SaveStrategy() if NEW else ("ckptfs", 1)
-            dc.save(state(rank, world, True), root, sharded_strategy=strategy)
-            if rank == 0:
-                os.makedirs(root + "-own")
-            dist.barrier()
-            cpu_only_cuda()
-            dc.save(state(rank, world, True), root + "-own")  # Megatron's own torch_dist
-            if rank == 0:
-                os.makedirs(root + "-fp")
-            dist.barrier()
-            dc.save(state(rank, world, True), root + "-fp",
-                    sharded_strategy=fp.FullyParallelSaveStrategyWrapper(
-                        ckptfs.megatron.SaveStrategy(), None, False, *backend_of_wrapper()))
-        else:
-            if NEW:
-                check(dc.load(state(rank, world, False), root,
-                              sharded_strategy=ckptfs.megatron.LoadStrategy()), rank, world)
-                check(dc.load(state(rank, world, False), root), rank, world)  # Megatron's own
-            else:
-                check(dc.load(state(rank, world, False), root), rank, world)
-            own = dc.load(state(rank, world, False), root + "-own",
-                          sharded_strategy=ckptfs.megatron.LoadStrategy())
-            check(own, rank, world)  # a checkpoint Megatron wrote, read by ckptfs's strategy
-            # what Megatron's fully parallel save wrapper around ckptfs's wrote (its load
-            # wrapper exchanges tensors through CUDA: not on a CPU-only machine)
-            check(dc.load(state(rank, world, False), root + "-fp",
+def run(rank: int, world: int, root: str, phase: str) -> None:
+    if phase == "save":
+        if rank == 0:
+            os.makedirs(root)
+        dist.barrier()
+        strategy = ckptfs.megatron.SaveStrategy() if NEW else ("ckptfs", 1)
+        dc.save(state(rank, world, True), root, sharded_strategy=strategy)
+        if rank == 0:
+            os.makedirs(root + "-own")
+        dist.barrier()
+        cpu_only_cuda()
+        dc.save(state(rank, world, True), root + "-own")  # Megatron's own torch_dist
+        if rank == 0:
+            os.makedirs(root + "-fp")
+        dist.barrier()
+        dc.save(state(rank, world, True), root + "-fp",
+                sharded_strategy=fp.FullyParallelSaveStrategyWrapper(
+                    ckptfs.megatron.SaveStrategy(), None, False, *backend_of_wrapper()))
+    else:
+        if NEW:
+            check(dc.load(state(rank, world, False), root,
                           sharded_strategy=ckptfs.megatron.LoadStrategy()), rank, world)
-            meta = ckptfs.megatron.LoadStrategy().load_tensors_metadata(root)
-            assert meta["dense.weight"].global_shape == (8, 6), meta
-    finally:
-        dist.destroy_process_group()
+            check(dc.load(state(rank, world, False), root), rank, world)  # Megatron's own
+        else:
+            check(dc.load(state(rank, world, False), root), rank, world)
+        own = dc.load(state(rank, world, False), root + "-own",
+                      sharded_strategy=ckptfs.megatron.LoadStrategy())
+        check(own, rank, world)  # a checkpoint Megatron wrote, read by ckptfs's strategy
+        # what Megatron's fully parallel save wrapper around ckptfs's wrote
+        check(dc.load(state(rank, world, False), root + "-fp",
+                      sharded_strategy=ckptfs.megatron.LoadStrategy()), rank, world)
+        # Megatron's fully parallel load wrapper around ckptfs's: each rank loads part of the
+        # boxes and the ranks exchange them; "gather_object" is its exchange that stays on the
+        # tensors' device (its others allocate on "cuda"), and its torch.cuda.synchronize()
+        # calls are made no-ops on a CPU-only machine (cpu_only_cuda)
+        cpu_only_cuda()
+        wrapped = fp.FullyParallelLoadStrategyWrapper(ckptfs.megatron.LoadStrategy(), None, False,
+                                                      "gather_object")
+        check(dc.load(state(rank, world, False), root, sharded_strategy=wrapped), rank, world)
+        meta = ckptfs.megatron.LoadStrategy().load_tensors_metadata(root)
+        assert meta["dense.weight"].global_shape == (8, 6), meta
 
 
 def backend_of_wrapper() -> tuple:
@@ -116,24 +119,13 @@ def backend_of_wrapper() -> tuple:
     return ("torch_dist", 1) if NEW else ()
 
 
-def cpu_only_cuda() -> None:
-    """Megatron's own save synchronises CUDA and flags tensors on its device (a CPU-only torch
-    has none); ckptfs's strategies need neither."""
-    if not torch.cuda.is_available():
-        torch.cuda.synchronize = lambda *a, **k: None
-        torch.cuda.current_device = lambda: "cpu"
 
 
-def spawn(world: int, root: str, phase: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(run, args=(world, port, root, phase), nprocs=world, start_method="spawn")
 
 
 def main() -> int:
     root = os.path.join(tempfile.mkdtemp(prefix="ckptfs-megatron-"), "ckpt")
-    spawn(2, root, "save")
+    spawn(run, 2, root, "save")
     with open(os.path.join(root, "metadata.json")) as f:
         config = json.load(f)
     assert config["sharded_backend"] == ("torch_dist" if NEW else "ckptfs"), config
@@ -147,9 +139,9 @@ def main() -> int:
     got = ckptfs.load_keys(root)
     assert torch.equal(got["dense.weight"], whole("dense.weight")), "ckptfs reads it alone"
     for world in (1, 3):
-        spawn(world, root, "load")
+        spawn(run, world, root, "load")
     print(f"ckptfs.megatron strategies with megatron-core "
-          f"{'>= 0.19' if NEW else '<= 0.18 (registry)'}: TP=2 save, TP=1 and 3-rank loads ok")
+          f"{'>= 0.19' if NEW else '<= 0.18 (registry)'}: TP=2 save, TP=1 and 3-rank loads ok (also through the fully parallel wrappers)")
     return 0
 
 
