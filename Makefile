@@ -143,7 +143,8 @@ interop: megatron-venvs
 
 # ckptfs.megatron's strategies under megatron-core 0.19.2 and 0.15.3 (tests/interop/megatron_strategies.py;
 # the distributed optimizer's flattened_range: tests/interop/megatron_flattened.py; stacked layers:
-# tests/interop/megatron_stacked.py)
+# tests/interop/megatron_stacked.py; the optimizer's flat slices of stacked layers, 0.15 only:
+# tests/interop/megatron_flat_layers.py)
 interop-strategies: megatron-venvs
 	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_strategies.py
 	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_strategies.py
@@ -151,6 +152,7 @@ interop-strategies: megatron-venvs
 	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_flattened.py
 	PYTHONPATH=$(abspath .) $(MEGATRON_VENV)/bin/python tests/interop/megatron_stacked.py
 	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_stacked.py
+	PYTHONPATH=$(abspath .) $(MEGATRON015_VENV)/bin/python tests/interop/megatron_flat_layers.py
 
 # Megatron's dist_checkpointing with ckptfs's strategies against its torch_dist (bench/megatron_strategies.py)
 bench-megatron: $(MEGATRON_VENV)/.installed
