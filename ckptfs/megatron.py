@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ckptfs.dcp import StorageReader, StorageWriter
+from ckptfs.dist import Comm
 from ckptfs.errors import CkptfsError, ConfigError, MissingKeysError, UnsupportedValueError, UsageError
 from ckptfs.layout.backends.torch_dist_keys import expand_value
 from ckptfs.layout.keys import decode_key, encode_key
@@ -70,6 +71,7 @@ _COMMON = "common_state"
 _REGISTRY = register_default_strategy is not None
 #: the metadata.json backends whose checkpoints ckptfs reads
 _READS = (BACKEND, "torch_dist", "zarr")
+T = TypeVar("T")
 
 
 class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
@@ -96,24 +98,10 @@ class SaveStrategy(_mt.TorchDistSaveShardedStrategy):
         return not _REGISTRY
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: Any) -> None:
-        url = os.fspath(checkpoint_dir)
-        common: dict[str, Any] = {}
-        parts: dict[str, list[Part]] = {}
-        for sh in nested_values(sharded_state_dict):
-            if isinstance(sh, ShardedObject) and sh.key == _COMMON and not _REGISTRY:
-                common.update(sh.data)
-            elif isinstance(sh, ShardedTensor):
-                if is_main_replica(sh.replica_id) and not empty_range(sh):
-                    parts.setdefault(sh.key, []).append(saved_part(sh, sh.data.detach()))
-            else:
-                raise UnsupportedValueError(
-                    f"ckptfs.megatron: {_what(sh)} is not supported (ckptfs stores no pickled "
-                    f"objects); keep it in the common state as plain values")
-        state: dict[str, Any] = {key: Parts(ps) for key, ps in parts.items()}
-        for key, value in common.items():
-            _put(state, key, _plain(key, value))
+        state = _settled("ckptfs.megatron: mapping the state to save",
+                         lambda: _save_state(sharded_state_dict))
         native = not _REGISTRY and self.ckptfs_backend == "torch_dist"
-        writer = StorageWriter(url, backend=self.ckptfs_backend,
+        writer = StorageWriter(os.fspath(checkpoint_dir), backend=self.ckptfs_backend,
                                backend_options={"megatron": "common_state"} if native else None,
                                storage_options=self.storage_options or None)
         with _ckptfs_errors():
@@ -139,20 +127,8 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
     def load(self, sharded_state_dict: dict, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> dict:
         url = os.fspath(checkpoint_dir)
         options = self.storage_options or None
-        for sh in nested_values(sharded_state_dict):
-            if not isinstance(sh, ShardedTensor):
-                raise UnsupportedValueError(f"ckptfs.megatron: loading {_what(sh)} is not supported")
-        tensors = [sh for sh in nested_values(sharded_state_dict)
-                   if isinstance(sh, ShardedTensor) and not empty_range(sh)]
-        stored = {k: shape for k, (shape, _) in _stored(url, options).items()}
-        missing = sorted({sh.key for sh in tensors} - stored.keys())
-        if missing:
-            raise MissingKeysError(url, missing)
-        parts: dict[str, list[Part]] = {}
-        for sh in tensors:
-            if sh.data is None:
-                sh.init_data("cpu")
-            parts.setdefault(sh.key, []).append(load_part(sh, stored[sh.key], url))
+        parts = _settled("ckptfs.megatron: mapping the state to load",
+                         lambda: _load_parts(sharded_state_dict, url, options))
         reader = StorageReader(url, storage_options=options)
         with _ckptfs_errors():
             dcp.load({key: Parts(ps) for key, ps in parts.items()}, storage_reader=reader,
@@ -186,6 +162,69 @@ class LoadStrategy(_mt.TorchDistLoadShardedStrategy):
                               f"{loaded_version!r}; this strategy knows version {VERSION}")
 
 
+def _save_state(sharded_state_dict: dict) -> dict[str, Any]:
+    """What this rank hands ``dcp.save``: each key's boxes of the main replica (``Parts``) and, on
+    0.19 from the common state's main replica, its entries as plain values."""
+    common: dict[str, Any] = {}
+    main_common = False
+    parts: dict[str, list[Part]] = {}
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedObject) and sh.key == _COMMON and not _REGISTRY:
+            common.update(sh.data)
+            main_common = is_main_replica(sh.replica_id)
+        elif isinstance(sh, ShardedTensor):
+            if is_main_replica(sh.replica_id) and not empty_range(sh):
+                parts.setdefault(sh.key, []).append(saved_part(sh, sh.data.detach()))
+        else:
+            raise UnsupportedValueError(
+                f"ckptfs.megatron: {_what(sh)} is not supported (ckptfs stores no pickled "
+                f"objects); keep it in the common state as plain values")
+    state: dict[str, Any] = {key: Parts(ps) for key, ps in parts.items()}
+    values = {key: _plain(key, value) for key, value in common.items()}
+    for key in values.keys() & {sh.key for sh in nested_values(sharded_state_dict)
+                                if isinstance(sh, ShardedTensor)}:
+        raise UnsupportedValueError(f"ckptfs.megatron: key {key!r} is both a tensor's and a "
+                                    f"common state's")
+    if main_common:  # Megatron gives every rank the common state, rank 0 the main replica
+        state.update(values)
+    return state
+
+
+def _load_parts(sharded_state_dict: dict, url: str,
+                options: Mapping[str, Any] | None) -> dict[str, list[Part]]:
+    """What this rank reads for each key: its ``ShardedTensor``s' boxes as the checkpoint
+    stores the key (``load_part``). A key the checkpoint lacks is refused, naming it."""
+    for sh in nested_values(sharded_state_dict):
+        if not isinstance(sh, ShardedTensor):
+            raise UnsupportedValueError(f"ckptfs.megatron: loading {_what(sh)} is not supported")
+    tensors = [sh for sh in nested_values(sharded_state_dict) if not empty_range(sh)]
+    stored = {k: shape for k, (shape, _) in _stored(url, options).items()}
+    missing = sorted({sh.key for sh in tensors} - stored.keys())
+    if missing:
+        raise MissingKeysError(url, missing)
+    parts: dict[str, list[Part]] = {}
+    for sh in tensors:
+        if sh.data is None:
+            sh.init_data("cpu")
+        parts.setdefault(sh.key, []).append(load_part(sh, stored[sh.key], url))
+    return parts
+
+
+def _settled(what: str, make: Callable[[], T]) -> T:
+    """``make()`` on every rank, then one small collective: if it failed on any rank, every rank
+    raises (its own error, or a ``RankError`` naming the failed ranks) before DCP's collectives,
+    which would wait for the failed rank."""
+    err: BaseException | None = None
+    out: T | None = None
+    try:
+        out = make()
+    except Exception as e:
+        err = e
+    Comm().settle(what, err)
+    assert out is not None  # settle raised on every rank if any failed
+    return out
+
+
 def _stored(url: str, options: Mapping[str, Any] | None) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every ShardedTensor key's stored shape and dtype name (from the index)."""
     out = {}
@@ -194,13 +233,6 @@ def _stored(url: str, options: Mapping[str, Any] | None) -> dict[str, tuple[tupl
         if len(path) == 1 and isinstance(path[0], str):  # not a nested value's tensor
             out[path[0]] = (tuple(entry.shape), entry.dtype)
     return out
-
-
-def _put(state: dict[str, Any], key: str, value: Any) -> None:
-    if key in state:
-        raise UnsupportedValueError(f"ckptfs.megatron: key {key!r} is both a tensor's and a "
-                                    f"common state's")
-    state[key] = value
 
 
 def _plain(key: str, value: Any) -> Any:

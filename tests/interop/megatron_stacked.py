@@ -10,7 +10,8 @@ split on a tensor-parallel axis (four shards each), and by two ranks holding one
 stacked) shard each; ckptfs reads it alone, and on 0.19 Megatron's own load strategy does too.
 Shards of one key on one rank need not tile one box: ranks holding layers 0 and 2, and 1 and 3,
 save too (each layer its own chunk), and load as two consecutive layers a rank. Shards of one key
-on one rank of different dtypes are refused naming the key.
+on one rank of different dtypes are refused naming the key, on that rank; the other rank raises
+too instead of waiting, and nothing is written.
 """
 
 from __future__ import annotations
@@ -65,14 +66,18 @@ def save_phase(rank: int, root: str) -> None:
     dc.save(stacked([2 * rank, 2 * rank + 1], True), root, sharded_strategy=strategy)
     dc.save(stacked([rank, rank + 2], True), root + "-apart", sharded_strategy=strategy)
     mixed = stacked([2 * rank, 2 * rank + 1], True)
-    mixed[f"layer{2 * rank}"] = ShardedTensor.from_rank_offsets(
-        KEY, layer(2 * rank, True).double(), (0, 2 * rank, LAYERS), prepend_axis_num=1)
+    if rank == 0:  # one rank only: the other must not wait in DCP's collectives
+        mixed["layer0"] = ShardedTensor.from_rank_offsets(
+            KEY, layer(0, True).double(), (0, 0, LAYERS), prepend_axis_num=1)
     try:  # Megatron's save checks dtypes across ranks itself: the strategy alone
         ckptfs.megatron.SaveStrategy().save(mixed, root + "-bad")
     except ckptfs.UnsupportedValueError as e:
-        assert KEY in str(e) and "dtypes" in str(e), e
+        assert rank == 0 and KEY in str(e) and "dtypes" in str(e), e
+    except ckptfs.RankError as e:
+        assert rank == 1 and "mapping the state to save" in str(e), e
     else:
         raise AssertionError("float32 and float64 shards of one key on one rank were saved")
+    assert not os.listdir(root + "-bad"), "a refused save wrote files"
 
 
 def load(sd: dict, root: str) -> dict:
@@ -108,7 +113,8 @@ def main() -> int:
     spawn(run, 2, root, "plain")
     print(f"ckptfs.megatron stacked layers with megatron-core "
           f"{'>= 0.19' if NEW else '<= 0.18 (registry)'}: 2x2 layers saved; loads as saved, "
-          f"4 layers on 1 rank, 4 layers x TP=2, plain shards ok; layers 0 and 2 on one rank ok; mixed dtypes refused")
+          f"4 layers on 1 rank, 4 layers x TP=2, plain shards ok; layers 0 and 2 on one rank ok; "
+          f"mixed dtypes refused")
     return 0
 
 
