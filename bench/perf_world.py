@@ -103,7 +103,8 @@ class World:
         with open(self.cfg["out"], "a") as f:
             f.write(json.dumps(rec) + "\n")
         t = f"{rec['seconds']:.3f} s" if "seconds" in rec else ""
-        lib = rec.get("lib", "") + (" [own files]" if rec["kind"] == "floor-beside" else "")
+        lib = rec.get("lib", "") + {"floor-beside": " [own files]", "save-nofsync": " [no fsync]",
+                                    "floor-fsync": " [fsync floor]"}.get(rec["kind"], "")
         print(f"    {rec['case']:<22} {lib:<30} {t}"
               f"{'  peak +%.0f MiB' % (rec['peak_rss'] / 2**20) if 'peak_rss' in rec else ''}"
               f"{'  NOT BIT-EXACT' if rec.get('bad') else ''}", flush=True)
