@@ -156,6 +156,43 @@ def write_like(dirs: list[str], files: list[tuple[str, int]], folder: str, data:
     dealt(write, files, threads)
 
 
+def write_same(dirs: list[str], files: list[tuple[str, int]], folder: str,
+               sources: list[torch.Tensor], threads: int = FILE_THREADS) -> None:
+    """The fsync floor of a save: ``dirs`` and ``files`` (``layout_of`` the save's checkpoint)
+    created anew under the new ``folder``, each file written with plain ``os.write`` calls of
+    consecutive bytes of ``sources`` (the rank's local tensors, repeated where the files hold
+    more: the bytes the save writes) and fsynced once, the files dealt over ``threads``
+    threads. What writing those files durably costs on this disk before any library work."""
+    os.makedirs(folder, exist_ok=True)  # every rank of a world makes every directory
+    for d in dirs:
+        os.makedirs(os.path.join(folder, d), exist_ok=True)
+    stream = [_bytes_of(t) for t in sources if t.numel()]
+    total = sum(v.nbytes for v in stream)
+    items, pos = [], 0
+    for rel, n in files:
+        items.append((rel, n, pos))
+        pos = (pos + n) % total if total else 0
+
+    def write(rel: str, n: int, start: int) -> None:
+        _write_new(os.path.join(folder, rel), _cycled(stream, start, n), os.O_EXCL)
+
+    dealt(write, items, threads)
+
+
+def _cycled(views: list[memoryview], start: int, n: int) -> Iterable[memoryview]:
+    """``n`` bytes of the concatenation of ``views`` (repeated as often as needed) from byte
+    ``start`` of it, as consecutive slices of the views."""
+    i = 0
+    while views and start >= views[i].nbytes:
+        start -= views[i].nbytes
+        i += 1
+    while n > 0:
+        take = min(n, views[i].nbytes - start)
+        yield views[i][start : start + take]
+        n -= take
+        start, i = 0, (i + 1) % len(views)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 

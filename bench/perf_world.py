@@ -14,7 +14,9 @@ Worlds: 2 saves (W1, W5; again without dropping the page cache, W7) and loads 2-
 bytes); 1 saves and loads 1->1 (W1, W5, W6, W7), loads 2->1 (W2) and the 20,000 small tensors
 (W4); 3 loads 2->3 (W2). Worlds 1 and 2 also save and load the mid-size-tensor state (W8), with
 the page cache dropped and warm. Beside every ckptfs save that starts from a dropped page cache
-(W1, W8), the same save without fsync is timed (kind ``save-nofsync``).
+(W1, W8), the same save without fsync is timed (kind ``save-nofsync``), and so are the same
+files written anew with plain ``os.write`` calls and one ``fsync`` per file (kind
+``floor-fsync``, ``floors.write_same``): what the durable save costs at least on this disk.
 Beside every cold W1/W2/W4 load, the checkpoint's own files are read whole with plain calls, and
 right after every W4 save its files are created anew with plain calls (``bench.floors``): the
 ``of own files`` column of ``bench.perf``.
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from bench import floors
 from bench.libs import Checkpointer, Ckptfs, Dcp
 from bench.synthetic import make_plain, make_state, mid_specs, same_bits, small_specs, state_specs
-from bench.worker import ckpt_path, drop_caches
+from bench.worker import ckpt_path, drop_caches, meminfo, settle
 from ckptfs.testing.ranks import run_ranks
 
 SOURCE = 2  #: resharded and partial loads read the checkpoints this world size saved
@@ -101,7 +103,8 @@ class World:
         with open(self.cfg["out"], "a") as f:
             f.write(json.dumps(rec) + "\n")
         t = f"{rec['seconds']:.3f} s" if "seconds" in rec else ""
-        lib = rec.get("lib", "") + (" [own files]" if rec["kind"] == "floor-beside" else "")
+        lib = rec.get("lib", "") + {"floor-beside": " [own files]", "save-nofsync": " [no fsync]",
+                                    "floor-fsync": " [fsync floor]"}.get(rec["kind"], "")
         print(f"    {rec['case']:<22} {lib:<30} {t}"
               f"{'  peak +%.0f MiB' % (rec['peak_rss'] / 2**20) if 'peak_rss' in rec else ''}"
               f"{'  NOT BIT-EXACT' if rec.get('bad') else ''}", flush=True)
@@ -113,31 +116,51 @@ class World:
         dist.barrier()
         return time.perf_counter() - t0, result
 
+    def settle(self, drop: bool) -> float:
+        """Before a timed save (every rank calls it): rank 0 drops the page cache (``drop``:
+        every such save starts from the same page cache, docs/performance.md) or keeps it,
+        then waits until the host's dirty and under-write-back pages are written
+        (``bench.worker.settle``): no save pays for an earlier case's write-back. Returns the
+        seconds rank 0 waited."""
+        waited = 0.0
+        if self.rank == 0:
+            if drop:
+                drop_caches()
+            waited = settle()
+        dist.barrier()
+        return waited
+
     def save(self, case: str, ck: Checkpointer, state: dict, path: str, nbytes: int, *,
              drop: bool | None = None, no_fsync: bool = False) -> None:
         """One timed save. ``drop`` (default: the run's ``drop``): the page cache is dropped
-        first; False: it keeps what the earlier cases left (a warm save), the file system
-        synced first (the removal of the previous checkpoint and the earlier cases' dirty pages
-        are not charged to this save). ``no_fsync`` (a
-        ckptfs library): the same save with ``fsync=False`` is timed beside it (alternately
-        before and after it, from the same page-cache state), kind ``save-nofsync``."""
+        first; False: it keeps what the earlier cases left (a warm save); either way the
+        host's dirty pages are written first (``settle``: the removal of the previous
+        checkpoint and the earlier cases' writes are not charged to this save). ``no_fsync``
+        (a ckptfs library): the same save with ``fsync=False`` (kind ``save-nofsync``) and its
+        fsync floor (``fsync_floor``) are timed beside it, alternately before and after it,
+        from the same page-cache state."""
         drop = self.cfg["drop"] if drop is None else drop
         plain = ck.without_fsync() if no_fsync and isinstance(ck, Ckptfs) else None
+        # the fsync floor beside it: before the save where an earlier one left its files
+        layout = floors.layout_of(path) if plain is not None and os.path.isdir(path) else None
+        dist.barrier()  # every rank looked before rank 0 removes anything
         if plain is not None and self.rep % 2:
             self.save_nofsync(case, ck.name, plain, state, path + "-nofsync", nbytes, drop)
+            if layout is not None:
+                self.fsync_floor(case, ck.name, layout, state, path + "-floor", nbytes, drop)
         if self.rank == 0:
             ck.remove(path)
-            if drop:  # every save starts from the same page cache (docs/performance.md)
-                drop_caches()
-            else:  # a warm save keeps the page cache but pays for no earlier case's write-back
-                os.sync()
-        dist.barrier()
+        waited = self.settle(drop)
         base = reset_peak()
         secs, _ = self.timed(lambda: ck.save(state, path))
         self.emit(case=case, lib=ck.name, kind="save", seconds=secs, bytes=nbytes,
-                  peak_rss=_status("VmHWM") - base, local_bytes=_local_bytes(state))
-        if plain is not None and not self.rep % 2:
-            self.save_nofsync(case, ck.name, plain, state, path + "-nofsync", nbytes, drop)
+                  peak_rss=_status("VmHWM") - base, local_bytes=_local_bytes(state),
+                  settle_seconds=waited, mem_free=meminfo().get("MemFree", -1))
+        if plain is not None and (not self.rep % 2 or layout is None):
+            if not self.rep % 2:
+                self.save_nofsync(case, ck.name, plain, state, path + "-nofsync", nbytes, drop)
+            self.fsync_floor(case, ck.name, floors.layout_of(path), state, path + "-floor",
+                             nbytes, drop)
         if many_files(case):
             self.write_floor(case, ck, path)
 
@@ -147,14 +170,31 @@ class World:
         ``lib`` as kind ``save-nofsync``; its checkpoint is removed after."""
         if self.rank == 0:
             plain.remove(path)
-            if drop:
-                drop_caches()
-        dist.barrier()
+        self.settle(drop)
         secs, _ = self.timed(lambda: plain.save(state, path))
         self.emit(case=case, lib=lib, kind="save-nofsync", seconds=secs, bytes=nbytes)
         dist.barrier()
         if self.rank == 0:
             plain.remove(path)
+
+    def fsync_floor(self, case: str, lib: str, layout: tuple[list[str], list[tuple[str, int]]],
+                    state: dict, folder: str, nbytes: int, drop: bool) -> None:
+        """The physical floor of a durable save, beside it: the directories and files of
+        ``layout`` (the save's checkpoint) created anew with plain ``os.write`` calls of the
+        ranks' own local bytes and one ``fsync`` per file (``floors.write_same``), files dealt
+        over the ranks, from the same page-cache state as the save; recorded under ``lib`` as
+        kind ``floor-fsync``."""
+        dirs, files = layout
+        local = [_local(t) for t in state.values()]
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.settle(drop)
+        secs, _ = self.timed(lambda: floors.write_same(dirs, files[self.rank :: self.world],
+                                                       folder, local))
+        self.emit(case=case, lib=lib, kind="floor-fsync", seconds=secs, bytes=nbytes)
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def load(self, case: str, kind: str, ck: Checkpointer, target: dict, expected: dict, path: str,
              nbytes: int) -> None:
@@ -257,7 +297,7 @@ class World:
         if saves:
             for ck in self.libs:
                 self.save(f"W1 save {w}", ck, expected, ckpt_path(root, ck, w), total, no_fsync=True)
-            for ck in self.libs[::-1]:  # the same save again, the page cache as it is
+            for ck in abba(self.libs):  # the same save again, the page cache as it is
                 self.save(f"W7 warm save {w}", ck, expected, ckpt_path(root, ck, w), total, drop=False)
         for ck in self.libs:
             if saves:
@@ -298,7 +338,7 @@ class World:
         for ck in self.libs:
             path = ckpt_path(root, ck, w) + "-mid"
             self.save(f"W8 mid save {w}", ck, expected, path, total, no_fsync=True)
-        for ck in self.libs[::-1]:
+        for ck in abba(self.libs):
             path = ckpt_path(root, ck, w) + "-mid"
             self.save(f"W8 mid warm save {w}", ck, expected, path, total, drop=False)
         for ck in self.libs:
@@ -307,6 +347,15 @@ class World:
             self.load(f"W8 mid warm load {w}->{w}", "warm", ck, target, expected, path, total)
             if self.rank == 0:
                 ck.remove(path)
+
+
+def abba(libs: list[Checkpointer]) -> list[Checkpointer]:
+    """The order of the warm saves: the libraries reversed, then as given (A B C -> C B A A B
+    C), each twice, so every library's mean place in the sequence is the same. A warm save's
+    time depends on its place: on a 2-vCPU cloud VM, in sequences of warm 0.47 GB saves by
+    five libraries, each library took 0.2-0.3 s where it came first and 0.8-1.3 s where it
+    came last."""
+    return [*libs[::-1], *libs]
 
 
 def many_files(case: str) -> bool:

@@ -14,6 +14,12 @@ write, ``fsync``, and ``finish``. Per phase: the seconds the phase's calls cover
 their intervals, so threads running at once count once) and the calls, median over ``--reps``,
 per rank. Results go to ``bench/results/save_phases.json`` under ``--label`` (a run with another
 label keeps the earlier ones: the before and after of a change side by side).
+
+Beside them, the save's physical floor (``fsync floor``): the files of ckptfs's last checkpoint
+in that world (paths and sizes) written anew with plain ``os.write`` calls of each rank's own
+local bytes and one ``fsync`` per file (``bench.floors.write_same``), timed the same way; the
+report prints ckptfs's time over it. Before every timed save the host's dirty pages are
+written first (``bench.worker.settle``).
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench import floors
 from bench.synthetic import make_state, mid_specs
-from bench.worker import drop_caches
+from bench.worker import drop_caches, settle
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "save_phases.json"
-LIBS = ("ckptfs", "ckptfs fsync=False", "DCP")
+LIBS = ("ckptfs", "ckptfs fsync=False", "DCP", FLOOR := "fsync floor")
 
 
 class Trace:
@@ -205,8 +212,27 @@ def store_options(lib: str) -> Any:
                                   for k, v in fields.items()})
 
 
-def do_save(lib: str, state: dict, path: str, backend: str) -> None:
-    if lib.startswith("ckptfs"):
+def floor_points() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, phase) timed in the fsync floor's writes."""
+    return [(floors, "_write_new", "io: one file, open to close")]
+
+
+def floor_save(state: dict, path: str, layout: tuple[list[str], list[tuple[str, int]]]) -> None:
+    """The fsync floor: the files of ``layout`` (ckptfs's checkpoint of this world) written
+    anew with plain ``os.write`` calls of this rank's local bytes and one ``fsync`` per file,
+    the files dealt over the ranks (``floors.write_same``)."""
+    dirs, files = layout
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in state.values()]
+    floors.write_same(dirs, files[rank::world], path, local)
+
+
+def do_save(lib: str, state: dict, path: str, backend: str,
+            layout: tuple[list[str], list[tuple[str, int]]] | None = None) -> None:
+    if lib == FLOOR:
+        assert layout is not None
+        floor_save(state, path, layout)
+    elif lib.startswith("ckptfs"):
         import ckptfs
 
         ckptfs.save(state, path, backend=backend, store_options=store_options(lib))
@@ -217,6 +243,8 @@ def do_save(lib: str, state: dict, path: str, backend: str) -> None:
 
 
 def _os_modules(lib: str) -> list[Any]:
+    if lib == FLOOR:
+        return [floors]
     if lib.startswith("ckptfs"):
         import ckptfs.io.local_store as local
 
@@ -224,6 +252,10 @@ def _os_modules(lib: str) -> list[Any]:
     import torch.distributed.checkpoint.filesystem as fs
 
     return [fs]
+
+
+def lib_path(root: str, world: int, lib: str) -> str:
+    return os.path.join(root, f"w{world}-{lib.replace(' ', '_').replace('=', '')}")
 
 
 def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
@@ -234,26 +266,34 @@ def rank_main(rank: int, world: int, cfg: dict[str, Any]) -> None:
     small = make_state(mid_specs(0.0)[:1], rank, world, zeros=False)
     libs = cfg["libs"]
     for lib in libs:  # imports and first-call set-up, untimed
-        path = os.path.join(root, f"warm-{world}-{lib.replace(' ', '_')}")
-        do_save(lib, small, path, cfg["backend"])
+        if lib != FLOOR:
+            path = os.path.join(root, f"warm-{world}-{lib.replace(' ', '_')}")
+            do_save(lib, small, path, cfg["backend"])
         dist.barrier()
     for rep in range(-cfg["warmup"], cfg["reps"]):
         for drop in cfg["drops"]:
             order = libs if rep % 2 == 0 else libs[::-1]
             for lib in order:
-                path = os.path.join(root, f"w{world}-{lib.replace(' ', '_').replace('=', '')}")
+                path = lib_path(root, world, lib)
+                layout = None
+                if lib == FLOOR:  # the files ckptfs wrote last in this world, if it has yet
+                    source = lib_path(root, world, "ckptfs")
+                    layout = floors.layout_of(source) if os.path.isdir(source) else None
+                dist.barrier()  # every rank looked before anything is removed
+                if lib == FLOOR and layout is None:
+                    continue
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
                     if drop:
                         drop_caches()
-                    else:  # warm: the page cache kept, no earlier save's write-back charged
-                        os.sync()
+                    settle()  # the page cache kept or not, no earlier write-back charged
                 dist.barrier()
                 trace = Trace()
-                points = ckptfs_points() if lib.startswith("ckptfs") else dcp_points()
+                points = {FLOOR: floor_points}.get(
+                    lib, ckptfs_points if lib.startswith("ckptfs") else dcp_points)()
                 with traced(points, _os_modules(lib), trace):
                     t0 = time.perf_counter()
-                    do_save(lib, state, path, cfg["backend"])
+                    do_save(lib, state, path, cfg["backend"], layout)
                     t1 = time.perf_counter()
                     dist.barrier()
                     t2 = time.perf_counter()
@@ -314,7 +354,20 @@ def render(rows: list[dict[str, Any]], label: str) -> str:
                 p = r.get(n)
                 cells.append(f"{p['seconds']:7.3f} s x{p['calls']:<4}" if p else f"{'-':>15}")
             lines.append(f"  {n:<42} " + " | ".join(cells))
-    return "\n".join(lines)
+    return "\n".join(lines + floor_lines(rows))
+
+
+def floor_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each library's median time over the fsync floor's, per world size and page cache."""
+    by = {(r["world"], r["page_cache"], r["lib"]): r["seconds"] for r in rows}
+    out = []
+    for (world, cache, lib), secs in by.items():
+        floor = by.get((world, cache, FLOOR))
+        if floor and lib != FLOOR:
+            out.append(f"  {world} rank(s), page cache {cache}: {lib} / fsync floor = "
+                       f"{secs:.3f} / {floor:.3f} s = {secs / floor:.2f}x")
+    return ["", "time over the fsync floor (the same files, plain os.write + one fsync per file):",
+            *out] if out else []
 
 
 def main(argv: list[str] | None = None) -> int:

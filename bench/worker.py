@@ -47,6 +47,30 @@ def drop_caches() -> bool:
         return False
 
 
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes ({} where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in f)}
+    except OSError:
+        return {}
+
+
+def settle(below: int = 32 << 20, limit: float = 10.0) -> float:
+    """Sync, then wait until the kernel's dirty and under-write-back page cache (Dirty +
+    Writeback, /proc/meminfo, the whole host's) is below ``below`` bytes, at most ``limit``
+    seconds: the save timed next pays for no earlier write (another process's included).
+    Returns the seconds waited."""
+    t0 = time.perf_counter()
+    os.sync()
+    while time.perf_counter() - t0 < limit:
+        m = meminfo()
+        if m.get("Dirty", 0) + m.get("Writeback", 0) < below:
+            break
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
 def ckpt_path(root: str, ck: Checkpointer, world: int) -> str:
     safe = ck.name.replace("[", "_").replace("]", "").replace("/", "_")
     return os.path.join(root, f"{safe}-w{world}")

@@ -1,5 +1,6 @@
 """Chunk bytes checksummed while they are written (engine/checked_parts.py): on a local store
-each large chunk's crc32c is computed in the writer thread, slice by slice, and the index holds
+each large chunk's crc32c is computed slice by slice, a bounded number of slices ahead of the
+writer thread's write of them (never by the saving thread), and the index holds
 the same chunk and file checksums as bytes read back give; small chunks, encoded chunks and
 stores that do not take streamed parts keep the checksum computed apart."""
 
@@ -34,6 +35,26 @@ def test_a_checked_part_yields_its_bytes_in_slices_and_their_crc():
     next(stream)
     assert part.crc is None
     stream.close()
+
+
+def test_the_checksum_runs_a_bounded_number_of_slices_ahead_and_ends_with_the_stream():
+    """While the writer holds a slice the checksum thread has summed at most ``AHEAD`` of them;
+    a writer that stops early ends that thread before the stream is closed, and no crc."""
+    from ckptfs.engine import checked_parts
+
+    data = memoryview(bytes(range(256)) * 64)
+    part = CheckedPart(data, slice_bytes=1024)
+    stream = part.stream()
+    next(stream)
+    threads = [t for t in threading.enumerate() if t.name == "ckptfsChunkCrc"]
+    assert len(threads) == 1
+    threads[0].join(0.2)  # the most it can do without the writer going on
+    ahead = stream.gi_frame.f_locals["ahead"]
+    assert len(ahead.crcs) <= checked_parts.AHEAD
+    stream.close()
+    assert not threads[0].is_alive() and part.crc is None
+    assert b"".join(bytes(v) for v in part.stream()) == bytes(data)
+    assert part.crc == google_crc32c.value(bytes(data))
 
 
 def test_only_parts_that_are_large_chunks_are_wrapped():

@@ -178,6 +178,29 @@ def test_combine_is_the_crc_of_the_concatenation():
         google_crc32c.value(b"head" + big + b"tail")
 
 
+@pytest.mark.parametrize("library", ["crc32c", "libcrc32c"])
+def test_both_crc32c_libraries_give_google_crc32c_values(monkeypatch, library):
+    """The crc32c package (where its hardware path is there: the x86-64 and ARM wheels) and
+    google-crc32c's libcrc32c give the same CRCs, GIL held or not, on both sides of the
+    sizes where the path changes, for any dtype and shape of contiguous array."""
+    import numpy as np
+
+    assert ck._fast is not None, "the crc32c package's hardware path is missing"
+    if library == "libcrc32c":
+        monkeypatch.setattr(ck, "_fast", None)
+        monkeypatch.setattr(ck, "_extend_nogil", ck._gil_free_extend())
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 13, ck.NOGIL_MIN - 1, ck.NOGIL_MIN, ck.PIECE + 5):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        want = google_crc32c.value(data.tobytes())
+        assert ck.crc_of(data) == ck.crc_of(data, yielding=True) == want, n
+        assert ck.crc_of(memoryview(data.tobytes())) == want, n
+        assert ck.extend(ck.crc_of(data[: n // 3]), data[n // 3 :]) == want, n
+        if n >= 8:
+            words = data[: n - n % 8].view(np.float32).reshape(2, -1)
+            assert ck.crc_of(words) == google_crc32c.value(words.tobytes()), n
+
+
 def _zero_crc_bytes(prefix: bytes) -> bytes:
     """``prefix`` + 4 bytes whose CRC-32C is 0 (the CRC is affine in the data bits over GF(2):
     solve for the 4 bytes by Gaussian elimination)."""

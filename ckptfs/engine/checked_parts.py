@@ -1,20 +1,21 @@
-"""Chunk bytes checksummed while they are written: each byte is read once for its crc32c, right
-before the store writes it, in the store's writer thread.
+"""Chunk bytes checksummed while they are written: each byte is read from memory once for its
+crc32c, a slice or two ahead of the store's write of it, which then reads it from the CPU's cache.
 
 A chunk's crc32c read apart from its write (another thread, the whole chunk first) reads every
-byte from memory twice, and on a host whose cores are shared by several ranks adds a busy
-thread per rank beside the writers. A ``CheckedPart`` hands a store that writes streamed parts
-in place (``Store.streams_in_place``: a local disk) the chunk's host bytes in slices; the
-crc32c of each slice is computed just before the slice is yielded, so the write that follows
-reads it from the CPU's cache, and
-the chunk's crc32c is there once the stream has ended (``StreamedPart.crc``: the file's
-checksum combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) and
-parts that are not a chunk's bytes as they are (encoded chunks) are left as they were.
+byte from memory twice. A ``CheckedPart`` hands a store that writes streamed parts in place
+(``Store.streams_in_place``: a local disk) the chunk's host bytes in slices; a thread of the
+part's own computes the crc32c of each slice at most ``AHEAD`` slices ahead of the write, so
+the checksum and the write run at once on two cores (one rank's save from a single writer
+thread otherwise does both in turn) and the write finds the slice in the shared cache; the
+chunk's crc32c is there once the stream has ended (``StreamedPart.crc``: the file's checksum
+combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) and parts that
+are not a chunk's bytes as they are (encoded chunks) are left as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Generator, Iterable, Sequence
 
 import numpy as np
@@ -29,6 +30,8 @@ from ckptfs.layout.checksum import combine, crc_of
 SLICE = 8 << 20
 #: parts below this size are checksummed apart, as before (they are written in groups)
 MIN_BYTES = 1 << 20
+#: slices the checksum may run ahead of the write (bounded: the write reads them from cache)
+AHEAD = 2
 
 
 class CheckedPart(StreamedPart):
@@ -46,12 +49,58 @@ class CheckedPart(StreamedPart):
 
     def stream(self) -> Generator[memoryview, None, None]:
         self.crc = None  # a retried write streams again from the start
+        views = [self._data[s:s + self._slice] for s in range(0, self._data.nbytes, self._slice)]
+        ahead = _Ahead(views)
+        done = False
+        try:
+            for view in views:
+                yield view
+                ahead.room.release()  # written: the checksum may go one slice further
+            done = True
+        finally:  # also when the writer stops early: the thread ends before the bytes may go
+            ahead.stop(early=not done)
+        self.crc = ahead.result()
+
+
+class _Ahead:
+    """The crc32c of each of ``views``, in a thread of its own that starts at once and runs at
+    most ``AHEAD`` views ahead of the releases of ``room``."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self.views = views
+        self.crcs: list[int] = []
+        self.room = threading.Semaphore(AHEAD)
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="ckptfsChunkCrc", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for view in self.views:
+                self.room.acquire()
+                if self._stopped:
+                    return
+                self.crcs.append(crc_of(view))
+        except BaseException as e:  # raised in the writer's thread by result()
+            self.error = e
+
+    def stop(self, early: bool) -> None:
+        """Wait for the thread; ``early`` (the writer stopped before the end): it stops at
+        the next view."""
+        if early:
+            self._stopped = True
+            self.room.release()  # wakes the thread if it waits for room
+        self._thread.join()
+
+    def result(self) -> int:
+        """The crc32c of all the views (after ``stop``)."""
+        if self.error is not None:
+            raise self.error
         crc = 0
-        for start in range(0, self._data.nbytes, self._slice):
-            view = self._data[start:start + self._slice]
-            crc = combine(crc, crc_of(view), view.nbytes)
-            yield view
-        self.crc = crc
+        for c, view in zip(self.crcs, self.views, strict=True):
+            crc = combine(crc, c, view.nbytes)
+        return crc
 
 
 def address(buf: memoryview | bytes | bytearray) -> tuple[int, int]:
