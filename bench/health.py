@@ -2,9 +2,10 @@
 
 - ``check_finite``: the same save of ``--gb`` GB (float32 tensors of ``--tensor-mb`` MB) to
   the page cache (``StoreOptions(fsync=False)``: the disk's own time, and its noise, left out)
-  with and without ``check_finite=True``, alternating, ``--reps`` times each; the cost is the
-  ratio of the medians (and of the fastest runs), and the check alone (engine/health.py's
-  ``non_finite`` over the same tensors) beside it.
+  with and without ``check_finite=True``, alternating, ``--reps`` times each, to a fresh
+  target (the check folded into the write) and over a committed checkpoint (the check in a
+  pass of its own first); the cost is the ratio of the medians (and of the fastest runs), and
+  the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it.
 - ``diff`` from checksums: two saves of the same state in the same layout; ``ckptfs.diff``
   decides "equal" from the chunk checksums (no tensor byte read).
 - ``diff`` across layouts: the safetensors_chunks checkpoint against a zarr-3 one of the same
@@ -88,26 +89,39 @@ def peak_in_subprocess(a: str, b: str) -> dict[str, int]:
 
 
 def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
-    """Alternating saves with and without the check (overwriting one root each)."""
-    times: dict[bool, list[float]] = {False: [], True: []}
+    """Alternating saves with and without the check: to a fresh target (the folder of the
+    previous run of the same case removed first, untimed: the check runs while the files are
+    written) and over a committed checkpoint (``overwrite=True``: the check runs before the
+    replaced checkpoint is touched, in a pass of its own)."""
+    times: dict[tuple[str, bool], list[float]] = {}
     page_cache = StoreOptions(fsync=False)
-    for i in range(2 * reps + 1):  # the first save warms up and is not counted
+    for i in range(2 * reps + 1):  # the first round warms up and is not counted
         check = i % 2 == 1
-        url = os.path.join(root, f"cf-{check}")
-        t0 = time.perf_counter()
-        ckptfs.save(state, url, overwrite=True, check_finite=check, store_options=page_cache)
-        t = time.perf_counter() - t0
-        if i:
-            times[check].append(t)
+        for case in ("fresh", "replacing"):
+            url = os.path.join(root, f"cf-{case}-{check}")
+            if case == "fresh":
+                shutil.rmtree(url, ignore_errors=True)
+            t0 = time.perf_counter()
+            ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
+                        store_options=page_cache)
+            if i:
+                times.setdefault((case, check), []).append(time.perf_counter() - t0)
     chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
               for k, t in state.items()]
     alone = [timed(lambda: non_finite(chunks)) for _ in range(reps)]
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"save_s": off, "save_check_finite_s": on, "cost_pct": 100 * (on / off - 1),
-            "cost_pct_fastest": 100 * (min(times[True]) / min(times[False]) - 1),
+    med = {k: statistics.median(v) for k, v in times.items()}
+    off = med[("fresh", False)]
+    return {"save_s": off, "save_check_finite_s": med[("fresh", True)],
+            "cost_pct": 100 * (med[("fresh", True)] / off - 1),
+            "cost_pct_fastest": 100 * (min(times[("fresh", True)])
+                                       / min(times[("fresh", False)]) - 1),
+            "replacing_save_s": med[("replacing", False)],
+            "replacing_cost_pct": 100 * (med[("replacing", True)]
+                                         / med[("replacing", False)] - 1),
             "check_alone_s": statistics.median(alone),
             "check_alone_pct": 100 * statistics.median(alone) / off,
-            "runs": {"off": times[False], "on": times[True]}}
+            "load_average": os.getloadavg(),
+            "runs": {f"{case}-{'on' if check else 'off'}": v for (case, check), v in times.items()}}
 
 
 def cold_floor(paths: list[str]) -> tuple[float, bool]:
@@ -175,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"check_finite: page-cache save {cf['save_s']:.3f} s, with the check "
           f"{cf['save_check_finite_s']:.3f} s ({cf['cost_pct']:+.1f}%; fastest runs "
           f"{cf['cost_pct_fastest']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
-          f"({cf['check_alone_pct']:.1f}% of the save)")
+          f"({cf['check_alone_pct']:.1f}% of the save); replacing a checkpoint "
+          f"{cf['replacing_cost_pct']:+.1f}%; load average "
+          f"{' '.join(f'{x:.1f}' for x in cf['load_average'])}")
     print(f"diff from checksums: {d['from_checksums_s']:.3f} s")
     print(f"diff across layouts: {d['streamed_s']:.3f} s, cold-read floor {d['floor_s']:.3f} s "
           f"({100 * d['fraction_of_floor']:.0f}% of the floor's rate; caches dropped: "

@@ -13,7 +13,7 @@ from typing import Any, cast
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.background import bounded
 from ckptfs.engine.buffers import BufferPool, HostAllocator
-from ckptfs.engine.commit import Claim, claimed, commit
+from ckptfs.engine.commit import Claim, claimed, commit, replace_target
 from ckptfs.engine.defaults import wait_default_idle
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
@@ -148,7 +148,8 @@ def save_staged(staged: StagedSave, be: Backend, store: Store, url: str, comm: C
     """Phases 2 and 3 of a save (collective over ``comm``) into ``store`` (open on every rank;
     closed here): claim the target, write, commit."""
     try:
-        with claimed(store, comm, overwrite, be) as claim:
+        with claimed(store, comm, overwrite, be, keep_index=True) as claim:
+            staged = replace_target(staged, store, comm, claim)
             return write_and_commit(staged, be, store, url, comm, claim, progress=progress,
                                     throttle_uploads=options.throttle_uploads, started=started)
     finally:

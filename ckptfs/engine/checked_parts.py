@@ -10,12 +10,16 @@ reads it from the CPU's cache, and
 the chunk's crc32c is there once the stream has ended (``StreamedPart.crc``: the file's
 checksum combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) and
 parts that are not a chunk's bytes as they are (encoded chunks) are left as they were.
+
+A save with ``check_finite=True`` folds its search for NaN and infinity into the same slices
+(``CheckedPart.test``): the writer thread tests each slice while it is in cache, and no pass
+over the chunk's host bytes is made apart from the write.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,23 +37,37 @@ MIN_BYTES = 1 << 20
 
 class CheckedPart(StreamedPart):
     """A chunk's host bytes, streamed in slices of ``slice_bytes``, each checksummed as it
-    goes (``crc`` once the stream has yielded every slice)."""
+    goes (``crc`` once the stream has yielded every slice); with ``test`` (a function of a
+    slice: True where the slice may hold a value to refuse, engine/health.py's
+    ``slice_test``) each slice is also tested, and ``suspect`` tells whether any slice
+    failed."""
 
-    def __init__(self, data: memoryview, slice_bytes: int = SLICE) -> None:
+    def __init__(self, data: memoryview, slice_bytes: int = SLICE,
+                 test: Callable[[memoryview], bool] | None = None) -> None:
         self._data = data
         self._slice = slice_bytes
+        self._test = test
         self.crc: int | None = None
+        self.suspect = False
 
     @property
     def nbytes(self) -> int:
         return self._data.nbytes
 
+    @property
+    def tested(self) -> bool:
+        """Whether each slice is tested as it is written (``suspect``)."""
+        return self._test is not None
+
     def stream(self) -> Generator[memoryview, None, None]:
         self.crc = None  # a retried write streams again from the start
-        crc = 0
+        self.suspect = False
+        crc, test = 0, self._test
         for start in range(0, self._data.nbytes, self._slice):
             view = self._data[start:start + self._slice]
             crc = combine(crc, crc_of(view), view.nbytes)
+            if test is not None and not self.suspect:
+                self.suspect = test(view)
             yield view
         self.crc = crc
 
@@ -60,14 +78,17 @@ def address(buf: memoryview | bytes | bytearray) -> tuple[int, int]:
     return arr.ctypes.data, arr.nbytes
 
 
-def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview]
+def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview],
+                  tests: Mapping[tuple[int, int], Callable[[memoryview], bool]] | None = None
                   ) -> tuple[tuple[FileWrite, ...], dict[tuple[int, int], CheckedPart]]:
     """``files`` with each part that is one of ``chunks`` (by address and length, at least
-    ``MIN_BYTES``, first occurrence) made a ``CheckedPart``; and those parts by address."""
+    ``MIN_BYTES``, first occurrence) made a ``CheckedPart`` (with the test ``tests`` holds
+    for its address, if any); and those parts by address."""
     wanted = {address(c) for c in chunks if c.nbytes >= MIN_BYTES}
     made: dict[tuple[int, int], CheckedPart] = {}
     if not wanted:
         return tuple(files), made
+    tests = tests or {}
     out = []
     for f in files:
         parts: list[Part] = []
@@ -75,7 +96,7 @@ def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview]
             if not isinstance(p, StreamedPart) and part_bytes(p) >= MIN_BYTES:
                 key = address(p)
                 if key in wanted and key not in made:
-                    p = made[key] = CheckedPart(byte_view(p))
+                    p = made[key] = CheckedPart(byte_view(p), test=tests.get(key))
             parts.append(p)
         changed = any(a is not b for a, b in zip(parts, f.parts, strict=True))
         out.append(dataclasses.replace(f, parts=tuple(parts)) if changed else f)
