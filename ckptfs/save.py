@@ -86,8 +86,9 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     lets at most K ranks of a node write at once. ``store_options`` (``StoreOptions``) tune the
     store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
     ``check_finite``: a NaN or infinity in any floating tensor fails the save on every rank with
-    NonFiniteError, before anything is written; ``stats``: the index records every tensor's
-    fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
+    NonFiniteError, nothing committed and a checkpoint at the URL untouched (searched while the
+    files are written where the target is fresh, before otherwise); ``stats``: the index
+    records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
     ``SaveOptions.host_memory_limit``): the most host memory the save's copies hold (the chunks
     it cannot write in place: not CPU, or not C-contiguous); the copies beyond it stream through
     a ring within it while the files are written.

@@ -1,23 +1,29 @@
 """Save, between stage and write: the health of what each rank is about to write.
 
-``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged (before
-any byte is written, before the target is claimed: a checkpoint already at the URL is untouched):
+``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged:
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity
-  where the data lives. CUDA tensors are checked on their device before staging
-  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each); the
-  other chunks once staged (a synchronous save stages CPU tensors as views, so this is the
-  tensor itself), in one read-only pass of pieces of ``PIECE_BYTES`` dealt over
+  where the data lives, once. CUDA tensors are checked on their device before staging
+  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each).
+  The other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``;
+  chunks streamed while written are searched here): at a fresh target on a store that writes
+  streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested slice
+  by slice in the writer thread right before the slice is written (``slice_test``;
+  engine/write.py), the smaller ones by ``non_finite`` while the files are written; where a
+  checkpoint is being replaced (before its index is un-committed, engine/commit.py's
+  ``replace_target``) or on other stores (before anything is written) ``check_now`` searches
+  them in one read-only pass of pieces of ``PIECE_BYTES`` dealt over
   ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on one
   core with the GIL released, so the pass never waits on a parallel team of which a busy
-  machine has descheduled a member): a float32/float64 piece is finite if its sum is (the sum
-  of finite numbers is finite unless it overflows, and any NaN or infinity makes it NaN or
-  infinite); a 16- and 8-bit float piece holds a NaN or infinity exactly when the largest of
-  its bit patterns read as signed integers reaches the positive ones, or read as unsigned
-  integers the negative ones (``_BITS``). Only a chunk that fails is counted element by
-  element (an overflowed sum then counts nothing). One small reduction tells every rank
-  whether any rank found one; then every rank raises the same ``NonFiniteError`` naming each
-  key and its counts, and nothing is committed (the write phase never starts).
+  machine has descheduled a member). The quick test of a piece or slice: a float32/float64
+  one is finite if its sum is (the sum of finite numbers is finite unless it overflows, and
+  any NaN or infinity makes it NaN or infinite); a 16- and 8-bit float one holds a NaN or
+  infinity exactly when the largest of its bit patterns read as signed integers reaches the
+  positive ones, or read as unsigned integers the negative ones (``_BITS``). Only a chunk that
+  fails is counted element by element (an overflowed sum then counts nothing). One small
+  reduction tells every rank whether any rank found one (in the write phase, the one that
+  settles the writes); then every rank raises the same ``NonFiniteError`` naming each key and
+  its counts (``non_finite_error``), and nothing is committed.
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
