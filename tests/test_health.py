@@ -271,6 +271,24 @@ def test_manager_refuses_a_non_finite_step_and_finds_the_last_good_one(tmp_path)
         assert m.last_good_step() == 1
 
 
+def test_a_manager_with_a_local_tier_refuses_while_writing_and_keeps_nothing(tmp_path):
+    """The step goes through the local tier, where its large chunk is searched while written:
+    refused, its files removed from the tier and the URL, the previous step still the latest."""
+    url, tier = tmp_path / "run", tmp_path / "tier"
+    big = torch.ones(1 << 19)  # 2 MiB
+    with ckptfs.CheckpointManager(url, local_dir=tier, check_finite=True,
+                                  preemption=ckptfs.PreemptionPolicy(signals=())) as m:
+        m.save_sync(1, {"w": big})
+        bad = big.clone()
+        bad[12345], bad[-1] = math.nan, -math.inf
+        with pytest.raises(ckptfs.NonFiniteError) as e:
+            m.save_sync(2, {"w": bad})
+        assert e.value.found == {"w": (1, 1)}
+        assert m.latest_step() == 1 and m.steps() == [1]
+    for root in (url, tier):
+        assert not [p for p in (root / step_dir(2)).rglob("*") if p.is_file()]
+
+
 def test_manager_without_good_steps(tmp_path):
     with ckptfs.CheckpointManager(tmp_path / "run", stats=True, preemption=ckptfs.PreemptionPolicy(signals=())) as m:
         assert m.last_good_step() is None
