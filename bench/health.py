@@ -2,9 +2,10 @@
 
 - ``check_finite``: the same save of ``--gb`` GB (float32 tensors of ``--tensor-mb`` MB) to
   the page cache (``StoreOptions(fsync=False)``: the disk's own time, and its noise, left out)
-  with and without ``check_finite=True``, alternating, ``--reps`` times each; the cost is the
-  ratio of the medians (and of the fastest runs), and the check alone (engine/health.py's
-  ``non_finite`` over the same tensors) beside it.
+  with and without ``check_finite=True``, alternating, ``--reps`` times each, to a fresh
+  target (the check folded into the write) and over a committed checkpoint (the check in a
+  pass of its own first); the cost is the ratio of the medians (and of the fastest runs), and
+  the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it.
 - ``diff`` from checksums: two saves of the same state in the same layout; ``ckptfs.diff``
   decides "equal" from the chunk checksums (no tensor byte read).
 - ``diff`` across layouts: the safetensors_chunks checkpoint against a zarr-3 one of the same
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -58,6 +60,13 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_seconds() -> float:
+    """User and system CPU seconds of this process (every thread) so far: a cost that other
+    jobs on a shared machine disturb less than they disturb the wall clock."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def _rss(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -88,26 +97,46 @@ def peak_in_subprocess(a: str, b: str) -> dict[str, int]:
 
 
 def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
-    """Alternating saves with and without the check (overwriting one root each)."""
-    times: dict[bool, list[float]] = {False: [], True: []}
+    """Alternating saves with and without the check: to a fresh target (the folder of the
+    previous run of the same case removed first, untimed: the check runs while the files are
+    written) and over a committed checkpoint (``overwrite=True``: the check runs before the
+    replaced checkpoint is touched, in a pass of its own)."""
+    times: dict[tuple[str, bool], list[float]] = {}
+    cpu: dict[tuple[str, bool], list[float]] = {}
     page_cache = StoreOptions(fsync=False)
-    for i in range(2 * reps + 1):  # the first save warms up and is not counted
+    for i in range(2 * reps + 1):  # the first round warms up and is not counted
         check = i % 2 == 1
-        url = os.path.join(root, f"cf-{check}")
-        t0 = time.perf_counter()
-        ckptfs.save(state, url, overwrite=True, check_finite=check, store_options=page_cache)
-        t = time.perf_counter() - t0
-        if i:
-            times[check].append(t)
+        for case in ("fresh", "replacing"):
+            url = os.path.join(root, f"cf-{case}-{check}")
+            if case == "fresh":
+                shutil.rmtree(url, ignore_errors=True)
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
+                        store_options=page_cache)
+            if i:
+                times.setdefault((case, check), []).append(time.perf_counter() - t0)
+                cpu.setdefault((case, check), []).append(cpu_seconds() - c0)
     chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
               for k, t in state.items()]
     alone = [timed(lambda: non_finite(chunks)) for _ in range(reps)]
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"save_s": off, "save_check_finite_s": on, "cost_pct": 100 * (on / off - 1),
-            "cost_pct_fastest": 100 * (min(times[True]) / min(times[False]) - 1),
+    med = {k: statistics.median(v) for k, v in times.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    off = med[("fresh", False)]
+    return {"save_s": off, "save_check_finite_s": med[("fresh", True)],
+            "cost_pct": 100 * (med[("fresh", True)] / off - 1),
+            "cost_pct_fastest": 100 * (min(times[("fresh", True)])
+                                       / min(times[("fresh", False)]) - 1),
+            "replacing_save_s": med[("replacing", False)],
+            "replacing_cost_pct": 100 * (med[("replacing", True)]
+                                         / med[("replacing", False)] - 1),
+            "cpu_s": cpu_med[("fresh", False)],
+            "cpu_cost_pct": 100 * (cpu_med[("fresh", True)] / cpu_med[("fresh", False)] - 1),
+            "replacing_cpu_cost_pct": 100 * (cpu_med[("replacing", True)]
+                                             / cpu_med[("replacing", False)] - 1),
             "check_alone_s": statistics.median(alone),
             "check_alone_pct": 100 * statistics.median(alone) / off,
-            "runs": {"off": times[False], "on": times[True]}}
+            "load_average": os.getloadavg(),
+            "runs": {f"{case}-{'on' if check else 'off'}": v for (case, check), v in times.items()}}
 
 
 def cold_floor(paths: list[str]) -> tuple[float, bool]:
@@ -150,6 +179,26 @@ def bench_diff(state: dict, root: str, reps: int) -> dict[str, Any]:
             "caches_dropped": all(r["caches_dropped"] for r in runs), "runs": runs}
 
 
+def report(result: dict[str, Any]) -> None:
+    """Print what ``main`` measured."""
+    cf, d = result.get("check_finite"), result.get("diff")
+    if cf is not None:
+        print(f"check_finite: page-cache save {cf['save_s']:.3f} s, with the check "
+              f"{cf['save_check_finite_s']:.3f} s ({cf['cost_pct']:+.1f}%; fastest runs "
+              f"{cf['cost_pct_fastest']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
+              f"({cf['check_alone_pct']:.1f}% of the save); replacing a checkpoint "
+              f"{cf['replacing_cost_pct']:+.1f}%; CPU time {cf['cpu_s']:.3f} s, with the "
+              f"check {cf['cpu_cost_pct']:+.1f}% (replacing "
+              f"{cf['replacing_cpu_cost_pct']:+.1f}%); load average "
+              f"{' '.join(f'{x:.1f}' for x in cf['load_average'])}")
+    if d is not None:
+        print(f"diff from checksums: {d['from_checksums_s']:.3f} s")
+        print(f"diff across layouts: {d['streamed_s']:.3f} s, cold-read floor "
+              f"{d['floor_s']:.3f} s ({100 * d['fraction_of_floor']:.0f}% of the floor's rate; "
+              f"caches dropped: {d['caches_dropped']}); peak {d['peak_bytes'] / 2**20:.1f} "
+              f"MiB, bound {d['memory_bound'] / 2**20:.1f} MiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.health", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="runs of each case (medians)")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results file (default bench/results/health-*.json)")
+    ap.add_argument("--only", choices=("check_finite", "diff"), default=None,
+                    help="measure one of the two (default: both)")
     ap.add_argument("--peak", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.peak:
@@ -165,22 +216,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     state = make_state(args.gb, args.tensor_mb)
     root = tempfile.mkdtemp(prefix="ckptfs-health-", dir=args.dir)
+    result: dict[str, Any] = {"gb": args.gb, "reps": args.reps,
+                              "threads": torch.get_num_threads()}
     try:
-        result = {"gb": args.gb, "reps": args.reps, "threads": torch.get_num_threads(),
-                  "check_finite": bench_check_finite(state, root, args.reps),
-                  "diff": bench_diff(state, root, args.reps)}
+        if args.only in (None, "check_finite"):
+            result["check_finite"] = bench_check_finite(state, root, args.reps)
+        if args.only in (None, "diff"):
+            result["diff"] = bench_diff(state, root, args.reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    cf, d = result["check_finite"], result["diff"]
-    print(f"check_finite: page-cache save {cf['save_s']:.3f} s, with the check "
-          f"{cf['save_check_finite_s']:.3f} s ({cf['cost_pct']:+.1f}%; fastest runs "
-          f"{cf['cost_pct_fastest']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
-          f"({cf['check_alone_pct']:.1f}% of the save)")
-    print(f"diff from checksums: {d['from_checksums_s']:.3f} s")
-    print(f"diff across layouts: {d['streamed_s']:.3f} s, cold-read floor {d['floor_s']:.3f} s "
-          f"({100 * d['fraction_of_floor']:.0f}% of the floor's rate; caches dropped: "
-          f"{d['caches_dropped']}); peak {d['peak_bytes'] / 2**20:.1f} MiB, bound "
-          f"{d['memory_bound'] / 2**20:.1f} MiB")
+    report(result)
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"health-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

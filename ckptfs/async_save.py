@@ -99,7 +99,7 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     memory, at the writer's request), and ``staged`` resolves after the last byte; with CUDA
     state, ``handle.wait_staged(stream=...)`` lets the host go on before the copies end.
     ``check_finite`` and ``stats`` as for ``save``
-    (checked while staging: a refused save resolves ``done`` with NonFiniteError).
+    (a refused save resolves ``done`` with NonFiniteError).
 
     Returns at once, unless the saver has a save still in flight: then it first waits for that
     one's ``done``. Do not change the tensors until ``handle.staged`` resolves. Staging memory:

@@ -13,7 +13,7 @@ from typing import Any, cast
 from ckptfs.dist import Comm, CommStats, ProcessGroup
 from ckptfs.engine.background import bounded
 from ckptfs.engine.buffers import BufferPool, HostAllocator
-from ckptfs.engine.commit import Claim, claimed, commit
+from ckptfs.engine.commit import Claim, claimed, commit, replace_target
 from ckptfs.engine.defaults import wait_default_idle
 from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
@@ -86,8 +86,9 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     lets at most K ranks of a node write at once. ``store_options`` (``StoreOptions``) tune the
     store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
     ``check_finite``: a NaN or infinity in any floating tensor fails the save on every rank with
-    NonFiniteError, before anything is written; ``stats``: the index records every tensor's
-    fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
+    NonFiniteError, nothing committed and a checkpoint at the URL untouched (searched while the
+    files are written where the target is fresh, before otherwise); ``stats``: the index
+    records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
     ``SaveOptions.host_memory_limit``): the most host memory the save's copies hold (the chunks
     it cannot write in place: not CPU, or not C-contiguous); the copies beyond it stream through
     a ring within it while the files are written.
@@ -148,7 +149,8 @@ def save_staged(staged: StagedSave, be: Backend, store: Store, url: str, comm: C
     """Phases 2 and 3 of a save (collective over ``comm``) into ``store`` (open on every rank;
     closed here): claim the target, write, commit."""
     try:
-        with claimed(store, comm, overwrite, be) as claim:
+        with claimed(store, comm, overwrite, be, keep_index=True) as claim:
+            staged = replace_target(staged, store, comm, claim)
             return write_and_commit(staged, be, store, url, comm, claim, progress=progress,
                                     throttle_uploads=options.throttle_uploads, started=started)
     finally:

@@ -13,8 +13,10 @@ def test_tiny_health_bench_writes_its_results(tmp_path):
                  "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     cf, diff = doc["check_finite"], doc["diff"]
-    assert len(cf["runs"]["on"]) == len(cf["runs"]["off"]) == 1
-    assert cf["save_s"] > 0 and cf["check_alone_s"] >= 0
+    assert {k: len(v) for k, v in cf["runs"].items()} == {
+        "fresh-on": 1, "fresh-off": 1, "replacing-on": 1, "replacing-off": 1}
+    assert cf["save_s"] > 0 and cf["replacing_save_s"] > 0 and cf["check_alone_s"] >= 0
+    assert len(cf["load_average"]) == 3
     assert diff["from_checksums_s"] > 0 and diff["streamed_s"] > 0 and diff["floor_s"] > 0
     assert diff["memory_bound"] > 0 and diff["files_bytes"] >= 2 * 4_000_000
     assert diff["memory_bound_subprocess"] == diff["memory_bound"]

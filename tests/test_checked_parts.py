@@ -16,6 +16,7 @@ import torch
 import ckptfs
 from ckptfs.engine import write as write_mod
 from ckptfs.engine.checked_parts import MIN_BYTES, CheckedPart, address, checked_files
+from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.layout.backend import FileWrite
 from ckptfs.layout.index import Index
 from ckptfs.layout.tensor_bytes import tensor_bytes
@@ -127,3 +128,94 @@ def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypat
     ckptfs.save(state, "memory://remote")
     assert sorted(apart)[-2:] == [1 << 20, 3 << 20], apart
     assert ckptfs.verify("memory://remote").ok
+
+
+def test_a_checked_part_tests_each_slice_as_it_goes():
+    data = np.zeros(4000, dtype=np.float32)
+    data[2500] = np.nan
+    seen: list[int] = []
+
+    def test(view: memoryview) -> bool:
+        seen.append(view.nbytes)
+        return bool(np.isnan(np.frombuffer(view, dtype=np.float32)).any())
+
+    part = CheckedPart(memoryview(data.tobytes()), slice_bytes=4096, test=test)
+    assert part.tested and not part.suspect
+    assert b"".join(bytes(v) for v in part.stream()) == data.tobytes()
+    assert part.suspect and seen == [4096, 4096, 4096]  # no slice tested after the hit
+    stream = part.stream()  # a retried write tests again, from the start
+    next(stream)
+    assert not part.suspect
+    stream.close()
+    assert not CheckedPart(memoryview(data.tobytes())).tested
+
+
+def _bad_state() -> dict:
+    """``_state`` with a NaN and an infinity in the 3 MiB chunk (its third 1 MiB), an infinity
+    in the 1 MiB one and a NaN in the small one."""
+    state = _state()
+    state["big"][700_000], state["big"][-1] = float("nan"), float("-inf")
+    state["wide"][511, 1023] = float("inf")
+    state["small"][5] = float("nan")
+    return state
+
+
+def _keys_searched_apart(monkeypatch) -> list[str]:
+    """The keys of the chunks the write phase searches apart from their write (``non_finite``)."""
+    apart: list[str] = []
+    real = write_mod.non_finite
+
+    def non_finite(chunks):
+        apart.extend(c.key for c in chunks)
+        return real(chunks)
+
+    monkeypatch.setattr(write_mod, "non_finite", non_finite)
+    return apart
+
+
+FOUND = {"big": (1, 1), "wide": (0, 1), "small": (1, 0)}
+
+
+@pytest.mark.parametrize("writer", [None, "thread", "process"])
+def test_large_chunks_are_searched_for_nan_while_written(tmp_path, monkeypatch, writer):
+    """check_finite on a fresh local target: the large chunks are searched slice by slice in
+    the writer threads (``save``, ``async_save`` and its writer process alike), only the small
+    one apart; a refused save raises NonFiniteError with exact counts and leaves no file."""
+    apart = _keys_searched_apart(monkeypatch)
+    url = tmp_path / "fresh"
+    with pytest.raises(ckptfs.NonFiniteError) as e:
+        if writer is None:
+            ckptfs.save(_bad_state(), url, check_finite=True)
+        else:
+            saver = ProcessSaver() if writer == "process" else ckptfs.BackgroundSaver()
+            try:
+                ckptfs.async_save(_bad_state(), url, check_finite=True, writer=writer,
+                                  saver=saver).result(120)
+            finally:
+                saver.close()
+    assert e.value.found == FOUND
+    assert not list(url.rglob("*"))
+    if writer != "process":  # (the writer process's calls are not seen here)
+        assert apart == ["small"]
+    ckptfs.save(_state(), url, check_finite=True)  # a finite state at the same URL: committed
+    assert ckptfs.verify(url).ok
+
+
+def test_a_refused_replacing_save_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
+    """overwrite=True over a committed checkpoint: the search runs before the old index is
+    touched (every chunk apart, nothing written)."""
+    apart = _keys_searched_apart(monkeypatch)
+    ckptfs.save(_state(), tmp_path / "ck")
+    before = {p: p.read_bytes() for p in (tmp_path / "ck").rglob("*") if p.is_file()}
+    with pytest.raises(ckptfs.NonFiniteError) as e:
+        ckptfs.save(_bad_state(), tmp_path / "ck", overwrite=True, check_finite=True)
+    assert e.value.found == FOUND and apart == []  # not searched while written
+    assert {p: p.read_bytes() for p in (tmp_path / "ck").rglob("*") if p.is_file()} == before
+    assert ckptfs.verify(tmp_path / "ck").ok
+
+
+def test_a_remote_store_is_searched_before_anything_is_written(memfs, monkeypatch):
+    apart = _keys_searched_apart(monkeypatch)
+    with pytest.raises(ckptfs.NonFiniteError) as e:
+        ckptfs.save(_bad_state(), "memory://remote", check_finite=True)
+    assert e.value.found == FOUND and apart == [] and not memfs.find("/remote")

@@ -1,5 +1,6 @@
 """Checkpoint health on real spawned gloo ranks: ``check_finite=True`` refuses NaN and infinity
-on every rank and leaves the previous checkpoint as it was (``save`` and ``async_save``);
+on every rank and leaves the previous checkpoint as it was (``save`` and ``async_save``), or,
+at a fresh target where it is found while written, nothing;
 fingerprints (``stats=True``) equal float64 reference values over the whole global tensor for
 1, 2 and 3 writers; the golden checkpoint of index 1.1 loads, and its fingerprints match."""
 
@@ -89,6 +90,17 @@ def bad_state(rank: int, world: int) -> dict:
             "fine": torch.ones(3)}
 
 
+def big_bad_state(rank: int, world: int) -> dict:
+    """``bad_state`` with 2 MiB shards: the last rank's NaN and infinity are found by the
+    writer threads while its chunk is written (engine/checked_parts.py)."""
+    rows = 1 << 9
+    mine = torch.ones(rows, 1024)
+    if rank == world - 1:
+        mine[3, 5], mine[rows - 1, 1023] = math.nan, math.inf
+    return {"w": ckptfs.ShardedTensor(mine, (rows * world, 1024), (rows * rank, 0)),
+            "fine": torch.ones(3)}
+
+
 def refusal(fn) -> dict:
     try:
         fn()
@@ -114,6 +126,12 @@ def cases(rank: int, world: int, root: str) -> None:
         "async": refusal(lambda: ckptfs.async_save(bad_state(rank, world), prev, overwrite=True,
                                                    check_finite=True).result(120)),
     }
+    if world == 2:  # a fresh target: refused while written, what was written removed
+        fresh = f"{root}/fresh-{world}"
+        out["fresh"] = refusal(lambda: ckptfs.save(big_bad_state(rank, world), fresh,
+                                                   check_finite=True))
+        out["fresh-async"] = refusal(lambda: ckptfs.async_save(
+            big_bad_state(rank, world), fresh, check_finite=True).result(120))
     # a finite state passes the check and is committed
     ckptfs.save(good, f"{root}/clean-{world}", check_finite=True, stats=True)
     Path(f"{root}/out-{world}-{rank}.json").write_text(json.dumps(out))
@@ -131,11 +149,12 @@ def spawned(tmp_path_factory) -> Path:
 def test_nan_and_inf_in_one_shard_refuse_the_save_on_every_rank(spawned, world):
     for rank in range(world):
         out = json.loads((spawned / f"out-{world}-{rank}.json").read_text())
-        for how in ("save", "async"):
+        for how in ("save", "async", *(("fresh", "fresh-async") if world == 2 else ())):
             got = out[how]
             assert got["type"] == "NonFiniteError", (rank, how, got)
             assert got["found"] == {"w": [1, 1]}, (rank, how)
             assert "'w' (1 NaN, 1 inf)" in got["message"]
+    assert not list((spawned / f"fresh-{world}").rglob("*"))  # nothing left, nothing committed
     # nothing committed over the previous checkpoint: it is still there, as it was
     prev = ckptfs.load_keys(spawned / f"prev-{world}")
     assert torch.equal(prev["w"], torch.zeros(2 * world, 3))
@@ -164,7 +183,7 @@ def test_single_process_refusal_leaves_no_trace(tmp_path):
     with pytest.raises(ckptfs.NonFiniteError, match="'b' \\(1 NaN, 1 inf\\)") as e:
         ckptfs.save(state, tmp_path / "x", check_finite=True)
     assert e.value.found == {"b": (1, 1)} and isinstance(e.value, ckptfs.CkptfsError)
-    assert not (tmp_path / "x").exists()
+    assert not list((tmp_path / "x").rglob("*"))  # what it wrote is gone, the lock too
     # float8 (no aminmax on CPU) and integer tensors
     f8 = {"f": torch.tensor([1.0, math.nan]).to(torch.float8_e5m2), "i": torch.arange(3)}
     with pytest.raises(ckptfs.NonFiniteError, match="'f'"):
@@ -250,6 +269,24 @@ def test_manager_refuses_a_non_finite_step_and_finds_the_last_good_one(tmp_path)
         index = url / step_dir(3) / ckptfs.INDEX_FILE
         index.write_bytes(index.read_bytes().replace(b'"dtype": "float32"', b'"dtype": "float64"'))
         assert m.last_good_step() == 1
+
+
+def test_a_manager_with_a_local_tier_refuses_while_writing_and_keeps_nothing(tmp_path):
+    """The step goes through the local tier, where its large chunk is searched while written:
+    refused, its files removed from the tier and the URL, the previous step still the latest."""
+    url, tier = tmp_path / "run", tmp_path / "tier"
+    big = torch.ones(1 << 19)  # 2 MiB
+    with ckptfs.CheckpointManager(url, local_dir=tier, check_finite=True,
+                                  preemption=ckptfs.PreemptionPolicy(signals=())) as m:
+        m.save_sync(1, {"w": big})
+        bad = big.clone()
+        bad[12345], bad[-1] = math.nan, -math.inf
+        with pytest.raises(ckptfs.NonFiniteError) as e:
+            m.save_sync(2, {"w": bad})
+        assert e.value.found == {"w": (1, 1)}
+        assert m.latest_step() == 1 and m.steps() == [1]
+    for root in (url, tier):
+        assert not [p for p in (root / step_dir(2)).rglob("*") if p.is_file()]
 
 
 def test_manager_without_good_steps(tmp_path):

@@ -10,13 +10,17 @@ thread otherwise does both in turn) and the write finds the slice in the shared 
 chunk's crc32c is there once the stream has ended (``StreamedPart.crc``: the file's checksum
 combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) and parts that
 are not a chunk's bytes as they are (encoded chunks) are left as they were.
+
+A save with ``check_finite=True`` folds its search for NaN and infinity into the same thread
+(``CheckedPart.test``): each slice is tested right after its checksum, while it is in cache, and
+no pass over the chunk's host bytes is made apart from the write.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,21 +40,32 @@ AHEAD = 2
 
 class CheckedPart(StreamedPart):
     """A chunk's host bytes, streamed in slices of ``slice_bytes``, each checksummed as it
-    goes (``crc`` once the stream has yielded every slice)."""
+    goes (``crc`` once the stream has yielded every slice); with ``test`` (a function of a
+    slice: True where the slice may hold a value to refuse, engine/health.py's
+    ``slice_test``) each slice is also tested, and ``suspect`` tells whether any slice
+    failed."""
 
-    def __init__(self, data: memoryview, slice_bytes: int = SLICE) -> None:
+    def __init__(self, data: memoryview, slice_bytes: int = SLICE,
+                 test: Callable[[memoryview], bool] | None = None) -> None:
         self._data = data
         self._slice = slice_bytes
+        self._test = test
         self.crc: int | None = None
+        self.suspect = False
 
     @property
     def nbytes(self) -> int:
         return self._data.nbytes
 
+    @property
+    def tested(self) -> bool:
+        """Whether each slice is tested as it is written (``suspect``)."""
+        return self._test is not None
+
     def stream(self) -> Generator[memoryview, None, None]:
         self.crc = None  # a retried write streams again from the start
         views = [self._data[s:s + self._slice] for s in range(0, self._data.nbytes, self._slice)]
-        ahead = _Ahead(views)
+        ahead = _Ahead(views, self._test)
         done = False
         try:
             for view in views:
@@ -60,14 +75,19 @@ class CheckedPart(StreamedPart):
         finally:  # also when the writer stops early: the thread ends before the bytes may go
             ahead.stop(early=not done)
         self.crc = ahead.result()
+        self.suspect = ahead.suspect
 
 
 class _Ahead:
     """The crc32c of each of ``views``, in a thread of its own that starts at once and runs at
-    most ``AHEAD`` views ahead of the releases of ``room``."""
+    most ``AHEAD`` views ahead of the releases of ``room``; with ``test``, ``suspect`` once any
+    view failed it (each view is tested after its checksum, from cache)."""
 
-    def __init__(self, views: list[memoryview]) -> None:
+    def __init__(self, views: list[memoryview],
+                 test: Callable[[memoryview], bool] | None = None) -> None:
         self.views = views
+        self.test = test
+        self.suspect = False
         self.crcs: list[int] = []
         self.room = threading.Semaphore(AHEAD)
         self.error: BaseException | None = None
@@ -82,6 +102,8 @@ class _Ahead:
                 if self._stopped:
                     return
                 self.crcs.append(crc_of(view))
+                if self.test is not None and not self.suspect:
+                    self.suspect = self.test(view)
         except BaseException as e:  # raised in the writer's thread by result()
             self.error = e
 
@@ -109,14 +131,17 @@ def address(buf: memoryview | bytes | bytearray) -> tuple[int, int]:
     return arr.ctypes.data, arr.nbytes
 
 
-def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview]
+def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview],
+                  tests: Mapping[tuple[int, int], Callable[[memoryview], bool]] | None = None
                   ) -> tuple[tuple[FileWrite, ...], dict[tuple[int, int], CheckedPart]]:
     """``files`` with each part that is one of ``chunks`` (by address and length, at least
-    ``MIN_BYTES``, first occurrence) made a ``CheckedPart``; and those parts by address."""
+    ``MIN_BYTES``, first occurrence) made a ``CheckedPart`` (with the test ``tests`` holds
+    for its address, if any); and those parts by address."""
     wanted = {address(c) for c in chunks if c.nbytes >= MIN_BYTES}
     made: dict[tuple[int, int], CheckedPart] = {}
     if not wanted:
         return tuple(files), made
+    tests = tests or {}
     out = []
     for f in files:
         parts: list[Part] = []
@@ -124,7 +149,7 @@ def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview]
             if not isinstance(p, StreamedPart) and part_bytes(p) >= MIN_BYTES:
                 key = address(p)
                 if key in wanted and key not in made:
-                    p = made[key] = CheckedPart(byte_view(p))
+                    p = made[key] = CheckedPart(byte_view(p), test=tests.get(key))
             parts.append(p)
         changed = any(a is not b for a, b in zip(parts, f.parts, strict=True))
         out.append(dataclasses.replace(f, parts=tuple(parts)) if changed else f)

@@ -3,10 +3,11 @@ files, and creates the index create-if-absent: from then on the checkpoint exist
 
 Before the write phase, ``claim_target`` takes the save lock (engine/lock.py: one save at a time
 per root) and refuses a committed (or foreign) checkpoint at the URL unless ``overwrite``; when
-overwriting it un-commits the old index first, and ``commit`` removes every leftover of the
-replaced checkpoint once the new one is committed. The index records the size and crc32c of
-every file and its own checksum. A failed commit removes the data files this save wrote; nothing
-of a previous checkpoint is lost.
+overwriting it un-commits the old index first (``keep_index``: the save does it itself,
+``replace_target``, once what must come before is done: the search for NaN and infinity), and
+``commit`` removes every leftover of the replaced checkpoint once the new one is committed. The
+index records the size and crc32c of every file and its own checksum. A failed commit removes
+the data files this save wrote; nothing of a previous checkpoint is lost.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ckptfs._version import __version__
 from ckptfs.dist import Comm
+from ckptfs.engine.health import check_now
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import LockInfo, Renewal, acquire, release
 from ckptfs.engine.stage import StagedSave
@@ -46,36 +48,45 @@ class Claim:
     replacing: bool  #: a checkpoint (ckptfs's or a foreign one) is being replaced (overwrite)
     save_id: str  #: 12 hex digits, unique per save (data file names)
     lock: LockInfo  #: the save lock the coordinator holds (formats/README.md §8 step 2)
+    #: the replaced checkpoint's index is still there (``keep_index``): ``replace_target``
+    #: un-commits it before any byte is written
+    committed: bool = False
 
 
-def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend) -> Claim:
+def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
+                 keep_index: bool = False) -> Claim:
     """Collective: take the save lock and check the target (see ``_claim``)."""
-    return comm.run_on_coordinator("save: checking the target",
-                                   lambda: run_sync(_claim(store, overwrite, backend)))
+    return comm.run_on_coordinator("save: checking the target", lambda: run_sync(
+        _claim(store, overwrite, backend, keep_index)))
 
 
-async def _claim(store: Store, overwrite: bool, backend: Backend) -> Claim:
+async def _claim(store: Store, overwrite: bool, backend: Backend, keep_index: bool = False) -> Claim:
     save_id = uuid.uuid4().hex[:12]
     lock = LockInfo.new(save_id, f"{backend.name}-{backend.version}")
     await acquire(store, lock)  # from here no other save writes to this root
     try:
-        return Claim(await _check_target(store, overwrite), save_id, lock)
+        replacing, committed = await _check_target(store, overwrite)
+        if committed and not keep_index:
+            await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
+            committed = False
+        return Claim(replacing, save_id, lock, committed)
     except BaseException:
         await release(store)
         raise
 
 
-async def _check_target(store: Store, overwrite: bool) -> bool:
-    """True if a checkpoint is being replaced; refuses one unless ``overwrite``."""
+async def _check_target(store: Store, overwrite: bool) -> tuple[bool, bool]:
+    """Whether a checkpoint is being replaced, and whether it is a committed ckptfs one;
+    refuses one unless ``overwrite``."""
     if not await store.exists(INDEX_FILE):
         try:  # a foreign checkpoint (DCP, Megatron, ...) a backend would write over
             await read_index(store)
         except CheckpointNotFoundError:
-            return False
+            return False, False
         except CkptfsError:
             pass  # unreadable, but something is there
         if overwrite:
-            return True
+            return True, False
         raise CheckpointExistsError(
             f"{store.url} holds a checkpoint without {INDEX_FILE} (written by another tool); "
             f"pass overwrite=True to write over it"
@@ -85,8 +96,7 @@ async def _check_target(store: Store, overwrite: bool) -> bool:
             f"{store.full_path(INDEX_FILE)} exists: a checkpoint is already committed at "
             f"{store.url}; pass overwrite=True to replace it"
         )
-    await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
-    return True
+    return True, True
 
 
 async def abandon(store: Store) -> None:
@@ -95,12 +105,27 @@ async def abandon(store: Store) -> None:
         await release(store)
 
 
+def replace_target(staged: StagedSave, store: Store, comm: Comm, claim: Claim) -> StagedSave:
+    """Collective, first in the body of ``claimed(keep_index=True)``: where a checkpoint is
+    being replaced, a search for NaN and infinity left to the write phase is done now, before
+    anything is touched (a refusal leaves the replaced checkpoint as it was); then the replaced
+    index is un-committed (a crash from then on leaves no stale index)."""
+    if claim.replacing:
+        staged = check_now(staged, comm)
+    if claim.committed:
+        comm.run_on_coordinator("save: un-committing the replaced checkpoint",
+                                lambda: run_sync(store.delete([INDEX_FILE])))
+    return staged
+
+
 @contextlib.contextmanager
-def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend) -> Iterator[Claim]:
+def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
+            keep_index: bool = False) -> Iterator[Claim]:
     """Collective: ``claim_target``, then the body (write and commit) with the lock held: the
     coordinator renews it while the body runs and, if the body fails on it, stops renewing and
-    gives it back (``abandon``); a committed save has released it (``commit_index``)."""
-    claim = claim_target(store, comm, overwrite, backend)
+    gives it back (``abandon``); a committed save has released it (``commit_index``).
+    ``keep_index``: a replaced index is left for the body to un-commit (``replace_target``)."""
+    claim = claim_target(store, comm, overwrite, backend, keep_index=keep_index)
     renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
     failed = False
     try:

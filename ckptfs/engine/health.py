@@ -1,23 +1,29 @@
 """Save, between stage and write: the health of what each rank is about to write.
 
-``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged (before
-any byte is written, before the target is claimed: a checkpoint already at the URL is untouched):
+``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged:
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity
-  where the data lives. CUDA tensors are checked on their device before staging
-  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each); the
-  other chunks once staged (a synchronous save stages CPU tensors as views, so this is the
-  tensor itself), in one read-only pass of pieces of ``PIECE_BYTES`` dealt over
+  where the data lives, once. CUDA tensors are checked on their device before staging
+  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each).
+  The other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``;
+  chunks streamed while written are searched here): at a fresh target on a store that writes
+  streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested slice
+  by slice in the writer thread right before the slice is written (``slice_test``;
+  engine/write.py), the smaller ones by ``non_finite`` while the files are written; where a
+  checkpoint is being replaced (before its index is un-committed, engine/commit.py's
+  ``replace_target``) or on other stores (before anything is written) ``check_now`` searches
+  them in one read-only pass of pieces of ``PIECE_BYTES`` dealt over
   ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on one
   core with the GIL released, so the pass never waits on a parallel team of which a busy
-  machine has descheduled a member): a float32/float64 piece is finite if its sum is (the sum
-  of finite numbers is finite unless it overflows, and any NaN or infinity makes it NaN or
-  infinite); a 16- and 8-bit float piece holds a NaN or infinity exactly when the largest of
-  its bit patterns read as signed integers reaches the positive ones, or read as unsigned
-  integers the negative ones (``_BITS``). Only a chunk that fails is counted element by
-  element (an overflowed sum then counts nothing). One small reduction tells every rank
-  whether any rank found one; then every rank raises the same ``NonFiniteError`` naming each
-  key and its counts, and nothing is committed (the write phase never starts).
+  machine has descheduled a member). The quick test of a piece or slice: a float32/float64
+  one is finite if its sum is (the sum of finite numbers is finite unless it overflows, and
+  any NaN or infinity makes it NaN or infinite); a 16- and 8-bit float one holds a NaN or
+  infinity exactly when the largest of its bit patterns read as signed integers reaches the
+  positive ones, or read as unsigned integers the negative ones (``_BITS``). Only a chunk that
+  fails is counted element by element (an overflowed sum then counts nothing). One small
+  reduction tells every rank whether any rank found one (in the write phase, the one that
+  settles the writes); then every rank raises the same ``NonFiniteError`` naming each key and
+  its counts (``non_finite_error``), and nothing is committed.
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
@@ -27,7 +33,7 @@ any byte is written, before the target is claimed: a checkpoint already at the U
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +43,7 @@ import torch
 
 from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.stage import StagedSave, release
+from ckptfs.engine.stage import FiniteLeft, StagedSave, release
 from ckptfs.errors import NonFiniteError
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.stats import Partial, combine_all
@@ -100,11 +106,15 @@ def checked(staged: StagedSave, pool: BufferPool, comm: Comm, *, check_finite: b
 
 def check_staged(staged: StagedSave, comm: Comm, *, check_finite: bool = False,
                  stats: bool = False, device: DeviceCheck = DeviceCheck()) -> StagedSave:
-    """Collective (every rank, same flags): raise ``NonFiniteError`` on every rank when any
-    rank's chunks hold NaN or infinity (``check_finite``); with ``stats`` return ``staged``
-    with the fingerprints of every tensor (on the coordinator; others get theirs unchanged)."""
+    """Collective (every rank, same flags): with ``check_finite`` return ``staged`` with the
+    search for NaN and infinity left to the write phase (``FiniteLeft``: the chunks streamed
+    while written are searched here, the others while written or by ``check_now``); with
+    ``stats`` with the fingerprints of every tensor (on the coordinator; others get theirs
+    unchanged)."""
     if check_finite:
-        agree_finite(comm, [c for c in staged.chunks if c.key not in device.keys], device.found)
+        streamed = [c for c in staged.chunks if c.source is not None and c.key not in device.keys]
+        staged = dataclasses.replace(staged, finite=FiniteLeft(
+            device.keys, device.found + non_finite(streamed)))
     if not stats:
         return staged
     _, parts = comm.run_everywhere("save: measuring fingerprints",
@@ -119,6 +129,24 @@ def check_staged(staged: StagedSave, comm: Comm, *, check_finite: bool = False,
     return dataclasses.replace(staged, content=dataclasses.replace(content, stats=combined))
 
 
+def unchecked(staged: StagedSave) -> list[ChunkData]:
+    """The chunks of ``staged`` still to search for NaN and infinity (``FiniteLeft``)."""
+    left = staged.finite
+    if left is None:
+        return []
+    return [c for c in staged.chunks if c.source is None and c.key not in left.skip]
+
+
+def check_now(staged: StagedSave, comm: Comm) -> StagedSave:
+    """Collective: the search ``check_staged`` left to the write phase, done now, before any
+    byte is written, in one read-only pass (``non_finite``); ``staged`` without it, or
+    ``NonFiniteError`` on every rank."""
+    if staged.finite is None:
+        return staged
+    agree_finite(comm, unchecked(staged), staged.finite.found)
+    return dataclasses.replace(staged, finite=None)
+
+
 def agree_finite(comm: Comm, chunks: Sequence[ChunkData | LocalShard], before: Found = ()) -> None:
     """Collective: one small reduction when every rank is clean (and no rank failed);
     otherwise every rank learns every rank's findings (``before``: found on the device before
@@ -131,12 +159,17 @@ def agree_finite(comm: Comm, chunks: Sequence[ChunkData | LocalShard], before: F
         err = e
     if comm.settle("save: checking for NaN and infinity", err, all_true={"clean": not found})["clean"]:
         return
+    raise non_finite_error(comm.all_gather(found, "save: gathering NaN and infinity counts"))
+
+
+def non_finite_error(ranks: Iterable[Found]) -> NonFiniteError:
+    """The error every rank raises: each key with its NaN and infinity counts over ``ranks``."""
     totals: dict[str, tuple[int, int]] = {}
-    for rank in comm.all_gather(found, "save: gathering NaN and infinity counts"):
+    for rank in ranks:
         for key, nan, inf in rank:
             a, b = totals.get(key, (0, 0))
             totals[key] = (a + nan, b + inf)
-    raise NonFiniteError(totals)
+    return NonFiniteError(totals)
 
 
 def non_finite(chunks: Sequence[ChunkData | LocalShard]) -> Found:
@@ -151,6 +184,17 @@ def non_finite(chunks: Sequence[ChunkData | LocalShard]) -> Found:
             nan, inf = count_non_finite(t)
             if nan or inf:
                 out.append((key, nan, inf))
+    return tuple(out)
+
+
+def suspects_counted(chunks: Iterable[ChunkData]) -> Found:
+    """(key, NaN count, infinity count) of each of ``chunks`` (that a quick test could not
+    clear) holding either, counted element by element."""
+    out = []
+    for c in chunks:
+        nan, inf = count_non_finite(c.data)
+        if nan or inf:
+            out.append((c.key, nan, inf))
     return tuple(out)
 
 
@@ -192,6 +236,19 @@ def _host_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
     negative = first | 1 << (bits - 1)
     unsigned = np.dtype(f"u{bits // 8}")
     return lambda a: bool(a.max() >= first) or bool(a.view(unsigned).max() >= negative)
+
+
+def slice_test(t: torch.Tensor) -> Callable[[memoryview], bool] | None:
+    """The quick test (``_host_test``) of a slice of ``t``'s C-order bytes (whole elements),
+    for a writer thread to run on each slice right before it writes it
+    (engine/checked_parts.py); None where ``t`` has none (not a floating CPU tensor of a dtype
+    the quick pass knows, or empty)."""
+    test = _host_test(t) if t.is_floating_point() and t.numel() else None
+    if test is None:
+        return None
+    elements = torch.empty(0, dtype=_BITS[t.dtype][0] if t.dtype in _BITS else t.dtype)
+    as_array = elements.numpy().dtype
+    return lambda view: test(np.frombuffer(view, dtype=as_array))
 
 
 def _sum_is_not_finite(a: np.ndarray) -> bool:

@@ -113,6 +113,15 @@ class IndexContent:
 
 
 @dataclass(frozen=True, slots=True)
+class FiniteLeft:
+    """``check_finite`` left to the write phase (engine/health.py): the staged chunks without a
+    ``source`` whose key is not in ``skip`` are still to be searched for NaN and infinity."""
+
+    skip: frozenset[str] = frozenset()  #: keys already checked (on their device)
+    found: tuple[tuple[str, int, int], ...] = ()  #: (key, NaN count, infinity count) so far
+
+
+@dataclass(frozen=True, slots=True)
 class StagedSave:
     """One rank's staged save: the plan every rank agreed on and the bytes this rank writes;
     ``content`` on the coordinator only."""
@@ -131,6 +140,7 @@ class StagedSave:
     replicas: tuple[tuple[str, Box, torch.Tensor], ...] = ()
     cached: bool = False  #: the plan came from the plan cache
     content: IndexContent | None = None  #: the coordinator's; None on the other ranks
+    finite: FiniteLeft | None = None  #: the search for NaN and infinity still to do (if any)
 
     @property
     def nbytes(self) -> int:

@@ -15,11 +15,21 @@ the index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.checked_parts import CheckedPart, address, checked_files
+from ckptfs.engine.health import (
+    check_now,
+    non_finite,
+    non_finite_error,
+    slice_test,
+    suspects_counted,
+    unchecked,
+)
 from ckptfs.engine.small_files import group_small
 from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.io import run_sync
@@ -54,6 +64,8 @@ class WrittenRank:
     sums: Mapping[str, str] = field(default_factory=dict)  #: path -> crc32c of the whole file
     #: (key, slice, checksum) of plain-tensor slices the rank holds and another rank wrote
     replica_sums: tuple[tuple[str, Box, str], ...] = ()
+    #: (key, NaN count, infinity count) of the chunks holding either (``check_finite``)
+    non_finite: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +86,11 @@ class Written:
 
 def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_id: str, *,
           progress: bool = False, throttle_uploads: int | None = None) -> Written:
-    """Write the layout files (coordinator), then every rank's data files (collective)."""
+    """Write the layout files (coordinator), then every rank's data files (collective). A
+    search for NaN and infinity left to this phase (``StagedSave.finite``) is done while the
+    files are written, or, for a store that does not write streamed parts in place (remote
+    uploads), before anything is written (engine/health.py's ``check_now``); a refused save
+    removes what it wrote and raises ``NonFiniteError`` on every rank."""
     prep: list[FileWrite] = []
 
     def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
@@ -82,13 +98,40 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
             prep.extend(backend.prepare(staged.plans))
         run_sync(write_files(store, prep, False))
 
+    if not store.streams_in_place:
+        staged = check_now(staged, comm)
     comm.run_on_coordinator("save: preparing the layout", prepare)
-    mine, ranks = comm.run_everywhere("save: writing data", lambda: run_throttled(
-        throttle_uploads, comm,
-        lambda: write_rank(staged, backend, store, save_id, progress and comm.is_coordinator)),
-        lambda w: w, to="coordinator", entries=True)
+    what = "save: writing data"
+    err: BaseException | None = None
+    mine: WrittenRank | None = None
+    try:
+        mine = run_throttled(throttle_uploads, comm, lambda: write_rank(
+            staged, backend, store, save_id, progress and comm.is_coordinator))
+    except Exception as e:
+        err = e
+    clean = not (mine and mine.non_finite)
+    if not comm.settle(what, err, all_true={"finite": clean})["finite"]:
+        assert mine is not None
+        refuse(mine, [f.path for f in prep], store, comm)
+    assert mine is not None
+    ranks = comm.gather(mine, what, entries=True)
     return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
                    file_sums(prep))
+
+
+def refuse(mine: WrittenRank, prepared: Sequence[str], store: Store, comm: Comm) -> NoReturn:
+    """Collective, once a rank found NaN or infinity while writing: every rank removes the
+    files it wrote (the coordinator the layout files too; best effort: nothing was committed),
+    then raises the same ``NonFiniteError``."""
+    found = comm.all_gather(mine.non_finite, "save: gathering NaN and infinity counts")
+    paths = sorted({*mine.files, *prepared})
+
+    def remove() -> None:
+        with contextlib.suppress(Exception):
+            run_sync(store.delete(paths))
+
+    comm.run_everywhere("save: removing the files of a save holding NaN or infinity", remove)
+    raise non_finite_error(found)
 
 
 def file_sums(files: Sequence[FileWrite],
@@ -102,16 +145,20 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                progress: bool) -> WrittenRank:
     """This rank's files; checksums are computed here while the I/O threads write, or, for a
     store that writes streamed parts in place, by its writer threads slice by slice as they
-    write each chunk (engine/checked_parts.py)."""
+    write each chunk (engine/checked_parts.py), as is the search for NaN and infinity left to
+    the write (``StagedSave.finite``: the chunks not searched so are searched here)."""
     keys = {c.key for c in staged.chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
                        _Some(staged.plans, keys))
     rw = backend.write_rank(job)
     views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
+    search = {id(c) for c in unchecked(staged)}
     files = rw.files
     checked: dict[tuple[int, int], CheckedPart] = {}
     if store.streams_in_place:  # not a store that would copy the views (remote uploads)
-        files, checked = checked_files(rw.files, (data for _, data in views))
+        tests = {address(data): test for c, data in views
+                 if id(c) in search and (test := slice_test(c.data)) is not None}
+        files, checked = checked_files(rw.files, (data for _, data in views), tests)
     writing = submit(write_files(store, files, progress))
     # each view's part checksummed as it is written (None: checksummed here)
     parts = [checked.get(address(data)) if checked else None for _, data in views]
@@ -119,10 +166,15 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
         crcs = [(c, data, crc_of(data, yielding=True))
                 for (c, data), part in zip(views, parts, strict=True) if part is None]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
+        found = non_finite([c for (c, _), part in zip(views, parts, strict=True)
+                            if id(c) in search and (part is None or not part.tested)])
     finally:
         writing.result()
     crcs += [(c, data, _streamed_crc(part))
              for (c, data), part in zip(views, parts, strict=True) if part is not None]
+    if staged.finite is not None:
+        found = staged.finite.found + found + suspects_counted(
+            c for (c, _), part in zip(views, parts, strict=True) if part and part.suspect)
     sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
     sums.update(((c.key, c.box.offsets, c.box.shape), render(_streamed_crc(c.source)))
                 for c in staged.chunks if c.source is not None)
@@ -132,7 +184,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
-                       {p: crc for p, (_, crc) in whole.items()}, replicas)
+                       {p: crc for p, (_, crc) in whole.items()}, replicas, found)
 
 
 def _streamed_crc(part: StreamedPart | None) -> int:

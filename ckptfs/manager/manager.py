@@ -25,7 +25,7 @@ from typing import Any
 from ckptfs.async_save import AsyncSave
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.commit import Claim, claimed
+from ckptfs.engine.commit import Claim, claimed, replace_target
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
@@ -326,9 +326,10 @@ class CheckpointManager:
         be, url = self._backend, self._url(name)
         store = self._open_agreed(comm, f"save: opening {self.url}")
         target = PrefixedStore(store, name)
-        with claimed(target, comm, force, be) as claim:
+        with claimed(target, comm, force, be, keep_index=True) as claim:
             comm.run_on_coordinator(f"save: clearing a dead save's files at {url}",
                         lambda: run_sync(_clear_dead(target, claim)))
+            staged = replace_target(staged, target, comm, claim)
             if local is None:
                 return write_and_commit(staged, be, target, url, comm, claim, progress=self.progress,
                                         throttle_uploads=self.save_options.throttle_uploads,
