@@ -8,7 +8,7 @@
   The other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``;
   chunks streamed while written are searched here): at a fresh target on a store that writes
   streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested slice
-  by slice in the writer thread right before the slice is written (``slice_test``;
+  by slice in the checksum thread ahead of the write, right after the slice's crc32c (``slice_test``;
   engine/write.py), the smaller ones by ``non_finite`` while the files are written; where a
   checkpoint is being replaced (before its index is un-committed, engine/commit.py's
   ``replace_target``) or on other stores (before anything is written) ``check_now`` searches
