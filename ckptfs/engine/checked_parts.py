@@ -63,7 +63,7 @@ class CheckedPart(StreamedPart):
         return self._test is not None
 
     def stream(self) -> Generator[memoryview, None, None]:
-        self.crc = None  # a retried write streams again from the start
+        self.crc, self.suspect = None, False  # a retried write streams again from the start
         views = [self._data[s:s + self._slice] for s in range(0, self._data.nbytes, self._slice)]
         ahead = _Ahead(views, self._test)
         done = False
