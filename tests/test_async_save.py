@@ -551,7 +551,7 @@ def test_a_bounded_saves_overflow_is_copied_and_written_at_the_callers_priority(
 
     def copy_spy(dst, src):
         copies.append(nice())
-        real_copy(dst, src)
+        return real_copy(dst, src)
 
     monkeypatch.setattr(local_store.LocalStore, "_write_file", file_spy)
     monkeypatch.setattr(overflow, "copy_piece", copy_spy)

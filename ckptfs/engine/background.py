@@ -155,14 +155,7 @@ class BackgroundSaver:
                     finally:
                         give_back()
 
-            def closing(on_copied: Callable[[], None], marker: Staged) -> T:
-                try:
-                    return job(on_copied, marker)
-                finally:
-                    if overflow is not None:  # every stream has ended: its ring and copier
-                        overflow.close()
-
-            return self.launch(closing)
+            return self.launch(job)
 
     def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
         """The overflow of a save under ``options.host_memory_limit`` (None: no bound; a saver

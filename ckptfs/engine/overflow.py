@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -35,38 +34,16 @@ from ckptfs.io.streamed import StreamedPart
 RING_SHARE = 4
 
 
-def copy_piece(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """One piece of an overflowing CPU chunk into its ring slot (on a ``CpuCopier``'s thread)."""
-    dst.copy_(src)
-
-
-class _Pending:
-    """A copy running on a ``CpuCopier``'s thread."""
-
-    def __init__(self, future: Future[None]) -> None:
-        self.future = future
-
+class _Copied:
     def wait(self) -> None:
-        self.future.result()
+        return None
 
 
-class CpuCopier:
-    """The ``Copier`` of CPU chunks: each copy runs on a thread of its own, made at once in the
-    calling thread (so at the caller's priority: a thread inherits its maker's nice value),
-    while the thread that streams the chunk checksums and writes the pieces already copied
-    (the ring's slots are filled ahead). Staging's copies thus never run at
-    ``background_nice``, as with a writer process, whose copies the training process makes."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, "ckptfsOverflowCopy")
-        self._pool.submit(int).result()  # its thread is made now, here
-
-    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> _Pending:
-        return _Pending(self._pool.submit(copy_piece, dst, src))
-
-    def close(self) -> None:
-        """Stop the thread once the copies asked for are done."""
-        self._pool.shutdown(wait=False)
+def copy_piece(dst: torch.Tensor, src: torch.Tensor) -> _Copied:
+    """One piece of an overflowing CPU chunk into its ring slot, in the thread that writes the
+    chunk's file (at the caller's priority: io/local_store.py)."""
+    dst.copy_(src)
+    return _Copied()
 
 
 class Overflow:
@@ -83,7 +60,7 @@ class Overflow:
         self.budget = limit - ring  #: bytes of chunks copied while staging
         self.used = 0
         self._slots, self._ring = slots, ring
-        self._cpu: tuple[SlotPool, CpuCopier] | None = None
+        self._cpu: SlotPool | None = None
         self._cuda: tuple[SlotPool, CudaD2H] | None = None
         self._left = 0
         self._armed: Callable[[], None] | None = None
@@ -114,19 +91,17 @@ class Overflow:
         else:
             if self._cpu is None:
                 slot = max(1, self._ring // self._slots)
-                self._cpu = (SlotPool(self._slots, slot, HostAllocator().allocate), CpuCopier())
-            chunk = DeviceChunk(data, *self._cpu)
+                self._cpu = SlotPool(self._slots, slot, HostAllocator().allocate)
+            chunk = DeviceChunk(data, self._cpu, copy_piece)
         if self.in_place:
             return chunk
         return _Tracked(chunk, self)
 
     def close(self) -> None:
-        """Drop the ring's buffers and stop its copy thread (after every stream ended)."""
-        for ring in (self._cpu, self._cuda):
-            if ring is not None:
-                ring[0].close()
-        if self._cpu is not None:
-            self._cpu[1].close()
+        """Drop the ring's buffers (after every stream ended)."""
+        for pool in (self._cpu, self._cuda[0] if self._cuda is not None else None):
+            if pool is not None:
+                pool.close()
 
     @property
     def streamed(self) -> bool:
