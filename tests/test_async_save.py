@@ -524,3 +524,44 @@ def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
         out = {"w": torch.zeros(256, 64), "b": torch.zeros(10)}
         ckptfs.load(out, tmp_path / name)
         assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_a_bounded_saves_overflow_is_copied_and_written_at_the_callers_priority(tmp_path,
+                                                                               monkeypatch):
+    """Under ``host_memory_limit`` the chunks beyond the bound are copied while their file is
+    written, and ``staged`` waits for those copies: that file is written, and the pieces
+    copied, at the caller's nice value, not ``background_nice``; the others are niced."""
+    from ckptfs.engine import overflow
+    from ckptfs.io import local_store
+    from ckptfs.io.streamed import StreamedPart
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    files: list[tuple[bool, int]] = []
+    copies: list[int] = []
+    real_file, real_copy = local_store.LocalStore._write_file, overflow.copy_piece
+
+    def file_spy(self, full, parts):
+        files.append((any(isinstance(p, StreamedPart) for p in parts), nice()))
+        return real_file(self, full, parts)
+
+    def copy_spy(dst, src):
+        copies.append(nice())
+        return real_copy(dst, src)
+
+    monkeypatch.setattr(local_store.LocalStore, "_write_file", file_spy)
+    monkeypatch.setattr(overflow, "copy_piece", copy_spy)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    cfg = ckptfs.SaveOptions(background_nice=min(19, base + 7))
+    sd = {"a": torch.randn(64, 64), "w": torch.randn(256, 256)}  # 16 KiB staged, 256 KiB not
+    ckptfs.async_save(sd, tmp_path / "ck", options=cfg, host_memory_limit=96 << 10).result()
+    assert copies and set(copies) == {base}, copies
+    assert {n for streamed, n in files if streamed} == {base}, files
+    assert {n for streamed, n in files if not streamed} <= {cfg.background_nice}, files
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ckptfs.load(out, tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)

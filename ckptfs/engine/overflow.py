@@ -39,7 +39,9 @@ class _Copied:
         return None
 
 
-def _cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> _Copied:
+def copy_piece(dst: torch.Tensor, src: torch.Tensor) -> _Copied:
+    """One piece of an overflowing CPU chunk into its ring slot, in the thread that writes the
+    chunk's file (at the caller's priority: io/local_store.py)."""
     dst.copy_(src)
     return _Copied()
 
@@ -90,7 +92,7 @@ class Overflow:
             if self._cpu is None:
                 slot = max(1, self._ring // self._slots)
                 self._cpu = SlotPool(self._slots, slot, HostAllocator().allocate)
-            chunk = DeviceChunk(data, self._cpu, _cpu_copy)
+            chunk = DeviceChunk(data, self._cpu, copy_piece)
         if self.in_place:
             return chunk
         return _Tracked(chunk, self)

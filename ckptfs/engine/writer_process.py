@@ -234,6 +234,12 @@ class ProcessSaver(BackgroundSaver):
         except Exception as e:
             raise ConfigError(f"writer='process': the save's settings cannot be sent to the "
                               f"writer process ({type(e).__name__}: {e})") from e
+        with self._lock:  # once the save in flight is done (it may replace a lost writer)
+            self._wait_current()
+            try:  # a new writer's interpreter starts (seconds) while this save stages
+                self._writer_ready()
+            except WriterError:
+                pass  # the save tries again once staged, and fails there
         return super().start(state_dict, url, be, finish, process_group=process_group,
                              options=options, check_finite=check_finite, stats=stats)
 

@@ -26,6 +26,7 @@ from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import pieces
 from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.store import Buffer, Part, Store, inside_root
+from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import settled
 
 
@@ -34,7 +35,10 @@ class LocalStore(Store):
 
     def __init__(self, root: str, options: StoreOptions | None = None, *, nice: int = 0) -> None:
         """``nice``: the OS nice value (0-19) of the threads writing data files with ``put``
-        and ``put_files`` (a background save's store gives way to the training loop)."""
+        and ``put_files`` (a background save's store gives way to the training loop). A file
+        with streamed parts is written at the caller's priority instead: its bytes are still
+        being copied out of the caller's tensors (a bounded save's overflow), and the caller
+        waits for that copy (``staged``)."""
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root, options)
         self.root = root
@@ -216,8 +220,10 @@ class LocalStore(Store):
 
     async def put(self, path: str, parts: Sequence[Part]) -> None:
         full = self._p(path)
+        streamed = any(isinstance(p, StreamedPart) for p in parts)
         async with self.semaphore:
-            n = await self._in_writer(lambda: self._write_file(full, parts))
+            n = await self._in_writer(lambda: self._write_file(full, parts),
+                                      0 if streamed else self.nice)
         self.stats.write_requests += 1
         self.stats.bytes_written += n
 
@@ -230,14 +236,14 @@ class LocalStore(Store):
             return sum(self._write_file(self._p(path), parts) for path, parts in items)
 
         async with self.semaphore:  # cancelled: the thread still finishes before we return
-            n = await settled(asyncio.ensure_future(self._in_writer(work)))
+            n = await settled(asyncio.ensure_future(self._in_writer(work, self.nice)))
         self.stats.write_requests += len(items)
         self.stats.bytes_written += n
 
-    async def _in_writer(self, work: Callable[[], int]) -> int:
-        """``work`` in a write thread (one of nice ``self.nice``)."""
-        if self.nice:
-            return await asyncio.get_running_loop().run_in_executor(_niced_writers(self.nice), work)
+    async def _in_writer(self, work: Callable[[], int], nice: int) -> int:
+        """``work`` in a write thread of nice value ``nice``."""
+        if nice:
+            return await asyncio.get_running_loop().run_in_executor(_niced_writers(nice), work)
         return await asyncio.to_thread(work)
 
     def _write_file(self, full: str, parts: Sequence[Part]) -> int:
