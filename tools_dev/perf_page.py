@@ -6,6 +6,7 @@
 The newest file of ``docs/perf_results/*.json`` (by its ``date``) gives the current tables: the
 ``cases`` list that ``bench.perf`` writes (``case``, ``lib``, ``seconds``, ``gbps``,
 ``floor_kind``, ``floor_gbps``, ``fraction``, ``beside_fraction``, ``nofsync_fraction``,
+``over_fsync_floor``,
 ``page_cache``) with the run's ``date``, ``machine`` and ``command``; one table per state of the
 page cache the cases start from (dropped, warm). Older result files stay as JSON; the page shows
 the newest only.
@@ -62,8 +63,10 @@ def _rows(cases: list[dict[str, Any]]) -> list[str]:
     libs = sorted({c["lib"] for c in cases},
                   key=lambda lib: (lib in PEERS, PEERS.index(lib) if lib in PEERS else 0, lib))
     plain = any(c.get("nofsync_fraction") for c in cases)
+    synced = any(c.get("over_fsync_floor") for c in cases)
     head = ["case", "library", "time", "GB/s", "floor GB/s", "of floor", "of own files",
-            *(["x no fsync"] if plain else []), *(f"x {p}" for p in peers)]
+            *(["x no fsync"] if plain else []), *(["x fsync floor"] if synced else []),
+            *(f"x {p}" for p in peers)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for case in sorted({c["case"] for c in cases}, key=_order):
         for lib in libs:
@@ -74,10 +77,11 @@ def _rows(cases: list[dict[str, Any]]) -> list[str]:
                       if (case, p) in by and lib not in PEERS else "" for p in peers]
             own = f"{c['beside_fraction']:.0%}" if c.get("beside_fraction") is not None else ""
             nofsync = [f"{c['nofsync_fraction']:.2f}x" if c.get("nofsync_fraction") else ""]
+            floor = [f"{c['over_fsync_floor']:.2f}x" if c.get("over_fsync_floor") else ""]
             lines.append("| " + " | ".join([
                 case, lib + MARKS.get(lib, ""), f"{c['seconds']:.3f} s", f"{c['gbps']:.2f}",
                 f"{c['floor_kind']} {c['floor_gbps']:.2f}", f"{c['fraction']:.0%}", own,
-                *(nofsync if plain else []), *ratios]) + " |")
+                *(nofsync if plain else []), *(floor if synced else []), *ratios]) + " |")
     return lines
 
 
