@@ -565,3 +565,31 @@ def test_a_bounded_saves_overflow_is_copied_and_written_at_the_callers_priority(
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     ckptfs.load(out, tmp_path / "ck")
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_a_files_chunks_checksummed_as_written_keep_the_background_priority(tmp_path, monkeypatch):
+    """A chunk of 1 MiB or more is checksummed slice by slice while its file is written
+    (engine/checked_parts.py); its bytes are staged already, so that file is written at
+    ``background_nice`` like every other, not at the caller's priority."""
+    from ckptfs.engine.checked_parts import CheckedPart
+    from ckptfs.io import local_store
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice is Linux's")
+    files: list[tuple[bool, int]] = []
+    real_file = local_store.LocalStore._write_file
+
+    def file_spy(self, full, parts):
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        files.append((any(isinstance(p, CheckedPart) for p in parts), nice))
+        return real_file(self, full, parts)
+
+    monkeypatch.setattr(local_store.LocalStore, "_write_file", file_spy)
+    cfg = ckptfs.SaveOptions(background_nice=min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7))
+    sd = {"w": torch.randn(1024, 1024)}  # 4 MiB: checksummed while written
+    ckptfs.async_save(sd, tmp_path / "ck", options=cfg).result()
+    assert any(checked for checked, _ in files), files
+    assert {n for checked, n in files if checked} == {cfg.background_nice}, files
+    out = {"w": torch.zeros(1024, 1024)}
+    ckptfs.load(out, tmp_path / "ck")
+    assert torch.equal(out["w"], sd["w"])

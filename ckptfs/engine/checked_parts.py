@@ -43,7 +43,10 @@ class CheckedPart(StreamedPart):
     goes (``crc`` once the stream has yielded every slice); with ``test`` (a function of a
     slice: True where the slice may hold a value to refuse, engine/health.py's
     ``slice_test``) each slice is also tested, and ``suspect`` tells whether any slice
-    failed."""
+    failed. Its bytes are already in host memory (``awaited`` False: a background save's
+    store writes it at its own priority)."""
+
+    awaited = False
 
     def __init__(self, data: memoryview, slice_bytes: int = SLICE,
                  test: Callable[[memoryview], bool] | None = None) -> None:

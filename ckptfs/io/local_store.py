@@ -36,9 +36,9 @@ class LocalStore(Store):
     def __init__(self, root: str, options: StoreOptions | None = None, *, nice: int = 0) -> None:
         """``nice``: the OS nice value (0-19) of the threads writing data files with ``put``
         and ``put_files`` (a background save's store gives way to the training loop). A file
-        with streamed parts is written at the caller's priority instead: its bytes are still
-        being copied out of the caller's tensors (a bounded save's overflow), and the caller
-        waits for that copy (``staged``)."""
+        with awaited streamed parts (``StreamedPart.awaited``) is written at the caller's priority
+        instead: its bytes are still being copied out of the caller's tensors (a bounded save's
+        overflow), and the caller waits for that copy (``staged``)."""
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root, options)
         self.root = root
@@ -220,10 +220,10 @@ class LocalStore(Store):
 
     async def put(self, path: str, parts: Sequence[Part]) -> None:
         full = self._p(path)
-        streamed = any(isinstance(p, StreamedPart) for p in parts)
+        awaited = any(isinstance(p, StreamedPart) and p.awaited for p in parts)
         async with self.semaphore:
             n = await self._in_writer(lambda: self._write_file(full, parts),
-                                      0 if streamed else self.nice)
+                                      0 if awaited else self.nice)
         self.stats.write_requests += 1
         self.stats.bytes_written += n
 

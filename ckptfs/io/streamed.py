@@ -24,6 +24,10 @@ class StreamedPart(ABC):
 
     #: crc32c of the bytes of the last ``stream()`` that yielded them all (None: not computed)
     crc: int | None = None
+    #: whether the caller waits while the bytes are produced (they are still being copied out
+    #: of its tensors): a store then writes the file at the caller's priority, not a background
+    #: one. False for bytes already in host memory that are only read as they are written.
+    awaited: bool = True
 
     @property
     @abstractmethod
