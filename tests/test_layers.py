@@ -61,3 +61,18 @@ def test_tools_are_exported_lazily():
     assert names <= set(ckptfs.__all__) and names <= set(dir(ckptfs))
     for name, module in ckptfs._TOOLS.items():
         assert getattr(ckptfs, name).__module__ == module
+
+
+def test_import_leaves_the_heavy_modules_alone():
+    """``import ckptfs`` imports neither DTensor's module (with the symbolic-shapes code it pulls
+    in) nor the object-store clients: every spawned rank, writer process and command pays for
+    what the package imports. DTensors are recognised without importing their module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptfs; "
+            "print(sorted(m for m in ('torch.distributed.tensor', 'sympy', 's3fs', 'obstore', "
+            "'zarr') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout

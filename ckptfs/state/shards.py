@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 
@@ -14,11 +15,16 @@ from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import DType, from_torch
 from ckptfs.planning.layouts import REPLICATE, Layout, MeshSpec, mesh_box
 
-try:  # torch >= 2.4 has the public DTensor
+if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]  # absent: every use checks for None first
+
+
+def is_dtensor(obj: object) -> TypeGuard[DTensor]:
+    """Whether ``obj`` is a DTensor. An object can only be one once its module is imported, so
+    the module is looked up, never imported here: importing it (and the symbolic-shapes code it
+    pulls in) would cost every process that never makes a DTensor most of a second."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ def is_tensor_like(obj: object) -> bool:
 
 def is_plain_tensor(obj: object) -> bool:
     """A tensor that is neither a DTensor nor a ShardedTensor (a replica on every rank)."""
-    return isinstance(obj, torch.Tensor) and not (DTensor is not None and isinstance(obj, DTensor))
+    return isinstance(obj, torch.Tensor) and not is_dtensor(obj)
 
 
 def local_shard(key: str, obj: torch.Tensor | ShardedTensor, rank: int) -> LocalShard | None:
@@ -70,7 +76,7 @@ def local_shard(key: str, obj: torch.Tensor | ShardedTensor, rank: int) -> Local
         t = obj.local_tensor
         return LocalShard(key, t, from_torch(t.dtype, key), obj.global_shape,
                           Box(obj.global_offset, tuple(t.shape)), obj.replica_id)
-    if DTensor is not None and isinstance(obj, DTensor):
+    if is_dtensor(obj):
         return _dtensor_shard(key, obj)
     if isinstance(obj, torch.Tensor):
         if obj.is_sparse or obj.layout != torch.strided:
@@ -82,6 +88,7 @@ def local_shard(key: str, obj: torch.Tensor | ShardedTensor, rank: int) -> Local
 
 def _dtensor_shard(key: str, x: DTensor) -> LocalShard | None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
     mesh, placements = x.device_mesh, x.placements
     coord = mesh.get_coordinate()
@@ -149,7 +156,9 @@ def tensor_layout(shard: LocalShard, obj: torch.Tensor | ShardedTensor, rank: in
     dtype, shape = shard.dtype.name, shard.global_shape
     if isinstance(obj, ShardedTensor):
         return Layout(dtype, shape, box=shard.box, replica_id=shard.replica_id)
-    if DTensor is not None and isinstance(obj, DTensor):
+    if is_dtensor(obj):
+        from torch.distributed.tensor.placement_types import Shard
+
         i = meshes.index(obj.device_mesh)
         if i is not None:
             spec = meshes.specs[i]
