@@ -11,6 +11,10 @@ TITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard sht
 # pytest-xdist workers for `make test` (the suite waits on disks, sockets and spawned ranks
 # much of the time: two workers on CI's 2 cores cut its wall time by about a third)
 TEST_WORKERS ?= 2
+# The checkout's bytecode, written once before the tests: every spawned rank, writer process and
+# docs block imports ckptfs and the test modules, and where PYTHONDONTWRITEBYTECODE is set each
+# of those processes would compile them again
+COMPILE := $(BIN)/python -m compileall -q -j 0 ckptfs tests bench examples tools_dev > /dev/null
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
 	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
@@ -36,11 +40,13 @@ test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	$(BIN)/mypy
+	$(COMPILE)
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m "not extended"
 
 # The longer runs `make test` leaves out (marker `extended`): the conformance suite from an
 # installed wheel and the larger benches' smoke runs; each has a quicker twin in `make test`
 test-extended: $(STAMP)
+	$(COMPILE)
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m extended
 
 # The fast lane: the tests that start no processes and no servers (`pytest -m "not slow"`).
