@@ -34,11 +34,28 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name
 
 
+#: modules whose tests run longest (tens of seconds each) go first and the many short docs
+#: blocks last, so that parallel workers (``-n``) end together instead of one finishing a long
+#: test alone; a module's tests stay together (its module-scoped fixtures are set up once)
+FIRST = ("test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugin",
+         "test_bench_smoke", "test_reshard")
+LAST = ("test_docs_blocks",)
+
+
+def _place(item: pytest.Item) -> int:
+    name = item.module.__name__.rpartition(".")[2] if item.module else ""
+    if name in FIRST:
+        return FIRST.index(name)
+    return len(FIRST) + 1 if name in LAST else len(FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that uses an S3 server fixture is slow (it starts moto, once per process)."""
+    """A test that uses an S3 server fixture is slow (it starts moto, once per process). The
+    longest modules run first (``FIRST``), the rest in their usual order."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_place)
 
 
 @pytest.fixture(scope="session", autouse=True)

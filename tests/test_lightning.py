@@ -18,28 +18,48 @@ import ckptfs
 pytest.importorskip("lightning")
 
 
-def train(mode: str, root, out, *extra: str) -> subprocess.CompletedProcess:
+def train(mode: str, root, out, *extra: str) -> subprocess.Popen:
+    """Start one run (the test waits on it with ``finish``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "tests.lightning_train", mode, str(root), str(out),
-                           *extra], capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.Popen([sys.executable, "-m", "tests.lightning_train", mode, str(root),
+                             str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def finish(*runs: subprocess.Popen) -> list[tuple[int, str]]:
+    """Wait for runs started side by side: (return code, stderr) of each."""
+    got = []
+    try:
+        for run in runs:
+            _, err = run.communicate(timeout=600)
+            got.append((run.returncode, err))
+    finally:
+        for run in runs:
+            if run.poll() is None:  # one timed out: none is left behind
+                run.kill()
+                run.wait()
+    return got
 
 
 def test_killed_run_resumes_from_last_bit_exact(tmp_path):
-    full = train("full", tmp_path / "full", tmp_path / "full.pt")
-    assert full.returncode == 0, full.stderr[-3000:]
-    killed = train("killed", tmp_path / "run", tmp_path / "never.pt")
-    assert killed.returncode != 0 and not (tmp_path / "never.pt").exists()
+    # the unbroken run and the killed one are independent: they run side by side
+    (full, err), (killed, _) = finish(train("full", tmp_path / "full", tmp_path / "full.pt"),
+                                      train("killed", tmp_path / "run", tmp_path / "never.pt"))
+    assert full == 0, err[-3000:]
+    assert killed != 0 and not (tmp_path / "never.pt").exists()
     last = ckptfs.load_metadata(tmp_path / "run" / "last.ckpt")
     assert last.values["epoch"] == 1  # epoch 1's checkpoint, committed before the kill
     # the killed run resumed twice from the same directory (ModelCheckpoint keeps its state
-    # only where it was saved): with the plug-in under AsyncCheckpointIO, then as it is
+    # only where it was saved, so one after the other): with the plug-in under
+    # AsyncCheckpointIO, then as it is
     shutil.copytree(tmp_path / "run", tmp_path / "killed")
-    resumed = train("resume", tmp_path / "run", tmp_path / "resumed_async.pt", "--async")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [(code, err)] = finish(train("resume", tmp_path / "run", tmp_path / "resumed_async.pt",
+                                 "--async"))
+    assert code == 0, err[-3000:]
     os.rename(tmp_path / "run", tmp_path / "run_async")
     os.rename(tmp_path / "killed", tmp_path / "run")
-    resumed = train("resume", tmp_path / "run", tmp_path / "resumed.pt")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [(code, err)] = finish(train("resume", tmp_path / "run", tmp_path / "resumed.pt"))
+    assert code == 0, err[-3000:]
     want = torch.load(tmp_path / "full.pt")["model"]
     for name in ("resumed.pt", "resumed_async.pt"):
         got = torch.load(tmp_path / name)["model"]
