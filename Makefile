@@ -113,7 +113,7 @@ crash-trials: $(STAMP)
 # The 0.19.2 venv also gets ckptfs's dependencies (ckptfs itself comes from PYTHONPATH).
 MEGATRON_VENV ?= .venv-megatron
 MEGATRON015_VENV ?= .venv-megatron015
-CKPTFS_DEPS := numpy fsspec s3fs obstore safetensors "zarr>=3.1.3" "numcodecs>=0.16" google-crc32c \
+CKPTFS_DEPS := numpy fsspec s3fs obstore safetensors "zarr>=3.1.3" "numcodecs>=0.16" google-crc32c isal \
 	ml_dtypes tqdm
 
 $(MEGATRON_VENV)/.installed:

@@ -235,7 +235,9 @@ def do_save(lib: str, state: dict, path: str, backend: str,
     elif lib.startswith("ckptfs"):
         import ckptfs
 
-        ckptfs.save(state, path, backend=backend, store_options=store_options(lib))
+        name, _, version = backend.partition("-")  # name or name-version (zarr-2)
+        ckptfs.save(state, path, backend=name, backend_version=int(version) if version else None,
+                    store_options=store_options(lib))
     else:
         import torch.distributed.checkpoint as dcp
 
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--cache", default="dropped,warm", help="page cache states: dropped, warm or both")
-    p.add_argument("--backend", default="safetensors_chunks")
+    p.add_argument("--backend", default="safetensors_chunks", help="name or name-version (zarr-2)")
     p.add_argument("--libs", default=",".join(LIBS),
                    help="comma list: DCP, ckptfs, ckptfs with StoreOptions fields ('ckptfs fsync=False')")
     p.add_argument("--label", default="current", help="the key of this run in the results file")

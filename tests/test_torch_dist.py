@@ -23,6 +23,7 @@ import struct
 import sys
 import types
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,6 +40,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 import ckptfs
 from ckptfs.io.local_store import LocalStore
+from ckptfs.layout import crc32 as zip_crc
 from ckptfs.layout.backends.torch_dist import TorchDistBackend
 from ckptfs.layout.backends.torch_dist_keys import dcp_leaves
 from ckptfs.layout.backends.torch_dist_pickle import ForbiddenGlobalError
@@ -291,6 +293,16 @@ def test_sniffed_index_describes_dcp_checkpoint(root):
 
 
 # -- format details ---------------------------------------------------------------------------------
+
+
+def test_zip_crc32_is_zlibs_from_isal_where_installed():
+    """The blobs' CRC-32 comes from isal where it imports, with zlib's value (any buffer, any
+    starting value)."""
+    isal_zlib = pytest.importorskip("isal.isal_zlib")
+    assert zip_crc._crc32 is isal_zlib.crc32
+    data = memoryview(torch.randn(1000, 3).to(torch.bfloat16).view(torch.uint8).numpy())
+    assert zip_crc.crc32(data) == zlib.crc32(data)
+    assert zip_crc.crc32(data[5:], 77) == zlib.crc32(data[5:], 77)
 
 
 @pytest.mark.parametrize("t", [

@@ -48,7 +48,8 @@ from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 #: a file of at most this many bytes is small; at least ``_SMALL_GROUP`` of them are written in
-#: groups of that many (``Store.put_files``): a local store writes a group in one worker thread
+#: groups of at most that many, dealt over the store's request slots (``Store.put_files``;
+#: engine/small_files.py): a local store writes a group in one worker thread
 #: (zarr's 20,000 files of 10,000 small tensors: a thread hop and a task each cost about 270 us
 #: of CPU a file, the writes themselves about 30 us)
 _SMALL_FILE = 1 << 20
@@ -242,7 +243,8 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
         if bar is not None:
             bar.update(sum(f.nbytes for f in fs))
 
-    groups, single = group_small(files, _small, _SMALL_GROUP)
+    # the groups dealt over the store's request slots: each worker's fsyncs wait in turn
+    groups, single = group_small(files, _small, _SMALL_GROUP, spread=store.options.max_concurrency)
     try:
         await gather_all(*(one(f) for f in single), *(group(g) for g in groups))
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from ckptfs.layout.backends.torch_dist_zip import (
     _run_sync,
     locate_records,
 )
+from ckptfs.layout.crc32 import crc32
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.state.flatten import flatten
 
@@ -89,7 +89,7 @@ class TorchFileWriter:
                              f"{t.dtype} {list(t.shape)}")
         data = tensor_bytes(t.contiguous())
         os.pwrite(self._f.fileno(), data, offset)
-        self._crcs[rec.name] = zlib.crc32(data)
+        self._crcs[rec.name] = crc32(data)
 
     def abort(self) -> None:
         """Stop after a failure (the partial file stays for inspection)."""
@@ -124,7 +124,7 @@ class TorchFileWriter:
         old = self._read(at, at + 40)
         new = old[:20] + f"{fold:020d}".encode()
         os.pwrite(self._f.fileno(), new, at)
-        self._set_crc(sid, zlib.crc32(new))
+        self._set_crc(sid, crc32(new))
 
     def _set_crc(self, rec: ZipRecord, crc: int) -> None:
         value = struct.pack("<I", crc)

@@ -29,6 +29,7 @@ import torch
 
 from ckptfs.errors import MalformedIndexError
 from ckptfs.layout.backends.torch_dist_pickle import StoredTensor, read_tensor_pickle, read_value_pickle
+from ckptfs.layout.crc32 import crc32
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 if TYPE_CHECKING:
@@ -423,7 +424,7 @@ class _Template:
     def fill(self, data: memoryview) -> TensorBlob:
         assert data.nbytes == self.nbytes
         blob = _HeadTail(bytearray(self.head), self.nbytes, bytearray(self.tail))
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         _set_crc(blob, self.record, len(self.head) + self.nbytes, crc)
         if self.sid is not None:
             # 20 digits of combined record-name hashes (unchanged), then 20 digits of the
@@ -434,7 +435,7 @@ class _Template:
             new = blob.get(self.sid_at, 20) + f"{fold:020d}".encode()
             assert len(new) == 40
             blob.put(self.sid_at, new)
-            _set_crc(blob, self.sid, self.sid_at + 40, zlib.crc32(new))
+            _set_crc(blob, self.sid, self.sid_at + 40, crc32(new))
         return TensorBlob(bytes(blob.head), data, bytes(blob.tail))
 
 
