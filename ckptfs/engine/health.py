@@ -243,15 +243,16 @@ def bit_test(size: int, first: int) -> Callable[[np.ndarray], bool]:
     pattern). Exact: read as signed integers the positive ones are the largest patterns of all,
     read as unsigned integers the negative ones are; two maximum reductions per block of at
     most ``BLOCK_BYTES`` (the second reads it from the cache the first left it in)."""
-    negative = first | 1 << (8 * size - 1)
     unsigned = np.dtype(f"u{size}")
+    # as scalars of the arrays' own types: compared exactly, never as floats (numpy 1.x)
+    positive, negative = np.dtype(f"i{size}").type(first), unsigned.type(first | 1 << (8 * size - 1))
     largest = np.maximum.reduce
 
     def test(a: np.ndarray) -> bool:
         if a.nbytes > BLOCK_BYTES and a.ndim == 1 and a.flags.c_contiguous:
             step = BLOCK_BYTES // a.itemsize
             return any(test(a[i:i + step]) for i in range(0, a.size, step))
-        return bool(largest(a, axis=None) >= first
+        return bool(largest(a, axis=None) >= positive
                     or largest(a.view(unsigned), axis=None) >= negative)
 
     return test
