@@ -161,6 +161,10 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
             "cost_pct": 100 * (med[("fresh", True)] / off - 1),
             "cost_pct_fastest": 100 * (min(times[("fresh", True)])
                                        / min(times[("fresh", False)]) - 1),
+            # each run with the check against the run without it right after it (same load)
+            "cost_pct_paired": 100 * (statistics.median(
+                on / off for on, off in zip(times[("fresh", True)], times[("fresh", False)],
+                                            strict=True)) - 1),
             "replacing_save_s": med[("replacing", False)],
             "replacing_cost_pct": 100 * (med[("replacing", True)]
                                          / med[("replacing", False)] - 1),
@@ -220,7 +224,8 @@ def report(result: dict[str, Any]) -> None:
     if cf is not None:
         print(f"check_finite: page-cache save {cf['save_s']:.3f} s, with the check "
               f"{cf['save_check_finite_s']:.3f} s ({cf['cost_pct']:+.1f}%; fastest runs "
-              f"{cf['cost_pct_fastest']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
+              f"{cf['cost_pct_fastest']:+.1f}%; median of paired runs "
+              f"{cf['cost_pct_paired']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
               f"({cf['check_alone_pct']:.1f}% of the save); replacing a checkpoint "
               f"{cf['replacing_cost_pct']:+.1f}%; CPU time {cf['cpu_s']:.3f} s, with the "
               f"check {cf['cpu_cost_pct']:+.1f}% (replacing "
