@@ -379,3 +379,7 @@ def test_the_quick_pass_clears_exactly_the_finite_tensors(dtype, monkeypatch):
             want = (("x", nan, inf),) if nan + inf else ()
             assert health.non_finite([_chunk("x", x), _chunk("ok", finite)]) == want
             assert health._suspects([x]) == [bool(nan + inf)]
+            x = finite.abs()  # no sign bit set anywhere but here: one reduction per block
+            assert health._suspects([x]) == [False]
+            x[where] = torch.tensor(value, dtype=torch.float64).to(dtype)
+            assert health._suspects([x]) == [bool(nan + inf)]

@@ -240,20 +240,23 @@ def _host_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
 def bit_test(size: int, first: int) -> Callable[[np.ndarray], bool]:
     """Whether an array of a float dtype's bit patterns, as signed integers of ``size`` bytes,
     holds a NaN or infinity (all exponent bits set; ``first``: the smallest positive such
-    pattern). Exact: read as signed integers the positive ones are the largest patterns of all,
-    read as unsigned integers the negative ones are; two maximum reductions per block of at
-    most ``BLOCK_BYTES`` (the second reads it from the cache the first left it in)."""
+    pattern). Exact: read as unsigned integers the negative ones are the largest patterns of
+    all, read as signed integers the positive ones are; a maximum reduction of each per block
+    of at most ``BLOCK_BYTES`` (the second reads it from the cache the first left it in), one
+    where the first shows no sign bit set (no negative number: a second moment, a variance)."""
     unsigned = np.dtype(f"u{size}")
-    # as scalars of the arrays' own types: compared exactly, never as floats (numpy 1.x)
-    positive, negative = np.dtype(f"i{size}").type(first), unsigned.type(first | 1 << (8 * size - 1))
+    sign = 1 << (8 * size - 1)
+    negative = first | sign
     largest = np.maximum.reduce
 
     def test(a: np.ndarray) -> bool:
         if a.nbytes > BLOCK_BYTES and a.ndim == 1 and a.flags.c_contiguous:
             step = BLOCK_BYTES // a.itemsize
             return any(test(a[i:i + step]) for i in range(0, a.size, step))
-        return bool(largest(a, axis=None) >= positive
-                    or largest(a.view(unsigned), axis=None) >= negative)
+        top = int(largest(a.view(unsigned), axis=None))  # Python ints: compared exactly
+        if top < sign:  # every sign bit clear: the largest as signed integers too
+            return top >= first
+        return top >= negative or int(largest(a, axis=None)) >= first
 
     return test
 
