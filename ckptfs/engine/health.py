@@ -18,9 +18,9 @@
   machine has descheduled a member). The quick test (``bit_test``), exact for every float
   dtype: an array of a float's bit patterns holds a NaN or infinity exactly when their largest
   read as signed integers reaches the positive ones, or read as unsigned integers the negative
-  ones (``_BITS``); two maximum reductions per block of ``BLOCK_BYTES``, the second from cache
-  (numpy's integer maximum reads a cached block several times faster than its float sum adds
-  it). Only a chunk that fails is counted element by element. One small
+  ones (``_BITS``); two maximum reductions per block of ``BLOCK_BYTES``, the second from cache,
+  one for a block with no sign bit set (numpy's integer maximum reads a cached block several
+  times faster than its float sum adds it). Only a chunk that fails is counted element by element. One small
   reduction tells every rank whether any rank found one (in the write phase, the one that
   settles the writes); then every rank raises the same ``NonFiniteError`` naming each key and
   its counts (``non_finite_error``), and nothing is committed.
