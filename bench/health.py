@@ -5,7 +5,12 @@
   with and without ``check_finite=True``, alternating, ``--reps`` times each, to a fresh
   target (the check folded into the write) and over a committed checkpoint (the check in a
   pass of its own first); the cost is the ratio of the medians (and of the fastest runs), and
-  the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it.
+  the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it. What
+  bounds it: the CPU time of the check inside the checksum thread (every tensor streamed
+  through engine/checked_parts.py's ``CheckedPart`` with no write, its crc32c alone and with the
+  test of each block after it, alternating) against the save's CPU time, and the cores the
+  save keeps busy (its CPU time over its wall time): a save that keeps every core busy pays
+  for the check's CPU time in wall time.
 - ``diff`` from checksums: two saves of the same state in the same layout; ``ckptfs.diff``
   decides "equal" from the chunk checksums (no tensor byte read).
 - ``diff`` across layouts: the safetensors_chunks checkpoint against a zarr-3 one of the same
@@ -39,11 +44,13 @@ import torch
 import ckptfs
 from bench.floors import files_under, read_files, scratch_for
 from bench.worker import drop_caches
-from ckptfs.engine.health import non_finite
+from ckptfs.engine.checked_parts import CheckedPart
+from ckptfs.engine.health import non_finite, slice_test
 from ckptfs.io import StoreOptions
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.boxes import full_box
 from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.tensor_bytes import tensor_bytes
 
 
 def make_state(gb: float, tensor_mb: int) -> dict[str, torch.Tensor]:
@@ -96,6 +103,31 @@ def peak_in_subprocess(a: str, b: str) -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def fold_cpu(state: dict[str, torch.Tensor], test: bool) -> float:
+    """CPU seconds of this process while every tensor's bytes stream through the checksum
+    thread of a write (``CheckedPart``) with nothing written: the crc32c of each slice alone,
+    or with the check's test of each block right after its checksum (``test``)."""
+    c0 = cpu_seconds()
+    for t in state.values():
+        part = CheckedPart(tensor_bytes(t), test=slice_test(t) if test else None)
+        for _ in part.stream():
+            pass
+        assert not part.suspect
+    return cpu_seconds() - c0
+
+
+def fold_cost(state: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
+    """The check's CPU time inside the checksum thread: medians of ``fold_cpu`` with and
+    without the test, alternating, over ``reps`` runs of each."""
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * reps):
+        runs[i % 2 == 1].append(fold_cpu(state, i % 2 == 1))
+    crc, both = statistics.median(runs[False]), statistics.median(runs[True])
+    nbytes = sum(t.nbytes for t in state.values())
+    return {"fold_crc_cpu_s": crc, "fold_check_cpu_s": both - crc,
+            "fold_check_gbps": nbytes / max(both - crc, 1e-9) / 1e9}
+
+
 def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
     """Alternating saves with and without the check: to a fresh target (the folder of the
     previous run of the same case removed first, untimed: the check runs while the files are
@@ -104,7 +136,7 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
     times: dict[tuple[str, bool], list[float]] = {}
     cpu: dict[tuple[str, bool], list[float]] = {}
     page_cache = StoreOptions(fsync=False)
-    for i in range(2 * reps + 1):  # the first round warms up and is not counted
+    for i in range(2 * reps + 2):  # the first two rounds (without, with) warm up, not counted
         check = i % 2 == 1
         for case in ("fresh", "replacing"):
             url = os.path.join(root, f"cf-{case}-{check}")
@@ -113,7 +145,7 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
             c0, t0 = cpu_seconds(), time.perf_counter()
             ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
                         store_options=page_cache)
-            if i:
+            if i >= 2:
                 times.setdefault((case, check), []).append(time.perf_counter() - t0)
                 cpu.setdefault((case, check), []).append(cpu_seconds() - c0)
     chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
@@ -122,10 +154,17 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in times.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     off = med[("fresh", False)]
-    return {"save_s": off, "save_check_finite_s": med[("fresh", True)],
+    fold = fold_cost(state, reps)
+    return {**fold, "fold_check_cpu_pct": 100 * fold["fold_check_cpu_s"] / cpu_med[("fresh", False)],
+            "save_cores_busy": cpu_med[("fresh", False)] / off, "cores": os.cpu_count(),
+            "save_s": off, "save_check_finite_s": med[("fresh", True)],
             "cost_pct": 100 * (med[("fresh", True)] / off - 1),
             "cost_pct_fastest": 100 * (min(times[("fresh", True)])
                                        / min(times[("fresh", False)]) - 1),
+            # each run with the check against the run without it right before it (same load)
+            "cost_pct_paired": 100 * (statistics.median(
+                on / off for on, off in zip(times[("fresh", True)], times[("fresh", False)],
+                                            strict=True)) - 1),
             "replacing_save_s": med[("replacing", False)],
             "replacing_cost_pct": 100 * (med[("replacing", True)]
                                          / med[("replacing", False)] - 1),
@@ -185,12 +224,18 @@ def report(result: dict[str, Any]) -> None:
     if cf is not None:
         print(f"check_finite: page-cache save {cf['save_s']:.3f} s, with the check "
               f"{cf['save_check_finite_s']:.3f} s ({cf['cost_pct']:+.1f}%; fastest runs "
-              f"{cf['cost_pct_fastest']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
+              f"{cf['cost_pct_fastest']:+.1f}%; median of paired runs "
+              f"{cf['cost_pct_paired']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
               f"({cf['check_alone_pct']:.1f}% of the save); replacing a checkpoint "
               f"{cf['replacing_cost_pct']:+.1f}%; CPU time {cf['cpu_s']:.3f} s, with the "
               f"check {cf['cpu_cost_pct']:+.1f}% (replacing "
               f"{cf['replacing_cpu_cost_pct']:+.1f}%); load average "
               f"{' '.join(f'{x:.1f}' for x in cf['load_average'])}")
+        print(f"check_finite's bound: the test in the checksum thread costs "
+              f"{cf['fold_check_cpu_s']:.3f} s of CPU ({cf['fold_check_gbps']:.0f} GB/s; the "
+              f"crc32c alone {cf['fold_crc_cpu_s']:.3f} s), {cf['fold_check_cpu_pct']:.1f}% of "
+              f"the save's CPU time; the save keeps {cf['save_cores_busy']:.2f} of "
+              f"{cf['cores']} cores busy")
     if d is not None:
         print(f"diff from checksums: {d['from_checksums_s']:.3f} s")
         print(f"diff across layouts: {d['streamed_s']:.3f} s, cold-read floor "

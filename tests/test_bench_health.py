@@ -16,6 +16,8 @@ def test_tiny_health_bench_writes_its_results(tmp_path):
     assert {k: len(v) for k, v in cf["runs"].items()} == {
         "fresh-on": 1, "fresh-off": 1, "replacing-on": 1, "replacing-off": 1}
     assert cf["save_s"] > 0 and cf["replacing_save_s"] > 0 and cf["check_alone_s"] >= 0
+    assert cf["fold_crc_cpu_s"] >= 0 and cf["save_cores_busy"] > 0 and cf["cores"] >= 1
+    assert "cost_pct_paired" in cf and "fold_check_cpu_s" in cf
     assert len(cf["load_average"]) == 3
     assert diff["from_checksums_s"] > 0 and diff["streamed_s"] > 0 and diff["floor_s"] > 0
     assert diff["memory_bound"] > 0 and diff["files_bytes"] >= 2 * 4_000_000

@@ -6,6 +6,7 @@ stores that do not take streamed parts keep the checksum computed apart."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import google_crc32c
@@ -130,19 +131,34 @@ def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypat
     assert ckptfs.verify("memory://remote").ok
 
 
-def test_a_checked_part_tests_each_slice_as_it_goes():
+def test_a_checked_part_tests_each_block_right_after_its_checksum(monkeypatch):
+    """Each slice is checksummed and tested ``BLOCK`` bytes at a time, the test of a block right
+    after its crc32c; no block is tested after a hit (the checksum goes on); a retried write
+    tests again from the start."""
+    from ckptfs.engine import checked_parts
+
+    monkeypatch.setattr(checked_parts, "BLOCK", 1024)
     data = np.zeros(4000, dtype=np.float32)
-    data[2500] = np.nan
+    data[2500] = np.nan  # byte 10,000: the tenth block, the third slice
     seen: list[int] = []
+    real_extend = checked_parts.extend
+    order: list[str] = []
+
+    def extend(crc: int, block: memoryview) -> int:
+        order.append("crc")
+        return real_extend(crc, block)
 
     def test(view: memoryview) -> bool:
+        order.append("test")
         seen.append(view.nbytes)
         return bool(np.isnan(np.frombuffer(view, dtype=np.float32)).any())
 
+    monkeypatch.setattr(checked_parts, "extend", extend)
     part = CheckedPart(memoryview(data.tobytes()), slice_bytes=4096, test=test)
     assert part.tested and not part.suspect
     assert b"".join(bytes(v) for v in part.stream()) == data.tobytes()
-    assert part.suspect and seen == [4096, 4096, 4096]  # no slice tested after the hit
+    assert part.suspect and seen == [1024] * 10  # no block tested after the hit
+    assert order[:20] == ["crc", "test"] * 10 and part.crc == google_crc32c.value(data.tobytes())
     stream = part.stream()  # a retried write tests again, from the start
     next(stream)
     assert not part.suspect
@@ -199,6 +215,37 @@ def test_large_chunks_are_searched_for_nan_while_written(tmp_path, monkeypatch, 
         assert apart == ["small"]
     ckptfs.save(_state(), url, check_finite=True)  # a finite state at the same URL: committed
     assert ckptfs.verify(url).ok
+
+
+def test_every_float_dtype_is_searched_block_by_block_while_written(tmp_path, monkeypatch):
+    """Chunks of each float dtype tested block by block in the checksum thread: a NaN of either
+    sign and an infinity of either sign, each in its own chunk and in a different block (the
+    first, a middle one, the short last one), are found and counted exactly; chunks of finite
+    extremes are not; nothing is written."""
+    from ckptfs.engine import checked_parts
+
+    monkeypatch.setattr(checked_parts, "MIN_BYTES", 32 << 10)
+    monkeypatch.setattr(checked_parts, "BLOCK", 8 << 10)
+    apart = _keys_searched_apart(monkeypatch)
+    state, want = {}, {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e5m2):
+        n = (66 << 10) // dtype.itemsize  # 8 blocks and a short last one
+        fi = torch.finfo(dtype)
+        base = torch.tensor([fi.max, -fi.max, fi.tiny, -fi.tiny, 0.0, -0.0, 1.0, -1.0],
+                            dtype=torch.float64).repeat(n // 8 + 1)[:n]
+        state[f"{dtype}-ok"] = base.to(dtype)
+        for name, value, where, counts in (("nan", math.nan, 0, (1, 0)),
+                                           ("neg-nan", -math.nan, n // 2, (1, 0)),
+                                           ("inf", math.inf, n - 1, (0, 1)),
+                                           ("neg-inf", -math.inf, n // 3, (0, 1))):
+            x = base.clone()
+            x[where] = value
+            state[f"{dtype}-{name}"], want[f"{dtype}-{name}"] = x.to(dtype), counts
+    url = tmp_path / "fresh"
+    with pytest.raises(ckptfs.NonFiniteError) as e:
+        ckptfs.save(state, url, check_finite=True)
+    assert e.value.found == want
+    assert apart == [] and not list(url.rglob("*"))
 
 
 def test_a_refused_replacing_save_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):

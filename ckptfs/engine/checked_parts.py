@@ -12,7 +12,9 @@ combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) 
 are not a chunk's bytes as they are (encoded chunks) are left as they were.
 
 A save with ``check_finite=True`` folds its search for NaN and infinity into the same thread
-(``CheckedPart.test``): each slice is tested right after its checksum, while it is in cache, and
+(``CheckedPart.test``): a tested slice is checksummed and tested ``BLOCK`` bytes at a time, each
+block right after its checksum, while it is in the core's L2 cache (an 8 MiB slice is not: its
+test read it from memory again), so the bytes are read from memory once, for the checksum, and
 no pass over the chunk's host bytes is made apart from the write.
 """
 
@@ -28,12 +30,15 @@ from ckptfs.io.parts import byte_view, part_bytes
 from ckptfs.io.store import Part
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.backend import FileWrite
-from ckptfs.layout.checksum import combine, crc_of
+from ckptfs.layout.checksum import combine, crc_of, extend
 
 #: bytes of one slice: a write and a write-back request each, small enough to stay in cache
 SLICE = 8 << 20
 #: parts below this size are checksummed apart, as before (they are written in groups)
 MIN_BYTES = 1 << 20
+#: bytes of a slice checksummed and tested at once: small enough to stay in a core's L2 cache
+#: between the two (a whole slice does not: its test would read it from memory again)
+BLOCK = 512 << 10
 #: slices the checksum may run ahead of the write (bounded: the write reads them from cache)
 AHEAD = 2
 
@@ -41,15 +46,15 @@ AHEAD = 2
 class CheckedPart(StreamedPart):
     """A chunk's host bytes, streamed in slices of ``slice_bytes``, each checksummed as it
     goes (``crc`` once the stream has yielded every slice); with ``test`` (a function of a
-    slice: True where the slice may hold a value to refuse, engine/health.py's
-    ``slice_test``) each slice is also tested, and ``suspect`` tells whether any slice
-    failed. Its bytes are already in host memory (``awaited`` False: a background save's
-    store writes it at its own priority)."""
+    block of ``BLOCK`` bytes or fewer, as a flat uint8 array: True where it may hold a value to
+    refuse, engine/health.py's ``slice_test``) each slice is also tested, block by block, and
+    ``suspect`` tells whether any block failed. Its bytes are already in host memory
+    (``awaited`` False: a background save's store writes it at its own priority)."""
 
     awaited = False
 
     def __init__(self, data: memoryview, slice_bytes: int = SLICE,
-                 test: Callable[[memoryview], bool] | None = None) -> None:
+                 test: Callable[[np.ndarray], bool] | None = None) -> None:
         self._data = data
         self._slice = slice_bytes
         self._test = test
@@ -87,7 +92,7 @@ class _Ahead:
     view failed it (each view is tested after its checksum, from cache)."""
 
     def __init__(self, views: list[memoryview],
-                 test: Callable[[memoryview], bool] | None = None) -> None:
+                 test: Callable[[np.ndarray], bool] | None = None) -> None:
         self.views = views
         self.test = test
         self.suspect = False
@@ -104,11 +109,25 @@ class _Ahead:
                 self.room.acquire()
                 if self._stopped:
                     return
-                self.crcs.append(crc_of(view))
-                if self.test is not None and not self.suspect:
-                    self.suspect = self.test(view)
+                if self.test is None or self.suspect:
+                    self.crcs.append(crc_of(view))
+                else:
+                    self.crcs.append(self._crc_and_test(view))
         except BaseException as e:  # raised in the writer's thread by result()
             self.error = e
+
+    def _crc_and_test(self, view: memoryview) -> int:
+        """The crc32c of ``view``, which is tested too, ``BLOCK`` bytes at a time: each block
+        right after its checksum, from the core's cache (read from memory once)."""
+        assert self.test is not None
+        data = np.frombuffer(view, dtype=np.uint8)
+        crc = 0
+        for start in range(0, data.size, BLOCK):
+            block = data[start:start + BLOCK]
+            crc = extend(crc, block)
+            if not self.suspect:
+                self.suspect = self.test(block)
+        return crc
 
     def stop(self, early: bool) -> None:
         """Wait for the thread; ``early`` (the writer stopped before the end): it stops at
@@ -135,7 +154,7 @@ def address(buf: memoryview | bytes | bytearray) -> tuple[int, int]:
 
 
 def checked_files(files: Sequence[FileWrite], chunks: Iterable[memoryview],
-                  tests: Mapping[tuple[int, int], Callable[[memoryview], bool]] | None = None
+                  tests: Mapping[tuple[int, int], Callable[[np.ndarray], bool]] | None = None
                   ) -> tuple[tuple[FileWrite, ...], dict[tuple[int, int], CheckedPart]]:
     """``files`` with each part that is one of ``chunks`` (by address and length, at least
     ``MIN_BYTES``, first occurrence) made a ``CheckedPart`` (with the test ``tests`` holds

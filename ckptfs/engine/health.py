@@ -7,20 +7,20 @@
   (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each).
   The other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``;
   chunks streamed while written are searched here): at a fresh target on a store that writes
-  streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested slice
-  by slice in the checksum thread ahead of the write, right after the slice's crc32c (``slice_test``;
-  engine/write.py), the smaller ones by ``non_finite`` while the files are written; where a
-  checkpoint is being replaced (before its index is un-committed, engine/commit.py's
-  ``replace_target``) or on other stores (before anything is written) ``check_now`` searches
-  them in one read-only pass of pieces of ``PIECE_BYTES`` dealt over
-  ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on one
-  core with the GIL released, so the pass never waits on a parallel team of which a busy
-  machine has descheduled a member). The quick test of a piece or slice: a float32/float64
-  one is finite if its sum is (the sum of finite numbers is finite unless it overflows, and
-  any NaN or infinity makes it NaN or infinite); a 16- and 8-bit float one holds a NaN or
-  infinity exactly when the largest of its bit patterns read as signed integers reaches the
-  positive ones, or read as unsigned integers the negative ones (``_BITS``). Only a chunk that
-  fails is counted element by element (an overflowed sum then counts nothing). One small
+  streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block
+  by block in the checksum thread ahead of the write, each block right after its crc32c, from
+  the core's cache (``slice_test``; engine/write.py), the smaller ones by ``non_finite`` while
+  the files are written; where a checkpoint is being replaced (before its index is
+  un-committed, engine/commit.py's ``replace_target``) or on other stores (before anything is
+  written) ``check_now`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
+  over ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on
+  one core with the GIL released, so the pass never waits on a parallel team of which a busy
+  machine has descheduled a member). The quick test (``bit_test``), exact for every float
+  dtype: an array of a float's bit patterns holds a NaN or infinity exactly when their largest
+  read as signed integers reaches the positive ones, or read as unsigned integers the negative
+  ones (``_BITS``); two maximum reductions per block of ``BLOCK_BYTES``, the second from cache,
+  one for a block with no sign bit set (numpy's integer maximum reads a cached block several
+  times faster than its float sum adds it). Only a chunk that fails is counted element by element. One small
   reduction tells every rank whether any rank found one (in the write phase, the one that
   settles the writes); then every rank raises the same ``NonFiniteError`` naming each key and
   its counts (``non_finite_error``), and nothing is committed.
@@ -56,9 +56,13 @@ PIECE = 1 << 22
 _WIDEN = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 #: bytes of a CPU tensor one thread of the finiteness pass reduces at once
 PIECE_BYTES = 16 << 20
+#: bytes a quick test reads at once (``bit_test``): small enough to stay in a core's L2 cache,
+#: so the second reduction over a block (and a checksum just before it) reads it from there
+BLOCK_BYTES = 512 << 10
 #: float dtype -> (integer view of its bits, the smallest bit pattern of a positive NaN or
 #: infinity); the negative ones are that pattern with the sign bit set
 _BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float64: (torch.int64, 0x7FF0_0000_0000_0000), torch.float32: (torch.int32, 0x7F80_0000),
     torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
     torch.float8_e5m2: (torch.int8, 0x7C), torch.float8_e4m3fn: (torch.int8, 0x7F),
 }
@@ -224,43 +228,55 @@ def _may_hold_non_finite(t: torch.Tensor) -> bool:
 
 
 def _host_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
-    """The quick test of one piece of a CPU tensor's numpy view (``_host_pieces``), or None
-    for a tensor that is not on the CPU or of a float dtype it does not know."""
-    if t.device.type != "cpu":
+    """The quick test of one piece of a CPU tensor's numpy view (``_host_pieces``: its bit
+    patterns as signed integers), or None for a tensor that is not on the CPU or of a float
+    dtype it does not know."""
+    if t.device.type != "cpu" or t.dtype not in _BITS:
         return None
-    if t.dtype in (torch.float32, torch.float64):
-        return _sum_is_not_finite
-    if t.dtype not in _BITS:
-        return None
-    bits, first = _BITS[t.dtype][0].itemsize * 8, _BITS[t.dtype][1]
-    negative = first | 1 << (bits - 1)
-    unsigned = np.dtype(f"u{bits // 8}")
-    return lambda a: bool(a.max() >= first) or bool(a.view(unsigned).max() >= negative)
+    bits, first = _BITS[t.dtype]
+    return bit_test(bits.itemsize, first)
 
 
-def slice_test(t: torch.Tensor) -> Callable[[memoryview], bool] | None:
-    """The quick test (``_host_test``) of a slice of ``t``'s C-order bytes (whole elements),
-    for a writer thread to run on each slice right before it writes it
-    (engine/checked_parts.py); None where ``t`` has none (not a floating CPU tensor of a dtype
-    the quick pass knows, or empty)."""
+def bit_test(size: int, first: int) -> Callable[[np.ndarray], bool]:
+    """Whether an array of a float dtype's bit patterns, as signed integers of ``size`` bytes,
+    holds a NaN or infinity (all exponent bits set; ``first``: the smallest positive such
+    pattern). Exact: read as unsigned integers the negative ones are the largest patterns of
+    all, read as signed integers the positive ones are; a maximum reduction of each per block
+    of at most ``BLOCK_BYTES`` (the second reads it from the cache the first left it in), one
+    where the first shows no sign bit set (no negative number: a second moment, a variance)."""
+    unsigned = np.dtype(f"u{size}")
+    sign = 1 << (8 * size - 1)
+    negative = first | sign
+    largest = np.maximum.reduce
+
+    def test(a: np.ndarray) -> bool:
+        if a.nbytes > BLOCK_BYTES and a.ndim == 1 and a.flags.c_contiguous:
+            step = BLOCK_BYTES // a.itemsize
+            return any(test(a[i:i + step]) for i in range(0, a.size, step))
+        top = int(largest(a.view(unsigned), axis=None))  # Python ints: compared exactly
+        if top < sign:  # every sign bit clear: the largest as signed integers too
+            return top >= first
+        return top >= negative or int(largest(a, axis=None)) >= first
+
+    return test
+
+
+def slice_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
+    """The quick test (``_host_test``) of a block of ``t``'s C-order bytes (a flat uint8 array
+    of whole elements), for the checksum thread ahead of a write to run on each block right
+    after its crc32c, while the block is in cache (engine/checked_parts.py); None where ``t``
+    has none (not a floating CPU tensor of a dtype the quick pass knows, or empty)."""
     test = _host_test(t) if t.is_floating_point() and t.numel() else None
     if test is None:
         return None
-    elements = torch.empty(0, dtype=_BITS[t.dtype][0] if t.dtype in _BITS else t.dtype)
-    as_array = elements.numpy().dtype
-    return lambda view: test(np.frombuffer(view, dtype=as_array))
-
-
-def _sum_is_not_finite(a: np.ndarray) -> bool:
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow and inf - inf: told by the result
-        return not np.isfinite(np.add.reduce(a, axis=None))
+    as_array = torch.empty(0, dtype=_BITS[t.dtype][0]).numpy().dtype
+    return lambda block: test(block.view(as_array))
 
 
 def _host_pieces(t: torch.Tensor) -> list[np.ndarray]:
-    """``t``'s elements as numpy arrays of at most ``PIECE_BYTES`` (bit patterns as signed
-    integers for ``_BITS`` dtypes); a non-contiguous tensor as one strided array."""
-    x = t.detach()
-    x = x.view(_BITS[x.dtype][0]) if x.dtype in _BITS else x
+    """``t``'s elements (a ``_BITS`` dtype) as numpy arrays of their bit patterns as signed
+    integers, of at most ``PIECE_BYTES``; a non-contiguous tensor as one strided array."""
+    x = t.detach().view(_BITS[t.dtype][0])
     if not x.is_contiguous():
         return [x.numpy()]
     flat = x.reshape(-1).numpy()
