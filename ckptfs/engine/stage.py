@@ -56,7 +56,7 @@ from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.nogc import paused_gc
+from ckptfs.layout.nogc import catch_up, paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
 from ckptfs.layout.stats import TensorStats
 from ckptfs.layout.tensor_bytes import tensor_bytes
@@ -331,16 +331,18 @@ def _take_agreed(comm: Comm, views: list, shards: dict[str, LocalShard], pool: B
                  ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """``_take``, then ``on_copied``; the ranks settle the outcome (a failed rank fails all,
     its leases given back). Empties ``views`` and ``shards`` (what the chunks do not hold is
-    freed before ``on_copied``)."""
+    freed before ``on_copied``, and the young objects collected)."""
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
     def take() -> None:
         taken.append(_take(views, shards, pool, copy, threads, device, on_queued))
-        # the views and shards not held by a chunk are freed here, before ``on_copied``: for
-        # thousands of tensors that takes tens of milliseconds in one hold of the GIL, which
-        # would stall the caller's first step once ``staged`` resolves
+        # the views and shards not held by a chunk are freed, and the collector paused by
+        # ``stage`` catches up, here, before ``on_copied``: for thousands of tensors each takes
+        # tens of milliseconds in one hold of the GIL, which would stall the caller's first
+        # step once ``staged`` resolves
         views.clear()
         shards.clear()
+        catch_up()
         if on_copied is not None:
             on_copied()
 
