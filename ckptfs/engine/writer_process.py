@@ -130,7 +130,7 @@ def staged_buffers(staged: StagedSave) -> tuple[torch.Tensor, ...] | None:
     otherwise. C-level passes only: no Python call per chunk."""
     split = split_plans(staged.plans)
     if (split is None or split[1] or len(staged.leases) != len(staged.chunks)
-            or any(map(_SOURCE, staged.chunks))):
+            or list(map(_SOURCE, staged.chunks)).count(None) != len(staged.chunks)):
         return None
     return tuple(map(_TENSOR, staged.leases))
 
@@ -439,8 +439,8 @@ class ProcessSaver(BackgroundSaver):
 
 def _fed(staged: StagedSave) -> SharedOverflow | None:
     """The shared overflow of a bounded save (None: every chunk was staged)."""
-    for source in filter(None, map(_SOURCE, staged.chunks)):  # no Python call per chunk
-        if isinstance(source, FedPart):
+    for source in map(_SOURCE, staged.chunks):  # no Python call per chunk
+        if source is not None and isinstance(source, FedPart):
             return source.owner
     return None
 
