@@ -224,31 +224,43 @@ def test_settings_that_cannot_reach_the_writer_are_refused_at_once(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_saves_of_one_structure_send_the_chunk_table_once(tmp_path):
+def test_saves_of_one_structure_send_the_chunk_table_once(tmp_path, monkeypatch):
     """The writer keeps the chunks it built for a save; a later save of the same structure,
-    staged into the same buffers, sends none, and still writes its own values. A bounded save
-    (chunks streamed through the shared ring) always sends its table."""
+    staged into the same buffers, sends none, and still writes its own values; the training
+    process then builds no chunk table either (``pack``). A bounded save (chunks streamed
+    through the shared ring) always sends its table, and so does a save whose dtypes changed
+    (staged into the same buffers)."""
     saver = writer_process.ProcessSaver("test:tables")
     sent: list[bool] = []
-    known = saver._known_table
+    packed: list[bool] = []
+    known, pack = saver._chunk_table, writer_process.pack
 
-    def spy(table, writer):
-        got = known(table, writer)
-        sent.append(got[1] is not None)
+    def spy(staged, writer, plans):
+        packed.append(False)
+        got = known(staged, writer, plans)
+        sent.append(got[1][1] is not None)
         return got
 
-    saver._known_table = spy
+    def packing(staged, arena):
+        packed[-1] = True
+        return pack(staged, arena)
+
+    saver._chunk_table = spy
+    monkeypatch.setattr(writer_process, "pack", packing)
     try:
-        for i, limit in enumerate((None, None, None, 1 << 20, None)):
-            sd = {f"t{k}": torch.full((64, 1024), float(i * 10 + k)) for k in range(4)}
+        f32, i32 = torch.float32, torch.int32  # int32: the same bytes in the same buffers
+        for i, (limit, dtype) in enumerate(((None, f32), (None, f32), (None, f32),
+                                            (1 << 20, f32), (None, f32), (None, i32))):
+            sd = {f"t{k}": torch.full((64, 1024), i * 10 + k, dtype=dtype) for k in range(4)}
             sd["step"] = i
             ckptfs.async_save(sd, str(tmp_path / f"s{i}"), saver=saver, writer="process",
                               host_memory_limit=limit).result(timeout=60)
-            got = {f"t{k}": torch.empty(64, 1024) for k in range(4)}
+            got = {f"t{k}": torch.empty(64, 1024, dtype=dtype) for k in range(4)}
             got["step"] = -1
             ckptfs.load(got, str(tmp_path / f"s{i}"))
             assert got["step"] == i and all(torch.equal(got[f"t{k}"], sd[f"t{k}"]) for k in range(4))
-        assert sent == [True, False, False, True, True], sent
+        assert sent == [True, False, False, True, True, True], sent
+        assert packed == [True, False, False, True, True, True], packed
     finally:
         saver.close()
 

@@ -110,7 +110,7 @@ def commit_results(be: Backend, store: Store, claim: Claim,
     done = Written(tuple(f.path for f in prep), WrittenRank((), {}), tuple(written),
                    file_sums(prep))
     index = build_index(be, staged, done)
-    run_sync(commit_index(store, be, index, merged, done.paths() if claim.replacing else None))
+    commit_index(store, be, index, merged, done.paths() if claim.replacing else None)
 
 
 def _merge(plans: list[TensorPlan]) -> TensorPlan:

@@ -10,7 +10,8 @@ into CUDA targets lease a fixed ring of pinned buffers from a pool (engine/ring.
 Call order: ``pool.expect(sizes)`` (optional: the sizes of the leases about to be made, so a
 caching allocator drops what they will not reuse) -> ``lease = await pool.lease(nbytes)`` (waits
 while the budget is held by others) -> fill or drain ``lease.tensor`` / ``lease.view`` ->
-``await pool.release(lease)`` once the last copy into or out of it has completed. A lease larger
+``await pool.release(lease)`` once the last copy into or out of it has completed
+(``lease_all`` / ``release_all``: many at once, one budget step). A lease larger
 than the whole budget waits until nothing else is held, then runs alone.
 
 Asynchronous saves stage through one long-lived pool over a ``CachingAllocator``: the first
@@ -23,7 +24,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,11 @@ class BufferAllocator(ABC):
 
     def free(self, buffer: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Called when a pool drops ``buffer`` (a caching allocator may keep it)."""
+
+    def free_all(self, buffers: Iterable[torch.Tensor]) -> None:
+        """``free`` of each of ``buffers``, in order."""
+        for b in buffers:
+            self.free(b)
 
     def expect(self, sizes: Iterable[int]) -> None:  # noqa: B027 - optional hook
         """The sizes of the allocations about to be made (a caching allocator drops the cached
@@ -122,6 +128,12 @@ class CachingAllocator(BufferAllocator):
         with self._lock:
             self._cached[buffer.numel()].append(buffer)
 
+    def free_all(self, buffers: Iterable[torch.Tensor]) -> None:
+        with self._lock:  # one lock for a save's thousands of buffers
+            cached = self._cached
+            for b in buffers:
+                cached[b.numel()].append(b)
+
     def clear(self) -> None:
         with self._lock:
             bufs = [b for bs in self._cached.values() for b in bs]
@@ -183,3 +195,35 @@ class BufferPool:
     async def release(self, lease: Lease) -> None:
         self.allocator.free(lease.tensor)
         await self.budget.release(lease.held)
+
+    async def lease_all(self, sizes: list[int]) -> list[Lease]:
+        """A lease of each of ``sizes``, in order (``expect`` first). Without a bound, one
+        budget step for all (a save of many small chunks leases thousands at once); with one,
+        each in turn. A failure releases those taken."""
+        self.expect(sizes)
+        if self.budget.limit is not None:
+            out: list[Lease] = []
+            try:
+                for n in sizes:
+                    out.append(await self.lease(n))
+            except BaseException:
+                await self.release_all(out)
+                raise
+            return out
+        left = await self.budget.acquire(sum(sizes))
+        made: list[Lease] = []
+        try:
+            allocate = self.allocator.allocate
+            for n in sizes:
+                made.append(Lease(allocate(n), n))
+                left -= n
+        except BaseException:
+            await self.budget.release(left)
+            await self.release_all(made)
+            raise
+        return made
+
+    async def release_all(self, leases: Sequence[Lease]) -> None:
+        """``release`` of each of ``leases``, in order, as one step."""
+        self.allocator.free_all([lease.tensor for lease in leases])
+        await self.budget.release(sum(lease.held for lease in leases))

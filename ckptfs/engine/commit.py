@@ -34,7 +34,7 @@ from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import run_sync
 from ckptfs.io.store import Store
-from ckptfs.layout.backend import Backend
+from ckptfs.layout.backend import Backend, FinalFiles
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry, packs
 from ckptfs.layout.nogc import paused_gc
@@ -147,8 +147,7 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
     def build_and_commit() -> int:
         with paused_gc():  # many small acyclic objects (layout/nogc.py)
             index = build_index(backend, staged, written)
-        run_sync(commit_index(store, backend, index, staged.plans,
-                         written.paths() if replacing else None))
+        commit_index(store, backend, index, staged.plans, written.paths() if replacing else None)
         return index.total_bytes
 
     try:
@@ -230,21 +229,32 @@ def check_replicas(ranks: Sequence[WrittenRank]) -> None:
             f"holds alike; save per-rank state (RNG states) with ckptfs.PerRank")
 
 
-async def commit_index(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],
-                       written: set[str] | None) -> None:
+def commit_index(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],
+                 written: set[str] | None) -> None:
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
-    (``written`` = every file this save wrote), everything else under the root goes after."""
+    (``written`` = every file this save wrote), everything else under the root goes after.
+    The files' bytes and the index's JSON are made in the calling thread, at its priority (a
+    background save's ``background_nice``), and only the I/O runs on the I/O loop: for tens
+    of thousands of tensors that is a large share of a save's CPU, which at the loop's
+    priority would compete with the caller's training loop."""
     with paused_gc():  # a backend's own metadata per tensor (DCP's .metadata: layout/nogc.py)
         final = backend.finalize(index, plans)
-    try:
-        await write_files(store, final.files, False)
-        if final.marker is not None:  # last, after the others (another tool's marker)
-            await write_files(store, [final.marker], False)
         finals = file_sums(final.all())
         index = dataclasses.replace(
             index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
             file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
-        await store.put_if_absent(INDEX_FILE, index.dumps())
+        body = index.dumps()
+    run_sync(_commit_files(store, final, index, body, written))
+
+
+async def _commit_files(store: Store, final: FinalFiles, index: Index, body: bytes,
+                        written: set[str] | None) -> None:
+    """``commit_index``'s I/O: the final files, the index ``body``, then what was replaced."""
+    try:
+        await write_files(store, final.files, False)
+        if final.marker is not None:  # last, after the others (another tool's marker)
+            await write_files(store, [final.marker], False)
+        await store.put_if_absent(INDEX_FILE, body)
     except FileExistsError:  # another save committed at this root after claim_target
         raise CheckpointExistsError(
             f"{store.full_path(INDEX_FILE)} appeared while this save was writing: another save "

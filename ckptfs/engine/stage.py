@@ -56,7 +56,7 @@ from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.nogc import paused_gc
+from ckptfs.layout.nogc import catch_up, paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
 from ckptfs.layout.stats import TensorStats
 from ckptfs.layout.tensor_bytes import tensor_bytes
@@ -250,6 +250,7 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
         sums = comm.run_everywhere("save: checksumming replicas", lambda: replica_sums(replicas))
         replicas = ()
     shards = {**d.shards, **d.own}
+    del d  # freed before ``on_copied``: see ``_take_agreed``
     if copy and overflow is not None:
         device = overflow  # type: ignore[assignment]  # the same hooks: accepts, part
         if on_copied is not None:
@@ -323,17 +324,25 @@ def _write_views(d: Described, plan: SavePlan) -> list[tuple[str, tuple[int, ...
     return views
 
 
-def _take_agreed(comm: Comm, views: list, shards: Mapping[str, LocalShard], pool: BufferPool,
+def _take_agreed(comm: Comm, views: list, shards: dict[str, LocalShard], pool: BufferPool,
                  copy: bool, threads: tuple[int, int], device: DeviceParts | None,
                  on_copied: Callable[[], None] | None,
                  on_queued: Callable[[list[Any]], None] | None = None,
                  ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
     """``_take``, then ``on_copied``; the ranks settle the outcome (a failed rank fails all,
-    its leases given back)."""
+    its leases given back). Empties ``views`` and ``shards`` (what the chunks do not hold is
+    freed before ``on_copied``, and the young objects collected)."""
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
 
     def take() -> None:
         taken.append(_take(views, shards, pool, copy, threads, device, on_queued))
+        # the views and shards not held by a chunk are freed, and the collector paused by
+        # ``stage`` catches up, here, before ``on_copied``: for thousands of tensors each takes
+        # tens of milliseconds in one hold of the GIL, which would stall the caller's first
+        # step once ``staged`` resolves
+        views.clear()
+        shards.clear()
+        catch_up()
         if on_copied is not None:
             on_copied()
 
@@ -496,7 +505,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
     ways = [_taking(data, copy, device) for *_, data in views]
     wanted = [data.numel() * data.element_size()
               for way, (*_, data) in zip(ways, views, strict=True) if way is Taking.COPIED]
-    leases = run_sync(_lease_all(pool, wanted)) if wanted else []
+    leases = run_sync(pool.lease_all(wanted)) if wanted else []
     got = iter(leases)
     d2h = DeviceToHost() if any(way is Taking.COPIED and v[-1].device.type == "cuda"
                                 for v, way in zip(views, ways, strict=True)) else None
@@ -585,28 +594,11 @@ def _tensors(obj: Any):
             yield from _tensors(v)
 
 
-async def _lease_all(pool: BufferPool, sizes: list[int]) -> list[Lease]:
-    pool.expect(sizes)
-    out: list[Lease] = []
-    try:
-        for n in sizes:
-            out.append(await pool.lease(n))
-    except BaseException:
-        for lease in out:
-            await pool.release(lease)
-        raise
-    return out
-
-
 def release(staged: StagedSave, pool: BufferPool) -> None:
     """Give the staging buffers back to the pool."""
     _release(staged.leases, pool)
 
 
 def _release(leases: Sequence[Lease], pool: BufferPool) -> None:
-    async def go() -> None:
-        for lease in leases:
-            await pool.release(lease)
-
     if leases:
-        run_sync(go())
+        run_sync(pool.release_all(leases))

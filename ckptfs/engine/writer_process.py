@@ -26,6 +26,7 @@ import copyreg
 import dataclasses
 import io
 import itertools
+import operator
 import os
 import pickle
 import socket
@@ -116,6 +117,38 @@ def pack(staged: StagedSave, arena: SharedArena) -> tuple[StagedSave, list[Packe
         table.append((c.key, c.dtype, c.global_shape, c.box.offsets, data, c.data.dtype,
                       tuple(c.data.shape)))
     return dataclasses.replace(staged, chunks=(), leases=()), table
+
+
+_SOURCE = operator.attrgetter("source")
+_TENSOR = operator.attrgetter("tensor")
+
+
+def staged_buffers(staged: StagedSave) -> tuple[torch.Tensor, ...] | None:
+    """The staging buffers of ``staged``'s chunks, one per chunk in chunk order, where they and
+    the agreed plans fix its chunk table: every chunk a copy in a buffer of its own (leased in
+    chunk order), none streamed, no PerRank tensor (its dtype is not the plan's). None
+    otherwise. C-level passes only: no Python call per chunk."""
+    split = split_plans(staged.plans)
+    if (split is None or split[1] or len(staged.leases) != len(staged.chunks)
+            or list(map(_SOURCE, staged.chunks)).count(None) != len(staged.chunks)):
+        return None
+    return tuple(map(_TENSOR, staged.leases))
+
+
+def _same_buffers(a: tuple[torch.Tensor, ...] | None, b: tuple[torch.Tensor, ...] | None) -> bool:
+    """Whether ``a`` and ``b`` are the same buffer objects in the same order."""
+    return a is not None and b is not None and len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SentTable:
+    """The chunk table a writer holds (built for the save of ``token``)."""
+
+    writer: Any  #: the ``_Writer`` it was sent to
+    table: list[Packed]
+    token: int
+    plans: int  #: token of the agreed plans it was staged with (0: none)
+    buffers: tuple[torch.Tensor, ...] | None  #: ``staged_buffers`` of that save
 
 
 def _in_place(table: list[Packed]) -> bool:
@@ -216,8 +249,7 @@ class ProcessSaver(BackgroundSaver):
         self._sent: tuple[_Writer, Any, int] | None = None
         self._nice = 0
         self._ring: list[torch.Tensor] = []  #: the shared ring of bounded saves (kept)
-        #: the writer, the chunk table it holds and that table's token
-        self._table: tuple[_Writer, list[Packed], int] | None = None
+        self._table: _SentTable | None = None  #: the chunk table the writer holds
         self._tables = itertools.count(1)
 
     @property
@@ -274,8 +306,7 @@ class ProcessSaver(BackgroundSaver):
         """Run ``finish`` in the writer; serve its collectives and buffer returns meanwhile."""
         writer = self._writer_ready()
         staged, token = self._known_plans(staged, writer)
-        rest, table = pack(staged, self._arena)
-        tables = self._known_table(table, writer)
+        rest, tables = self._chunk_table(staged, writer, token)
         buf = io.BytesIO()
         try:
             _Pickler(buf, self._arena).dump((finish, rest, tables))
@@ -318,17 +349,26 @@ class ProcessSaver(BackgroundSaver):
         self._sent = (writer, planned, token)
         return staged, token
 
-    def _known_table(self, table: list[Packed], writer: _Writer
-                     ) -> tuple[int, list[Packed] | None]:
-        """(token, the chunk table), or (token, None) when ``writer`` holds an equal table:
-        a save of the same structure staged into the same buffers (the caching allocator
-        hands them back in order) needs no new chunk records built in the writer."""
+    def _chunk_table(self, staged: StagedSave, writer: _Writer, plans: int
+                     ) -> tuple[StagedSave, tuple[int, list[Packed] | None]]:
+        """``staged`` without its chunks, and (token, its chunk table), or (token, None) when
+        ``writer`` holds that table: a save of the same structure staged into the same buffers
+        (the caching allocator hands them back in order) needs no chunk records, neither
+        built here nor in the writer. Known without building the table where the agreed plans
+        (``plans``: their token) and the buffers fix it (``staged_buffers``): then the
+        training process does no Python work per chunk once staged."""
         sent = self._table
-        if sent is not None and sent[0] is writer and sent[1] == table:
-            return sent[2], None
+        buffers = staged_buffers(staged)
+        if (sent is not None and sent.writer is writer and plans and sent.plans == plans
+                and _same_buffers(buffers, sent.buffers)):
+            return dataclasses.replace(staged, chunks=(), leases=()), (sent.token, None)
+        rest, table = pack(staged, self._arena)
+        if sent is not None and sent.writer is writer and sent.table == table:
+            return rest, (sent.token, None)
         token = next(self._tables)
-        self._table = (writer, table, token) if _in_place(table) else None
-        return token, table
+        self._table = (_SentTable(writer, table, token, plans, buffers) if _in_place(table)
+                       else None)
+        return rest, (token, table)
 
     def _serve(self, writer: _Writer, comm: Comm, give_back: Callable[[], None],
                fed: SharedOverflow | None) -> Any:
@@ -399,9 +439,9 @@ class ProcessSaver(BackgroundSaver):
 
 def _fed(staged: StagedSave) -> SharedOverflow | None:
     """The shared overflow of a bounded save (None: every chunk was staged)."""
-    for c in staged.chunks:
-        if isinstance(c.source, FedPart):
-            return c.source.owner
+    for source in map(_SOURCE, staged.chunks):  # no Python call per chunk
+        if source is not None and isinstance(source, FedPart):
+            return source.owner
     return None
 
 

@@ -26,3 +26,11 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def catch_up() -> None:
+    """Collect the young generation now, where the caller chooses: inside ``paused_gc``, the
+    objects allocated meanwhile (hundreds of thousands for a state of 20,000 tensors) are
+    otherwise all traversed by the first allocation after the pause, in one hold of the GIL
+    of tens of milliseconds, wherever that falls."""
+    gc.collect(0)

@@ -144,7 +144,7 @@ def _write_and_commit(source: Source, be: Backend, store: Store, plans: dict[str
     finally:
         bar.close()
     try:
-        run_sync(commit_index(store, be, new, plans, written.paths() if claim.replacing else None))
+        commit_index(store, be, new, plans, written.paths() if claim.replacing else None)
     except BaseException:
         if not run_sync(store.exists(INDEX_FILE)):
             run_sync(store.delete(sorted(written.paths())))
