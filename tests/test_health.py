@@ -357,8 +357,8 @@ def _chunk(key: str, t: torch.Tensor) -> ChunkData:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
                                    torch.float8_e5m2, torch.float8_e4m3fn])
 def test_the_quick_pass_clears_exactly_the_finite_tensors(dtype, monkeypatch):
-    """The quick test of CPU tensors (bit patterns), in pieces over threads and blocks within
-    them: every finite extreme passes it (no false alarm to count), every NaN and infinity of
+    """The quick test of CPU tensors (a float sum, then bit patterns), in pieces over threads
+    and blocks within them: every finite extreme passes it (a sum that overflows too) (no false alarm to count), every NaN and infinity of
     either sign anywhere fails it."""
     from ckptfs.engine import health
 
@@ -370,6 +370,11 @@ def test_the_quick_pass_clears_exactly_the_finite_tensors(dtype, monkeypatch):
     assert health.non_finite([_chunk("x", finite)]) == ()
     assert health.non_finite([_chunk("col", finite.reshape(40, 8)[:, 2:5])]) == ()  # strided
     assert health._suspects([finite]) == [False]
+    overflowing = torch.full((320,), fi.max, dtype=dtype)  # finite, but its sum is infinite
+    assert health._suspects([overflowing]) == [False]
+    both = finite.clone()
+    both[[3, 5]] = torch.tensor([math.inf, -math.inf], dtype=torch.float64).to(dtype)
+    assert health._suspects([both]) == [dtype != torch.float8_e4m3fn]  # adds up to NaN
     for where in (0, 137, 319):
         for value in (math.nan, -math.nan, math.inf, -math.inf):
             x = finite.clone()

@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,6 +67,11 @@ _BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
     torch.float8_e5m2: (torch.int8, 0x7C), torch.float8_e4m3fn: (torch.int8, 0x7F),
 }
+
+#: float dtypes whose quick test adds their elements up first (``summed_test``): numpy's sum
+#: of float32 and float64 reads a cached block in one pass, faster than two integer maxima
+_SUMMED: dict[torch.dtype, type[np.floating]] = {torch.float32: np.float32,
+                                                 torch.float64: np.float64}
 
 Found = tuple[tuple[str, int, int], ...]  #: (key, NaN count, infinity count) per chunk
 
@@ -234,7 +240,8 @@ def _host_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
     if t.device.type != "cpu" or t.dtype not in _BITS:
         return None
     bits, first = _BITS[t.dtype]
-    return bit_test(bits.itemsize, first)
+    exact = bit_test(bits.itemsize, first)
+    return summed_test(_SUMMED[t.dtype], exact) if t.dtype in _SUMMED else exact
 
 
 def bit_test(size: int, first: int) -> Callable[[np.ndarray], bool]:
@@ -257,6 +264,21 @@ def bit_test(size: int, first: int) -> Callable[[np.ndarray], bool]:
         if top < sign:  # every sign bit clear: the largest as signed integers too
             return top >= first
         return top >= negative or int(largest(a, axis=None)) >= first
+
+    return test
+
+
+def summed_test(floats: type[np.floating], exact: Callable[[np.ndarray], bool],
+                ) -> Callable[[np.ndarray], bool]:
+    """``exact`` (``bit_test``) run only on an array whose elements, read as ``floats``, do not
+    add up to a finite number. Sound: a NaN or infinity makes the sum NaN or infinite (it
+    never cancels out: infinity minus infinity is NaN), and a sum of finite numbers is
+    infinite only where it overflows, which ``exact`` then clears. One pass (numpy's einsum
+    sum: vectorised, on one core) instead of ``exact``'s two maximum reductions."""
+
+    def test(a: np.ndarray) -> bool:
+        total = np.einsum(a.view(floats), list(range(a.ndim)), [])
+        return not math.isfinite(total) and exact(a)
 
     return test
 
