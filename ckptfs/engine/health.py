@@ -15,12 +15,14 @@
   written) ``check_now`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
   over ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on
   one core with the GIL released, so the pass never waits on a parallel team of which a busy
-  machine has descheduled a member). The quick test (``bit_test``), exact for every float
-  dtype: an array of a float's bit patterns holds a NaN or infinity exactly when their largest
-  read as signed integers reaches the positive ones, or read as unsigned integers the negative
-  ones (``_BITS``); two maximum reductions per block of ``BLOCK_BYTES``, the second from cache,
-  one for a block with no sign bit set (numpy's integer maximum reads a cached block several
-  times faster than its float sum adds it). Only a chunk that fails is counted element by element. One small
+  machine has descheduled a member). The quick test: float32 and float64 blocks are first
+  added up (``summed_test``: numpy's einsum sum, one vectorised pass; a NaN or infinity never
+  adds up to a finite number), and only a block whose sum is not finite gets the exact test
+  (``bit_test``), which every other float dtype gets at once: an array of a float's bit
+  patterns holds a NaN or infinity exactly when their largest read as signed integers reaches
+  the positive ones, or read as unsigned integers the negative ones (``_BITS``); two maximum
+  reductions per block of ``BLOCK_BYTES``, the second from cache, one for a block with no sign
+  bit set. Only a chunk that fails both is counted element by element. One small
   reduction tells every rank whether any rank found one (in the write phase, the one that
   settles the writes); then every rank raises the same ``NonFiniteError`` naming each key and
   its counts (``non_finite_error``), and nothing is committed.
