@@ -4,7 +4,9 @@
   the page cache (``StoreOptions(fsync=False)``: the disk's own time, and its noise, left out)
   with and without ``check_finite=True``, alternating, ``--reps`` times each, to a fresh
   target (the check folded into the write) and over a committed checkpoint (the check in a
-  pass of its own first); the cost is the ratio of the medians (and of the fastest runs), and
+  pass of its own first), and to a fresh target with the default options (every file fsynced:
+  the save a training loop makes, its disk's time in it); the cost is the ratio of the medians
+  (and of the fastest runs, and the median of each run against the one before it), and
   the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it. What
   bounds it: the CPU time of the check inside the checksum thread (every tensor streamed
   through engine/checked_parts.py's ``CheckedPart`` with no write, its crc32c alone and with the
@@ -128,26 +130,47 @@ def fold_cost(state: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
             "fold_check_gbps": nbytes / max(both - crc, 1e-9) / 1e9}
 
 
-def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
-    """Alternating saves with and without the check: to a fresh target (the folder of the
-    previous run of the same case removed first, untimed: the check runs while the files are
-    written) and over a committed checkpoint (``overwrite=True``: the check runs before the
-    replaced checkpoint is touched, in a pass of its own)."""
+#: the saves ``bench_check_finite`` alternates: to a fresh target and over a committed
+#: checkpoint to the page cache, and to a fresh target with the default options (each file
+#: fsynced: the save a training loop makes)
+CASES = ("fresh", "replacing", "durable")
+
+
+def alternate_saves(state: dict, root: str, reps: int,
+                    ) -> tuple[dict[tuple[str, bool], list[float]], dict[tuple[str, bool], list[float]]]:
+    """Wall and CPU seconds of each ``CASES`` save without and with the check, alternating,
+    ``reps`` times each after one warm-up round (a fresh target's folder removed first,
+    untimed)."""
     times: dict[tuple[str, bool], list[float]] = {}
     cpu: dict[tuple[str, bool], list[float]] = {}
     page_cache = StoreOptions(fsync=False)
     for i in range(2 * reps + 2):  # the first two rounds (without, with) warm up, not counted
         check = i % 2 == 1
-        for case in ("fresh", "replacing"):
+        for case in CASES:
             url = os.path.join(root, f"cf-{case}-{check}")
-            if case == "fresh":
+            if case != "replacing":
                 shutil.rmtree(url, ignore_errors=True)
             c0, t0 = cpu_seconds(), time.perf_counter()
             ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
-                        store_options=page_cache)
+                        store_options=None if case == "durable" else page_cache)
             if i >= 2:
                 times.setdefault((case, check), []).append(time.perf_counter() - t0)
                 cpu.setdefault((case, check), []).append(cpu_seconds() - c0)
+    return times, cpu
+
+
+def paired_pct(on: list[float], off: list[float]) -> float:
+    """Median over the runs of each run with the check against the run without it right
+    before it (the same load), in percent."""
+    return 100 * (statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1)
+
+
+def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
+    """Alternating saves with and without the check (``alternate_saves``): to a fresh target
+    (the check runs while the files are written) and over a committed checkpoint
+    (``overwrite=True``: the check runs before the replaced checkpoint is touched, in a pass
+    of its own), to the page cache; and the default, fsynced save to a fresh target."""
+    times, cpu = alternate_saves(state, root, reps)
     chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
               for k, t in state.items()]
     alone = [timed(lambda: non_finite(chunks)) for _ in range(reps)]
@@ -161,10 +184,11 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
             "cost_pct": 100 * (med[("fresh", True)] / off - 1),
             "cost_pct_fastest": 100 * (min(times[("fresh", True)])
                                        / min(times[("fresh", False)]) - 1),
-            # each run with the check against the run without it right before it (same load)
-            "cost_pct_paired": 100 * (statistics.median(
-                on / off for on, off in zip(times[("fresh", True)], times[("fresh", False)],
-                                            strict=True)) - 1),
+            "cost_pct_paired": paired_pct(times[("fresh", True)], times[("fresh", False)]),
+            "durable_save_s": med[("durable", False)],
+            "durable_cost_pct": 100 * (med[("durable", True)] / med[("durable", False)] - 1),
+            "durable_cost_pct_paired": paired_pct(times[("durable", True)],
+                                                  times[("durable", False)]),
             "replacing_save_s": med[("replacing", False)],
             "replacing_cost_pct": 100 * (med[("replacing", True)]
                                          / med[("replacing", False)] - 1),
@@ -231,6 +255,9 @@ def report(result: dict[str, Any]) -> None:
               f"check {cf['cpu_cost_pct']:+.1f}% (replacing "
               f"{cf['replacing_cpu_cost_pct']:+.1f}%); load average "
               f"{' '.join(f'{x:.1f}' for x in cf['load_average'])}")
+        print(f"check_finite: default (fsynced) save {cf['durable_save_s']:.3f} s, with the "
+              f"check {cf['durable_cost_pct']:+.1f}% (median of paired runs "
+              f"{cf['durable_cost_pct_paired']:+.1f}%)")
         print(f"check_finite's bound: the test in the checksum thread costs "
               f"{cf['fold_check_cpu_s']:.3f} s of CPU ({cf['fold_check_gbps']:.0f} GB/s; the "
               f"crc32c alone {cf['fold_crc_cpu_s']:.3f} s), {cf['fold_check_cpu_pct']:.1f}% of "

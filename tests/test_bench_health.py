@@ -14,7 +14,9 @@ def test_tiny_health_bench_writes_its_results(tmp_path):
     doc = json.loads(out.read_text())
     cf, diff = doc["check_finite"], doc["diff"]
     assert {k: len(v) for k, v in cf["runs"].items()} == {
-        "fresh-on": 1, "fresh-off": 1, "replacing-on": 1, "replacing-off": 1}
+        "fresh-on": 1, "fresh-off": 1, "replacing-on": 1, "replacing-off": 1,
+        "durable-on": 1, "durable-off": 1}
+    assert cf["durable_save_s"] > 0 and "durable_cost_pct_paired" in cf
     assert cf["save_s"] > 0 and cf["replacing_save_s"] > 0 and cf["check_alone_s"] >= 0
     assert cf["fold_crc_cpu_s"] >= 0 and cf["save_cores_busy"] > 0 and cf["cores"] >= 1
     assert "cost_pct_paired" in cf and "fold_check_cpu_s" in cf
