@@ -54,6 +54,11 @@ class BufferAllocator(ABC):
     def clear(self) -> None:  # noqa: B027 - optional hook
         """Free whatever the allocator keeps."""
 
+    def typed(self, buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """``buffer`` (one this allocator made) seen as a C-contiguous tensor of ``dtype`` and
+        ``shape`` (a view: shares its memory)."""
+        return buffer.view(dtype).view(shape)
+
 
 class HostAllocator(BufferAllocator):
     """Pageable host memory (``torch.empty``)."""
@@ -76,7 +81,7 @@ class PinnedAllocator(BufferAllocator):
 def allocator_for(tensors: Iterable[torch.Tensor]) -> BufferAllocator:
     """``PinnedAllocator`` when one of ``tensors`` is on a CUDA device, else ``HostAllocator``
     (CPU-only data, or a torch without CUDA, never pins)."""
-    if any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available():
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_available():  # not .device: slower
         return PinnedAllocator()
     return HostAllocator()
 
@@ -99,6 +104,9 @@ class CachingAllocator(BufferAllocator):
         self._cached: dict[int, deque[torch.Tensor]] = defaultdict(deque)
         self._lock = threading.Lock()
         self.allocations = 0  #: buffers obtained from ``inner`` (reuse keeps this flat)
+        #: id of a buffer -> (the buffer, dtype, shape, its view as those): ``typed``'s views,
+        #: kept while the buffer is, so a save of the same structure makes none
+        self._typed: dict[int, tuple[torch.Tensor, torch.dtype, torch.Size, torch.Tensor]] = {}
 
     @property
     def cached_bytes(self) -> int:
@@ -112,7 +120,9 @@ class CachingAllocator(BufferAllocator):
             for n in list(self._cached):
                 bufs = self._cached[n]
                 while len(bufs) > want[n]:
-                    self.inner.free(bufs.pop())
+                    dropped = bufs.pop()
+                    self._typed.pop(id(dropped), None)
+                    self.inner.free(dropped)
                 if not bufs:
                     del self._cached[n]
 
@@ -134,10 +144,24 @@ class CachingAllocator(BufferAllocator):
             for b in buffers:
                 cached[b.numel()].append(b)
 
+    def typed(self, buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """As ``BufferAllocator.typed``, but the view made for ``buffer`` the last time is
+        handed out again where its dtype and shape are the same (two torch views cost a few
+        microseconds, thousands of them a large share of staging a state of small tensors).
+        Called on leased buffers only: ``expect`` and ``clear``, which drop cached ones, never
+        race with it for the same buffer."""
+        got = self._typed.get(id(buffer))
+        if got is not None and got[0] is buffer and got[1] is dtype and got[2] == shape:
+            return got[3]
+        view = buffer.view(dtype).view(shape)
+        self._typed[id(buffer)] = (buffer, dtype, shape, view)
+        return view
+
     def clear(self) -> None:
         with self._lock:
             bufs = [b for bs in self._cached.values() for b in bs]
             self._cached.clear()
+            self._typed.clear()
         for b in bufs:
             self.inner.free(b)
         self.inner.clear()

@@ -507,7 +507,8 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
               for way, (*_, data) in zip(ways, views, strict=True) if way is Taking.COPIED]
     leases = run_sync(pool.lease_all(wanted)) if wanted else []
     got = iter(leases)
-    d2h = DeviceToHost() if any(way is Taking.COPIED and v[-1].device.type == "cuda"
+    typed = pool.allocator.typed
+    d2h = DeviceToHost() if any(way is Taking.COPIED and v[-1].is_cuda
                                 for v, way in zip(views, ways, strict=True)) else None
     chunks: list[ChunkData] = []
     on_host: list[tuple[torch.Tensor, torch.Tensor]] = []  #: (buffer, source) of CPU data
@@ -518,7 +519,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
                                         device.part(data)))  # type: ignore[union-attr]  # set: STREAMED
                 continue
             if way is Taking.COPIED:
-                data = copy_chunk(data, next(got), d2h, on_host)
+                data = copy_chunk(data, next(got), d2h, on_host, typed)
             elif way is Taking.EMPTY:
                 data = torch.empty(data.shape, dtype=data.dtype)
             chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
@@ -536,11 +537,15 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
 
 
 def copy_chunk(data: torch.Tensor, lease: Lease, d2h: DeviceToHost | None = None,
-               on_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+               on_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               typed: Callable[[torch.Tensor, torch.dtype, torch.Size], torch.Tensor] | None = None
+               ) -> torch.Tensor:
     """``data`` copied into ``lease``'s buffer, as a tensor of its dtype and shape (CUDA data
     by ``d2h``, complete only after ``d2h.wait()``; CPU data, with ``on_host``, only queued
-    there as (buffer, source) for ``copies.copy_all``)."""
-    buf = lease.tensor.view(data.dtype).view(data.shape)
+    there as (buffer, source) for ``copies.copy_all``). ``typed``: how the buffer is seen as
+    that tensor (the pool's ``allocator.typed``: a caching allocator reuses its views)."""
+    buf = (typed(lease.tensor, data.dtype, data.shape) if typed is not None
+           else lease.tensor.view(data.dtype).view(data.shape))
     if d2h is not None and data.device.type == "cuda":
         d2h.copy(buf, data)
     elif on_host is not None and data.device.type == "cpu":
@@ -580,7 +585,7 @@ def staging_allocator(state_dict: Mapping[str, Any]) -> BufferAllocator:
 
 def has_cuda(state_dict: Mapping[str, Any]) -> bool:
     """Whether the state dict holds a tensor on a CUDA device."""
-    return any(t.device.type == "cuda" for t in _tensors(state_dict))
+    return any(t.is_cuda for t in _tensors(state_dict))  # not .device: a new object each
 
 
 def _tensors(obj: Any):
