@@ -317,7 +317,10 @@ def _write_views(d: Described, plan: SavePlan) -> list[tuple[str, tuple[int, ...
     views = []
     for key, box in plan.writes():
         s = d.shards[key]
-        views.append((key, s.global_shape, box, s.local.detach()[box.relative_to(s.box).slices()]))
+        local = s.local.detach()
+        # a rank writing its whole shard (the usual case) takes it as it is: no indexing
+        views.append((key, s.global_shape, box,
+                      local if box == s.box else local[box.relative_to(s.box).slices()]))
     for key, s in d.own.items():
         if s.box.volume:
             views.append((key, s.global_shape, s.box, s.local.detach()))
@@ -367,6 +370,7 @@ def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePla
         plan = SavePlan(layouts, comm.rank, comm.size, split, min_slice, descs=descs,
                         owners=owners, plan_id=pid)
         plan.writes()  # this rank's part of the plan, computed now (it is cached with it)
+        plan.replicas()
         return plan
 
     return comm.run_everywhere("save: checking the shards of every rank", agree)
@@ -381,13 +385,10 @@ def _own_plan(key: str, s: LocalShard, rank: int) -> TensorPlan:
 def _replica_views(d: Described, plan: SavePlan) -> tuple[tuple[str, Box, torch.Tensor], ...]:
     """The slices of plain tensors this rank holds but another rank writes (views)."""
     out = []
-    for key, lay in plan.layouts.items():
-        if lay.kind != "plain" or key not in d.shards:
-            continue
-        s = d.shards[key]
-        for box, writer in plan.slices(key):
-            if writer != plan.rank:
-                out.append((key, box, s.local.detach()[box.relative_to(s.box).slices()]))
+    for key, box in plan.replicas():
+        s = d.shards.get(key)
+        if s is not None:
+            out.append((key, box, s.local.detach()[box.relative_to(s.box).slices()]))
     return tuple(out)
 
 
