@@ -9,11 +9,11 @@ import torch
 from ckptfs.dist import Comm
 from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.stage import stage
-from ckptfs.save import make_backend
 from ckptfs.layout.boxes import Box
 from ckptfs.planning.layouts import Description, Layout
 from ckptfs.planning.plan_cache import PlanCache
 from ckptfs.planning.save_plan import SavePlan, agree_layouts
+from ckptfs.save import make_backend
 
 
 def test_replicas_are_the_plain_slices_another_rank_writes_computed_once():
