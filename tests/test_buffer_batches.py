@@ -45,3 +45,26 @@ async def test_a_failed_lease_gives_back_the_others(limit):
         await pool.lease_all([16, 16, 16, 16])
     assert pool.budget.used == 0
     assert pool.allocator.cached_bytes == 32  # the two made before the failure
+
+
+async def test_typed_views_reused_with_their_buffers_and_dropped_with_them():
+    import gc
+    import weakref
+
+    cache = CachingAllocator()
+    pool = BufferPool(cache)
+    (lease,) = await pool.lease_all([64])
+    view = cache.typed(lease.tensor, torch.float32, torch.Size([4, 4]))
+    assert view.shape == (4, 4) and view.data_ptr() == lease.tensor.data_ptr()
+    await pool.release_all([lease])
+    (again,) = await pool.lease_all([64])
+    assert again.tensor is lease.tensor
+    assert cache.typed(again.tensor, torch.float32, torch.Size([4, 4])) is view  # no new view
+    other = cache.typed(again.tensor, torch.int64, torch.Size([8]))
+    assert other is not view and other.dtype == torch.int64 and other.shape == (8,)
+    await pool.release_all([again])
+    gone = weakref.ref(other)
+    del lease, again, view, other
+    pool.expect([])  # the next save has another structure: the buffer and its view go
+    gc.collect()
+    assert gone() is None and cache.cached_bytes == 0

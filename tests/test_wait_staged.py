@@ -6,6 +6,7 @@ recorded after the device-to-host copies, and the host goes on; otherwise it blo
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -52,6 +53,25 @@ def test_a_staging_failure_reaches_the_stream_waiter():
     staged.resolve_queued(error=ckptfs.StorageError("copy failed"))
     with pytest.raises(ckptfs.StorageError, match="copy failed"):
         handle.wait_staged(timeout=5, stream=Stream())
+
+
+def test_hand_over_waits_until_the_waiting_thread_has_returned():
+    """The save's thread, once ``staged`` resolves, waits (at most a bound) for the threads
+    blocked in ``result()`` to get out, before it takes the GIL for its own work."""
+    staged = Staged()
+    waiter = threading.Thread(target=staged.result, args=(10,))
+    waiter.start()
+    for _ in range(500):  # until the waiter is inside result(): hand_over times out
+        if not staged.hand_over(most=0.01):
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the waiting thread never waited")
+    staged.set_result(None)
+    assert staged.hand_over(most=10)
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert staged.hand_over(most=0)  # no one waits: returns at once
 
 
 @pytest.mark.parametrize("limit", [None, 1 << 16])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - imported before our exit hooks are registered
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -44,6 +45,10 @@ from ckptfs.layout.backend import Backend
 
 T = TypeVar("T")
 
+#: the longest a save's thread waits, once ``staged`` resolves, for the threads blocked in
+#: ``staged.result()`` to return (``Staged.hand_over``)
+HAND_OVER = 0.02
+
 #: what runs once staged: ``finish(staged, comm, give_back)`` writes and commits;
 #: ``give_back()`` returns the staging buffers to the pool early (idempotent; called after
 #: ``finish`` in any case)
@@ -60,6 +65,30 @@ class Staged(Future[None]):
     def __init__(self) -> None:
         super().__init__()
         self.queued: Future[tuple[Any, ...]] = Future()
+        self._waiting = 0  #: threads inside ``result()``
+        self._count = threading.Lock()
+
+    def result(self, timeout: float | None = None) -> None:
+        with self._count:
+            self._waiting += 1
+        try:
+            return super().result(timeout)
+        finally:
+            with self._count:
+                self._waiting -= 1
+
+    def hand_over(self, most: float = HAND_OVER) -> bool:
+        """Once resolved: wait, without the GIL, until every thread blocked in ``result()`` has
+        returned (at most ``most`` seconds); whether none is left. Woken, such a thread (the
+        training loop) still needs the GIL, and the save's thread going on at once with Python
+        or C-level work would hold it (until the interpreter's switch interval asks it back, or
+        longer inside one C call): the caller's wait would end milliseconds late."""
+        deadline = time.monotonic() + most
+        while self._waiting:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)
+        return True
 
     def resolve_queued(self, events: tuple[Any, ...] = (), error: BaseException | None = None
                        ) -> None:
@@ -176,8 +205,9 @@ class BackgroundSaver:
                ) -> tuple[Future[None], Future[T]]:
         """Run ``job(on_copied, staged)`` in a new thread once the save in flight is done:
         ``on_copied()`` resolves ``staged`` (a ``Staged``: the job may resolve its ``queued``
-        first), the job's result ``done``, an exception both that are pending (what ``start``
-        runs; a writer of another kind may launch its own job)."""
+        first) and lets the threads waiting for it return before the job goes on
+        (``Staged.hand_over``), the job's result ``done``, an exception both that are pending
+        (what ``start`` runs; a writer of another kind may launch its own job)."""
         staged = Staged()
         done: Future[T] = Future()
         for f in (staged, staged.queued, done):
@@ -187,6 +217,7 @@ class BackgroundSaver:
             staged.resolve_queued()
             if not staged.done():
                 staged.set_result(None)
+                staged.hand_over()
 
         def run() -> None:
             try:

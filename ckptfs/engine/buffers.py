@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -38,6 +39,17 @@ class BufferAllocator(ABC):
     @abstractmethod
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A new buffer of ``nbytes`` bytes."""
+
+    def allocate_all(self, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """A new buffer of each of ``sizes``, in order; a failure frees those made."""
+        out: list[torch.Tensor] = []
+        try:
+            for n in sizes:
+                out.append(self.allocate(n))
+        except BaseException:
+            self.free_all(out)
+            raise
+        return out
 
     def free(self, buffer: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Called when a pool drops ``buffer`` (a caching allocator may keep it)."""
@@ -53,6 +65,11 @@ class BufferAllocator(ABC):
 
     def clear(self) -> None:  # noqa: B027 - optional hook
         """Free whatever the allocator keeps."""
+
+    def typed(self, buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """``buffer`` (one this allocator made) seen as a C-contiguous tensor of ``dtype`` and
+        ``shape`` (a view: shares its memory)."""
+        return buffer.view(dtype).view(shape)
 
 
 class HostAllocator(BufferAllocator):
@@ -76,7 +93,7 @@ class PinnedAllocator(BufferAllocator):
 def allocator_for(tensors: Iterable[torch.Tensor]) -> BufferAllocator:
     """``PinnedAllocator`` when one of ``tensors`` is on a CUDA device, else ``HostAllocator``
     (CPU-only data, or a torch without CUDA, never pins)."""
-    if any(t.device.type == "cuda" for t in tensors) and torch.cuda.is_available():
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_available():  # not .device: slower
         return PinnedAllocator()
     return HostAllocator()
 
@@ -99,6 +116,9 @@ class CachingAllocator(BufferAllocator):
         self._cached: dict[int, deque[torch.Tensor]] = defaultdict(deque)
         self._lock = threading.Lock()
         self.allocations = 0  #: buffers obtained from ``inner`` (reuse keeps this flat)
+        #: id of a buffer -> (the buffer, dtype, shape, its view as those): ``typed``'s views,
+        #: kept while the buffer is, so a save of the same structure makes none
+        self._typed: dict[int, tuple[torch.Tensor, torch.dtype, torch.Size, torch.Tensor]] = {}
 
     @property
     def cached_bytes(self) -> int:
@@ -112,7 +132,9 @@ class CachingAllocator(BufferAllocator):
             for n in list(self._cached):
                 bufs = self._cached[n]
                 while len(bufs) > want[n]:
-                    self.inner.free(bufs.pop())
+                    dropped = bufs.pop()
+                    self._typed.pop(id(dropped), None)
+                    self.inner.free(dropped)
                 if not bufs:
                     del self._cached[n]
 
@@ -124,6 +146,30 @@ class CachingAllocator(BufferAllocator):
             self.allocations += 1
         return self.inner.allocate(nbytes)
 
+    def allocate_all(self, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """As ``allocate`` for each of ``sizes``, under one hold of the lock (a save leases
+        thousands); a failure gives those taken back to the cache."""
+        out: list[torch.Tensor | None] = []
+        missing: list[int] = []
+        with self._lock:
+            cached = self._cached
+            for i, n in enumerate(sizes):
+                bufs = cached.get(n)
+                if bufs:
+                    out.append(bufs.popleft())
+                else:
+                    out.append(None)
+                    missing.append(i)
+        try:
+            for i in missing:
+                out[i] = self.inner.allocate(sizes[i])
+                with self._lock:
+                    self.allocations += 1
+        except BaseException:
+            self.free_all([b for b in out if b is not None])
+            raise
+        return cast("list[torch.Tensor]", out)
+
     def free(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._cached[buffer.numel()].append(buffer)
@@ -134,10 +180,24 @@ class CachingAllocator(BufferAllocator):
             for b in buffers:
                 cached[b.numel()].append(b)
 
+    def typed(self, buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """As ``BufferAllocator.typed``, but the view made for ``buffer`` the last time is
+        handed out again where its dtype and shape are the same (two torch views cost a few
+        microseconds, thousands of them a large share of staging a state of small tensors).
+        Called on leased buffers only: ``expect`` and ``clear``, which drop cached ones, never
+        race with it for the same buffer."""
+        got = self._typed.get(id(buffer))
+        if got is not None and got[0] is buffer and got[1] is dtype and got[2] == shape:
+            return got[3]
+        view = buffer.view(dtype).view(shape)
+        self._typed[id(buffer)] = (buffer, dtype, shape, view)
+        return view
+
     def clear(self) -> None:
         with self._lock:
             bufs = [b for bs in self._cached.values() for b in bs]
             self._cached.clear()
+            self._typed.clear()
         for b in bufs:
             self.inner.free(b)
         self.inner.clear()
@@ -210,18 +270,13 @@ class BufferPool:
                 await self.release_all(out)
                 raise
             return out
-        left = await self.budget.acquire(sum(sizes))
-        made: list[Lease] = []
+        total = await self.budget.acquire(sum(sizes))
         try:
-            allocate = self.allocator.allocate
-            for n in sizes:
-                made.append(Lease(allocate(n), n))
-                left -= n
+            buffers = self.allocator.allocate_all(sizes)  # gives back what it took if it fails
         except BaseException:
-            await self.budget.release(left)
-            await self.release_all(made)
+            await self.budget.release(total)
             raise
-        return made
+        return list(map(Lease, buffers, sizes))
 
     async def release_all(self, leases: Sequence[Lease]) -> None:
         """``release`` of each of ``leases``, in order, as one step."""

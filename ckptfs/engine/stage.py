@@ -317,7 +317,10 @@ def _write_views(d: Described, plan: SavePlan) -> list[tuple[str, tuple[int, ...
     views = []
     for key, box in plan.writes():
         s = d.shards[key]
-        views.append((key, s.global_shape, box, s.local.detach()[box.relative_to(s.box).slices()]))
+        local = s.local.detach()
+        # a rank writing its whole shard (the usual case) takes it as it is: no indexing
+        views.append((key, s.global_shape, box,
+                      local if box == s.box else local[box.relative_to(s.box).slices()]))
     for key, s in d.own.items():
         if s.box.volume:
             views.append((key, s.global_shape, s.box, s.local.detach()))
@@ -367,6 +370,7 @@ def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePla
         plan = SavePlan(layouts, comm.rank, comm.size, split, min_slice, descs=descs,
                         owners=owners, plan_id=pid)
         plan.writes()  # this rank's part of the plan, computed now (it is cached with it)
+        plan.replicas()
         return plan
 
     return comm.run_everywhere("save: checking the shards of every rank", agree)
@@ -381,13 +385,10 @@ def _own_plan(key: str, s: LocalShard, rank: int) -> TensorPlan:
 def _replica_views(d: Described, plan: SavePlan) -> tuple[tuple[str, Box, torch.Tensor], ...]:
     """The slices of plain tensors this rank holds but another rank writes (views)."""
     out = []
-    for key, lay in plan.layouts.items():
-        if lay.kind != "plain" or key not in d.shards:
-            continue
-        s = d.shards[key]
-        for box, writer in plan.slices(key):
-            if writer != plan.rank:
-                out.append((key, box, s.local.detach()[box.relative_to(s.box).slices()]))
+    for key, box in plan.replicas():
+        s = d.shards.get(key)
+        if s is not None:
+            out.append((key, box, s.local.detach()[box.relative_to(s.box).slices()]))
     return tuple(out)
 
 
@@ -507,7 +508,8 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
               for way, (*_, data) in zip(ways, views, strict=True) if way is Taking.COPIED]
     leases = run_sync(pool.lease_all(wanted)) if wanted else []
     got = iter(leases)
-    d2h = DeviceToHost() if any(way is Taking.COPIED and v[-1].device.type == "cuda"
+    typed = pool.allocator.typed
+    d2h = DeviceToHost() if any(way is Taking.COPIED and v[-1].is_cuda
                                 for v, way in zip(views, ways, strict=True)) else None
     chunks: list[ChunkData] = []
     on_host: list[tuple[torch.Tensor, torch.Tensor]] = []  #: (buffer, source) of CPU data
@@ -518,7 +520,7 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
                                         device.part(data)))  # type: ignore[union-attr]  # set: STREAMED
                 continue
             if way is Taking.COPIED:
-                data = copy_chunk(data, next(got), d2h, on_host)
+                data = copy_chunk(data, next(got), d2h, on_host, typed)
             elif way is Taking.EMPTY:
                 data = torch.empty(data.shape, dtype=data.dtype)
             chunks.append(ChunkData(key, shards[key].dtype, shape, box, data))
@@ -536,11 +538,15 @@ def _take(views: list, shards: Mapping[str, LocalShard], pool: BufferPool, copy:
 
 
 def copy_chunk(data: torch.Tensor, lease: Lease, d2h: DeviceToHost | None = None,
-               on_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+               on_host: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               typed: Callable[[torch.Tensor, torch.dtype, torch.Size], torch.Tensor] | None = None
+               ) -> torch.Tensor:
     """``data`` copied into ``lease``'s buffer, as a tensor of its dtype and shape (CUDA data
     by ``d2h``, complete only after ``d2h.wait()``; CPU data, with ``on_host``, only queued
-    there as (buffer, source) for ``copies.copy_all``)."""
-    buf = lease.tensor.view(data.dtype).view(data.shape)
+    there as (buffer, source) for ``copies.copy_all``). ``typed``: how the buffer is seen as
+    that tensor (the pool's ``allocator.typed``: a caching allocator reuses its views)."""
+    buf = (typed(lease.tensor, data.dtype, data.shape) if typed is not None
+           else lease.tensor.view(data.dtype).view(data.shape))
     if d2h is not None and data.device.type == "cuda":
         d2h.copy(buf, data)
     elif on_host is not None and data.device.type == "cpu":
@@ -580,7 +586,7 @@ def staging_allocator(state_dict: Mapping[str, Any]) -> BufferAllocator:
 
 def has_cuda(state_dict: Mapping[str, Any]) -> bool:
     """Whether the state dict holds a tensor on a CUDA device."""
-    return any(t.device.type == "cuda" for t in _tensors(state_dict))
+    return any(t.is_cuda for t in _tensors(state_dict))  # not .device: a new object each
 
 
 def _tensors(obj: Any):

@@ -40,6 +40,9 @@ NAMES: tuple[str, ...] = tuple(BY_NAME)
 
 def from_torch(dtype: torch.dtype, key: str = "?") -> DType:
     """The format's dtype for a torch dtype, or a clear error naming the key."""
+    got = BY_TORCH.get(dtype)  # once per tensor staged: no import on this path
+    if got is not None:
+        return got
     from ckptfs.errors import UnsupportedValueError
 
     try:

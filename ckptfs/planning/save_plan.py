@@ -230,6 +230,8 @@ class SavePlan:
         self.plan_id = plan_id  #: the same on every rank that planned together
         self._mine: Assigned | None = None
         self._all: Assigned | None = None
+        self._writes: tuple[tuple[str, Box], ...] | None = None
+        self._replicas: tuple[tuple[str, Box], ...] | None = None
         self._plans: dict[str, TensorPlan] = {}
         self.plans: Mapping[str, TensorPlan] = _LazyPlans(self)
 
@@ -267,11 +269,25 @@ class SavePlan:
         return self._local()[(key, reg[0])]
 
     def writes(self) -> list[tuple[str, Box]]:
-        """The stored chunks this rank writes, in key order."""
-        out: list[tuple[str, Box]] = []
-        for key in self.layouts:
-            out.extend((key, box) for box, w in self.slices(key) if w == self.rank)
-        return out
+        """The stored chunks this rank writes, in key order (computed once: a cached plan
+        serves every later save of its structure)."""
+        if self._writes is None:
+            out: list[tuple[str, Box]] = []
+            for key in self.layouts:
+                out.extend((key, box) for box, w in self.slices(key) if w == self.rank)
+            self._writes = tuple(out)
+        return list(self._writes)
+
+    def replicas(self) -> tuple[tuple[str, Box], ...]:
+        """The slices of plain tensors this rank holds and another rank writes, in key order
+        (computed once, as ``writes``)."""
+        if self._replicas is None:
+            out: list[tuple[str, Box]] = []
+            for key, lay in self.layouts.items():
+                if lay.kind == "plain":
+                    out.extend((key, box) for box, w in self.slices(key) if w != self.rank)
+            self._replicas = tuple(out)
+        return self._replicas
 
     # -- the whole plan -----------------------------------------------------------------
     def _global(self) -> Assigned:
