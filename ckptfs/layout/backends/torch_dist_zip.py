@@ -507,7 +507,8 @@ def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
     blob = _HeadTail(bytearray(get(0, start)), n, bytearray(get(start + n, size)))
     sid = next((r for r in layout.records if r.name.endswith("/.data/serialization_id")), None)
     sid_at: Spot | None = None
-    sid_head, sid_crc = b"", ()
+    sid_head = b""
+    sid_crc: tuple[Spot, ...] = ()
     if sid is not None:
         h = sid.header_offset
         assert blob.get(h, 4) == _LOCAL and sid.size == 40 and sid.method == 0
