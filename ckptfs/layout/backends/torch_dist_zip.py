@@ -444,7 +444,11 @@ class _Template:
     tail: bytes
     nbytes: int
     data_crc: tuple[Spot, ...]  #: the storage record's CRC-32 fields
-    crcs: tuple[int | None, ...]  #: CRC-32 of every non-empty record before the id (None: the storage's)
+    #: the serialization id folds the CRC-32 of every non-empty record before it: the fold of
+    #: those before the storage record (of all of them when it is empty), and the CRC-32 of
+    #: those after it (None: the storage record is empty, outside the fold)
+    fold_start: int
+    fold_rest: tuple[int, ...] | None
     sid: Spot | None  #: <archive>/.data/serialization_id's payload (None: no such record)
     sid_head: bytes  #: its first 20 digits (combined record-name hashes: the same for every tensor)
     sid_crc: tuple[Spot, ...]  #: its CRC-32 fields
@@ -456,9 +460,11 @@ class _Template:
         if self.sid is not None:
             # 20 digits of combined record-name hashes (unchanged), then 20 digits of the
             # c10::hash_combine fold of the CRC-32 of every earlier non-empty record
-            fold = 0
-            for c in self.crcs:
-                fold = _hash_combine(fold, crc if c is None else c)
+            fold = self.fold_start
+            if self.fold_rest is not None:
+                fold = _hash_combine(fold, crc)
+                for c in self.fold_rest:
+                    fold = _hash_combine(fold, c)
             new = self.sid_head + b"%020d" % fold
             assert len(new) == 40
             patches.append((self.sid, new))
@@ -517,9 +523,27 @@ def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> _Template:
         nlen, elen = struct.unpack("<HH", blob.get(h + 26, 4))
         at = h + 30 + nlen + elen
         sid_at, sid_head, sid_crc = blob.spot(at), blob.get(at, 20), blob.crc_spots(sid, at + 40)
-    crcs = tuple(None if r is layout.record else r.crc for r in layout.records if r is not sid and r.size)
+    fold_start, fold_rest = _fold_parts(layout.records, layout.record, sid)
     return _Template(bytes(blob.head), bytes(blob.tail), n, blob.crc_spots(layout.record, start + n),
-                     crcs, sid_at, sid_head, sid_crc)
+                     fold_start, fold_rest, sid_at, sid_head, sid_crc)
+
+
+def _fold_parts(records: tuple[ZipRecord, ...], storage: ZipRecord,
+                sid: ZipRecord | None) -> tuple[int, tuple[int, ...] | None]:
+    """(the fold of the CRC-32 of the non-empty records but ``sid`` before ``storage``, the
+    CRC-32 of those after it; None when ``storage`` is empty)."""
+    fold = 0
+    rest: list[int] | None = None
+    for r in records:
+        if r is sid or not r.size:
+            continue
+        if r is storage:
+            rest = []
+        elif rest is None:
+            fold = _hash_combine(fold, r.crc)
+        else:
+            rest.append(r.crc)
+    return fold, None if rest is None else tuple(rest)
 
 
 def _hash_combine(seed: int, value: int) -> int:
