@@ -45,7 +45,9 @@ from ckptfs.layout.backends.torch_dist import TorchDistBackend
 from ckptfs.layout.backends.torch_dist_keys import dcp_leaves
 from ckptfs.layout.backends.torch_dist_pickle import ForbiddenGlobalError
 from ckptfs.layout.backends.torch_dist_zip import (
+    DENSE_MAX,
     TAIL,
+    _SparseWriter,
     locate_records,
     locate_tensor,
     run_on_bytes,
@@ -310,7 +312,8 @@ def test_zip_crc32_is_zlibs_from_isal_where_installed():
     torch.zeros(0, 2), torch.arange(20.0).reshape(4, 5)[1:3],
     torch.ones(3, dtype=torch.float8_e4m3fn), torch.tensor([True, False]),
     torch.arange(6, dtype=torch.int64).reshape(2, 3),
-], ids=["f32", "bf16", "0d", "empty", "row-view", "f8", "bool", "i64"])
+    torch.arange(DENSE_MAX // 4 + 16, dtype=torch.float32),  # its template from a sparse sink
+], ids=["f32", "bf16", "0d", "empty", "row-view", "f8", "bool", "i64", "over-dense-max"])
 def test_blob_is_byte_identical_to_torch_save(t):
     other = t.clone()
     if other.numel():  # same dtype and shape, different bytes
@@ -324,6 +327,19 @@ def test_blob_is_byte_identical_to_torch_save(t):
         layout = run_on_bytes(locate_tensor(blob.nbytes), bio.getvalue())
         assert layout.data_offset == blob.data_offset and layout.data_offset % 64 == 0
         assert layout.raw_problem(x.dtype, tuple(x.shape)) is None
+
+
+def test_sparse_writer_joins_continuing_writes_and_reads_later_over_earlier():
+    w = _SparseWriter()
+    w.write(b"ab")
+    w.write(memoryview(b"cd"))
+    w.seek(10, 1)  # a hole, never allocated
+    w.write(b"ef")
+    w.seek(1)
+    w.write(b"X")  # an overwrite: a part of its own, read over the earlier bytes
+    assert [(p, bytes(d)) for p, d in w.parts] == [(0, b"abcd"), (14, b"ef"), (1, b"X")]
+    assert w.size == 16 and w.read_range(0, 16) == b"aXcd" + bytes(10) + b"ef"
+    assert w.untouched(4, 14) and not w.untouched(3, 5) and not w.untouched(13, 15)
 
 
 def test_items_and_metadata_match_what_dcp_writes(tmp_path):

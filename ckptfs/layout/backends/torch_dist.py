@@ -119,18 +119,24 @@ class TorchDistBackend(Backend):
             if not bucket:
                 continue
             path = data_file(job.rank, i, job.save_id)
+            # the container bytes between two tensors' data (a tail, the padding, the next
+            # head) make one part: a file of many small items has half as many parts to write
+            # and checksum
             parts: list[Buffer] = []
+            between = b""
             pos = 0
             for c in bucket:
-                pos = _pad(parts, pos)
                 blob = tensor_blob(c.data)
-                parts += [blob.head, blob.data, blob.tail]
+                pad = -pos % ALIGN
+                pos += pad
+                parts += [b"".join((between, bytes(pad), blob.head)), blob.data]
+                between = blob.tail
                 entries.append((c.key, ChunkEntry(
                     offsets=c.box.offsets, shape=c.box.shape, file=path,
                     byte_offset=pos + blob.data_offset, byte_length=blob.data.nbytes,
                     extra={"item_offset": pos, "item_length": blob.nbytes})))
                 pos += blob.nbytes
-            files.append(FileWrite(path, tuple(parts)))
+            files.append(FileWrite(path, (*parts, between)))
         return RankWrite(tuple(files), tuple(entries))
 
     def index_options(self) -> dict[str, Any]:
