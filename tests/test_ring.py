@@ -264,7 +264,7 @@ def test_allocator_choice_falls_back_without_cuda():
     assert type(staging_allocator({"a": cpu[0], "b": [cpu[1], (cpu[0],)], "n": 3})) is HostAllocator
     assert cuda_ring(cpu, ring_bytes=1 << 20, slots=4) is None  # a CPU load never pins
     if not torch.cuda.is_available():
-        on_cuda = type("T", (), {"device": torch.device("cuda")})()  # a CUDA tensor's device
+        on_cuda = type("T", (), {"device": torch.device("cuda"), "is_cuda": True})()  # a CUDA tensor, as seen
         assert type(allocator_for([on_cuda])) is HostAllocator  # CPU-only torch: never pinned
         with pytest.raises(RuntimeError):
             PinnedAllocator().allocate(16)  # what pinning does on CPU-only torch
