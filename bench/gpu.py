@@ -13,10 +13,12 @@ In one run on a GPU machine, for an fp32 and a bf16 state of ``--gb`` GB (defaul
   GPUDirect Storage (``LoadOptions(gds=True)``) when kvikio imports;
 - the save of the same CUDA state, from a dropped page cache: ckptfs (streamed off the device
   through its pinned ring) vs ``dcp.save`` (``sync_files=True``), with the pinned memory in use
-  at once (torch's host allocator statistics); and ckptfs's ``async_save`` (time until staged,
-  until done) beside DCP's ``async_save`` with one ``DefaultStager`` reused by every save
-  (pinned, non-blocking, asynchronous staging: DCP's advice for GPU state; a new one per save
-  on torch 2.11, which cannot reuse one: ``bench.libs.DcpStager``), the async-save peer.
+  at once (torch's host allocator statistics); and ckptfs's ``async_save`` with each writer
+  (``writer="thread"``, ``writer="process"``: time until staged, until done) beside DCP's
+  ``async_save`` in thread mode and in process mode (``AsyncCheckpointerType.PROCESS``), each
+  with one ``DefaultStager`` reused by every save (pinned, non-blocking, asynchronous staging:
+  DCP's advice for GPU state; shared memory in process mode; a new one per save on torch 2.11,
+  which cannot reuse one: ``bench.libs.DcpStager``), each writer against the peer of its kind.
 
 Runs alternate between checkpointers; medians of ``--repeats``; loads run from a warm page cache
 (the floor beside them is the warm read bandwidth); every load is compared with the state on
@@ -44,7 +46,7 @@ import torch
 
 import ckptfs
 from bench.floors import in_threads, write_fsync
-from bench.libs import DcpStager
+from bench.libs import DcpStager, one_rank_group
 from bench.worker import drop_caches
 from ckptfs.layout.checksum import crc_of
 
@@ -183,7 +185,7 @@ def _time(fn: Callable[[], None], device: str) -> float:
 
 
 def _row(what: str, m: float, nbytes: int, ref: float, extra: str) -> str:
-    return (f"  {what:28s} {m:7.3f} s  {nbytes / m / 1e9:6.2f} GB/s  {ref / m:5.2f}x DCP  "
+    return (f"  {what:36s} {m:7.3f} s  {nbytes / m / 1e9:6.2f} GB/s  {ref / m:5.2f}x DCP  "
             f"{extra}")
 
 
@@ -259,25 +261,6 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                                       storage_writer=dcp.FileSystemWriter(p, sync_files=True)),
         }
         stimes: dict[str, list[float]] = {k: [] for k in saves}
-        # DCP's async save as its docs advise for GPU state: one DefaultStager reused by every
-        # save (pinned staging storages cached across saves, non-blocking copies, staged in the
-        # background)
-        stager = DcpStager(use_pinned_memory=device == "cuda", use_shared_memory=False,
-                           use_async_staging=True, use_non_blocking_copy=device == "cuda")
-
-        def ckptfs_async(p: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
-            h = ckptfs.async_save(expected, p)
-            return h.staged.result, h.done.result
-
-        def dcp_async(p: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
-            r = dcp.async_save(expected, async_stager=stager.get(), no_dist=True,
-                               storage_writer=dcp.FileSystemWriter(p, sync_files=True))
-            return r.staging_completion.result, r.upload_completion.result
-
-        #: (wait staged, wait done) of a started async save
-        asyncs = {"async": ckptfs_async, "dcp-async": dcp_async}
-        staged: dict[str, list[float]] = {k: [] for k in asyncs}
-        done: dict[str, list[float]] = {k: [] for k in asyncs}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for i in range(repeats):
@@ -288,7 +271,71 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                     stimes[k].append(_time(lambda fn=fn, out=out: fn(out), device))
                     pinned[k] = peak()
                     shutil.rmtree(out, ignore_errors=True)
-                for k, start in asyncs.items():
+        dcp_save = statistics.median(stimes["DCP"])
+        best_w = max(wfloor.values())
+        for k, ts in stimes.items():
+            m = statistics.median(ts)
+            rows.append(_row(f"save {k}", m, nbytes, dcp_save,
+                             f"{nbytes / m / 1e9 / best_w:4.0%} of write floor  pinned peak "
+                             f"{_mb(pinned[k])}"))
+        return rows + async_rows(expected, work, repeats, device, nbytes, best_w)
+        return rows
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def async_savers(expected: dict[str, torch.Tensor], device: str,
+                  ) -> tuple[dict[str, Callable[[str], tuple[Callable[[], Any], Callable[[], Any]]]],
+                             dict[str, DcpStager]]:
+    """Each asynchronous save of the run, by name: ``start(path) -> (wait staged, wait done)``;
+    and DCP's stagers, by its savers' names. ckptfs with each writer; DCP's ``async_save`` as
+    its docs advise for GPU state, one ``DefaultStager`` reused by every save (pinned staging
+    storages cached across saves, non-blocking copies, staged in the background), in thread
+    mode and in process mode (``AsyncCheckpointerType.PROCESS``: its staging in shared memory,
+    written by a process of its own)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    cuda = device == "cuda"
+    stagers = {name: DcpStager(use_pinned_memory=cuda, use_shared_memory=name == "DCP-proc",
+                               use_async_staging=True, use_non_blocking_copy=cuda)
+               for name in ("DCP-thread", "DCP-proc")}
+
+    def ckptfs_async(writer: str) -> Callable[[str], tuple[Callable[[], Any], Callable[[], Any]]]:
+        def start(p: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            h = ckptfs.async_save(expected, p, writer=writer)
+            return h.staged.result, h.done.result
+        return start
+
+    def dcp_async(name: str) -> Callable[[str], tuple[Callable[[], Any], Callable[[], Any]]]:
+        kind = AsyncCheckpointerType.PROCESS if name == "DCP-proc" else AsyncCheckpointerType.THREAD
+
+        def start(p: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            r = dcp.async_save(expected, async_stager=stagers[name].get(),
+                               async_checkpointer_type=kind,
+                               storage_writer=dcp.FileSystemWriter(p, sync_files=True))
+            return r.staging_completion.result, r.upload_completion.result
+        return start
+
+    return ({"ckptfs-thread": ckptfs_async("thread"), "ckptfs-process": ckptfs_async("process"),
+             "DCP-thread": dcp_async("DCP-thread"), "DCP-proc": dcp_async("DCP-proc")}, stagers)
+
+
+def async_rows(expected: dict[str, torch.Tensor], work: str, repeats: int, device: str,
+               nbytes: int, best_w: float) -> list[str]:
+    """Asynchronous saves of the state (``async_savers``), alternating, from a dropped page
+    cache: time until staged and until done, medians of ``repeats``, ckptfs's writers against
+    DCP's async save of the same kind (thread writer / thread mode, process writer / process
+    mode), and the pinned memory in use at once."""
+    starts, stagers = async_savers(expected, device)
+    staged: dict[str, list[float]] = {k: [] for k in starts}
+    done: dict[str, list[float]] = {k: [] for k in starts}
+    pinned: dict[str, int | None] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(repeats):
+                for k, start in starts.items():
                     out = f"{work}/save-{i}-{k}"
                     drop_caches()
                     peak = _pinned_peak_reset(device)
@@ -299,32 +346,24 @@ def run_dtype(name: str, gb: float, repeats: int, device: str, root: str,
                     staged[k].append(time.perf_counter() - t)
                     wait_done()
                     done[k].append(time.perf_counter() - t)
-                    rise = peak()  # ckptfs's first save allocates its staging, later ones reuse
+                    rise = peak()  # the first save allocates its staging, later ones reuse it
                     pinned[k] = None if rise is None else max(rise, pinned.get(k) or 0)
                     shutil.rmtree(out, ignore_errors=True)
-        ckptfs.close()  # the async staging buffers
-        stager.close()
-        dcp_save = statistics.median(stimes["DCP"])
-        best_w = max(wfloor.values())
-        for k, ts in stimes.items():
-            m = statistics.median(ts)
-            rows.append(_row(f"save {k}", m, nbytes, dcp_save,
-                             f"{nbytes / m / 1e9 / best_w:4.0%} of write floor  pinned peak "
-                             f"{_mb(pinned[k])}"))
-        # async rows: ratios against DCP's async save (its staged, its done)
-        a_staged, a_done = statistics.median(staged["async"]), statistics.median(done["async"])
-        d_staged, d_done = statistics.median(staged["dcp-async"]), statistics.median(done["dcp-async"])
-        rows.append(_row("async_save: until staged", a_staged, nbytes, d_staged,
-                         f"pinned peak {_mb(pinned['async'])} (staging, made once)"))
-        rows.append(_row("async_save: until done", a_done, nbytes, d_done,
-                         f"{nbytes / a_done / 1e9 / best_w:4.0%} of write floor"))
-        rows.append(_row("DCP async_save: until staged", d_staged, nbytes, d_staged,
-                         f"pinned peak {_mb(pinned['dcp-async'])} (DefaultStager, "
-                         f"{'reused' if stager.reusable else 'new each save: torch 2.11'})"))
-        rows.append(_row("DCP async_save: until done", d_done, nbytes, d_done, ""))
-        return rows
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        ckptfs.close()  # the staging buffers and the writer process
+        for stager in stagers.values():
+            stager.close()
+    rows = []
+    for k, peer in (("ckptfs-thread", "DCP-thread"), ("ckptfs-process", "DCP-proc"),
+                    ("DCP-thread", "DCP-thread"), ("DCP-proc", "DCP-proc")):
+        s, d = statistics.median(staged[k]), statistics.median(done[k])
+        p_s, p_d = statistics.median(staged[peer]), statistics.median(done[peer])
+        reuse = "" if k.startswith("ckptfs") or DcpStager.reusable else ", new stager each save: torch 2.11"
+        rows.append(_row(f"async {k}: until staged", s, nbytes, p_s,
+                         f"pinned peak {_mb(pinned[k])}{reuse}"))
+        rows.append(_row(f"async {k}: until done", d, nbytes, p_d,
+                         f"{nbytes / d / 1e9 / best_w:4.0%} of write floor"))
+    return rows
 
 
 def _mb(n: int | None) -> str:
@@ -350,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench.gpu: torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
           + f", {os.cpu_count()} CPUs, ckptfs {ckptfs.__version__}", flush=True)
+    with one_rank_group():  # DCP's process-mode async save needs a default group
+        run(args)
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Every row of ``main``'s table, printed as it is measured."""
     h2d = None
     if args.device == "cuda":
         h2d = copy_floor("h2d")
@@ -358,7 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes.split(","):
         for row in run_dtype(name.strip(), args.gb, args.repeats, args.device, args.dir, h2d):
             print(row, flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -142,3 +145,45 @@ class DcpStager:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def group_of_one() -> None:
+    """A gloo group of one rank, the default group of this process (DCP's ``async_save`` in
+    process mode needs one)."""
+    import torch.distributed as dist
+
+    # DCP's shared-memory stager opens one shared-memory object per tensor: by name, not by
+    # file descriptor, or 20,000 tensors exhaust the descriptors
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+@contextmanager
+def one_rank_group() -> Iterator[None]:
+    """``group_of_one`` for the block, where no default group exists yet: the group destroyed
+    and the environment variables and sharing strategy it set restored after it (a harness run inside another
+    program, a test, leaves nothing behind)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {n: os.environ.get(n) for n in names}
+    sharing = torch.multiprocessing.get_sharing_strategy()
+    group_of_one()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.multiprocessing.set_sharing_strategy(sharing)
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 import ckptfs
+from bench.libs import group_of_one
 
 WRITERS = ("thread", "process", "DCP-thread", "DCP-proc")
 CHOICES = (*WRITERS, "process-nice0")
@@ -91,21 +91,6 @@ def beside(step: Callable[[], None], state: dict, url: str, writer: str,
     return staged, time.perf_counter() - t0, steps
 
 
-def _group_of_one() -> None:
-    """A gloo group of one rank (DCP's async_save needs one)."""
-    import torch.distributed as dist
-
-    # DCP's shared-memory stager opens one shared-memory object per tensor: by name, not by
-    # file descriptor, or 20,000 tensors exhaust the descriptors
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.python_bound", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if any(w.startswith("DCP-") for w in a.writers):
-        _group_of_one()
+        group_of_one()
     step = python_bound_step()
     state = {f"p{i}": torch.randn(256) for i in range(a.tensors)}
     root = a.dir or tempfile.mkdtemp(prefix="ckptfs-bench-")

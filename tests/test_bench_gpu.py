@@ -23,9 +23,10 @@ def test_the_harness_runs_every_row_on_cpu(tmp_path, capsys):
                      "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for row in ("page cache read GB/s by threads", "load ckptfs ", "load ckptfs verify=False",
-                "load DCP", "write floor", "save ckptfs", "save DCP", "async_save: until staged",
-                "async_save: until done", "DCP async_save: until staged",
-                "DCP async_save: until done"):
+                "load DCP", "write floor", "save ckptfs", "save DCP",
+                *(f"async {k}: until {w}" for k in ("ckptfs-thread", "ckptfs-process",
+                                                     "DCP-thread", "DCP-proc")
+                  for w in ("staged", "done"))):
         assert row in out, row
     assert list(tmp_path.iterdir()) == []  # the checkpoints are removed
 
