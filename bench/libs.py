@@ -166,8 +166,8 @@ def group_of_one() -> None:
 @contextmanager
 def one_rank_group() -> Iterator[None]:
     """``group_of_one`` for the block, where no default group exists yet: the group destroyed
-    and the environment variables and sharing strategy it set restored after it (a harness run inside another
-    program, a test, leaves nothing behind)."""
+    and the environment variables and sharing strategy it set restored after it (a harness
+    run inside another program, a test, leaves nothing behind)."""
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -4,9 +4,8 @@ hop each (zarr's file per array). A few small files are not worth grouping.
 
 A group is one worker's files one after the other; written with ``fsync``, each file waits for
 its own journal commit, so a write deals its small files over as many groups as the store runs
-requests at once (``spread``): the fsyncs of several workers then share commits. Measured on a
-2-vCPU cloud VM's virtual disk: 66 files of 400 bytes, each fsynced, took 0.22 s in one group,
-0.03-0.06 s dealt over 8 groups."""
+requests at once (``spread``): the fsyncs of several workers then share commits
+(docs/performance.md, zarr saves)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 ``torch.save`` blob of the torch_dist layout needs of each chunk's bytes (formats/torch_dist-1.md).
 
 The isal package (ISA-L's folding CRC, without the GIL) computes it where it is installed:
-measured on an x86-64 VM, about six times the speed of the zlib CPython links (1.2.13), which a
-torch_dist save pays once per byte it writes. zlib's ``crc32`` otherwise; both give the same value.
+several times the speed of the zlib CPython links (docs/performance.md), which a torch_dist save
+pays once per byte it writes. zlib's ``crc32`` otherwise; both give the same value.
 """
 
 from __future__ import annotations
