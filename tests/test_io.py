@@ -38,13 +38,16 @@ def client_error(status: int, code: str) -> ClientError:
 # -- retries ---------------------------------------------------------------------------------
 def test_transient_and_permanent_errors_are_told_apart():
     import aiohttp
+    from botocore.exceptions import FlexibleChecksumError
     from obstore.exceptions import GenericError, NotFoundError
 
     transient = [client_error(503, "SlowDown"), client_error(500, "InternalError"),
                  client_error(400, "RequestTimeout"), client_error(429, "TooManyRequests"),
                  ConnectionResetError("reset"), TimeoutError(), aiohttp.ServerDisconnectedError(),
                  GenericError("Generic S3 error: request failed, status: 503 Service Unavailable"),
-                 GenericError("Generic S3 error: error sending request: connection closed")]
+                 GenericError("Generic S3 error: error sending request: connection closed"),
+                 FlexibleChecksumError(error_msg="Expected checksum zqQvMQ== did not match "
+                                                 "calculated checksum: AAAAAA==")]
     permanent = [client_error(403, "AccessDenied"), client_error(404, "NoSuchKey"),
                  FileNotFoundError("x"), PermissionError("x"), FileExistsError("x"),
                  ValueError("x"), NotFoundError("x"),

@@ -83,12 +83,16 @@ def _network_types() -> tuple[type[BaseException], ...]:
     try:
         from botocore.exceptions import ConnectionError as BotoConnectionError
         from botocore.exceptions import (
+            FlexibleChecksumError,
             HTTPClientError,
             IncompleteReadError,
             ResponseStreamingError,
         )
 
-        types += [BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError]
+        # a body whose checksum does not match the one the response announced was damaged or
+        # cut on the way (or read while the object was being replaced): read it again
+        types += [BotoConnectionError, HTTPClientError, ResponseStreamingError, IncompleteReadError,
+                  FlexibleChecksumError]
     except ImportError:  # pragma: no cover
         pass
     try:
