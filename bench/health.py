@@ -4,9 +4,11 @@
   the page cache (``StoreOptions(fsync=False)``: the disk's own time, and its noise, left out)
   with and without ``check_finite=True``, alternating, ``--reps`` times each, to a fresh
   target (the check folded into the write) and over a committed checkpoint (the check in a
-  pass of its own first), and to a fresh target with the default options (every file fsynced:
+  pass of its own first), to the page cache with one file written at a time (a core left to
+  the checksum thread), and to a fresh target with the default options (every file fsynced:
   the save a training loop makes, its disk's time in it); the cost is the ratio of the medians
-  (and of the fastest runs, and the median of each run against the one before it), and
+  (and of the fastest runs, of the lower quartiles, and the median of each run against the one
+  beside it; the runs go without, with, with, without, ...), and
   the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it. What
   bounds it: the CPU time of the check inside the checksum thread (every tensor streamed
   through engine/checked_parts.py's ``CheckedPart`` with no write, its crc32c alone and with the
@@ -130,68 +132,78 @@ def fold_cost(state: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
             "fold_check_gbps": nbytes / max(both - crc, 1e-9) / 1e9}
 
 
-#: the saves ``bench_check_finite`` alternates: to a fresh target and over a committed
-#: checkpoint to the page cache, and to a fresh target with the default options (each file
-#: fsynced: the save a training loop makes)
-CASES = ("fresh", "replacing", "durable")
+#: the saves ``bench_check_finite`` alternates, with their store options: to a fresh target
+#: and over a committed checkpoint to the page cache; to the page cache with one file written
+#: at a time (a core left to the checksum thread, which then runs the test beside the write
+#: instead of taking CPU time from a second writer); and to a fresh target with the default
+#: options (each file fsynced: the save a training loop makes)
+CASES: dict[str, StoreOptions | None] = {
+    "fresh": StoreOptions(fsync=False), "replacing": StoreOptions(fsync=False),
+    "one-writer": StoreOptions(fsync=False, max_concurrency=1), "durable": None}
 
 
 def alternate_saves(state: dict, root: str, reps: int,
                     ) -> tuple[dict[tuple[str, bool], list[float]], dict[tuple[str, bool], list[float]]]:
-    """Wall and CPU seconds of each ``CASES`` save without and with the check, alternating,
-    ``reps`` times each after one warm-up round (a fresh target's folder removed first,
-    untimed)."""
+    """Wall and CPU seconds of each ``CASES`` save without and with the check, ``reps`` times
+    each after one warm-up round of each (a fresh target's folder removed first, untimed), in
+    the order without, with, with, without, ... (``check_order``): a drift of the machine's
+    speed during the run weighs on both alike."""
     times: dict[tuple[str, bool], list[float]] = {}
     cpu: dict[tuple[str, bool], list[float]] = {}
-    page_cache = StoreOptions(fsync=False)
-    for i in range(2 * reps + 2):  # the first two rounds (without, with) warm up, not counted
-        check = i % 2 == 1
-        for case in CASES:
+    for i, check in enumerate(check_order(2 * reps + 2)):  # the first two rounds warm up
+        for case, options in CASES.items():
             url = os.path.join(root, f"cf-{case}-{check}")
             if case != "replacing":
                 shutil.rmtree(url, ignore_errors=True)
             c0, t0 = cpu_seconds(), time.perf_counter()
             ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
-                        store_options=None if case == "durable" else page_cache)
+                        store_options=options)
             if i >= 2:
                 times.setdefault((case, check), []).append(time.perf_counter() - t0)
                 cpu.setdefault((case, check), []).append(cpu_seconds() - c0)
     return times, cpu
 
 
+def check_order(rounds: int) -> list[bool]:
+    """Without (False) and with (True) the check, ``rounds`` in all, in pairs of alternating
+    order after the first (False, True): F T T F F T T F ..."""
+    return [(i % 2 == 1) != (i // 2 % 2 == 1) for i in range(rounds)]
+
+
 def paired_pct(on: list[float], off: list[float]) -> float:
-    """Median over the runs of each run with the check against the run without it right
-    before it (the same load), in percent."""
+    """Median over the runs of each run with the check against the run without it beside it
+    (the same load), in percent."""
     return 100 * (statistics.median(a / b for a, b in zip(on, off, strict=True)) - 1)
 
 
+def quartile_pct(on: list[float], off: list[float]) -> float:
+    """The fastest quarter's edge (the lower quartile) of the runs with the check against
+    that of the runs without it, in percent: the machine's slow spells (another job, the host
+    paging memory in) lengthen some runs of either kind and never shorten one, so the lower
+    quartile keeps the save's own time with less of their noise than the median."""
+    return 100 * (lower_quartile(on) / lower_quartile(off) - 1)
+
+
+def lower_quartile(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=4, method="inclusive")[0] if len(xs) > 1 else xs[0]
+
+
 def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
-    """Alternating saves with and without the check (``alternate_saves``): to a fresh target
-    (the check runs while the files are written) and over a committed checkpoint
-    (``overwrite=True``: the check runs before the replaced checkpoint is touched, in a pass
-    of its own), to the page cache; and the default, fsynced save to a fresh target."""
+    """Alternating saves with and without the check (``alternate_saves``, each of ``CASES``):
+    to a fresh target the check runs while the files are written; over a committed checkpoint
+    (``overwrite=True``) before the replaced checkpoint is touched, in a pass of its own."""
     times, cpu = alternate_saves(state, root, reps)
     chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
               for k, t in state.items()]
     alone = [timed(lambda: non_finite(chunks)) for _ in range(reps)]
-    med = {k: statistics.median(v) for k, v in times.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
-    off = med[("fresh", False)]
+    off = statistics.median(times[("fresh", False)])
     fold = fold_cost(state, reps)
-    return {**fold, "fold_check_cpu_pct": 100 * fold["fold_check_cpu_s"] / cpu_med[("fresh", False)],
+    costs = {k: v for case in CASES for k, v in case_costs(times, case).items()}
+    return {**fold, **costs,
+            "fold_check_cpu_pct": 100 * fold["fold_check_cpu_s"] / cpu_med[("fresh", False)],
             "save_cores_busy": cpu_med[("fresh", False)] / off, "cores": os.cpu_count(),
-            "save_s": off, "save_check_finite_s": med[("fresh", True)],
-            "cost_pct": 100 * (med[("fresh", True)] / off - 1),
-            "cost_pct_fastest": 100 * (min(times[("fresh", True)])
-                                       / min(times[("fresh", False)]) - 1),
-            "cost_pct_paired": paired_pct(times[("fresh", True)], times[("fresh", False)]),
-            "durable_save_s": med[("durable", False)],
-            "durable_cost_pct": 100 * (med[("durable", True)] / med[("durable", False)] - 1),
-            "durable_cost_pct_paired": paired_pct(times[("durable", True)],
-                                                  times[("durable", False)]),
-            "replacing_save_s": med[("replacing", False)],
-            "replacing_cost_pct": 100 * (med[("replacing", True)]
-                                         / med[("replacing", False)] - 1),
+            "save_check_finite_s": statistics.median(times[("fresh", True)]),
             "cpu_s": cpu_med[("fresh", False)],
             "cpu_cost_pct": 100 * (cpu_med[("fresh", True)] / cpu_med[("fresh", False)] - 1),
             "replacing_cpu_cost_pct": 100 * (cpu_med[("replacing", True)]
@@ -200,6 +212,18 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
             "check_alone_pct": 100 * statistics.median(alone) / off,
             "load_average": os.getloadavg(),
             "runs": {f"{case}-{'on' if check else 'off'}": v for (case, check), v in times.items()}}
+
+
+def case_costs(times: dict[tuple[str, bool], list[float]], case: str) -> dict[str, float]:
+    """One case's median save without the check and the check's cost, four ways: medians,
+    fastest runs, lower quartiles, paired runs (keys prefixed by the case but for "fresh")."""
+    on, off = times[(case, True)], times[(case, False)]
+    prefix = "" if case == "fresh" else case.replace("-", "_") + "_"
+    return {f"{prefix}save_s": statistics.median(off),
+            f"{prefix}cost_pct": 100 * (statistics.median(on) / statistics.median(off) - 1),
+            f"{prefix}cost_pct_fastest": 100 * (min(on) / min(off) - 1),
+            f"{prefix}cost_pct_quartile": quartile_pct(on, off),
+            f"{prefix}cost_pct_paired": paired_pct(on, off)}
 
 
 def cold_floor(paths: list[str]) -> tuple[float, bool]:
@@ -248,16 +272,20 @@ def report(result: dict[str, Any]) -> None:
     if cf is not None:
         print(f"check_finite: page-cache save {cf['save_s']:.3f} s, with the check "
               f"{cf['save_check_finite_s']:.3f} s ({cf['cost_pct']:+.1f}%; fastest runs "
-              f"{cf['cost_pct_fastest']:+.1f}%; median of paired runs "
+              f"{cf['cost_pct_fastest']:+.1f}%; lower quartiles "
+              f"{cf['cost_pct_quartile']:+.1f}%; median of paired runs "
               f"{cf['cost_pct_paired']:+.1f}%); the check alone {cf['check_alone_s']:.3f} s "
               f"({cf['check_alone_pct']:.1f}% of the save); replacing a checkpoint "
               f"{cf['replacing_cost_pct']:+.1f}%; CPU time {cf['cpu_s']:.3f} s, with the "
               f"check {cf['cpu_cost_pct']:+.1f}% (replacing "
               f"{cf['replacing_cpu_cost_pct']:+.1f}%); load average "
               f"{' '.join(f'{x:.1f}' for x in cf['load_average'])}")
-        print(f"check_finite: default (fsynced) save {cf['durable_save_s']:.3f} s, with the "
-              f"check {cf['durable_cost_pct']:+.1f}% (median of paired runs "
-              f"{cf['durable_cost_pct_paired']:+.1f}%)")
+        for case, what in (("durable", "default (fsynced) save"),
+                           ("one_writer", "page-cache save, one file at a time")):
+            print(f"check_finite: {what} {cf[case + '_save_s']:.3f} s, with the check "
+                  f"{cf[case + '_cost_pct']:+.1f}% (lower quartiles "
+                  f"{cf[case + '_cost_pct_quartile']:+.1f}%; median of paired runs "
+                  f"{cf[case + '_cost_pct_paired']:+.1f}%)")
         print(f"check_finite's bound: the test in the checksum thread costs "
               f"{cf['fold_check_cpu_s']:.3f} s of CPU ({cf['fold_check_gbps']:.0f} GB/s; the "
               f"crc32c alone {cf['fold_crc_cpu_s']:.3f} s), {cf['fold_check_cpu_pct']:.1f}% of "
