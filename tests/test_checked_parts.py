@@ -131,10 +131,10 @@ def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypat
     assert ckptfs.verify("memory://remote").ok
 
 
-def test_a_checked_part_tests_each_block_right_after_its_checksum(monkeypatch):
-    """Each slice is checksummed and tested ``BLOCK`` bytes at a time, the test of a block right
-    after its crc32c; no block is tested after a hit (the checksum goes on); a retried write
-    tests again from the start."""
+def test_a_checked_part_checksums_each_block_right_after_its_test(monkeypatch):
+    """Each slice is tested and checksummed ``BLOCK`` bytes at a time, the crc32c of a block
+    right after its test (which read it into the cache); no block is tested after a hit (the
+    checksum goes on); a retried write tests again from the start."""
     from ckptfs.engine import checked_parts
 
     monkeypatch.setattr(checked_parts, "BLOCK", 1024)
@@ -158,7 +158,9 @@ def test_a_checked_part_tests_each_block_right_after_its_checksum(monkeypatch):
     assert part.tested and not part.suspect
     assert b"".join(bytes(v) for v in part.stream()) == data.tobytes()
     assert part.suspect and seen == [1024] * 10  # no block tested after the hit
-    assert order[:20] == ["crc", "test"] * 10 and part.crc == google_crc32c.value(data.tobytes())
+    # the rest of the third slice block by block, the fourth whole (crc_of)
+    assert order[:20] == ["test", "crc"] * 10 and order[20:] == ["crc"] * 2
+    assert part.crc == google_crc32c.value(data.tobytes())
     stream = part.stream()  # a retried write tests again, from the start
     next(stream)
     assert not part.suspect
