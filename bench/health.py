@@ -12,8 +12,9 @@
   the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it. What
   bounds it: the CPU time of the check inside the checksum thread (every tensor streamed
   through engine/checked_parts.py's ``CheckedPart`` with no write, its crc32c alone and with the
-  test of each block after it, alternating) against the save's CPU time, and the cores the
-  save keeps busy (its CPU time over its wall time): a save that keeps every core busy pays
+  test of each block before it, alternating) against the save's CPU time, the user CPU time the
+  save gains with the check (the kernel's time, and its slow spells, left out), and the cores
+  the save keeps busy (its CPU time over its wall time): a save that keeps every core busy pays
   for the check's CPU time in wall time.
 - ``diff`` from checksums: two saves of the same state in the same layout; ``ckptfs.diff``
   decides "equal" from the chunk checksums (no tensor byte read).
@@ -78,6 +79,12 @@ def cpu_seconds() -> float:
     return use.ru_utime + use.ru_stime
 
 
+def user_seconds() -> float:
+    """User CPU seconds of this process so far: the check's own CPU time shows here, apart
+    from the kernel's time copying to storage (and its slow spells: paging memory in)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
 def _rss(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -110,7 +117,7 @@ def peak_in_subprocess(a: str, b: str) -> dict[str, int]:
 def fold_cpu(state: dict[str, torch.Tensor], test: bool) -> float:
     """CPU seconds of this process while every tensor's bytes stream through the checksum
     thread of a write (``CheckedPart``) with nothing written: the crc32c of each slice alone,
-    or with the check's test of each block right after its checksum (``test``)."""
+    or with the check's test of each block right before its checksum (``test``)."""
     c0 = cpu_seconds()
     for t in state.values():
         part = CheckedPart(tensor_bytes(t), test=slice_test(t) if test else None)
@@ -142,26 +149,30 @@ CASES: dict[str, StoreOptions | None] = {
     "one-writer": StoreOptions(fsync=False, max_concurrency=1), "durable": None}
 
 
-def alternate_saves(state: dict, root: str, reps: int,
-                    ) -> tuple[dict[tuple[str, bool], list[float]], dict[tuple[str, bool], list[float]]]:
-    """Wall and CPU seconds of each ``CASES`` save without and with the check, ``reps`` times
-    each after one warm-up round of each (a fresh target's folder removed first, untimed), in
-    the order without, with, with, without, ... (``check_order``): a drift of the machine's
-    speed during the run weighs on both alike."""
-    times: dict[tuple[str, bool], list[float]] = {}
-    cpu: dict[tuple[str, bool], list[float]] = {}
+Runs = dict[tuple[str, bool], list[float]]  #: seconds per (case, with the check)
+
+
+def alternate_saves(state: dict, root: str, reps: int) -> tuple[Runs, Runs, Runs]:
+    """Wall, CPU and user CPU seconds of each ``CASES`` save without and with the check,
+    ``reps`` times each after one warm-up round of each (a fresh target's folder removed first,
+    untimed), in the order without, with, with, without, ... (``check_order``): a drift of the
+    machine's speed during the run weighs on both alike."""
+    times: Runs = {}
+    cpu: Runs = {}
+    user: Runs = {}
     for i, check in enumerate(check_order(2 * reps + 2)):  # the first two rounds warm up
         for case, options in CASES.items():
             url = os.path.join(root, f"cf-{case}-{check}")
             if case != "replacing":
                 shutil.rmtree(url, ignore_errors=True)
-            c0, t0 = cpu_seconds(), time.perf_counter()
+            c0, u0, t0 = cpu_seconds(), user_seconds(), time.perf_counter()
             ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
                         store_options=options)
             if i >= 2:
                 times.setdefault((case, check), []).append(time.perf_counter() - t0)
                 cpu.setdefault((case, check), []).append(cpu_seconds() - c0)
-    return times, cpu
+                user.setdefault((case, check), []).append(user_seconds() - u0)
+    return times, cpu, user
 
 
 def check_order(rounds: int) -> list[bool]:
@@ -192,7 +203,7 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
     """Alternating saves with and without the check (``alternate_saves``, each of ``CASES``):
     to a fresh target the check runs while the files are written; over a committed checkpoint
     (``overwrite=True``) before the replaced checkpoint is touched, in a pass of its own."""
-    times, cpu = alternate_saves(state, root, reps)
+    times, cpu, user = alternate_saves(state, root, reps)
     chunks = [ChunkData(k, from_name("float32", k), tuple(t.shape), full_box(t.shape), t)
               for k, t in state.items()]
     alone = [timed(lambda: non_finite(chunks)) for _ in range(reps)]
@@ -208,6 +219,9 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
             "cpu_cost_pct": 100 * (cpu_med[("fresh", True)] / cpu_med[("fresh", False)] - 1),
             "replacing_cpu_cost_pct": 100 * (cpu_med[("replacing", True)]
                                              / cpu_med[("replacing", False)] - 1),
+            "user_cpu_s": statistics.median(user[("fresh", False)]),
+            "user_cpu_added_s": statistics.median(user[("fresh", True)])
+            - statistics.median(user[("fresh", False)]),
             "check_alone_s": statistics.median(alone),
             "check_alone_pct": 100 * statistics.median(alone) / off,
             "load_average": os.getloadavg(),
@@ -278,7 +292,8 @@ def report(result: dict[str, Any]) -> None:
               f"({cf['check_alone_pct']:.1f}% of the save); replacing a checkpoint "
               f"{cf['replacing_cost_pct']:+.1f}%; CPU time {cf['cpu_s']:.3f} s, with the "
               f"check {cf['cpu_cost_pct']:+.1f}% (replacing "
-              f"{cf['replacing_cpu_cost_pct']:+.1f}%); load average "
+              f"{cf['replacing_cpu_cost_pct']:+.1f}%); user CPU time {cf['user_cpu_s']:.3f} s, "
+              f"with the check {cf['user_cpu_added_s']:+.3f} s; load average "
               f"{' '.join(f'{x:.1f}' for x in cf['load_average'])}")
         for case, what in (("durable", "default (fsynced) save"),
                            ("one_writer", "page-cache save, one file at a time")):
