@@ -131,6 +131,34 @@ def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypat
     assert ckptfs.verify("memory://remote").ok
 
 
+def test_the_writer_goes_on_while_the_last_slices_are_checksummed(monkeypatch):
+    """A stream that has yielded every slice returns at once, its checksum thread still
+    running; ``crc`` waits for that thread, and ``finish`` ends it."""
+    from ckptfs.engine import checked_parts
+
+    gate = threading.Event()
+    real_crc_of = checked_parts.crc_of
+
+    def held_crc_of(view: memoryview) -> int:
+        gate.wait(30)
+        return real_crc_of(view)
+
+    monkeypatch.setattr(checked_parts, "crc_of", held_crc_of)
+    data = bytes(range(256)) * 16
+    part = CheckedPart(memoryview(data), slice_bytes=1024)
+    got: list[bytes] = []
+    writer = threading.Thread(target=lambda: got.extend(bytes(v) for v in part.stream()))
+    writer.start()
+    writer.join(5)
+    alive = writer.is_alive()
+    gate.set()
+    writer.join()
+    assert not alive and b"".join(got) == data  # every slice written, no checksum yet
+    assert part.crc == google_crc32c.value(data)
+    part.finish()
+    assert not [t for t in threading.enumerate() if t.name == "ckptfsChunkCrc"]
+
+
 def test_a_checked_part_checksums_each_block_right_after_its_test(monkeypatch):
     """Each slice is tested and checksummed ``BLOCK`` bytes at a time, the crc32c of a block
     right after its test (which read it into the cache); no block is tested after a hit (the

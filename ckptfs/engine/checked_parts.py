@@ -7,9 +7,11 @@ byte from memory twice. A ``CheckedPart`` hands a store that writes streamed par
 part's own computes the crc32c of each slice at most ``AHEAD`` slices ahead of the write, so
 the checksum and the write run at once on two cores (one rank's save from a single writer
 thread otherwise does both in turn) and the write finds the slice in the shared cache; the
-chunk's crc32c is there once the stream has ended (``StreamedPart.crc``: the file's checksum
-combines it). Parts smaller than ``MIN_BYTES`` (small files, written in groups) and parts that
-are not a chunk's bytes as they are (encoded chunks) are left as they were.
+writer goes on to the file's next part without waiting for the last slices' checksums, and the
+chunk's crc32c is there once the thread has ended (``StreamedPart.crc``, which waits for it:
+the file's checksum combines it). Parts smaller than ``MIN_BYTES`` (small files, written in
+groups) and parts that are not a chunk's bytes as they are (encoded chunks) are left as they
+were.
 
 A save with ``check_finite=True`` folds its search for NaN and infinity into the same thread
 (``CheckedPart.test``): a tested slice is tested and checksummed ``BLOCK`` bytes at a time, each
@@ -48,11 +50,17 @@ AHEAD = 2
 
 class CheckedPart(StreamedPart):
     """A chunk's host bytes, streamed in slices of ``slice_bytes``, each checksummed as it
-    goes (``crc`` once the stream has yielded every slice); with ``test`` (a function of a
-    block of ``BLOCK`` bytes or fewer, as a flat uint8 array: True where it may hold a value to
-    refuse, engine/health.py's ``slice_test``) each slice is also tested, block by block, and
-    ``suspect`` tells whether any block failed. Its bytes are already in host memory
-    (``awaited`` False: a background save's store writes it at its own priority)."""
+    goes; with ``test`` (a function of a block of ``BLOCK`` bytes or fewer, as a flat uint8
+    array: True where it may hold a value to refuse, engine/health.py's ``slice_test``) each
+    slice is also tested, block by block. Its bytes are already in host memory (``awaited``
+    False: a background save's store writes it at its own priority).
+
+    The writer does not wait for the checksum of a stream's last slices: once the stream has
+    yielded every slice it goes on to the file's next part while the part's thread ends. Call
+    order: ``stream()`` (again from the start if the write is retried) -> ``crc`` and
+    ``suspect`` (whether any block failed the test), which wait for that thread -> ``finish()``
+    before the bytes may go, on every path (it waits for the thread; reading ``crc`` does too).
+    """
 
     awaited = False
 
@@ -61,8 +69,7 @@ class CheckedPart(StreamedPart):
         self._data = data
         self._slice = slice_bytes
         self._test = test
-        self.crc: int | None = None
-        self.suspect = False
+        self._last: _Ahead | None = None  # the checksums of the last stream that yielded all
 
     @property
     def nbytes(self) -> int:
@@ -73,8 +80,26 @@ class CheckedPart(StreamedPart):
         """Whether each slice is tested as it is written (``suspect``)."""
         return self._test is not None
 
+    @property
+    def crc(self) -> int | None:  # type: ignore[override]  # read-only: the part computes it
+        """The crc32c of the last stream that yielded every slice (None before one did)."""
+        self.finish()
+        return None if self._last is None else self._last.result()
+
+    @property
+    def suspect(self) -> bool:
+        """Whether a block of the last stream that yielded every slice failed the test."""
+        self.finish()
+        return self._last is not None and self._last.suspect
+
+    def finish(self) -> None:
+        """Wait for the checksum thread of the last stream (at once if it has ended)."""
+        if self._last is not None:
+            self._last.stop(early=False)
+
     def stream(self) -> Generator[memoryview, None, None]:
-        self.crc, self.suspect = None, False  # a retried write streams again from the start
+        self.finish()  # a retried write streams again from the start: the last thread first
+        self._last = None
         views = [self._data[s:s + self._slice] for s in range(0, self._data.nbytes, self._slice)]
         ahead = _Ahead(views, self._test)
         done = False
@@ -83,10 +108,11 @@ class CheckedPart(StreamedPart):
                 yield view
                 ahead.room.release()  # written: the checksum may go one slice further
             done = True
-        finally:  # also when the writer stops early: the thread ends before the bytes may go
-            ahead.stop(early=not done)
-        self.crc = ahead.result()
-        self.suspect = ahead.suspect
+        finally:  # a writer that stops early: the thread ends before the bytes may go
+            if done:
+                self._last = ahead
+            else:
+                ahead.stop(early=True)
 
 
 class _Ahead:

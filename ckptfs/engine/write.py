@@ -170,7 +170,11 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
         found = non_finite([c for (c, _), part in zip(views, parts, strict=True)
                             if id(c) in search and (part is None or not part.tested)])
     finally:
-        writing.result()
+        try:
+            writing.result()
+        finally:  # the parts' checksum threads end before their bytes may go
+            for part in checked.values():
+                part.finish()
     crcs += [(c, data, _streamed_crc(part))
              for (c, data), part in zip(views, parts, strict=True) if part is not None]
     if staged.finite is not None:
