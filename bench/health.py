@@ -154,8 +154,8 @@ Runs = dict[tuple[str, bool], list[float]]  #: seconds per (case, with the check
 
 def alternate_saves(state: dict, root: str, reps: int) -> tuple[Runs, Runs, Runs]:
     """Wall, CPU and user CPU seconds of each ``CASES`` save without and with the check,
-    ``reps`` times each after one warm-up round of each (a fresh target's folder removed first,
-    untimed), in the order without, with, with, without, ... (``check_order``): a drift of the
+    ``reps`` times each after one warm-up round of each (a fresh target's folder removed and
+    every dirty page written back first, untimed), in the order without, with, with, without, ... (``check_order``): a drift of the
     machine's speed during the run weighs on both alike."""
     times: Runs = {}
     cpu: Runs = {}
@@ -165,6 +165,7 @@ def alternate_saves(state: dict, root: str, reps: int) -> tuple[Runs, Runs, Runs
             url = os.path.join(root, f"cf-{case}-{check}")
             if case != "replacing":
                 shutil.rmtree(url, ignore_errors=True)
+            os.sync()  # no write-back of an earlier save's pages runs during this one
             c0, u0, t0 = cpu_seconds(), user_seconds(), time.perf_counter()
             ckptfs.save(state, url, overwrite=case == "replacing", check_finite=check,
                         store_options=options)
