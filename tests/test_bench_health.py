@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from bench.health import check_order, lower_quartile, main, quartile_pct
+import bench.health as health_bench
+from bench.health import main
 
 
 def test_tiny_health_bench_writes_its_results(tmp_path):
@@ -30,7 +31,7 @@ def test_tiny_health_bench_writes_its_results(tmp_path):
 
 
 def test_saves_alternate_in_pairs_of_either_order_and_costs_read_the_fast_quarter():
-    assert check_order(8) == [False, True, True, False, False, True, True, False]
-    assert lower_quartile([5.0, 1.0, 2.0, 9.0, 3.0]) == 2.0
+    assert health_bench.check_order(8) == [False, True, True, False, False, True, True, False]
+    assert health_bench.lower_quartile([5.0, 1.0, 2.0, 9.0, 3.0]) == 2.0
     slow_spells = [1.0, 1.0, 1.0, 4.0]
-    assert round(quartile_pct([1.1, 1.1, 5.0, 1.1], slow_spells), 6) == 10.0
+    assert round(health_bench.quartile_pct([1.1, 1.1, 5.0, 1.1], slow_spells), 6) == 10.0

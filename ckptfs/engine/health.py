@@ -8,9 +8,9 @@
   The other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``;
   chunks streamed while written are searched here): at a fresh target on a store that writes
   streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block
-  by block in the checksum thread ahead of the write, each block right after its crc32c, from
-  the core's cache (``slice_test``; engine/write.py), the smaller ones by ``non_finite`` while
-  the files are written; where a checkpoint is being replaced (before its index is
+  by block in the checksum thread ahead of the write, each block right before its crc32c,
+  which reads it from the core's cache (``slice_test``; engine/write.py), the smaller ones by
+  ``non_finite`` while the files are written; where a checkpoint is being replaced (before its index is
   un-committed, engine/commit.py's ``replace_target``) or on other stores (before anything is
   written) ``check_now`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
   over ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on
@@ -288,7 +288,7 @@ def summed_test(floats: type[np.floating], exact: Callable[[np.ndarray], bool],
 def slice_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
     """The quick test (``_host_test``) of a block of ``t``'s C-order bytes (a flat uint8 array
     of whole elements), for the checksum thread ahead of a write to run on each block right
-    after its crc32c, while the block is in cache (engine/checked_parts.py); None where ``t``
+    before its crc32c, which then reads it from cache (engine/checked_parts.py); None where ``t``
     has none (not a floating CPU tensor of a dtype the quick pass knows, or empty)."""
     test = _host_test(t) if t.is_floating_point() and t.numel() else None
     if test is None:
