@@ -155,8 +155,8 @@ Runs = dict[tuple[str, bool], list[float]]  #: seconds per (case, with the check
 def alternate_saves(state: dict, root: str, reps: int) -> tuple[Runs, Runs, Runs]:
     """Wall, CPU and user CPU seconds of each ``CASES`` save without and with the check,
     ``reps`` times each after one warm-up round of each (a fresh target's folder removed and
-    every dirty page written back first, untimed), in the order without, with, with, without, ... (``check_order``): a drift of the
-    machine's speed during the run weighs on both alike."""
+    every dirty page written back first, untimed), in the order without, with, with, without,
+    ... (``check_order``): a drift of the machine's speed during the run weighs on both alike."""
     times: Runs = {}
     cpu: Runs = {}
     user: Runs = {}
