@@ -229,7 +229,7 @@ def bench_check_finite(state: dict, root: str, reps: int) -> dict[str, Any]:
             "runs": {f"{case}-{'on' if check else 'off'}": v for (case, check), v in times.items()}}
 
 
-def case_costs(times: dict[tuple[str, bool], list[float]], case: str) -> dict[str, float]:
+def case_costs(times: Runs, case: str) -> dict[str, float]:
     """One case's median save without the check and the check's cost, four ways: medians,
     fastest runs, lower quartiles, paired runs (keys prefixed by the case but for "fresh")."""
     on, off = times[(case, True)], times[(case, False)]
