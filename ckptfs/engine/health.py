@@ -2,30 +2,30 @@
 
 ``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged:
 
-- ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity
-  where the data lives, once. CUDA tensors are checked on their device before staging
-  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each).
-  The other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``;
-  chunks streamed while written are searched here): at a fresh target on a store that writes
-  streamed parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block
-  by block in the checksum thread ahead of the write, each block right before its crc32c,
-  which reads it from the core's cache (``slice_test``; engine/write.py), the smaller ones by
-  ``non_finite`` while the files are written; where a checkpoint is being replaced (before its index is
+- ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity where
+  the data lives, once. CUDA tensors are checked on their device before staging
+  (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each). The
+  other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``; chunks
+  streamed while written are searched here): at a fresh target on a store that writes streamed
+  parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block by block in
+  the checksum thread ahead of the write, each block right before its crc32c, which reads it
+  from the core's cache (``slice_test``; engine/write.py), the smaller ones by ``non_finite``
+  while the files are written; where a checkpoint is being replaced (before its index is
   un-committed, engine/commit.py's ``replace_target``) or on other stores (before anything is
   written) ``check_now`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
   over ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on
   one core with the GIL released, so the pass never waits on a parallel team of which a busy
-  machine has descheduled a member). The quick test: float32 and float64 blocks are first
-  added up (``summed_test``: numpy's einsum sum, one vectorised pass; a NaN or infinity never
-  adds up to a finite number), and only a block whose sum is not finite gets the exact test
-  (``bit_test``), which every other float dtype gets at once: an array of a float's bit
-  patterns holds a NaN or infinity exactly when their largest read as signed integers reaches
-  the positive ones, or read as unsigned integers the negative ones (``_BITS``); two maximum
+  machine has descheduled a member). The quick test: float32 and float64 blocks are first added
+  up (``summed_test``: numpy's einsum sum, one vectorised pass; a NaN or infinity never adds up
+  to a finite number), and only a block whose sum is not finite gets the exact test
+  (``bit_test``), which every other float dtype gets at once: an array of a float's bit patterns
+  holds a NaN or infinity exactly when their largest read as signed integers reaches the
+  positive ones, or read as unsigned integers the negative ones (``_BITS``); two maximum
   reductions per block of ``BLOCK_BYTES``, the second from cache, one for a block with no sign
-  bit set. Only a chunk that fails both is counted element by element. One small
-  reduction tells every rank whether any rank found one (in the write phase, the one that
-  settles the writes); then every rank raises the same ``NonFiniteError`` naming each key and
-  its counts (``non_finite_error``), and nothing is committed.
+  bit set. Only a chunk that fails both is counted element by element. One small reduction tells
+  every rank whether any rank found one (in the write phase, the one that settles the writes);
+  then every rank raises the same ``NonFiniteError`` naming each key and its counts
+  (``non_finite_error``), and nothing is committed.
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
