@@ -38,7 +38,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 	$(BIN)/mypy
 	$(COMPILE)
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m "not extended"
