@@ -352,7 +352,7 @@ def rss_bound(local_bytes: int) -> float:
 
 
 def targets(cases: list[dict]) -> list[dict[str, Any]]:
-    """Issue 17's targets per ckptfs backend: name, worst value, bound, met."""
+    """The performance targets (``TARGETS``) per ckptfs backend: name, worst value, bound, met."""
     by = _by(cases)
     out = []
 

@@ -13,8 +13,8 @@
    read vs bytes needed. DCP has no partial read of a plain tensor to compare with.
 
 moto is pure Python and slow (~0.1 GB/s multipart PUT, ranged GETs whose cost grows with the
-object's size; ../shared/notes/anchors.md "Physical limits"): the absolute numbers measure moto
-more than either library; the ratios say which client wastes less on the same server. Medians.
+object's size): the absolute numbers measure moto more than either library; the ratios say
+which client wastes less on the same server. Medians.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def spec_audit_of_every_index():
         report = "\n\n".join(f"{b['test']} ({b['what']} {b['url'] or ''}):\n{b['problem']}"
                               for b in bad[:10])
         pytest.fail(f"the independent spec reader (tests/spec_reader.py) refused {len(bad)} of "
-                    f"{len(lines)} checks of indexes this session wrote:\n\n{report}", pytrace=False)
+                    f"{len(lines)} checks of indexes this test run wrote:\n\n{report}", pytrace=False)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
