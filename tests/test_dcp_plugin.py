@@ -116,10 +116,11 @@ def _save(rank: int, world: int, root: str, endpoint: str) -> None:
     moved = state(mesh, shift=1.0)
     dcp.save(moved, storage_writer=writer("cache2"),
              planner=DefaultSavePlanner(enable_plan_caching=True))
-    # errors: a committed checkpoint is refused; a rank failing after the claim leaves the root
+    # errors: a committed checkpoint is refused (overwrite=False); a rank failing after the claim leaves the root
     # free for the next save
-    err = failure(lambda: dcp.save(sd, storage_writer=writer("plain")))
-    assert isinstance(err, ckptfs.CheckpointExistsError) and "overwrite" in str(err), err
+    err = failure(lambda: dcp.save(sd, storage_writer=writer("plain", overwrite=False)))
+    assert isinstance(err, ckptfs.CheckpointExistsError), err
+    assert "Checkpoint already exists" in str(err) and "overwrite=True" in str(err), err
     err = failure(lambda: dcp.save(sd, storage_writer=writer("retry"), planner=FailingPlanner()))
     if rank == 1:
         assert isinstance(err, ckptfs.StorageError) and "no space left" in str(err), err

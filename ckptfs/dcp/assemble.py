@@ -13,6 +13,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckptfs.dcp.fs_args import uncommit_replaced
 from ckptfs.dcp.items import OPAQUE, ItemWritten, Path
 from ckptfs.engine.commit import Claim, build_index, commit_index
 from ckptfs.engine.commit import abandon as _abandon
@@ -110,6 +111,7 @@ def commit_results(be: Backend, store: Store, claim: Claim,
     done = Written(tuple(f.path for f in prep), WrittenRank((), {}), tuple(written),
                    file_sums(prep))
     index = build_index(be, staged, done)
+    uncommit_replaced(store, claim)
     commit_index(store, be, index, merged, done.paths() if claim.replacing else None)
 
 

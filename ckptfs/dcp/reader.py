@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -65,16 +66,20 @@ class ReadStats:
 class StorageReader(dcp_storage.StorageReader):
     """Serve the checkpoint at ``url`` (a path or any URL ckptfs opens) to ``dcp.load``.
 
-    ``storage_options``: for the store (fsspec / object-store credentials); ``store_options``
+    ``_extension_registry``: ``FileSystemReader``'s, accepted: a ckptfs checkpoint holds no
+    transformed chunk, and an item of DCP's own layout stored with transforms is refused by
+    name. ``storage_options``: for the store (fsspec / object-store credentials); ``store_options``
     (``StoreOptions``) tune it; ``options`` (``LoadOptions``) tune the reads (``verify``: check
     the crc32c of every chunk read). ``stats`` holds what the last ``read_data`` read.
     """
 
-    def __init__(self, url: str | os.PathLike, *,
+    def __init__(self, url: str | os.PathLike,
+                 _extension_registry: ExtensionRegistry | None = None, *,
                  storage_options: Mapping[str, Any] | None = None,
                  store_options: StoreOptions | None = None,
                  options: LoadOptions | None = None) -> None:
         self.url = os.fspath(url)
+        self.extension_registry = _extension_registry  # fs_args.py: no chunk is transformed
         self.storage_options = dict(storage_options or {})
         self.store_options = store_options
         self.options = options or LoadOptions()

@@ -23,25 +23,29 @@ uint8 tensor of those bytes marked ``OPAQUE``, which only DCP ever unpickles.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
 from ckptfs.dcp import assemble
+from ckptfs.dcp.fs_args import WriterArgs, exists_error, keeps_old_index, map_writer_args
 from ckptfs.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.engine.commit import Claim, _claim
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.lock import LockInfo, Renewal, read_lock
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import write_rank
-from ckptfs.errors import CkptfsError, SaveInProgressError
+from ckptfs.errors import CheckpointExistsError, CkptfsError, SaveInProgressError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.backends.torch_dist_keys import expand_value
@@ -54,12 +58,16 @@ from ckptfs.save import make_backend
 Json = Any
 
 
-class StorageWriter(dcp_storage.StorageWriter):
+class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
     """Write DCP checkpoints as ckptfs checkpoints at ``url`` (a path or any URL ckptfs opens).
 
-    ``backend`` / ``backend_version`` / ``backend_options``: the ckptfs layout (any writable
-    backend). ``storage_options``: for the store (fsspec / object-store credentials).
-    ``overwrite``: replace a checkpoint already at ``url`` (refused otherwise, nothing written).
+    The arguments after ``url`` are ``FileSystemWriter``'s, with its defaults, each accepted,
+    mapped to a ckptfs option or refused by name (fs_args.py). ``overwrite`` (on, as DCP's):
+    replace a checkpoint already at ``url``; the replaced one stays loadable until the new
+    index commits (``fs_args.ATOMIC_REPLACE``). Keyword-only: ``backend`` /
+    ``backend_version`` / ``backend_options`` (the ckptfs layout, any writable backend),
+    ``storage_options`` (fsspec / object-store credentials), ``store_options``. The writer is
+    ``dcp.async_save``'s stager, as ``FileSystemWriter`` is (``cache_staged_state_dict``).
     The object holds no open resource between saves; it pickles (DCP's process-based
     ``async_save`` sends it to its saving process).
     """
@@ -69,19 +77,33 @@ class StorageWriter(dcp_storage.StorageWriter):
     #: process gives its lock back before claiming the root again
     _pending: ClassVar[dict[str, tuple[Store, Claim, Renewal]]] = {}
 
-    def __init__(self, url: str | os.PathLike, *, backend: str = "safetensors_chunks",
-                 backend_version: int | None = None,
+    def __init__(self, url: str | os.PathLike, single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True,
+                 _extensions: Sequence[StreamTransformExtension] | None = None,
+                 serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE, *,
+                 backend: str = "safetensors_chunks", backend_version: int | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 store_options: StoreOptions | None = None, overwrite: bool = False) -> None:
+                 store_options: StoreOptions | None = None) -> None:
+        args = WriterArgs(single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
+                          overwrite, tuple(_extensions or ()), serialization_format)
+        mapped = map_writer_args(args, backend, backend_options or {}, store_options)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.url = os.fspath(url)
-        self.backend_spec = (backend, backend_version, dict(backend_options or {}))
+        self.args = args
+        self.backend_spec = (backend, backend_version, dict(mapped.backend_options))
         make_backend(*self.backend_spec)  # refuses an unknown or read-only backend now
         self.storage_options = dict(storage_options or {})
-        self.store_options = store_options
+        self.store_options = mapped.store_options
         self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for DCP's saving process without the staged copy (staging ran here)."""
+        return {**self.__dict__, "state_dict_cache": None}
 
     # -- DCP's calls, in order ------------------------------------------------------------
 
@@ -146,7 +168,10 @@ class StorageWriter(dcp_storage.StorageWriter):
             run_sync(old[0].close())
         store = self._open()
         try:
-            claim = run_sync(_claim(store, self.overwrite, be))
+            claim = run_sync(_claim(store, self.overwrite, be, keeps_old_index(be.name)))
+        except CheckpointExistsError as e:
+            run_sync(store.close())
+            raise exists_error(e) from e
         except BaseException:
             run_sync(store.close())
             raise
