@@ -83,6 +83,8 @@ _TOOLS: dict[str, str] = {
     "diff": "ckptfs.tools.diff",
     "DiffReport": "ckptfs.tools.diff",
     "KeyDiff": "ckptfs.tools.diff",
+    "to_torch_save": "ckptfs.tools.torch_save",
+    "from_torch_save": "ckptfs.tools.torch_save",
 }
 
 
@@ -159,6 +161,7 @@ __all__ = [
     "convert",
     "delete",
     "diff",
+    "from_torch_save",
     "get_backend",
     "load",
     "load_keys",
@@ -168,6 +171,7 @@ __all__ = [
     "register_zarr_dtypes",
     "save",
     "save_model_and_optim_state",
+    "to_torch_save",
     "unshard",
     "verify",
 ]

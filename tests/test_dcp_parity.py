@@ -31,8 +31,6 @@ import ckptfs
 import ckptfs.dcp
 from ckptfs.testing.ranks import run_ranks
 
-pytestmark = pytest.mark.slow
-
 KINDS = ("dcp", "ckptfs")
 
 
@@ -137,31 +135,36 @@ def cached_staging(kind: str, path: str) -> str:
     return "ok" if same(loaded(kind, path), 6.0) else "wrong values"
 
 
+def behaviours(kind: str, base: str) -> dict:
+    """The outcome of each behaviour with the ``kind`` of storage, under ``base``."""
+    path = f"{base}/twice"
+    got = {}
+    dcp.save(plain(0.0), storage_writer=writer(kind, path))
+    dcp.save(plain(1.0), storage_writer=writer(kind, path))
+    got["second_save_replaces"] = same(loaded(kind, path), 1.0)
+    words = refusal(lambda: dcp.save(plain(2.0), storage_writer=writer(kind, path,
+                                                                       overwrite=False)))
+    got["refused_in_dcp_words"] = "Checkpoint already exists" in words
+    got["refusal_kept_checkpoint"] = same(loaded(kind, path), 1.0)
+    dcp.async_save(plain(4.0), storage_writer=writer(kind, f"{base}/process"),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    got["async_process"] = same(loaded(kind, f"{base}/process"), 4.0)
+    got["cached_staging"] = cached_staging(kind, f"{base}/cached")
+    return got
+
+
 def _save(rank: int, world: int, root: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out = {}
     for kind in KINDS:
-        base = f"{root}/{kind}"
-        got = {}
-        dcp.save(plain(0.0), storage_writer=writer(kind, f"{base}/twice"))
-        dcp.save(plain(1.0), storage_writer=writer(kind, f"{base}/twice"))
-        got["second_save_replaces"] = same(loaded(kind, f"{base}/twice"), 1.0)
-        words = refusal(lambda: dcp.save(plain(2.0), storage_writer=writer(
-            kind, f"{base}/twice", overwrite=False)))
-        got["refused_in_dcp_words"] = "Checkpoint already exists" in words
-        got["refusal_kept_checkpoint"] = same(loaded(kind, f"{base}/twice"), 1.0)
-        dcp.async_save(plain(4.0), storage_writer=writer(kind, f"{base}/process"),
-                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
-        got["async_process"] = same(loaded(kind, f"{base}/process"), 4.0)
-        got["cached_staging"] = cached_staging(kind, f"{base}/cached")
+        out[kind] = behaviours(kind, f"{root}/{kind}")
         m, opt = sharded(world)
         msd, osd = get_state_dict(m, opt)
-        dcp.save({"model": msd, "optim": osd}, storage_writer=writer(kind, f"{base}/fsdp"))
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer(kind, f"{root}/{kind}/fsdp"))
         full = full_state(m, opt)
         if rank == 0:
             torch.save(full, f"{root}/fsdp-{kind}.pt")
-        out[kind] = got
     with open(f"{root}/save{rank}.json", "w") as f:
         json.dump(out, f)
 
@@ -191,6 +194,7 @@ def saved(tmp_path_factory):
     return root, out
 
 
+@pytest.mark.slow
 def test_each_behaviour_has_the_same_outcome_as_dcps_own_storage(saved):
     _, out = saved
     for rank in out:
@@ -208,6 +212,7 @@ def flat(sd, prefix: str = "") -> dict:
     return {prefix: sd}
 
 
+@pytest.mark.slow
 def test_fsdp2_state_saved_on_2_ranks_loads_on_3_as_with_dcp(saved):
     root, _ = saved
     run_ranks(3, _load, root, timeout=600)
@@ -287,3 +292,57 @@ def test_a_replaced_checkpoint_stays_loadable_until_the_new_index_commits(tmp_pa
     assert torch.equal(ok.seen, plain(0.0)["w"])  # loadable while the new one was written
     assert same(loaded("ckptfs", path), 1.0) and ckptfs.verify(path).ok
     assert len(os.listdir(tmp_path / "c" / "data")) == 1  # the replaced data files are gone
+
+
+def nested_state() -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {"model": {"w": torch.randn(6, 4, generator=g), "b": torch.arange(4, dtype=torch.int32)},
+            "optim": {"step": 7, "param_groups": [{"lr": 0.1}]}}
+
+
+def test_torch_save_file_and_back_as_dcps_format_utils(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    state = nested_state()
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    dcp.save(state, storage_writer=ckptfs.dcp.StorageWriter(tmp_path / "ckptfs"), no_dist=True)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert ckptfs.to_torch_save(tmp_path / "ckptfs", tmp_path / "ckptfs.pt") == tmp_path / "ckptfs.pt"
+    want = flat(torch.load(tmp_path / "dcp.pt", weights_only=True))
+    got = flat(torch.load(tmp_path / "ckptfs.pt", weights_only=True))
+    assert got.keys() == want.keys() == flat(state).keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+    with pytest.raises(ckptfs.CheckpointExistsError, match="ckptfs.pt"):
+        ckptfs.to_torch_save(tmp_path / "ckptfs", tmp_path / "ckptfs.pt")
+    assert sorted(os.listdir(tmp_path)) == ["ckptfs", "ckptfs.pt", "dcp", "dcp.pt"]  # no leftovers
+    # and back: the file as a checkpoint, loaded through each library's reader
+    torch_save_to_dcp(tmp_path / "dcp.pt", tmp_path / "dcp2")
+    ckptfs.from_torch_save(tmp_path / "ckptfs.pt", tmp_path / "ckptfs2")
+    for kind, path in (("dcp", tmp_path / "dcp2"), ("ckptfs", tmp_path / "ckptfs2")):
+        target = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.int32)},
+                  "optim": {"step": 0, "param_groups": [{"lr": 0.0}]}}
+        dcp.load(target, storage_reader=reader(kind, str(path)), no_dist=True)
+        assert flat(target).keys() == flat(state).keys()
+        for k, v in flat(state).items():
+            assert torch.equal(flat(target)[k], v) if isinstance(v, torch.Tensor) else flat(target)[k] == v, (kind, k)
+
+
+def test_from_torch_save_refuses_what_weights_only_refuses(tmp_path):
+    import datetime
+
+    torch.save({"w": torch.ones(2), "when": datetime.date(2020, 1, 1)}, tmp_path / "x.pt")
+    with pytest.raises(ckptfs.UnsupportedValueError, match=r"x\.pt.*weights_only"):
+        ckptfs.from_torch_save(tmp_path / "x.pt", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ckptfs.CheckpointNotFoundError, match="none.pt"):
+        ckptfs.from_torch_save(tmp_path / "none.pt", tmp_path / "c")
+
+
+def test_a_checkpoint_of_dcps_own_writer_is_replaced_by_default(tmp_path):
+    path = str(tmp_path / "c")
+    dcp.save(plain(0.0), storage_writer=FileSystemWriter(path), no_dist=True)
+    dcp.save(plain(1.0), storage_writer=ckptfs.dcp.StorageWriter(path), no_dist=True)
+    assert same(loaded("ckptfs", path), 1.0) and ckptfs.verify(path).ok
+    assert ckptfs.load_metadata(path).backend == "safetensors_chunks"
+    assert sorted(os.listdir(path)) == ["ckptfs.index.json", "data"]  # DCP's files are gone

@@ -23,8 +23,9 @@ or refused with a ``ConfigError`` that names it; none is taken and silently igno
 - ``serialization_format``: the layout is ``backend=``'s; DCP's default (``TORCH_SAVE``) is
   accepted, ``SAFETENSORS`` refused (``safetensors_chunks``, the default backend, writes
   safetensors files).
-- Reader ``_extension_registry``: accepted; a ckptfs checkpoint holds no transformed chunk, and
-  an item of DCP's own layout stored with transforms is refused by name when read.
+- Reader ``_extension_registry``: accepted; a ckptfs checkpoint holds no transformed chunk; a
+  tensor of DCP's own layout stored with transforms is refused by name when read (an object so
+  stored is left out of the index with a warning naming it).
 """
 
 from __future__ import annotations

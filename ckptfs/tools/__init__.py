@@ -3,6 +3,8 @@
 - ``verify``: check a checkpoint end to end and report every problem (``ckptfs.verify``).
 - ``convert``: any readable checkpoint to any writable backend, streaming (``ckptfs.convert``).
 - ``unshard``: whole tensors into safetensors, ``torch.save`` or Hugging Face files (``ckptfs.unshard``).
+- ``torch_save``: a checkpoint to one ``torch.save`` file and back (``ckptfs.to_torch_save``,
+  ``ckptfs.from_torch_save``: DCP's ``dcp_to_torch_save`` / ``torch_save_to_dcp``).
 - ``describe``: what ``ckptfs inspect`` prints (index only).
 - ``model_state``: ``save_model_and_optim_state`` / ``load_model_and_optim_state``.
 - ``source``: open a checkpoint, select keys, stream tensors in bounded batches.
