@@ -6,7 +6,9 @@
 The writer (``writer.py``) lays DCP's write items out with a ckptfs backend and commits a ckptfs
 index (JSON, crc32c, create-if-absent); ``ckptfs.load`` reads what it wrote. The reader
 (``reader.py``) serves any checkpoint ckptfs reads to DCP's planner, reading only the byte ranges
-of DCP's read items. ``items.py`` holds the values passed between the ranks and the key rules.
+of DCP's read items. ``items.py`` holds the values passed between the ranks and the key rules;
+``fs_args.py`` maps DCP's ``FileSystemWriter`` / ``FileSystemReader`` arguments (or refuses
+them by name) and holds DCP's ``overwrite`` semantics.
 """
 
 from ckptfs.dcp.reader import StorageReader
