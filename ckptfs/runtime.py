@@ -8,10 +8,11 @@ and, in a test, swapped in one place. Two objects that should not share state (t
 ``CheckpointManager``s, two ``BackgroundSaver``s) hold their own; what the runtime holds is
 what every save of the process shares on purpose.
 
-``Runtime.close()`` closes what it made, newest first, and forgets it: the next use makes a
-fresh one. A resource without a ``close`` (a registry's registrations, the process groups kept
-for the job's life) outlives it. After ``fork`` the child forgets every resource not marked
-``forks`` (threads, event loops and sockets do not cross a fork).
+``Runtime.close()`` closes what it made, newest first, and forgets it (the next use makes a
+fresh one) unless it is ``reusable`` (usable again after its close). A resource without a
+``close`` (a registry's registrations, the process groups kept for the job's life) outlives
+it. After ``fork`` the child forgets every resource not marked ``forks`` (threads, event
+loops and sockets do not cross a fork).
 
 This module sits below every layer: it imports nothing of ckptfs, so the lowest layer may
 declare its resources here.
@@ -41,6 +42,9 @@ class Resource(Generic[T]):
     #: ``close()`` closes higher orders first (the default savers, whose saves in flight use
     #: the other resources), then the newest first
     order: int = 0
+    #: ``close()`` closes it but keeps it: the value is usable again after its close (the
+    #: default savers: the thread saver stays the default)
+    reusable: bool = False
     #: whether a held value is still usable (an event loop someone closed is not); a value that
     #: is not is made anew by ``get``
     alive: Callable[[T], bool] | None = None
@@ -73,13 +77,14 @@ class Runtime:
 
     def close(self) -> None:
         """Close every resource that has a ``close`` (highest ``order`` first, then newest
-        first) and forget it. A failure to close one does not keep the others open; the first
-        is raised at the end."""
+        first) and forget it, unless it is ``reusable``. A failure to close one does not keep
+        the others open; the first is raised at the end."""
         with self._lock:
             held = [(r, v) for r, v in reversed(self._values.items()) if r.close is not None]
             closing = sorted(held, key=lambda rv: -rv[0].order)  # stable: newest first
             for r, _ in closing:
-                del self._values[r]
+                if not r.reusable:
+                    del self._values[r]
         first: BaseException | None = None
         for r, v in closing:
             try:

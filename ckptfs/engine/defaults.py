@@ -2,9 +2,9 @@
 ``"process"``) that ``ckptfs.async_save`` uses unless it is given one, made on first use.
 
 ``ckptfs.close()`` closes them all (``close``, through the runtime's ``SAVERS``, before the
-resources their saves use): the thread saver stays usable (its buffers and groups are made
-anew); the process saver is dropped (its writer stopped, its shared memory removed); the
-next asynchronous save makes the savers it needs anew.
+resources their saves use): the thread saver stays the default and is usable again at once
+(its buffers and groups are made anew); the process saver is dropped (its writer stopped, its
+shared memory removed) and the next process save makes a new one.
 A synchronous save first waits until none of them runs a save (``wait_idle``).
 """
 
@@ -57,7 +57,7 @@ class DefaultSavers:
 
 #: this process's default savers, closed by ``ckptfs.close()`` before the other resources
 SAVERS: Resource[DefaultSavers] = Resource("the default savers", DefaultSavers,
-                                           close=DefaultSavers.close, order=1)
+                                           close=DefaultSavers.close, order=1, reusable=True)
 
 
 def default_saver(writer: str = "thread") -> BackgroundSaver:

@@ -347,6 +347,7 @@ _WRITE_PIECE = 64 << 20
 #: bytes between two write-back requests of a file written with fsync (``_start_writeback``)
 _WRITEBACK_PIECE = 8 << 20
 
+
 def open_local(request: StoreRequest) -> LocalStore:
     """The opener of plain paths and ``file://`` URLs (``request.nice``: the writers' nice)."""
     return LocalStore(request.path, request.options, nice=request.nice)
