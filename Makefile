@@ -24,10 +24,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml examples/store_plugin/pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test,dev]" $(TORCH)
 	$(BIN)/pip install -q --no-deps -e examples/npy_plugin
+	$(BIN)/pip install -q --no-deps -e examples/store_plugin
 	$(BIN)/pip install -q --no-deps $(TITAN)
 	touch $(STAMP)
 

@@ -14,7 +14,9 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
                             throttled rounds (the only user of torch.distributed collectives)
   layout/                   how bytes are laid out: index, plan values, boxes, dtypes, keys,
                             values, checksums, the Backend ABC, registry, backends
-  io/                       how bytes move: async stores over fsspec/s3fs/obstore, local fast path
+  io/                       how bytes move: async stores over fsspec/s3fs/obstore, local fast path,
+                            the store registry by URL protocol
+  runtime                   the process's long-lived resources, closed by ``close()``
 """
 
 from ckptfs._version import __version__

@@ -23,7 +23,7 @@ from typing import Any
 
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.defaults import DEFAULTS
+from ckptfs.engine.defaults import default_saver
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.stage import StagedSave
@@ -31,6 +31,7 @@ from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.options import resolve_save
+from ckptfs.runtime import RUNTIME
 from ckptfs.save import SaveResult, make_backend, open_agreed, save_staged
 
 
@@ -137,15 +138,17 @@ def _saver(saver: BackgroundSaver | None, writer: str) -> BackgroundSaver:
     if writer not in ("thread", "process"):
         raise ConfigError(f"async_save: writer must be 'thread' or 'process', got {writer!r}")
     if saver is None:
-        return DEFAULTS.get(writer)
+        return default_saver(writer)
     if writer == "process" and not isinstance(saver, ProcessSaver):
         raise ConfigError("async_save: writer='process' needs a ProcessSaver as saver=")
     return saver
 
 
 def close() -> None:
-    """Wait for the asynchronous saves in flight on the default savers (if any), then stop the
-    writer process (``writer="process"``), free the staging buffers (shared-memory files
-    included) and the background process groups. Call it on every rank before
-    ``destroy_process_group()``; a later ``async_save`` starts afresh."""
-    DEFAULTS.close()
+    """Close this process's runtime (ckptfs/runtime.py): wait for the asynchronous saves in
+    flight on the default savers (if any), then stop the writer process (``writer="process"``),
+    free the staging buffers (shared-memory files included) and the background process groups,
+    end the copy and niced write threads, and drop the plan cache and the S3 session. Call it
+    on every rank before ``destroy_process_group()``; a later save or ``async_save`` starts
+    afresh. The I/O loop, the registries and the foreground groups are kept."""
+    RUNTIME.close()

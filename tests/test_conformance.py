@@ -22,6 +22,7 @@ import torch
 import ckptfs
 from ckptfs.cli import build_parser
 from ckptfs.layout import registry
+from ckptfs.runtime import RUNTIME
 from ckptfs.testing.conformance.golden import GOLDEN_ROOT, GoldenDir, manifest_problems
 from ckptfs.testing.conformance.make_golden import make_golden
 from ckptfs.testing.conformance.pairs import GOLDEN_REQUIRED, Pair, is_writable, parse_pair
@@ -230,16 +231,16 @@ def test_broken_entry_point_does_not_break_ckptfs(tmp_path: Path, monkeypatch: p
     })
     (site / "ckptfs_raising_plugin.py").write_text("raise RuntimeError('plugin import exploded')\n")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(registry, "_default", registry.BackendRegistry())
-    with caplog.at_level(logging.WARNING, logger="ckptfs.layout.registry"):
-        pairs = ckptfs.available_backends()
-    assert ("safetensors_chunks", 1) in pairs and ("npy_chunks", 1) in pairs
-    text = caplog.text
-    assert "missing_module" in text and "ckptfs_no_such_module" in text
-    assert "raising_module" in text and "plugin import exploded" in text
-    sd = {"w": torch.arange(4.0)}
-    ckptfs.save(sd, tmp_path / "ckpt", backend="npy_chunks")
-    assert torch.equal(ckptfs.load_keys(tmp_path / "ckpt")["w"], sd["w"])
+    with RUNTIME.swapped(registry.BACKENDS, registry.BackendRegistry()):  # finds the fake one
+        with caplog.at_level(logging.WARNING, logger="ckptfs.layout.registry"):
+            pairs = ckptfs.available_backends()
+        assert ("safetensors_chunks", 1) in pairs and ("npy_chunks", 1) in pairs
+        text = caplog.text
+        assert "missing_module" in text and "ckptfs_no_such_module" in text
+        assert "raising_module" in text and "plugin import exploded" in text
+        sd = {"w": torch.arange(4.0)}
+        ckptfs.save(sd, tmp_path / "ckpt", backend="npy_chunks")
+        assert torch.equal(ckptfs.load_keys(tmp_path / "ckpt")["w"], sd["w"])
 
 
 _MUTANTS = '''"""Two broken variants of the example plugin, for tests/test_conformance.py."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+from contextlib import ExitStack
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
@@ -15,13 +16,14 @@ import ckptfs
 from ckptfs.layout import registry
 from ckptfs.layout.backends.zarr_backend import ZarrV3Backend
 from ckptfs.layout.registry import BackendConflictWarning, entry_point_key
+from ckptfs.runtime import RUNTIME
 
 
 class Plugins:
     """Plug-in modules written on the fly, and a fresh per-process registry that finds them."""
 
-    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.root, self.monkeypatch, self.eps = root, monkeypatch, []
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch, stack: ExitStack) -> None:
+        self.root, self.stack, self.eps = root, stack, []
         monkeypatch.syspath_prepend(str(root))
 
     def module(self, body: str) -> str:
@@ -41,12 +43,14 @@ class Plugins:
         self.eps.append(EntryPoint(ep_name, value, registry.ENTRY_POINT_GROUP))
 
     def install(self) -> None:
-        self.monkeypatch.setattr(registry, "_default", registry.BackendRegistry(self.eps))
+        self.stack.enter_context(RUNTIME.swapped(registry.BACKENDS,
+                                                 registry.BackendRegistry(self.eps)))
 
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    return Plugins(tmp_path, monkeypatch)
+    with ExitStack() as stack:
+        yield Plugins(tmp_path, monkeypatch, stack)
 
 
 def imported(module: str) -> bool:

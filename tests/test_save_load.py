@@ -340,11 +340,13 @@ def test_str_keyed_checkpoint_fills_int_keyed_target(tmp_path):
 
 
 @pytest.fixture
-def own_registry(monkeypatch):
+def own_registry():
     """Backends registered by a test are gone after it."""
     from ckptfs.layout import registry
+    from ckptfs.runtime import RUNTIME
 
-    monkeypatch.setattr(registry, "_default", registry.BackendRegistry())
+    with RUNTIME.swapped(registry.BACKENDS, registry.BackendRegistry()):
+        yield
 
 
 def test_local_commit_is_create_if_absent(tmp_path, own_registry):

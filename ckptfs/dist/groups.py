@@ -34,13 +34,24 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ckptfs.runtime import RUNTIME, Resource
+
 FOREGROUND = "foreground"  #: the lane of ckptfs's blocking save and load collectives
 BACKGROUND = "background"  #: the lane of asynchronous saves
 
-#: per-process: ckptfs's own groups, one per (ranks, lane, timeout), kept for the job's life
-#: (creating a group is collective: every rank must see the same ones)
-_lock = threading.Lock()
-_groups: dict[tuple[tuple[int, ...], str, float], dist.ProcessGroup] = {}
+
+class OwnGroups:
+    """ckptfs's groups, one per (ranks, lane, timeout), and the lock guarding them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.table: dict[tuple[tuple[int, ...], str, float], dist.ProcessGroup] = {}
+
+
+#: ckptfs's own groups, kept for the job's life (creating a group is collective: every rank
+#: must see the same ones); ``ckptfs.close()`` leaves them (the background groups are destroyed
+#: by the savers' close), a forked child forgets them
+GROUPS: Resource[OwnGroups] = Resource("ckptfs's process groups", OwnGroups)
 
 
 def own_group(group: dist.ProcessGroup | None, lane: str, timeout: float) -> dist.ProcessGroup:
@@ -51,8 +62,9 @@ def own_group(group: dist.ProcessGroup | None, lane: str, timeout: float) -> dis
     ranks = (tuple(range(dist.get_world_size())) if whole
              else tuple(sorted(dist.get_process_group_ranks(group))))
     key = (ranks, lane, timeout)
-    with _lock:
-        g = _groups.get(key)
+    own = RUNTIME.get(GROUPS)
+    with own.lock:
+        g = own.table.get(key)
         if g is not None and _alive(g):  # not alive: the job was torn down and set up again
             return g
         t = timedelta(seconds=timeout)
@@ -63,7 +75,7 @@ def own_group(group: dist.ProcessGroup | None, lane: str, timeout: float) -> dis
         else:
             g = dist.new_group(list(ranks), backend=backend, timeout=t,
                                use_local_synchronization=True, group_desc=desc)
-        _groups[key] = g
+        own.table[key] = g
         return g
 
 
@@ -77,10 +89,11 @@ def _alive(group: dist.ProcessGroup) -> bool:
 
 def drop(group: dist.ProcessGroup) -> None:
     """Forget one of our groups after a failure: the next save or load creates a fresh one."""
-    with _lock:
-        for k, g in list(_groups.items()):
+    own = RUNTIME.get(GROUPS)
+    with own.lock:
+        for k, g in list(own.table.items()):
             if g is group:
-                del _groups[k]
+                del own.table[k]
 
 
 def destroy_background_groups(lane: str = BACKGROUND) -> None:
@@ -90,9 +103,10 @@ def destroy_background_groups(lane: str = BACKGROUND) -> None:
     skipped."""
     if lane == FOREGROUND:
         raise ValueError("the foreground groups are kept for the life of the job")
-    with _lock:
-        keys = [k for k in _groups if k[1] == lane]
-        groups = [_groups.pop(k) for k in keys]
+    own = RUNTIME.get(GROUPS)
+    with own.lock:
+        keys = [k for k in own.table if k[1] == lane]
+        groups = [own.table.pop(k) for k in keys]
     if not (dist.is_available() and dist.is_initialized()):
         return
     for g in groups:

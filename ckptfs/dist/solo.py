@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ckptfs.dist.comm import ProcessGroup
+from ckptfs.runtime import RUNTIME, Resource
 
 
 def solo_group() -> ProcessGroup | None:
@@ -16,11 +17,13 @@ def solo_group() -> ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     rank = dist.get_rank()
-    group = _GROUPS.get(rank)
+    groups = RUNTIME.get(SOLO)
+    group = groups.get(rank)
     if group is None:
         group = dist.new_group([rank], backend="gloo", use_local_synchronization=True)
-        _GROUPS[rank] = group
+        groups[rank] = group
     return group
 
 
-_GROUPS: dict[int, ProcessGroup] = {}
+#: each rank's one-member group, kept for the job's life (``ckptfs.close()`` leaves it)
+SOLO: Resource[dict[int, ProcessGroup]] = Resource("the one-member groups", dict)

@@ -22,13 +22,40 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from ckptfs.runtime import RUNTIME, Resource
+
 PIECE = 8 << 20  #: bytes of one piece of a large copy (the default of ``SaveOptions.copy_piece``)
 MAX_AUTO_THREADS = 4  #: ``SaveOptions.copy_threads=None``: at most this many
 
-#: per-process: the helper threads of large copies, made on first use (grown when asked for more)
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
+
+class CopyThreads:
+    """The helper threads of large copies, made on first use (made anew when asked for more)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, n: int) -> ThreadPoolExecutor:
+        """At least ``n`` helper threads."""
+        with self._lock:
+            if self._pool is None or self._size < n:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool, self._size = ThreadPoolExecutor(n, "ckptfsCopy"), n
+            return self._pool
+
+    def close(self) -> None:
+        """End the threads once they finish what they were given (``ckptfs.close()``)."""
+        with self._lock:
+            pool, self._pool, self._size = self._pool, None, 0
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+#: the process's copy threads, shared by every save
+COPY_THREADS: Resource[CopyThreads] = Resource("the copy threads", CopyThreads,
+                                               close=CopyThreads.close)
 
 
 def copy_threads(setting: int | None) -> int:
@@ -45,13 +72,7 @@ def copy_threads(setting: int | None) -> int:
 
 def _helpers(n: int) -> ThreadPoolExecutor:
     """``n`` helper threads, made once (again when ``n`` grows)."""
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool, _pool_size = ThreadPoolExecutor(n, "ckptfsCopy"), n
-        return _pool
+    return RUNTIME.get(COPY_THREADS).get(n)
 
 
 def _pieces(buf: torch.Tensor, src: torch.Tensor,

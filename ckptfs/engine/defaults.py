@@ -1,9 +1,10 @@
 """The per-process default savers: the saver of each writer kind (``"thread"``,
 ``"process"``) that ``ckptfs.async_save`` uses unless it is given one, made on first use.
 
-``ckptfs.close()`` closes them all (``close``): the thread saver stays the default and is
-usable again at once (its buffers and groups are made anew); the process saver is dropped
-(its writer stopped, its shared memory removed) and the next process save makes a new one.
+``ckptfs.close()`` closes them all (``close``, through the runtime's ``SAVERS``, before the
+resources their saves use): the thread saver stays the default and is usable again at once
+(its buffers and groups are made anew); the process saver is dropped (its writer stopped, its
+shared memory removed) and the next process save makes a new one.
 A synchronous save first waits until none of them runs a save (``wait_idle``).
 """
 
@@ -14,6 +15,7 @@ import threading
 from ckptfs.dist import BACKGROUND
 from ckptfs.engine.background import BackgroundSaver
 from ckptfs.engine.writer_process import new_saver
+from ckptfs.runtime import RUNTIME, Resource
 
 #: the lane of each kind's default saver (their groups are their own: both may run at once)
 LANES = {"thread": BACKGROUND, "process": f"{BACKGROUND}:process"}
@@ -53,16 +55,19 @@ class DefaultSavers:
             saver.close()
 
 
-#: this process's default savers
-DEFAULTS = DefaultSavers()
+#: this process's default savers, closed by ``ckptfs.close()`` before the other resources
+SAVERS: Resource[DefaultSavers] = Resource("the default savers", DefaultSavers,
+                                           close=DefaultSavers.close, order=1, reusable=True)
 
 
 def default_saver(writer: str = "thread") -> BackgroundSaver:
     """The per-process saver ``ckptfs.async_save(..., writer=writer)`` uses unless given one."""
-    return DEFAULTS.get(writer)
+    return RUNTIME.get(SAVERS).get(writer)
 
 
 def wait_default_idle() -> None:
     """Wait until no default saver runs a save (a synchronous save does not overlap
     ``ckptfs.async_save``'s)."""
-    DEFAULTS.wait_idle()
+    savers = RUNTIME.peek(SAVERS)
+    if savers is not None:
+        savers.wait_idle()

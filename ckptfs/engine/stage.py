@@ -29,8 +29,8 @@ files are written. The ranks agree on the outcome of the copies, so a rank that 
 fails the save everywhere instead of leaving the others in the next collective.
 
 The stage phase runs every collective on the ``Comm`` it is given (a background save gives it
-its own group's); the plan cache is keyed by the group's members, so saves over the same ranks
-share entries safely (plan_cache.py).
+its own group's); the plan cache is keyed by the group's members and the structure, so saves
+of one structure over the same ranks share an entry safely (plan_cache.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from ckptfs.layout.stats import TensorStats
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning import save_plan
 from ckptfs.planning.layouts import Description
-from ckptfs.planning.plan_cache import PLANS, CachedPlan, PlanCache
+from ckptfs.planning.plan_cache import CachedPlan, PlanCache, plan_cache
 from ckptfs.planning.save_plan import SavePlan, agree_layouts
 from ckptfs.state.flatten import flatten, merge_order
 from ckptfs.state.shards import LocalShard, MeshTable, local_shard, tensor_layout
@@ -211,7 +211,7 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
 
 @paused_gc()
 def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: BufferPool, *,
-          copy: bool, cache: PlanCache = PLANS, min_slice: int | None = None,
+          copy: bool, cache: PlanCache | None = None, min_slice: int | None = None,
           on_copied: Callable[[], None] | None = None,
           threads: int | None = None, copy_piece: int = PIECE,
           device: DeviceParts | None = None, overflow: Overflow | None = None,
@@ -233,15 +233,14 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     when nothing is copied from CUDA)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
-    ckey = (comm.members, comm.rank)
-    entry = cache.get(ckey)
-    d, agreed = _describe_and_agree(state_dict, comm, backend, min_slice, entry)
+    cache = plan_cache() if cache is None else cache
+    d, entry, agreed = _describe_and_agree(state_dict, comm, backend, min_slice, cache)
     if agreed.cached:
         assert entry is not None  # this rank's own cache hit is part of the agreement
         plan: SavePlan = entry.plan
     else:
         plan = _plan(d, comm, backend, min_slice)
-        cache.put(ckey, CachedPlan(d.digest, plan.plan_id, plan))
+        cache.put((comm.members, comm.rank, d.digest), CachedPlan(d.digest, plan.plan_id, plan))
     content, private_plans = _index_content(d, comm, plan, agreed.values_alike)
     views = _write_views(d, plan)
     replicas = _replica_views(d, plan)
@@ -265,14 +264,17 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
 
 
 def _describe_and_agree(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
-                        min_slice: int, entry: CachedPlan | None) -> tuple[Described, Agreement]:
-    """This rank's description, and what the ranks settle about theirs in one collective:
-    whether any failed, whether all may reuse the same cached plan (``entry``), whether all
-    plain values are alike and no rank holds PerRank state."""
+                        min_slice: int, cache: PlanCache,
+                        ) -> tuple[Described, CachedPlan | None, Agreement]:
+    """This rank's description, its entry in ``cache`` (None: none), and what the ranks settle
+    about theirs in one collective: whether any failed, whether all may reuse the same cached
+    plan, whether all plain values are alike and no rank holds PerRank state."""
     err: BaseException | None = None
     d: Described | None = None
+    entry: CachedPlan | None = None
     try:
         d = describe(state_dict, comm, backend, min_slice)
+        entry = cache.get((comm.members, comm.rank, d.digest))
     except Exception as e:
         err = e
     hit = d is not None and entry is not None and entry.digest == d.digest
@@ -283,7 +285,8 @@ def _describe_and_agree(state_dict: Mapping[str, Any], comm: Comm, backend: Back
         all_equal={"plan": entry.plan_id if entry is not None and hit else 0,
                    "values": _h63(d.values_digest) if d is not None else 0})
     assert d is not None  # settle raised on every rank if any failed
-    return d, Agreement(said["cached"] and said["plan"], said["values"] and said["shared only"])
+    return d, entry, Agreement(said["cached"] and said["plan"],
+                               said["values"] and said["shared only"])
 
 
 def _index_content(d: Described, comm: Comm, plan: SavePlan, values_alike: bool,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -24,6 +24,9 @@ from ckptfs.io.parts import joined, total_bytes, views
 from ckptfs.io.retry import retrying
 from ckptfs.io.store import Buffer, Part, Store, inside_root
 from ckptfs.io.tasks import gather_all
+
+if TYPE_CHECKING:
+    from ckptfs.io.registry import StoreRequest
 
 T = TypeVar("T")
 
@@ -178,3 +181,17 @@ class FsspecStore(Store):
         except PermissionError as e:
             raise PermissionError(f"{self.full_path(path)}: access denied ({e})") from e
 
+
+async def open_request(request: StoreRequest) -> FsspecStore:
+    """The fsspec route: an FsspecStore on fsspec's filesystem of ``request.protocol``
+    (asynchronous where the filesystem is), ``storage_options`` passed to it."""
+    cls = fsspec.get_filesystem_class(request.protocol)
+    opts = dict(request.storage_options)
+    if getattr(cls, "async_impl", False):
+        opts.setdefault("asynchronous", True)
+        opts.setdefault("skip_instance_cache", True)
+    fs = cls(**opts)
+    root = cls._strip_protocol(request.url)
+    if hasattr(fs, "set_session"):
+        await fs.set_session()
+    return FsspecStore(fs, root, request.url, request.options)

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,10 @@ from ckptfs.io.ranges import ReadInto, coalesce
 from ckptfs.io.store import Buffer, Part, Store, inside_root
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import settled
+from ckptfs.runtime import RUNTIME, Resource
+
+if TYPE_CHECKING:
+    from ckptfs.io.registry import StoreRequest
 
 
 class LocalStore(Store):
@@ -342,22 +347,46 @@ _WRITE_PIECE = 64 << 20
 #: bytes between two write-back requests of a file written with fsync (``_start_writeback``)
 _WRITEBACK_PIECE = 8 << 20
 
-#: per-process: the write threads of each nice value, made on first use and kept (a thread's
-#: nice cannot go back down in an unprivileged process, so they are never mixed with others)
-_writers: dict[int, ThreadPoolExecutor] = {}
-_writers_lock = threading.Lock()
+
+def open_local(request: StoreRequest) -> LocalStore:
+    """The opener of plain paths and ``file://`` URLs (``request.nice``: the writers' nice)."""
+    return LocalStore(request.path, request.options, nice=request.nice)
+
+
+class NicedWriters:
+    """The write threads of each nice value, made on first use and kept until closed (a
+    thread's nice cannot go back down in an unprivileged process, so they are never mixed)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, nice: int) -> ThreadPoolExecutor:
+        """The write threads of nice value ``nice`` (made once)."""
+        with self._lock:
+            pool = self._pools.get(nice)
+            if pool is None:
+                pool = self._pools[nice] = ThreadPoolExecutor(8, f"ckptfsWriterNice{nice}",
+                                                              initializer=lower_priority,
+                                                              initargs=(nice,))
+            return pool
+
+    def close(self) -> None:
+        """Let the threads finish what they were given, then end (``ckptfs.close()``)."""
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False)
+
+
+#: the write threads of local stores with a nice value (a background save's)
+WRITERS: Resource[NicedWriters] = Resource("the niced local write threads", NicedWriters,
+                                            close=NicedWriters.close)
 
 
 def _niced_writers(nice: int) -> ThreadPoolExecutor:
-    """The write threads of nice value ``nice`` (made once; their nice never goes back down,
-    which an unprivileged process could not do)."""
-    with _writers_lock:
-        pool = _writers.get(nice)
-        if pool is None:
-            pool = _writers[nice] = ThreadPoolExecutor(8, f"ckptfsWriterNice{nice}",
-                                                       initializer=lower_priority,
-                                                       initargs=(nice,))
-        return pool
+    """The write threads of nice value ``nice``."""
+    return RUNTIME.get(WRITERS).get(nice)
 
 
 def lower_priority(nice: int) -> None:

@@ -10,18 +10,14 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextvars
-import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
+from ckptfs.runtime import RUNTIME, Resource
+
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-
-#: per-process: the one event loop every store's requests run on (a thread of its own)
-_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-
 
 #: how long interpreter exit waits for a thread still handing a result to the loop
 EXIT_GRACE = 5.0
@@ -60,16 +56,23 @@ class IOLoop(asyncio.SelectorEventLoop):
             return self._handed.wait_for(lambda: self._handing == 0, timeout)
 
 
+def _start_loop() -> IOLoop:
+    loop = IOLoop()
+    threading.Thread(target=loop.run_forever, name="ckptfsIO", daemon=True).start()
+    atexit.register(loop.wait_handed, EXIT_GRACE)
+    return loop
+
+
+#: the one event loop every store's requests run on (a thread of its own). ``ckptfs.close()``
+#: leaves it running: stores the caller opened (a manager's) are bound to it. A forked child
+#: starts its own.
+LOOP: Resource[asyncio.AbstractEventLoop] = Resource(
+    "the I/O loop", _start_loop, alive=lambda loop: not loop.is_closed())
+
+
 def get_loop() -> asyncio.AbstractEventLoop:
     """The ckptfs I/O loop, started on first use."""
-    global _loop
-    with _lock:
-        if _loop is None or _loop.is_closed():
-            loop = IOLoop()
-            threading.Thread(target=loop.run_forever, name="ckptfsIO", daemon=True).start()
-            atexit.register(loop.wait_handed, EXIT_GRACE)
-            _loop = loop
-        return _loop
+    return RUNTIME.get(LOOP)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -87,11 +90,3 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     """Start ``coro`` on the I/O loop and return at once; the caller can work meanwhile."""
     return asyncio.run_coroutine_threadsafe(coro, get_loop())
-
-
-def _reset_after_fork() -> None:
-    global _loop
-    _loop = None
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)

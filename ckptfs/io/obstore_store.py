@@ -33,6 +33,8 @@ from ckptfs.io.store import Buffer, Part, Store, inside_root
 if TYPE_CHECKING:  # obstore's config types exist in its stubs only
     from obstore.store import ClientConfig, ObjectMeta, RetryConfig
 
+    from ckptfs.io.registry import StoreRequest
+
 T = TypeVar("T")
 
 #: s3fs-style storage_options and the obstore S3Config key each one becomes
@@ -72,6 +74,11 @@ def retry_config(policy: RetryPolicy) -> RetryConfig:
             "backoff": {"init_backoff": timedelta(seconds=policy.base_delay),
                         "max_backoff": timedelta(seconds=policy.max_delay), "base": 2},
             "retry_timeout": timedelta(minutes=3)}
+
+
+async def open_request(request: StoreRequest) -> ObstoreStore:
+    """The opener of every remote URL with ``StoreOptions(client="obstore")``."""
+    return await open_obstore(request.url, request.storage_options, request.options)
 
 
 async def open_obstore(url: str, storage_options: Mapping[str, Any], options: StoreOptions) -> ObstoreStore:

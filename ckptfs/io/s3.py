@@ -8,9 +8,8 @@ passes them, so transient errors are retried once, in ckptfs's retry layer.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfs.errors import StorageError
 from ckptfs.io.fsspec_store import FsspecStore
@@ -18,6 +17,15 @@ from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import join, joined, part_size_for, pieces_async, total_bytes
 from ckptfs.io.store import Buffer, Part
 from ckptfs.io.tasks import gather_all
+from ckptfs.runtime import RUNTIME, Resource
+
+if TYPE_CHECKING:
+    from ckptfs.io.registry import StoreRequest
+
+async def open_request(request: StoreRequest) -> S3FsStore:
+    """The opener of s3:// with ``StoreOptions(client="fsspec")``: ``open_s3fs``."""
+    return await open_s3fs(request.url, request.storage_options, request.options)
+
 
 #: botocore's pool is 10 by default; keep a few connections beyond the request semaphore
 POOL_HEADROOM = 4
@@ -44,20 +52,21 @@ async def open_s3fs(url: str, storage_options: Mapping[str, Any], options: Store
     return S3FsStore(fs, fs._strip_protocol(url), url, options)
 
 
-#: per-process: one aiobotocore session per process (it caches the parsed S3 service model)
-_sessions: dict[int, Any] = {}
+def _new_session() -> Any:
+    import aiobotocore.session
+
+    return aiobotocore.session.AioSession()
+
+
+#: one aiobotocore session per process: it caches the parsed S3 service model, so opening a
+#: store does not parse it again (clients stay per store and per loop); dropped by
+#: ``ckptfs.close()`` and in a forked child
+SESSION: Resource[Any] = Resource("the aiobotocore session", _new_session, close=lambda _: None)
 
 
 def _shared_session() -> Any:
-    """One aiobotocore session per process: it caches the parsed S3 service model, so opening a
-    store does not parse it again (clients stay per store and per loop)."""
-    import aiobotocore.session
-
-    pid = os.getpid()
-    if pid not in _sessions:
-        _sessions.clear()
-        _sessions[pid] = aiobotocore.session.AioSession()
-    return _sessions[pid]
+    """The process's aiobotocore session (``SESSION``)."""
+    return RUNTIME.get(SESSION)
 
 
 class S3FsStore(FsspecStore):

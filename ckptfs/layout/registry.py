@@ -26,6 +26,7 @@ from typing import Any
 from ckptfs.errors import ConfigError, UnknownBackendError
 from ckptfs.io.optional import import_optional
 from ckptfs.layout.backend import Backend
+from ckptfs.runtime import RUNTIME, Resource
 
 ENTRY_POINT_GROUP = "ckptfs.backends"
 log = logging.getLogger(__name__)
@@ -197,8 +198,13 @@ def _refuse(ep: EntryPoint, key: tuple[str, int], why: str) -> None:
         f"registered one stays"), stacklevel=3)
 
 
-#: the per-process registry that ``save``, ``load`` and the tools use
-_default = BackendRegistry()
+#: the registry that ``save``, ``load`` and the tools use (its registrations outlive
+#: ``ckptfs.close()`` and a fork)
+BACKENDS: Resource[BackendRegistry] = Resource("the backend registry", BackendRegistry, forks=True)
+
+
+def _default() -> BackendRegistry:
+    return RUNTIME.get(BACKENDS)
 
 
 def register_backend(name: str, version: int, cls: type[Backend] | str, *,
@@ -206,14 +212,14 @@ def register_backend(name: str, version: int, cls: type[Backend] | str, *,
     """Register ``cls`` (or a lazy "module:Class" string) for ``(name, version)``; a pair
     already registered (a built-in included) is refused with ``ConfigError`` unless
     ``replace=True``."""
-    _default.register(name, version, cls, replace=replace)
+    _default().register(name, version, cls, replace=replace)
 
 
 def available_backends() -> list[tuple[str, int]]:
     """Every registered (name, version), built-in and from entry points, sorted."""
-    return _default.pairs()
+    return _default().pairs()
 
 
 def get_backend(name: str, version: int | None = None) -> type[Backend]:
     """The class for ``(name, version)``; ``version=None`` picks the highest registered."""
-    return _default.get(name, version)
+    return _default().get(name, version)
