@@ -61,6 +61,29 @@ from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
 
+#: the writer process's program: the package root's own module is made bare, its names (the
+#: public API above the engine) loaded only if something asks for one, so the writer imports
+#: the engine and what it needs, never the API; then ``main`` (argv: the package folder, the
+#: socket's fd, the parent's pid)
+BOOT = """
+import importlib, os, sys, types
+folder = sys.argv[1]
+init = os.path.join(folder, "__init__.py")
+package = types.ModuleType("ckptfs")
+package.__path__, package.__file__ = [folder], init
+def root_name(name):
+    if os.path.exists(os.path.join(folder, name + ".py")) or os.path.isdir(os.path.join(folder, name)):
+        return importlib.import_module("ckptfs." + name)
+    del package.__getattr__
+    with open(init) as f:
+        exec(compile(f.read(), init, "exec"), package.__dict__)
+    return getattr(package, name)
+package.__getattr__ = root_name
+sys.modules["ckptfs"] = package
+from ckptfs.engine.writer_process import main
+main(sys.argv[2:])
+"""
+
 #: seconds between checks that the other side is still alive
 POLL = 0.2
 #: seconds a writer waits for its parent to be gone after the pipe closed
@@ -198,10 +221,10 @@ class _Writer:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        code = "import sys; from ckptfs.engine.writer_process import main; main(sys.argv[1:])"
+        package = os.path.join(root, "ckptfs")
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-c", BOOT, package, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         self.conn = Connection(ours.detach())
 
@@ -253,6 +276,15 @@ class ProcessSaver(BackgroundSaver):
         self._ring: list[torch.Tensor] = []  #: the shared ring of bounded saves (kept)
         self._table: _SentTable | None = None  #: the chunk table the writer holds
         self._tables = itertools.count(1)
+
+    def writer_modules(self) -> list[str]:
+        """The package's modules the writer process has imported (its first save started it;
+        call between saves)."""
+        with self._lock:
+            self._wait_current()
+            writer = self._writer_ready()
+            writer.conn.send(("modules",))
+            return list(writer.recv()[1])
 
     @property
     def writer_pid(self) -> int | None:
@@ -650,6 +682,9 @@ def serve(conn: Connection, parent: int) -> None:
             conn.close()
             return
         if msg[0] == "reply":  # late: its request's job has ended
+            continue
+        if msg[0] == "modules":  # which of the package's modules this process imported
+            mail.send(("modules", sorted(m for m in sys.modules if m.split(".")[0] == "ckptfs")))
             continue
         _, payload, (rank, size, timeout, members, live, token, nice, ring) = msg
         maps.forget(live)

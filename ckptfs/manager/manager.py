@@ -3,9 +3,12 @@ retention, a ``latest_step`` that only names committed checkpoints, an optional 
 written first and persisted in the background, preemption saves agreed across ranks, and a
 restore that reshards like ``load`` and reads intact local copies first.
 
-A save is ``async_save``'s composition (stage -> write -> commit on the background group, one
-save in flight per process) with two more steps in the same background job: the local tier
-(manager/tier.py) and, once the step is committed, retention (manager/steps.py).
+A save is the engine's save pipeline (engine/pipeline.py, as ``async_save`` runs it: stage ->
+claim -> write -> commit on the background group, one save in flight per process) with a
+``SaveRequest`` of the step's folder (written through the local tier where there is one), then,
+in the same background job, once the step is committed, retention (manager/steps.py); a local
+step's request writes the node's tier and its copies go to other nodes after
+(manager/replicas.py).
 """
 
 from __future__ import annotations
@@ -311,19 +314,6 @@ class CheckpointManager:
             (restorable if restorable.done() else done).result()
             self._preempted()
         return handle
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What a writer process needs to finish a step's save (``writer="process"``): the
-        manager's settings, without its saver, group, open store or preemption handler."""
-        state = dict(self.__dict__)
-        for name in ("saver", "_preemption", "process_group", "_last", "_store", "_store_lock",
-                     "last_restore"):
-            state[name] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._store_lock = threading.Lock()
 
     def _request(self, name: str, local: str | None, force: bool,
                  started: float) -> SaveRequest:
