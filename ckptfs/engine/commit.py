@@ -49,7 +49,7 @@ class Claim:
     replacing: bool  #: a checkpoint (ckptfs's or a foreign one) is being replaced (overwrite)
     save_id: str  #: 12 hex digits, unique per save (data file names)
     lock: LockInfo  #: the save lock the coordinator holds (formats/README.md §8 step 2)
-    #: the replaced checkpoint's index is still there (``keep_index``): ``replace_target``
+    #: the replaced checkpoint's index is still there (``keep_index``): ``uncommit``
     #: un-commits it before any byte is written
     committed: bool = False
 

@@ -1,18 +1,19 @@
-"""Save, between stage and write: the health of what each rank is about to write.
-
-``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged:
+"""Save: the health of what each rank writes, as one hook of the save pipeline
+(``HealthHook``, engine/hooks.py): ``check_on_device`` runs before staging
+(``before_stage``), the rest once the chunks are staged (``after_stage``) and in the write
+phase (``before_write``, ``block_test``, ``during_write``, ``after_write``):
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity where
   the data lives, once. CUDA tensors are checked on their device before staging
   (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each). The
-  other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``; chunks
-  streamed while written are searched here): at a fresh target on a store that writes streamed
+  other chunks are left to the write phase (the hook's note, a ``HealthNote``; chunks
+  streamed while written are searched at once): at a fresh target on a store that writes streamed
   parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block by block in
   the checksum thread ahead of the write, each block right before its crc32c, which reads it
   from the core's cache (``slice_test``; engine/write.py), the smaller ones by ``non_finite``
   while the files are written; where a checkpoint is being replaced (before its index is
-  un-committed, engine/commit.py's ``replace_target``) or on other stores (before anything is
-  written) ``check_now`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
+  un-committed: ``before_write`` with ``early``) or on other stores (before anything is
+  written) ``before_write`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
   over ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on
   one core with the GIL released, so the pass never waits on a parallel team of which a busy
   machine has descheduled a member). The quick test: float32 and float64 blocks are first added
@@ -29,7 +30,8 @@
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
-  them per tensor in offset order and records them in the index (formats/README.md §2.4).
+  them per tensor in offset order and records them in the index (``before_commit``;
+  formats/README.md §2.4).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ Found = tuple[tuple[str, int, int], ...]  #: (key, NaN count, infinity count) pe
 
 @dataclass(frozen=True)
 class DeviceCheck:
-    """What ``check_on_device`` found before staging, for ``check_staged`` to agree on."""
+    """What ``check_on_device`` found before staging, for ``HealthHook.after_stage``."""
 
     keys: frozenset[str] = frozenset()  #: tensors checked on their device (skipped later)
     found: Found = ()

@@ -179,9 +179,11 @@ def finish_staged(request: SaveRequest, staged: StagedSave, comm: Comm,
     store = open_agreed(comm, request)
     try:
         if not request.claim:
+            t0 = time.perf_counter()
             save_id = comm.run_on_coordinator("local save: naming the save",
                                               lambda: secrets.token_hex(6))
             staged = before_write(request.hooks, staged, comm, early=not store.streams_in_place)
+            _done(request.hooks, "claim", t0)
             return _write_and_commit(request, staged, store, comm, (save_id, False), give_back)
         target = PrefixedStore(store, request.folder) if request.folder else store
         t0 = time.perf_counter()

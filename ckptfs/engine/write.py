@@ -9,7 +9,10 @@ a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading t
 ``throttle_uploads=K`` at most K ranks of a node write at once. A failure anywhere raises on
 every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
 checksums, replica checksums) are gathered on the coordinator only, which alone needs them for
-the index.
+the index. A hook of the save (engine/hooks.py) may test each block of a chunk before its
+crc32c (``block_test``), search the chunks no test covers while the files are written
+(``during_write``) and refuse what it found (``after_write``): a refusal anywhere removes the
+files on every rank.
 """
 
 from __future__ import annotations
