@@ -313,16 +313,23 @@ def prepare_layout(plans: Mapping[str, TensorPlan], be: Backend, store: Store
     return tuple(f.path for f in prep), file_sums(prep)
 
 
-def commit_written(be: Backend, store: Store, plans: Mapping[str, TensorPlan],
-                   content: IndexContent, written: Written, *, replacing: bool,
-                   hooks: Sequence[SaveHook] = ()) -> Index:
-    """Phase 4 of a save whose ranks' outcomes were gathered outside ckptfs (the coordinator
-    of the DCP plug-in, ``convert``): the index built from ``written`` and ``content``, as the
-    hooks' ``before_commit`` make it, committed; returns it."""
+def index_of(be: Backend, plans: Mapping[str, TensorPlan], content: IndexContent,
+             written: Written, hooks: Sequence[SaveHook] = ()) -> Index:
+    """The index of a save whose ranks' outcomes were gathered outside ckptfs (the coordinator
+    of the DCP plug-in, ``convert``): built from ``written`` and ``content``, as the hooks'
+    ``before_commit`` make it."""
     ranks = written.ranks or ()
     staged = StagedSave(0, len(ranks), plans, (), leases=(), copied=True, content=content)
     index = build_index(be, staged, written)
     for h in hooks:
         index = h.before_commit(index, [None] * len(ranks), None)
+    return index
+
+
+def commit_written(be: Backend, store: Store, plans: Mapping[str, TensorPlan],
+                   content: IndexContent, written: Written, *, replacing: bool,
+                   hooks: Sequence[SaveHook] = ()) -> Index:
+    """Phase 4 of such a save (``index_of``): the index committed; returns it."""
+    index = index_of(be, plans, content, written, hooks)
     commit_index(store, be, index, plans, written.paths() if replacing else None)
     return index
