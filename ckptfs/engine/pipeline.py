@@ -159,6 +159,7 @@ def stage_phase(state_dict: Mapping[str, Any], request: SaveRequest, comm: Comm,
         memos = [h.before_stage(state_dict, comm.rank) for h in hooks]
         staged = stage(state_dict, comm, request.backend, pool, threads=opts.copy_threads,
                        copy_piece=opts.copy_piece, **how)
+        del state_dict  # the caller's tensors are not held once staged (an asynchronous save)
         if not hooks:
             return staged
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -118,7 +119,9 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
         assert mine is not None
         refuse(mine, [f.path for f in prep], store, comm, hooks)
     assert mine is not None
-    ranks = comm.gather(mine, what, entries=True)
+    # the hooks' notes stay on the rank (the coordinator's own serve its ``before_commit``)
+    ranks = comm.gather(dataclasses.replace(mine, notes=()) if mine.notes else mine, what,
+                        entries=True)
     return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
                    file_sums(prep))
 
