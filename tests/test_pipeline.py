@@ -166,3 +166,50 @@ def test_the_writer_process_imports_nothing_above_the_engine(tmp_path):
     assert above == []
     assert ckptfs.load_metadata(tmp_path / "a").tensors["w"].stats is not None
     assert ckptfs.verify(tmp_path / "m" / step_dir(1)).ok
+
+
+def _module_entries(fn) -> dict[str, int]:
+    """How many times each ckptfs module is entered while ``fn()`` runs: a call of a function
+    defined in one of its source files from another module (generator resumes and generated
+    dataclass methods not counted), in every thread (sys.setprofile, threading.setprofile)."""
+    import sys
+    import threading
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    resumed: set[int] = set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or "ckptfs" not in code.co_filename or code.co_filename[0] == "<":
+            return
+        if code.co_flags & 0x2A0:  # a generator or coroutine: its first call only
+            if id(frame) in resumed:
+                return
+            resumed.add(id(frame))
+        module = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+        if module != caller:
+            counts[module] += 1
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return dict(counts)
+
+
+def test_a_save_enters_each_engine_and_api_module_at_most_eight_times(tmp_path):
+    """Following a small state dict through ``ckptfs.save`` (after a first save: imports and
+    the plan cache warm): no module of the engine or the API is entered more than 8 times
+    (docs/architecture.md, the save pipeline; the runtime's collectives and I/O loop are
+    entered once per collective and per I/O step)."""
+    state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
+    ckptfs.save(state, tmp_path / "warm")
+    counts = _module_entries(lambda: ckptfs.save(state, tmp_path / "c"))
+    ours = {m: n for m, n in counts.items() if layer(m) >= 5 and m != "ckptfs.errors"}
+    assert "ckptfs.engine.pipeline" in ours and "ckptfs.engine.write" in ours
+    assert {m: n for m, n in ours.items() if n > 8} == {}

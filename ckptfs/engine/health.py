@@ -1,7 +1,7 @@
 """Save: the health of what each rank writes, as one hook of the save pipeline
 (``HealthHook``, engine/hooks.py): ``check_on_device`` runs before staging
 (``before_stage``), the rest once the chunks are staged (``after_stage``) and in the write
-phase (``before_write``, ``block_test``, ``during_write``, ``after_write``):
+phase (``before_write``, ``block_tests``, ``during_write``, ``after_write``):
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity where
   the data lives, once. CUDA tensors are checked on their device before staging
@@ -37,6 +37,7 @@ phase (``before_write``, ``block_test``, ``during_write``, ``after_write``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -151,10 +152,12 @@ class HealthHook(SaveHook):
         agree_finite(comm, _unsearched(chunks, note), note.found)
         return dataclasses.replace(note, found=(), search=False)
 
-    def block_test(self, chunk: ChunkData, note: HealthNote) -> BlockTest | None:
-        if not note.search or chunk.source is not None or chunk.key in note.skip:
-            return None
-        return slice_test(chunk.data)
+    def block_tests(self, chunks: Sequence[ChunkData], note: HealthNote
+                    ) -> Sequence[BlockTest | None]:
+        if not note.search:
+            return [None] * len(chunks)
+        return [None if c.source is not None or c.key in note.skip else slice_test(c.data)
+                for c in chunks]
 
     def during_write(self, untested: Sequence[ChunkData], note: HealthNote) -> HealthNote:
         if not note.search:
@@ -187,12 +190,13 @@ def fingerprints(chunks: Sequence[ChunkData], comm: Comm,
                  ) -> Mapping[str, TensorStats] | None:
     """Collective: every tensor's fingerprint, combined on the coordinator (``tensors``:
     (dtype, shape) of every tensor there); None on the other ranks."""
-    _, parts = comm.run_everywhere("save: measuring fingerprints",
-                                   lambda: chunk_partials(chunks), lambda mine: mine,
+    measure: Callable[[], list[Any]] = functools.partial(chunk_partials, chunks)
+    share: Callable[[list[Any]], list[Any]] = list  # the partials as they are
+    _, parts = comm.run_everywhere("save: measuring fingerprints", measure, share,
                                    to="coordinator")
     if parts is None or tensors is None:
         return None
-    return combine_all((p for rank in parts for p in rank),
+    return combine_all([p for rank in parts for p in rank],
                        {k: shape for k, (dtype, shape) in tensors.items()
                         if not dtype.startswith("complex")})
 

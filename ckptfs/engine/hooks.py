@@ -62,12 +62,13 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
        nothing written; ``early`` where the hook must decide now (a checkpoint is being
        replaced, or the store cannot test bytes while writing them) rather than in 3)-5). A
        hook that refuses here raises the same error on every rank (it may run collectives).
-    3) ``block_test(chunk, note) -> BlockTest | None``: local, in the write phase, for each chunk
-       this rank writes from host memory; a store that writes in place runs the test on each
-       block right before its crc32c (engine/checked_parts.py). ``chunk_reference(chunk, note)
-       -> ChunkEntry | None``: local, for each chunk before it is laid out (designed for chunks
-       recorded as a reference to an earlier checkpoint; a reference is refused until the
-       format records them).
+    3) ``block_tests(chunks, note) -> [BlockTest | None, ...]``: local, in the write phase, once,
+       one test (or None) per chunk this rank writes from host memory, in order; a store that
+       writes in place runs each on every block of its chunk right before the block's crc32c
+       (engine/checked_parts.py). ``chunk_reference(chunk, note) -> ChunkEntry | None``: local,
+       for each chunk before it is laid out, only for a hook that overrides it (designed for
+       chunks recorded as a reference to an earlier checkpoint; a reference is refused until
+       the format records them).
     4) ``during_write(untested, note) -> note``: local, while the I/O threads write this rank's
        files: ``untested`` the host chunks no block test runs on (the GIL is mostly free).
     5) ``after_write(suspect, note) -> WriteOutcome``: local, once this rank's files are
@@ -97,8 +98,8 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
                      early: bool) -> Any:
         return note
 
-    def block_test(self, chunk: ChunkData, note: Any) -> BlockTest | None:
-        return None
+    def block_tests(self, chunks: Sequence[ChunkData], note: Any) -> Sequence[BlockTest | None]:
+        return [None] * len(chunks)
 
     def chunk_reference(self, chunk: ChunkData, note: Any) -> ChunkEntry | None:
         return None

@@ -10,7 +10,7 @@ a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading t
 every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
 checksums, replica checksums) are gathered on the coordinator only, which alone needs them for
 the index. A hook of the save (engine/hooks.py) may test each block of a chunk before its
-crc32c (``block_test``), search the chunks no test covers while the files are written
+crc32c (``block_tests``), search the chunks no test covers while the files are written
 (``during_write``) and refuse what it found (``after_write``): a refusal anywhere removes the
 files on every rank.
 """
@@ -167,8 +167,9 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     files = rw.files
     checked: dict[tuple[int, int], CheckedPart] = {}
     if store.streams_in_place:  # not a store that would copy the views (remote uploads)
-        tests = {address(data): test for c, data in views
-                 if (test := _block_test(hooks, notes, c)) is not None}
+        tests = {address(data): test for (_, data), test
+                 in zip(views, _block_tests(hooks, notes, [c for c, _ in views]), strict=True)
+                 if test is not None}
         files, checked = checked_files(rw.files, (data for _, data in views), tests)
     writing = submit(write_files(store, files, progress))
     # each view's part checksummed as it is written (None: checksummed here)
@@ -211,11 +212,19 @@ def _outcomes(outcomes: Sequence[WriteOutcome]
             tuple(o.note for o in outcomes))
 
 
-def _block_test(hooks: Sequence[SaveHook], notes: Sequence[Any], chunk: ChunkData
-                ) -> BlockTest | None:
-    """The hooks' block tests of ``chunk``, as one (None: no hook tests it)."""
-    tests = [t for h, n in zip(hooks, notes, strict=True)
-             if (t := h.block_test(chunk, n)) is not None]
+def _block_tests(hooks: Sequence[SaveHook], notes: Sequence[Any], chunks: Sequence[ChunkData]
+                 ) -> list[BlockTest | None]:
+    """Each chunk's block test: the hooks' tests of it as one (None: no hook tests it)."""
+    per_hook = [h.block_tests(chunks, n) for h, n in zip(hooks, notes, strict=True)
+                if overrides(h, "block_tests")]
+    if not per_hook:
+        return [None] * len(chunks)
+    if len(per_hook) == 1:
+        return list(per_hook[0])
+    return [_any_of([t for t in ts if t is not None]) for ts in zip(*per_hook, strict=True)]
+
+
+def _any_of(tests: list[BlockTest]) -> BlockTest | None:
     if len(tests) < 2:
         return tests[0] if tests else None
     return lambda block: any(t(block) for t in tests)
