@@ -78,7 +78,9 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
        A hook may also raise from 1) or 2), on every rank alike.
     6) ``before_commit(index, parts, note) -> Index``: the coordinator only, the index built
        from every rank's entries (``parts``: every rank's ``WriteOutcome.part``, by rank); the
-       returned index is committed (root fields, per-rank segments, statistics).
+       returned index is committed (root fields, per-rank segments, statistics). Composers
+       whose ranks write apart from ckptfs's stage (the DCP plug-in, ``convert``) run only
+       this point, with every part and the note None.
     7) ``phase_done(phase, seconds)``: every rank, local, after each phase of ``PHASES``
        (observers: timers, progress). ``refusal(found_by_rank) -> CkptfsError``: the error
        every rank raises when the hook refused in 5).
