@@ -129,7 +129,10 @@ def ckptfs_points() -> list[tuple[Any, str, str]]:
     import ckptfs.engine.write as write
     import ckptfs.io.local_store as local
 
-    save = sys.modules["ckptfs.save"]  # the module (``ckptfs.save`` is also the function)
+    try:  # where the phases are composed (the save pipeline; older code: the save module)
+        import ckptfs.engine.pipeline as save
+    except ImportError:
+        save = sys.modules["ckptfs.save"]  # (``ckptfs.save`` is also the function)
     return [
         (save, "stage", "stage"),
         (stage, "_describe_and_agree", "stage: describe + agree"),

@@ -238,8 +238,8 @@ def ckptfs_rank(s: Shape, variant: str, rank: int, sd: dict) -> dict:
 
 def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") -> tuple[dict, bytes]:
     """The coordinator's index assembly from every rank's entries; (figures, index bytes)."""
-    from ckptfs.engine.commit import build_index
-    from ckptfs.engine.stage import IndexContent, StagedSave
+    from ckptfs.engine.pipeline import index_of
+    from ckptfs.engine.stage import IndexContent
     from ckptfs.engine.write import Written, WrittenRank
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend, tensor_name
     from ckptfs.layout.dtypes import from_name
@@ -273,10 +273,9 @@ def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") ->
         nchunks += len(entries)
         ranks.append(WrittenRank(tuple(entries), {path: pos} if entries else {}))
     written = Written((), ranks[0], tuple(ranks))
-    staged = StagedSave(0, s.world, plan.plans, (), (), False, content=IndexContent(
-        {}, {}, {k: (x.dtype, x.shape) for k, x in layouts.items()}))
+    content = IndexContent({}, {}, {k: (x.dtype, x.shape) for k, x in layouts.items()})
     backend = SafetensorsChunksBackend()
-    t_build, index = timed(partial(build_index, backend, staged, written))
+    t_build, index = timed(partial(index_of, backend, plan.plans, content, written))
     t_dump, raw = timed(index.dumps)
     return {"chunks": nchunks, "assemble_s": t_build + t_dump, "index_bytes": len(raw),
             "packed": index.packed}, raw

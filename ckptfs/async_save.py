@@ -2,7 +2,8 @@
 two futures: ``staged`` (this rank's bytes are copied: the caller may change its tensors) and
 ``done`` (the index is committed; its result is the ``SaveResult``).
 
-The save is ``save()``'s composition (stage -> write -> commit) with two differences: staging
+The save is ``save()``'s pipeline (engine/pipeline.py: stage -> claim -> write -> commit, the
+same ``SaveRequest``) with two differences: staging
 copies every chunk this rank writes into the reusable staging buffers of a ``BackgroundSaver``
 (engine/background.py), and every phase runs over a gloo group of its own (dist/groups.py),
 never over the caller's group, so the training loop can run its collectives meanwhile. At most
@@ -12,27 +13,21 @@ saver) first waits for the previous one's ``done``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfs.dist import Comm, ProcessGroup
+from ckptfs.dist import ProcessGroup
 from ckptfs.engine.background import BackgroundSaver
 from ckptfs.engine.defaults import default_saver
-from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
-from ckptfs.options import resolve_save
 from ckptfs.runtime import RUNTIME
-from ckptfs.save import SaveResult, make_backend, open_agreed, save_staged
+from ckptfs.save import SaveResult, health_hooks, save_request
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,31 +102,14 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     one copy of the bytes this rank writes (replicas are written by one rank only), allocated by
     the first save and reused by later saves of the same structure until the saver is closed.
     """
-    started = time.perf_counter()
     url = os.fspath(url)
-    opts, store_options = resolve_save(options, store_options, deprecated, "async_save")
-    if host_memory_limit is not None:
-        opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
-    with public_errors(url):
-        be = make_backend(backend, backend_version, backend_options)
-
-    finish = functools.partial(_finish, url, be, storage_options, store_options, overwrite,
-                               progress, opts, started)
+    request = save_request(url, backend, backend_version, backend_options, storage_options,
+                           store_options, overwrite, progress, options, deprecated,
+                           host_memory_limit=host_memory_limit,
+                           hooks=health_hooks(check_finite, stats), caller="async_save")
     saver = _saver(saver, writer)
-    staged, done = saver.start(state_dict, url, be, finish, process_group=process_group,
-                               options=opts, check_finite=check_finite, stats=stats)
+    staged, done = saver.start(state_dict, request, process_group=process_group)
     return AsyncSave(url, staged, done)
-
-
-def _finish(url: str, be: Any, storage_options: Mapping[str, Any] | None,
-            store_options: StoreOptions | None, overwrite: bool, progress: bool, opts: SaveOptions,
-            started: float, staged: StagedSave, comm: Comm,
-            give_back: Callable[[], None]) -> SaveResult:
-    """Phases 2 and 3 of an asynchronous save (a function of values: it may run in a writer
-    process)."""
-    store = open_agreed(comm, url, storage_options, store_options, nice=opts.background_nice)
-    return save_staged(staged, be, store, url, comm, overwrite=overwrite, progress=progress,
-                       options=opts, started=started)
 
 
 def _saver(saver: BackgroundSaver | None, writer: str) -> BackgroundSaver:

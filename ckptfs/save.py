@@ -1,5 +1,6 @@
-"""``ckptfs.save``: stage, write, commit (ckptfs/engine/): every rank writes the chunks assigned
-to it, then rank 0 commits the index."""
+"""``ckptfs.save``: the engine's save pipeline (engine/pipeline.py: stage, claim, write,
+commit) run in the caller's thread: every rank writes the chunks assigned to it, then rank 0
+commits the index. ``SaveResult`` is the pipeline's."""
 
 from __future__ import annotations
 
@@ -7,42 +8,20 @@ import dataclasses
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-from ckptfs.dist import Comm, CommStats, ProcessGroup
-from ckptfs.engine.background import bounded
-from ckptfs.engine.buffers import BufferPool, HostAllocator
-from ckptfs.engine.commit import Claim, claimed, commit, replace_target
+from ckptfs.dist import ProcessGroup
 from ckptfs.engine.defaults import wait_default_idle
-from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.health import check_on_device, checked
+from ckptfs.engine.health import HealthHook
+from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.stage import StagedSave, has_cuda, release, stage, staging_allocator
-from ckptfs.engine.write import write
+from ckptfs.engine.pipeline import SaveRequest, SaveResult, run_save
 from ckptfs.errors import ConfigError
-from ckptfs.io import Store, StoreOptions, open_store, run_sync
+from ckptfs.io import StoreOptions
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.registry import get_backend
 from ckptfs.options import resolve_save
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """What one rank did during a save."""
-
-    url: str
-    backend: str
-    backend_version: int
-    bytes_written: int  #: by this rank (data files)
-    total_bytes: int  #: data bytes of the whole checkpoint
-    files: tuple[str, ...]  #: data files this rank wrote
-    seconds: float
-    plan_cached: bool = False  #: the plan of an earlier save of the same structure was reused
-    #: what this rank moved through collectives (planning, outcomes, and index entries sent to
-    #: the coordinator, counted apart in ``entry_bytes``)
-    comm: CommStats = field(default_factory=CommStats)
 
 
 def make_backend(name: str, version: int | None, options: Mapping[str, Any] | None) -> Backend:
@@ -53,17 +32,6 @@ def make_backend(name: str, version: int | None, options: Mapping[str, Any] | No
                           f"written by another tool); save with another backend, or export "
                           f"tensors in that layout with ckptfs.unshard (e.g. format='hf')")
     return be
-
-
-def device_parts(state_dict: Mapping[str, Any], be: Backend,
-                 options: SaveOptions) -> DeviceParts | None:
-    """The pinned ring through which a synchronous save streams its CUDA chunks while writing
-    them (``SaveOptions.ring_bytes`` in ``ring_slots``); None for a state without CUDA tensors
-    or a backend that needs the chunk bytes themselves (it gets a staged host copy)."""
-    if not be.streams_device_chunks:
-        return None
-    return cuda_device_parts(has_cuda(state_dict), ring_bytes=options.ring_bytes,
-                             slots=options.ring_slots)
 
 
 def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
@@ -93,78 +61,33 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     it cannot write in place: not CPU, or not C-contiguous); the copies beyond it stream through
     a ring within it while the files are written.
     """
-    t0 = time.perf_counter()
     url = os.fspath(url)
-    opts, store_options = resolve_save(options, store_options, deprecated)
+    request = save_request(url, backend, backend_version, backend_options, storage_options,
+                           store_options, overwrite, progress, options, deprecated,
+                           host_memory_limit=host_memory_limit,
+                           hooks=health_hooks(check_finite, stats))
+    wait_default_idle()
+    return run_save(state_dict, request, process_group)
+
+
+def health_hooks(check_finite: bool, stats: bool) -> tuple[SaveHook, ...]:
+    """The pipeline's hooks of the ``check_finite`` and ``stats`` keywords (engine/health.py)."""
+    return (HealthHook(check_finite, stats),) if check_finite or stats else ()
+
+
+def save_request(url: str, backend: str, backend_version: int | None,
+                 backend_options: Mapping[str, Any] | None,
+                 storage_options: Mapping[str, Any] | None, store_options: StoreOptions | None,
+                 overwrite: bool, progress: bool, options: SaveOptions | None,
+                 deprecated: dict[str, Any], *, host_memory_limit: int | None,
+                 hooks: tuple[SaveHook, ...], caller: str = "save") -> SaveRequest:
+    """The pipeline's ``SaveRequest`` of ``save``'s (and ``async_save``'s) arguments."""
+    started = time.perf_counter()
+    opts, store_options = resolve_save(options, store_options, deprecated, caller)
     if host_memory_limit is not None:
         opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
-    wait_default_idle()
     with public_errors(url):
-        comm = Comm(process_group, timeout=opts.collective_timeout)
         be = make_backend(backend, backend_version, backend_options)
-        # CUDA chunks stream off the device through a pinned ring while they are written
-        # (backends that pass chunk bytes through); staging copies only what is not
-        # CPU-contiguous and not streamed (unbounded; pinned for CUDA sources staged whole)
-        # under host_memory_limit: the copies beyond the bound stream through a ring within it
-        overflow = bounded(opts, be, in_place=True)
-        device = (cast(DeviceParts, overflow) if overflow is not None  # the same hooks
-                  else device_parts(state_dict, be, opts))
-        pool = BufferPool(HostAllocator() if device is not None and overflow is None
-                          else staging_allocator(state_dict))
-        try:
-            on_device = check_on_device(state_dict, comm.rank, check_finite)
-            staged = stage(state_dict, comm, be, pool, copy=False, threads=opts.copy_threads,
-                           copy_piece=opts.copy_piece, device=device)
-            staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
-                             device=on_device)
-            try:
-                store = open_agreed(comm, url, storage_options, store_options)
-                return save_staged(staged, be, store, url, comm, overwrite=overwrite,
-                                   progress=progress, options=opts, started=t0)
-            finally:
-                release(staged, pool)
-        finally:
-            if device is not None:
-                device.close()
-
-
-def open_agreed(comm: Comm, url: str, storage_options: Mapping[str, Any] | None,
-                store_options: StoreOptions | None, *, nice: int = 0) -> Store:
-    """The store at ``url``, opened on every rank of ``comm``: a rank that cannot open it fails
-    the save everywhere (the stores opened elsewhere are closed)."""
-    opened: list[Store] = []
-    try:
-        comm.run_everywhere("save: opening the store", lambda: opened.append(
-            run_sync(open_store(url, storage_options, store_options, nice=nice))))
-    except BaseException:
-        for s in opened:
-            run_sync(s.close())
-        raise
-    return opened[0]
-
-
-def save_staged(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm, *,
-                overwrite: bool, progress: bool, options: SaveOptions,
-                started: float) -> SaveResult:
-    """Phases 2 and 3 of a save (collective over ``comm``) into ``store`` (open on every rank;
-    closed here): claim the target, write, commit."""
-    try:
-        with claimed(store, comm, overwrite, be, keep_index=True) as claim:
-            staged = replace_target(staged, store, comm, claim)
-            return write_and_commit(staged, be, store, url, comm, claim, progress=progress,
-                                    throttle_uploads=options.throttle_uploads, started=started)
-    finally:
-        run_sync(store.close())
-
-
-def write_and_commit(staged: StagedSave, be: Backend, store: Store, url: str, comm: Comm,
-                     claim: Claim, *, progress: bool, throttle_uploads: int | None,
-                     started: float) -> SaveResult:
-    """Write and commit into a store every rank has open, under ``claim`` (``claimed``: the
-    caller holds the lock and closes the store; the manager clears a dead attempt first)."""
-    written = write(staged, be, store, comm, claim.save_id, progress=progress,
-                    throttle_uploads=throttle_uploads)
-    total = commit(staged, written, be, store, comm, replacing=claim.replacing)
-    mine = written.mine.files
-    return SaveResult(url, be.name, be.version, sum(mine.values()), total, tuple(mine),
-                      time.perf_counter() - started, staged.cached, comm.stats.snapshot())
+    nice = opts.background_nice if caller == "async_save" else 0
+    return SaveRequest(url, be, storage_options, store_options, opts, overwrite, progress, hooks,
+                       nice=nice, started=started)

@@ -207,15 +207,19 @@ def _bad_state() -> dict:
 
 
 def _keys_searched_apart(monkeypatch) -> list[str]:
-    """The keys of the chunks the write phase searches apart from their write (``non_finite``)."""
+    """The keys of the chunks the write phase searches apart from their write (the health
+    hook's ``during_write``: the chunks no block test runs on)."""
+    from ckptfs.engine import health
+
     apart: list[str] = []
-    real = write_mod.non_finite
+    real = health.HealthHook.during_write
 
-    def non_finite(chunks):
-        apart.extend(c.key for c in chunks)
-        return real(chunks)
+    def during_write(self, untested, note):
+        if note.search:
+            apart.extend(c.key for c in health._unsearched(untested, note))
+        return real(self, untested, note)
 
-    monkeypatch.setattr(write_mod, "non_finite", non_finite)
+    monkeypatch.setattr(health.HealthHook, "during_write", during_write)
     return apart
 
 

@@ -324,11 +324,8 @@ def test_tensors_checked_on_their_device_are_not_checked_again(tmp_path, monkeyp
     """CUDA tensors are checked where they live before staging (``check_on_device``) and their
     staged host copies are skipped; on this CPU-only run every tensor stands in for one."""
     import functools
-    import sys
 
     from ckptfs.engine import health
-
-    save_module = sys.modules["ckptfs.save"]
 
     state = {"w": torch.tensor([1.0, math.nan, math.inf]), "ok": torch.ones(2), "n": 3}
     found = health.check_on_device(state, 0, True, on_device=lambda t: True)
@@ -336,7 +333,7 @@ def test_tensors_checked_on_their_device_are_not_checked_again(tmp_path, monkeyp
     assert health.check_on_device(state, 0, False).keys == frozenset()
     assert health.check_on_device(state, 0, True).keys == frozenset()  # no CUDA tensor here
     everywhere = functools.partial(health.check_on_device, on_device=lambda t: True)
-    monkeypatch.setattr(save_module, "check_on_device", everywhere)
+    monkeypatch.setattr(health, "check_on_device", everywhere)  # HealthHook.before_stage's
     with pytest.raises(ckptfs.NonFiniteError) as e:
         ckptfs.save(state, tmp_path / "x", check_finite=True)
     assert e.value.found == {"w": (1, 1)}  # counted once, on the "device"

@@ -1,6 +1,6 @@
 """The DCP writer's results: what each rank reports of its items, and the coordinator's commit of
-the ckptfs index built from every rank's reports (engine/commit.py's ``build_index`` and
-``commit_index``, the seam ``ckptfs.save`` commits through)."""
+the ckptfs index built from every rank's reports (the save pipeline's commit phase,
+engine/pipeline.py's ``commit_written``)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptfs.dcp.fs_args import uncommit_replaced
 from ckptfs.dcp.items import OPAQUE, ItemWritten, Path
-from ckptfs.engine.commit import Claim, build_index, commit_index
+from ckptfs.engine.commit import Claim
 from ckptfs.engine.commit import abandon as _abandon
-from ckptfs.engine.stage import IndexContent, StagedSave
-from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
+from ckptfs.engine.pipeline import commit_written, prepare_layout
+from ckptfs.engine.stage import IndexContent
+from ckptfs.engine.write import Written, WrittenRank
 from ckptfs.errors import CkptfsError
 from ckptfs.io import Store, run_sync
 from ckptfs.layout.backend import Backend
@@ -104,15 +105,11 @@ def commit_results(be: Backend, store: Store, claim: Claim,
                 plans.setdefault(key, []).append(p)
         written.append(WrittenRank(tuple(entries), files, sums))
     merged = {k: _merge(ps) for k, ps in plans.items()}
-    prep = be.prepare(merged)
-    run_sync(write_files(store, prep, False))
+    prepared, sums_of = prepare_layout(merged, be, store)
     content = IndexContent(values, {**containers_of_paths(paths), **containers}, tensors)
-    staged = StagedSave(0, len(ranks), merged, (), leases=(), copied=True, content=content)
-    done = Written(tuple(f.path for f in prep), WrittenRank((), {}), tuple(written),
-                   file_sums(prep))
-    index = build_index(be, staged, done)
-    uncommit_replaced(store, claim)
-    commit_index(store, be, index, merged, done.paths() if claim.replacing else None)
+    done = Written(prepared, WrittenRank((), {}), tuple(written), sums_of)
+    commit_written(be, store, merged, content, done, replacing=claim.replacing,
+                   before=lambda: uncommit_replaced(store, claim))
 
 
 def _merge(plans: list[TensorPlan]) -> TensorPlan:

@@ -43,8 +43,7 @@ from ckptfs.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.engine.commit import Claim, _claim
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.lock import LockInfo, Renewal, read_lock
-from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import write_rank
+from ckptfs.engine.pipeline import write_chunks
 from ckptfs.errors import CheckpointExistsError, CkptfsError, SaveInProgressError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -199,14 +198,14 @@ class StorageWriter(dcp_storage.StorageWriter, BlockingAsyncStager):
         table = plan.storage_data if isinstance(plan.storage_data, StoredChunks) else None
         world = table.world_size if table is not None else self.rank + 1
         chunks, written = take_items(plan, planner, be, table, self.rank)
-        staged = StagedSave(self.rank, world, _plans_of(chunks, table, self.rank), tuple(chunks),
-                            leases=(), copied=False)
+        plans = _plans_of(chunks, table, self.rank)
         store = self._open()
         try:
-            done = write_rank(staged, be, store, run_sync(self._save_id(store)), False)
+            done = write_chunks(chunks, plans, be, store, run_sync(self._save_id(store)),
+                                rank=self.rank, world_size=world)
         finally:
             run_sync(store.close())
-        return assemble.results(plan, written, done, staged.plans)
+        return assemble.results(plan, written, done, plans)
 
 
 def stored_chunks(be: Backend, plans: list[SavePlan]) -> list[dict[str, TensorPlan]]:

@@ -2,8 +2,8 @@
 one save to the next), the save in flight (at most one per saver) and the exit hook that lets
 a save in flight finish when the interpreter exits.
 
-Call order: ``saver.start(...)`` (waits until the saver's save in flight, if any, is done;
-makes the Comm on the saver's own background lane; stages in a new thread; returns the
+Call order: ``saver.start(state_dict, request, ...)`` (waits until the saver's save in flight,
+if any, is done; makes the Comm on the saver's own background lane; stages in a new thread; returns the
 ``staged`` and ``done`` futures) -> later ``saver.wait_idle()`` (what a synchronous save does
 first) or ``saver.close()`` (every rank: waits, frees the buffers and the lane's groups).
 
@@ -34,11 +34,10 @@ from typing import Any, TypeVar
 from ckptfs.dist import BACKGROUND, Comm, ProcessGroup, destroy_background_groups
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.health import check_on_device, checked
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.overflow import Overflow
-from ckptfs.engine.stage import StagedSave, release, stage, staging_allocator
-from ckptfs.errors import ConfigError
+from ckptfs.engine.overflow import Overflow, bounded
+from ckptfs.engine.pipeline import SaveRequest, SaveResult, finish_staged, stage_phase
+from ckptfs.engine.stage import StagedSave, release, staging_allocator
 from ckptfs.io import run_sync
 from ckptfs.io.local_store import lower_priority
 from ckptfs.layout.backend import Backend
@@ -49,10 +48,6 @@ T = TypeVar("T")
 #: ``staged.result()`` to return (``Staged.hand_over``)
 HAND_OVER = 0.02
 
-#: what runs once staged: ``finish(staged, comm, give_back)`` writes and commits;
-#: ``give_back()`` returns the staging buffers to the pool early (idempotent; called after
-#: ``finish`` in any case)
-Finish = Callable[[StagedSave, Comm, Callable[[], None]], T]
 
 
 class Staged(Future[None]):
@@ -146,33 +141,34 @@ class BackgroundSaver:
         if self._current is not None:
             self._current.exception()  # waits; the outcome belongs to that save's handle
 
-    def start(self, state_dict: Mapping[str, Any], url: str, be: Backend, finish: Finish[T], *,
-              process_group: ProcessGroup | None, options: SaveOptions,
-              check_finite: bool = False, stats: bool = False
-              ) -> tuple[Future[None], Future[T]]:
-        """Start one background save of ``state_dict`` (every rank calls this in the same
-        order): waits for the save in flight, connects the lane's group, then in a thread
-        stages a copy of every chunk this rank writes (``staged`` resolves), checks it
-        (``check_finite``, ``stats``: engine/health.py), lowers the thread's priority and runs
-        ``finish`` (``done`` resolves with its result)."""
+    def start(self, state_dict: Mapping[str, Any], request: SaveRequest, *,
+              process_group: ProcessGroup | None,
+              before: Callable[[Comm], None] | None = None,
+              after: Callable[[SaveResult, Comm], SaveResult] | None = None
+              ) -> tuple[Future[None], Future[SaveResult]]:
+        """Start one background save of ``state_dict`` as ``request`` says (every rank calls
+        this in the same order): waits for the save in flight, connects the lane's group, then
+        in a thread runs the pipeline's stage phase (engine/pipeline.py) into copies
+        (``staged`` resolves), lowers the thread's priority, runs ``before(comm)``, the
+        pipeline's ``finish_staged`` (``finish``: here or in a writer process) and
+        ``after(result, comm)`` (``done`` resolves with its result). ``before`` and ``after``
+        run in this process, on the save's thread (a manager's steps around the save)."""
+        opts, url = request.options, request.url
         with self._lock:
             self._wait_current()
             with public_errors(url):  # creates the lane's group on the first call
-                comm = Comm(process_group, timeout=options.collective_timeout, background=self.lane)
+                comm = Comm(process_group, timeout=opts.collective_timeout, background=self.lane)
             pool = self.staging_pool(staging_allocator(state_dict))  # pinned for CUDA sources
             held = [state_dict]  # let go of the caller's tensors once staged
-            overflow = self.bounded(options, be)
+            overflow = self.bounded(opts, request.backend)
 
-            def job(on_copied: Callable[[], None], marker: Staged) -> T:
+            def job(on_copied: Callable[[], None], marker: Staged) -> SaveResult:
                 with public_errors(url):
-                    on_device = check_on_device(held[0], comm.rank, check_finite)
-                    staged = stage(held.pop(), comm, be, pool, copy=True, on_copied=on_copied,
-                                   threads=options.copy_threads, copy_piece=options.copy_piece,
-                                   overflow=overflow, on_queued=None if overflow is not None
-                                   else lambda events: marker.resolve_queued(tuple(events)))
-                    staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
-                                     device=on_device)
-                    self.lower_priority(options.background_nice)  # the caller goes on
+                    staged = stage_phase(held.pop(), request, comm, pool, copy=True,
+                                         on_copied=on_copied, overflow=overflow,
+                                         on_queued=None if overflow is not None
+                                         else lambda events: marker.resolve_queued(tuple(events)))
+                    self.lower_priority(opts.background_nice)  # the caller goes on
                     given: list[StagedSave] = [staged]
 
                     def give_back() -> None:
@@ -180,9 +176,12 @@ class BackgroundSaver:
                             release(given.pop(), pool)
 
                     try:
-                        return self.finish(finish, staged, comm, give_back)
+                        if before is not None:
+                            before(comm)
+                        result = self.finish(request, staged, comm, give_back)
                     finally:
                         give_back()
+                    return result if after is None else after(result, comm)
 
             return self.launch(job)
 
@@ -195,11 +194,11 @@ class BackgroundSaver:
         """Once staged: the save's work runs at nice ``nice`` (here: this thread's)."""
         lower_priority(nice)
 
-    def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
-               give_back: Callable[[], None]) -> T:
-        """Run ``finish`` once staged: here, in the save's thread (a saver of another kind may
-        run it elsewhere: engine/writer_process.py)."""
-        return finish(staged, comm, give_back)
+    def finish(self, request: SaveRequest, staged: StagedSave, comm: Comm,
+               give_back: Callable[[], None]) -> SaveResult:
+        """Run the pipeline's ``finish_staged`` once staged: here, in the save's thread (a
+        saver of another kind runs it elsewhere: engine/writer_process.py)."""
+        return finish_staged(request, staged, comm, give_back)
 
     def launch(self, job: Callable[[Callable[[], None], Staged], T]
                ) -> tuple[Future[None], Future[T]]:
@@ -264,14 +263,3 @@ class BackgroundSaver:
         if self._pool is not None:
             self._pool.allocator.clear()
 
-
-def bounded(options: SaveOptions, be: Backend, *, in_place: bool = False) -> Overflow | None:
-    """The overflow of a save under ``options.host_memory_limit`` (None: no bound;
-    ``in_place``: a synchronous save's, see ``Overflow``)."""
-    limit = options.host_memory_limit
-    if limit is None:
-        return None
-    if not be.streams_device_chunks:
-        raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
-                          f"writing (safetensors_chunks); {be.name} does not")
-    return Overflow(limit, options.ring_bytes, options.ring_slots, in_place=in_place)

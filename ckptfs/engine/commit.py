@@ -1,10 +1,11 @@
 """Save, phase 3 of 3: commit. The coordinator builds the index, writes the backend's final
-files, and creates the index create-if-absent: from then on the checkpoint exists.
+files, and creates the index create-if-absent (as the save's hooks make it, engine/hooks.py): from then on the
+checkpoint exists.
 
 Before the write phase, ``claim_target`` takes the save lock (engine/lock.py: one save at a time
 per root) and refuses a committed (or foreign) checkpoint at the URL unless ``overwrite``; when
 overwriting it un-commits the old index first (``keep_index``: the save does it itself,
-``replace_target``, once what must come before is done: the search for NaN and infinity), and
+``uncommit``, once what must come before is done: the hooks' ``before_write``), and
 ``commit`` removes every leftover of the replaced checkpoint once the new one is committed. The
 index records the size and crc32c of every file and its own checksum. A failed commit removes
 the data files this save wrote; nothing of a previous checkpoint is lost.
@@ -26,7 +27,7 @@ import torch
 
 from ckptfs._version import __version__
 from ckptfs.dist import Comm
-from ckptfs.engine.health import check_now
+from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import LockInfo, Renewal, acquire, release
 from ckptfs.engine.stage import StagedSave
@@ -48,7 +49,7 @@ class Claim:
     replacing: bool  #: a checkpoint (ckptfs's or a foreign one) is being replaced (overwrite)
     save_id: str  #: 12 hex digits, unique per save (data file names)
     lock: LockInfo  #: the save lock the coordinator holds (formats/README.md §8 step 2)
-    #: the replaced checkpoint's index is still there (``keep_index``): ``replace_target``
+    #: the replaced checkpoint's index is still there (``keep_index``): ``uncommit``
     #: un-commits it before any byte is written
     committed: bool = False
 
@@ -105,17 +106,13 @@ async def abandon(store: Store) -> None:
         await release(store)
 
 
-def replace_target(staged: StagedSave, store: Store, comm: Comm, claim: Claim) -> StagedSave:
-    """Collective, first in the body of ``claimed(keep_index=True)``: where a checkpoint is
-    being replaced, a search for NaN and infinity left to the write phase is done now, before
-    anything is touched (a refusal leaves the replaced checkpoint as it was); then the replaced
-    index is un-committed (a crash from then on leaves no stale index)."""
-    if claim.replacing:
-        staged = check_now(staged, comm)
+def uncommit(store: Store, comm: Comm, claim: Claim) -> None:
+    """Collective, in the body of ``claimed(keep_index=True)`` once what must come before is
+    done (the hooks' ``before_write``: a refusal leaves the replaced checkpoint as it was): the
+    replaced index is un-committed (a crash from then on leaves no stale index)."""
     if claim.committed:
         comm.run_on_coordinator("save: un-committing the replaced checkpoint",
                                 lambda: run_sync(store.delete([INDEX_FILE])))
-    return staged
 
 
 @contextlib.contextmanager
@@ -124,7 +121,7 @@ def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
     """Collective: ``claim_target``, then the body (write and commit) with the lock held: the
     coordinator renews it while the body runs and, if the body fails on it, stops renewing and
     gives it back (``abandon``); a committed save has released it (``commit_index``).
-    ``keep_index``: a replaced index is left for the body to un-commit (``replace_target``)."""
+    ``keep_index``: a replaced index is left for the body to un-commit (``uncommit``)."""
     claim = claim_target(store, comm, overwrite, backend, keep_index=keep_index)
     renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
     failed = False
@@ -141,12 +138,13 @@ def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
 
 
 def commit(staged: StagedSave, written: Written, backend: Backend, store: Store, comm: Comm, *,
-           replacing: bool) -> int:
-    """Collective: the coordinator commits the index; returns the checkpoint's data bytes."""
+           replacing: bool, hooks: Sequence[SaveHook] = ()) -> int:
+    """Collective: the coordinator commits the index (as the ``before_commit`` of ``hooks``
+    make it); returns the checkpoint's data bytes."""
 
     def build_and_commit() -> int:
         with paused_gc():  # many small acyclic objects (layout/nogc.py)
-            index = build_index(backend, staged, written)
+            index = hooked_index(build_index(backend, staged, written), written, hooks)
         commit_index(store, backend, index, staged.plans, written.paths() if replacing else None)
         return index.total_bytes
 
@@ -156,6 +154,18 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
         if comm.is_coordinator:  # nothing was committed: the data files are garbage
             run_sync(store.delete(sorted(written.paths())))
         raise
+
+
+def hooked_index(index: Index, written: Written, hooks: Sequence[SaveHook]) -> Index:
+    """``index`` as each hook's ``before_commit`` makes it, in order (coordinator)."""
+    if not hooks:
+        return index
+    assert written.ranks is not None, "the hooks' commit runs on the coordinator"
+    notes = written.mine.notes or (None,) * len(hooks)
+    for i, (hook, note) in enumerate(zip(hooks, notes, strict=True)):
+        parts = [r.parts[i] if r.parts else None for r in written.ranks]
+        index = hook.before_commit(index, parts, note)
+    return index
 
 
 def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index:
@@ -188,7 +198,7 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
         if stored != math.prod(shape):
             raise CkptfsError(f"key {key!r}: {math.prod(shape)} elements planned, {len(chunks)} "
                               f"chunks of {stored} elements written")
-        tensors[key] = TensorEntry(key, dtype, shape, chunks, stats=content.stats.get(key))
+        tensors[key] = TensorEntry(key, dtype, shape, chunks)
     writer = {"library": "ckptfs", "library_version": __version__,
               "torch_version": torch.__version__, "python_version": platform.python_version(),
               "world_size": staged.world_size,

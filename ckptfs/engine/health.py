@@ -1,18 +1,19 @@
-"""Save, between stage and write: the health of what each rank is about to write.
-
-``check_on_device`` runs before staging, ``check_staged`` once the chunks are staged:
+"""Save: the health of what each rank writes, as one hook of the save pipeline
+(``HealthHook``, engine/hooks.py): ``check_on_device`` runs before staging
+(``before_stage``), the rest once the chunks are staged (``after_stage``) and in the write
+phase (``before_write``, ``block_tests``, ``during_write``, ``after_write``):
 
 - ``check_finite``: every floating chunk this rank writes is searched for NaN and infinity where
   the data lives, once. CUDA tensors are checked on their device before staging
   (``check_on_device``: their host copies are not read again; one ``aminmax`` pass each). The
-  other chunks are left to the write phase (``StagedSave.finite``, a ``FiniteLeft``; chunks
-  streamed while written are searched here): at a fresh target on a store that writes streamed
+  other chunks are left to the write phase (the hook's note, a ``HealthNote``; chunks
+  streamed while written are searched at once): at a fresh target on a store that writes streamed
   parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block by block in
   the checksum thread ahead of the write, each block right before its crc32c, which reads it
   from the core's cache (``slice_test``; engine/write.py), the smaller ones by ``non_finite``
   while the files are written; where a checkpoint is being replaced (before its index is
-  un-committed, engine/commit.py's ``replace_target``) or on other stores (before anything is
-  written) ``check_now`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
+  un-committed: ``before_write`` with ``early``) or on other stores (before anything is
+  written) ``before_write`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
   over ``torch.get_num_threads()`` threads of the check's own (numpy reductions: each runs on
   one core with the GIL released, so the pass never waits on a parallel team of which a busy
   machine has descheduled a member). The quick test: float32 and float64 blocks are first added
@@ -29,12 +30,14 @@
 - ``stats``: the fingerprint sums (layout/stats.py) of every chunk this rank writes, in
   float64, in pieces of ``PIECE`` elements (bounded scratch memory). Every stored element is
   written by exactly one rank, so replicas count once. The coordinator gathers them, combines
-  them per tensor in offset order and records them in the index (formats/README.md §2.4).
+  them per tensor in offset order and records them in the index (``before_commit``;
+  formats/README.md §2.4).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,11 +48,11 @@ import numpy as np
 import torch
 
 from ckptfs.dist import Comm
-from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.stage import FiniteLeft, StagedSave, release
+from ckptfs.engine.hooks import BlockTest, SaveHook, WriteOutcome
 from ckptfs.errors import NonFiniteError
 from ckptfs.layout.backend import ChunkData
-from ckptfs.layout.stats import Partial, combine_all
+from ckptfs.layout.index import Index
+from ckptfs.layout.stats import Partial, TensorStats, combine_all
 from ckptfs.state.flatten import flatten
 from ckptfs.state.shards import LocalShard, local_shard
 
@@ -80,7 +83,7 @@ Found = tuple[tuple[str, int, int], ...]  #: (key, NaN count, infinity count) pe
 
 @dataclass(frozen=True)
 class DeviceCheck:
-    """What ``check_on_device`` found before staging, for ``check_staged`` to agree on."""
+    """What ``check_on_device`` found before staging, for ``HealthHook.after_stage``."""
 
     keys: frozenset[str] = frozenset()  #: tensors checked on their device (skipped later)
     found: Found = ()
@@ -103,60 +106,99 @@ def check_on_device(state_dict: Mapping[str, Any], rank: int, check_finite: bool
     return DeviceCheck(frozenset(s.key for s in local), found)
 
 
-def checked(staged: StagedSave, pool: BufferPool, comm: Comm, *, check_finite: bool,
-            stats: bool, device: DeviceCheck | None = None) -> StagedSave:
-    """``check_staged``; when it raises, the staged buffers go back to ``pool`` first."""
-    if not (check_finite or stats):
-        return staged
-    try:
-        return check_staged(staged, comm, check_finite=check_finite, stats=stats,
-                            device=device or DeviceCheck())
-    except BaseException:
-        release(staged, pool)
-        raise
+@dataclass(frozen=True, slots=True)
+class HealthNote:
+    """``HealthHook``'s note between the phases of one save."""
+
+    skip: frozenset[str] = frozenset()  #: keys already checked (on their device)
+    found: Found = ()  #: (key, NaN count, infinity count) found so far
+    search: bool = False  #: the host chunks are still to be searched (``check_finite``)
+    #: ``stats``: every tensor's fingerprint (on the coordinator; None elsewhere)
+    stats: Mapping[str, TensorStats] | None = None
 
 
-def check_staged(staged: StagedSave, comm: Comm, *, check_finite: bool = False,
-                 stats: bool = False, device: DeviceCheck = DeviceCheck()) -> StagedSave:
-    """Collective (every rank, same flags): with ``check_finite`` return ``staged`` with the
-    search for NaN and infinity left to the write phase (``FiniteLeft``: the chunks streamed
-    while written are searched here, the others while written or by ``check_now``); with
-    ``stats`` with the fingerprints of every tensor (on the coordinator; others get theirs
-    unchanged)."""
-    if check_finite:
-        streamed = [c for c in staged.chunks if c.source is not None and c.key not in device.keys]
-        staged = dataclasses.replace(staged, finite=FiniteLeft(
-            device.keys, device.found + non_finite(streamed)))
-    if not stats:
-        return staged
-    _, parts = comm.run_everywhere("save: measuring fingerprints",
-                                   lambda: chunk_partials(staged.chunks), lambda mine: mine,
+@dataclass(frozen=True)
+class HealthHook(SaveHook):
+    """The save's health checks as one hook of the pipeline (engine/hooks.py):
+    ``check_finite`` refuses NaN and infinity, ``stats`` records every tensor's fingerprint
+    (see the module doc for where each chunk is searched)."""
+
+    check_finite: bool = False
+    stats: bool = False
+
+    def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> DeviceCheck:
+        return check_on_device(state_dict, rank, self.check_finite)
+
+    def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
+                    tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> HealthNote:
+        """Collective: the chunks streamed while written are searched now, the others left to
+        the write phase; with ``stats`` the fingerprints are gathered on the coordinator."""
+        device = note if isinstance(note, DeviceCheck) else DeviceCheck()
+        out = HealthNote()
+        if self.check_finite:
+            streamed = [c for c in chunks if c.source is not None and c.key not in device.keys]
+            out = HealthNote(device.keys, device.found + non_finite(streamed), search=True)
+        if self.stats:
+            out = dataclasses.replace(out, stats=fingerprints(chunks, comm, tensors))
+        return out
+
+    def before_write(self, chunks: Sequence[ChunkData], comm: Comm, note: HealthNote, *,
+                     early: bool) -> HealthNote:
+        """Collective where ``early``: the search left to the write phase, done now, before any
+        byte is written, in one read-only pass (``non_finite``); ``NonFiniteError`` on every
+        rank where any rank found one."""
+        if not (early and note.search):
+            return note
+        agree_finite(comm, _unsearched(chunks, note), note.found)
+        return dataclasses.replace(note, found=(), search=False)
+
+    def block_tests(self, chunks: Sequence[ChunkData], note: HealthNote
+                    ) -> Sequence[BlockTest | None]:
+        if not note.search:
+            return [None] * len(chunks)
+        return [None if c.source is not None or c.key in note.skip else slice_test(c.data)
+                for c in chunks]
+
+    def during_write(self, untested: Sequence[ChunkData], note: HealthNote) -> HealthNote:
+        if not note.search:
+            return note
+        return dataclasses.replace(note, found=note.found + non_finite(_unsearched(untested, note)))
+
+    def after_write(self, suspect: Sequence[ChunkData], note: HealthNote) -> WriteOutcome:
+        if not note.search:
+            return WriteOutcome(note)
+        return WriteOutcome(note, note.found + suspects_counted(suspect))
+
+    def before_commit(self, index: Index, parts: Sequence[Any], note: HealthNote) -> Index:
+        if not note.stats:
+            return index
+        tensors = {k: dataclasses.replace(e, stats=note.stats[k]) if k in note.stats else e
+                   for k, e in index.tensors.items()}
+        return dataclasses.replace(index, tensors=tensors)
+
+    def refusal(self, found_by_rank: Sequence[tuple[Any, ...]]) -> NonFiniteError:
+        return non_finite_error(found_by_rank)
+
+
+def _unsearched(chunks: Iterable[ChunkData], note: HealthNote) -> list[ChunkData]:
+    """The host chunks of ``chunks`` the search for NaN and infinity has not covered."""
+    return [c for c in chunks if c.source is None and c.key not in note.skip]
+
+
+def fingerprints(chunks: Sequence[ChunkData], comm: Comm,
+                 tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None
+                 ) -> Mapping[str, TensorStats] | None:
+    """Collective: every tensor's fingerprint, combined on the coordinator (``tensors``:
+    (dtype, shape) of every tensor there); None on the other ranks."""
+    measure: Callable[[], list[Any]] = functools.partial(chunk_partials, chunks)
+    share: Callable[[list[Any]], list[Any]] = list  # the partials as they are
+    _, parts = comm.run_everywhere("save: measuring fingerprints", measure, share,
                                    to="coordinator")
-    if parts is None or staged.content is None:
-        return staged
-    content = staged.content
-    combined = combine_all((p for rank in parts for p in rank),
-                           {k: shape for k, (dtype, shape) in content.tensors.items()
-                            if not dtype.startswith("complex")})
-    return dataclasses.replace(staged, content=dataclasses.replace(content, stats=combined))
-
-
-def unchecked(staged: StagedSave) -> list[ChunkData]:
-    """The chunks of ``staged`` still to search for NaN and infinity (``FiniteLeft``)."""
-    left = staged.finite
-    if left is None:
-        return []
-    return [c for c in staged.chunks if c.source is None and c.key not in left.skip]
-
-
-def check_now(staged: StagedSave, comm: Comm) -> StagedSave:
-    """Collective: the search ``check_staged`` left to the write phase, done now, before any
-    byte is written, in one read-only pass (``non_finite``); ``staged`` without it, or
-    ``NonFiniteError`` on every rank."""
-    if staged.finite is None:
-        return staged
-    agree_finite(comm, unchecked(staged), staged.finite.found)
-    return dataclasses.replace(staged, finite=None)
+    if parts is None or tensors is None:
+        return None
+    return combine_all([p for rank in parts for p in rank],
+                       {k: shape for k, (dtype, shape) in tensors.items()
+                        if not dtype.startswith("complex")})
 
 
 def agree_finite(comm: Comm, chunks: Sequence[ChunkData | LocalShard], before: Found = ()) -> None:

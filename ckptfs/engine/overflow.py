@@ -26,9 +26,11 @@ import torch
 
 from ckptfs.engine.buffers import HostAllocator
 from ckptfs.engine.device_parts import CudaD2H, DeviceChunk, SlotPool
+from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.ring import pinned_slot_bytes
-from ckptfs.errors import StorageError
+from ckptfs.errors import ConfigError, StorageError
 from ckptfs.io.streamed import StreamedPart
+from ckptfs.layout.backend import Backend
 
 #: the ring takes at most this share of the bound (the rest holds staged copies)
 RING_SHARE = 4
@@ -152,3 +154,15 @@ class _Tracked(StreamedPart):
             self.crc = self.inner.crc
             self._done = True
             self.owner._finished()
+
+
+def bounded(options: SaveOptions, be: Backend, *, in_place: bool = False) -> Overflow | None:
+    """The overflow of a save under ``options.host_memory_limit`` (None: no bound;
+    ``in_place``: a synchronous save's, see ``Overflow``)."""
+    limit = options.host_memory_limit
+    if limit is None:
+        return None
+    if not be.streams_device_chunks:
+        raise ConfigError(f"host_memory_limit needs a backend that streams its chunks while "
+                          f"writing (safetensors_chunks); {be.name} does not")
+    return Overflow(limit, options.ring_bytes, options.ring_slots, in_place=in_place)

@@ -58,7 +58,6 @@ from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.nogc import catch_up, paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
-from ckptfs.layout.stats import TensorStats
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning import save_plan
 from ckptfs.planning.layouts import Description
@@ -108,17 +107,6 @@ class IndexContent:
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]
     order: tuple[str, ...] = ()  #: the index's ``order`` (formats/README.md §3.2)
     per_rank: tuple[str, ...] = ()  #: the PerRank keys of the checkpoint
-    #: ``stats=True``: every tensor's fingerprint (engine/health.py)
-    stats: Mapping[str, TensorStats] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class FiniteLeft:
-    """``check_finite`` left to the write phase (engine/health.py): the staged chunks without a
-    ``source`` whose key is not in ``skip`` are still to be searched for NaN and infinity."""
-
-    skip: frozenset[str] = frozenset()  #: keys already checked (on their device)
-    found: tuple[tuple[str, int, int], ...] = ()  #: (key, NaN count, infinity count) so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +128,8 @@ class StagedSave:
     replicas: tuple[tuple[str, Box, torch.Tensor], ...] = ()
     cached: bool = False  #: the plan came from the plan cache
     content: IndexContent | None = None  #: the coordinator's; None on the other ranks
-    finite: FiniteLeft | None = None  #: the search for NaN and infinity still to do (if any)
+    #: each hook's note (engine/hooks.py), in the order of the save's hooks
+    notes: tuple[Any, ...] = ()
 
     @property
     def nbytes(self) -> int:

@@ -9,29 +9,27 @@ a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading t
 ``throttle_uploads=K`` at most K ranks of a node write at once. A failure anywhere raises on
 every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
 checksums, replica checksums) are gathered on the coordinator only, which alone needs them for
-the index.
+the index. A hook of the save (engine/hooks.py) may test each block of a chunk before its
+crc32c (``block_tests``), search the chunks no test covers while the files are written
+(``during_write``) and refuse what it found (``after_write``): a refusal anywhere removes the
+files on every rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.checked_parts import CheckedPart, address, checked_files
-from ckptfs.engine.health import (
-    check_now,
-    non_finite,
-    non_finite_error,
-    slice_test,
-    suspects_counted,
-    unchecked,
-)
+from ckptfs.engine.hooks import BlockTest, SaveHook, WriteOutcome, overrides
 from ckptfs.engine.small_files import group_small
 from ckptfs.engine.stage import StagedSave, replica_sums
+from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
 from ckptfs.io.loop import submit
 from ckptfs.io.parts import materialized
@@ -39,7 +37,7 @@ from ckptfs.io.progress import ByteProgress
 from ckptfs.io.store import Store
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import gather_all
-from ckptfs.layout.backend import Backend, FileWrite, RankWriteJob
+from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import crc_of, crc_of_parts, memo, render
 from ckptfs.layout.index import ChunkEntry
@@ -65,8 +63,16 @@ class WrittenRank:
     sums: Mapping[str, str] = field(default_factory=dict)  #: path -> crc32c of the whole file
     #: (key, slice, checksum) of plain-tensor slices the rank holds and another rank wrote
     replica_sums: tuple[tuple[str, Box, str], ...] = ()
-    #: (key, NaN count, infinity count) of the chunks holding either (``check_finite``)
-    non_finite: tuple[tuple[str, int, int], ...] = ()
+    #: what each hook of the save refused in this rank's chunks (``SaveHook.after_write``)
+    found: tuple[tuple[Any, ...], ...] = ()
+    #: each hook's part of the index (``WriteOutcome.part``), for its ``before_commit``
+    parts: tuple[Any, ...] = ()
+    notes: tuple[Any, ...] = ()  #: each hook's note after the write (``WriteOutcome.note``)
+
+    @property
+    def refused(self) -> bool:
+        """Whether a hook refused something this rank wrote."""
+        return any(self.found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +92,12 @@ class Written:
 
 
 def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_id: str, *,
-          progress: bool = False, throttle_uploads: int | None = None) -> Written:
-    """Write the layout files (coordinator), then every rank's data files (collective). A
-    search for NaN and infinity left to this phase (``StagedSave.finite``) is done while the
-    files are written, or, for a store that does not write streamed parts in place (remote
-    uploads), before anything is written (engine/health.py's ``check_now``); a refused save
-    removes what it wrote and raises ``NonFiniteError`` on every rank."""
+          progress: bool = False, throttle_uploads: int | None = None,
+          hooks: Sequence[SaveHook] = ()) -> Written:
+    """Write the layout files (coordinator), then every rank's data files (collective), with
+    the write-phase calls of ``hooks`` (engine/hooks.py: block tests, the search while the
+    files are written); a save a hook refuses removes what it wrote and raises the hook's
+    ``refusal`` on every rank."""
     prep: list[FileWrite] = []
 
     def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
@@ -99,32 +105,33 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
             prep.extend(backend.prepare(staged.plans))
         run_sync(write_files(store, prep, False))
 
-    if not store.streams_in_place:
-        staged = check_now(staged, comm)
     comm.run_on_coordinator("save: preparing the layout", prepare)
     what = "save: writing data"
     err: BaseException | None = None
     mine: WrittenRank | None = None
     try:
         mine = run_throttled(throttle_uploads, comm, lambda: write_rank(
-            staged, backend, store, save_id, progress and comm.is_coordinator))
+            staged, backend, store, save_id, progress and comm.is_coordinator, hooks))
     except Exception as e:
         err = e
-    clean = not (mine and mine.non_finite)
+    clean = not (mine and mine.refused)
     if not comm.settle(what, err, all_true={"finite": clean})["finite"]:
         assert mine is not None
-        refuse(mine, [f.path for f in prep], store, comm)
+        refuse(mine, [f.path for f in prep], store, comm, hooks)
     assert mine is not None
-    ranks = comm.gather(mine, what, entries=True)
+    # the hooks' notes stay on the rank (the coordinator's own serve its ``before_commit``)
+    ranks = comm.gather(dataclasses.replace(mine, notes=()) if mine.notes else mine, what,
+                        entries=True)
     return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
                    file_sums(prep))
 
 
-def refuse(mine: WrittenRank, prepared: Sequence[str], store: Store, comm: Comm) -> NoReturn:
-    """Collective, once a rank found NaN or infinity while writing: every rank removes the
-    files it wrote (the coordinator the layout files too; best effort: nothing was committed),
-    then raises the same ``NonFiniteError``."""
-    found = comm.all_gather(mine.non_finite, "save: gathering NaN and infinity counts")
+def refuse(mine: WrittenRank, prepared: Sequence[str], store: Store, comm: Comm,
+           hooks: Sequence[SaveHook]) -> NoReturn:
+    """Collective, once a hook refused what a rank wrote (NaN or infinity): every rank removes
+    the files it wrote (the coordinator the layout files too; best effort: nothing was
+    committed), then raises the same error, the first refusing hook's ``refusal``."""
+    found = comm.all_gather(mine.found, "save: gathering NaN and infinity counts")
     paths = sorted({*mine.files, *prepared})
 
     def remove() -> None:
@@ -132,7 +139,8 @@ def refuse(mine: WrittenRank, prepared: Sequence[str], store: Store, comm: Comm)
             run_sync(store.delete(paths))
 
     comm.run_everywhere("save: removing the files of a save holding NaN or infinity", remove)
-    raise non_finite_error(found)
+    i = next(i for i in range(len(hooks)) if any(rank[i] for rank in found))
+    raise hooks[i].refusal([rank[i] for rank in found])
 
 
 def file_sums(files: Sequence[FileWrite],
@@ -143,22 +151,25 @@ def file_sums(files: Sequence[FileWrite],
 
 @paused_gc()  # many small acyclic objects (layout/nogc.py)
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
-               progress: bool) -> WrittenRank:
+               progress: bool, hooks: Sequence[SaveHook] = ()) -> WrittenRank:
     """This rank's files; checksums are computed here while the I/O threads write, or, for a
     store that writes streamed parts in place, by its writer threads slice by slice as they
-    write each chunk (engine/checked_parts.py), as is the search for NaN and infinity left to
-    the write (``StagedSave.finite``: the chunks not searched so are searched here)."""
+    write each chunk (engine/checked_parts.py), with the block tests of ``hooks`` (the search
+    for NaN and infinity); the chunks no block test runs on go to the hooks' ``during_write``
+    meanwhile."""
+    notes = staged.notes or (None,) * len(hooks)
     keys = {c.key for c in staged.chunks}
+    _no_references(staged.chunks, hooks, notes)
     job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
                        _Some(staged.plans, keys))
     rw = backend.write_rank(job)
     views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
-    search = {id(c) for c in unchecked(staged)}
     files = rw.files
     checked: dict[tuple[int, int], CheckedPart] = {}
     if store.streams_in_place:  # not a store that would copy the views (remote uploads)
-        tests = {address(data): test for c, data in views
-                 if id(c) in search and (test := slice_test(c.data)) is not None}
+        tests = {address(data): test for (_, data), test
+                 in zip(views, _block_tests(hooks, notes, [c for c, _ in views]), strict=True)
+                 if test is not None}
         files, checked = checked_files(rw.files, (data for _, data in views), tests)
     writing = submit(write_files(store, files, progress))
     # each view's part checksummed as it is written (None: checksummed here)
@@ -167,8 +178,10 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
         crcs = [(c, data, crc_of(data, yielding=True))
                 for (c, data), part in zip(views, parts, strict=True) if part is None]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
-        found = non_finite([c for (c, _), part in zip(views, parts, strict=True)
-                            if id(c) in search and (part is None or not part.tested)])
+        if hooks:
+            untested = [c for (c, _), part in zip(views, parts, strict=True)
+                        if part is None or not part.tested]
+            notes = tuple(h.during_write(untested, n) for h, n in zip(hooks, notes, strict=True))
     finally:
         try:
             writing.result()
@@ -177,9 +190,8 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                 part.finish()
     crcs += [(c, data, _streamed_crc(part))
              for (c, data), part in zip(views, parts, strict=True) if part is not None]
-    if staged.finite is not None:
-        found = staged.finite.found + found + suspects_counted(
-            c for (c, _), part in zip(views, parts, strict=True) if part and part.suspect)
+    suspect = [c for (c, _), part in zip(views, parts, strict=True) if part and part.suspect]
+    outcomes = [h.after_write(suspect, n) for h, n in zip(hooks, notes, strict=True)]
     sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
     sums.update(((c.key, c.box.offsets, c.box.shape), render(_streamed_crc(c.source)))
                 for c in staged.chunks if c.source is not None)
@@ -189,7 +201,47 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks)
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
-                       {p: crc for p, (_, crc) in whole.items()}, replicas, found)
+                       {p: crc for p, (_, crc) in whole.items()}, replicas,
+                       *_outcomes(outcomes))
+
+
+def _outcomes(outcomes: Sequence[WriteOutcome]
+              ) -> tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...], tuple[Any, ...]]:
+    """(found, parts, notes) of the hooks' ``after_write`` outcomes, by hook."""
+    return (tuple(o.found for o in outcomes), tuple(o.part for o in outcomes),
+            tuple(o.note for o in outcomes))
+
+
+def _block_tests(hooks: Sequence[SaveHook], notes: Sequence[Any], chunks: Sequence[ChunkData]
+                 ) -> list[BlockTest | None]:
+    """Each chunk's block test: the hooks' tests of it as one (None: no hook tests it)."""
+    per_hook = [h.block_tests(chunks, n) for h, n in zip(hooks, notes, strict=True)
+                if overrides(h, "block_tests")]
+    if not per_hook:
+        return [None] * len(chunks)
+    if len(per_hook) == 1:
+        return list(per_hook[0])
+    return [_any_of([t for t in ts if t is not None]) for ts in zip(*per_hook, strict=True)]
+
+
+def _any_of(tests: list[BlockTest]) -> BlockTest | None:
+    if len(tests) < 2:
+        return tests[0] if tests else None
+    return lambda block: any(t(block) for t in tests)
+
+
+def _no_references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook],
+                   notes: Sequence[Any]) -> None:
+    """Ask the hooks that may record a chunk as a reference (``SaveHook.chunk_reference``):
+    the format records no reference yet, so a hook that names one is refused."""
+    for h, n in zip(hooks, notes, strict=True):
+        if not overrides(h, "chunk_reference"):
+            continue
+        for c in chunks:
+            if h.chunk_reference(c, n) is not None:
+                raise ConfigError(f"key {c.key!r}: {type(h).__name__} records chunk "
+                                  f"{c.box.offsets} as a reference to another checkpoint, which "
+                                  f"this format version does not record")
 
 
 def _streamed_crc(part: StreamedPart | None) -> int:

@@ -2,9 +2,10 @@
 
 The training process stages as the thread writer does (``BackgroundSaver.start``), but into
 shared memory (engine/shm.py: ``/dev/shm`` files it owns). Once staged, the save's finishing
-work (claiming the target, writing the files, checksums, building and committing the index:
-everything ``finish`` does) runs in one persistent writer process per saver, started with the
-multiprocessing *spawn* context on first use and reused by later saves. The writer maps the
+work (claiming the target, writing the files, checksums, building and committing the index)
+runs in one persistent writer process per saver, started on first use and reused by later
+saves: it receives the save's ``SaveRequest`` (a value) and runs the pipeline's named entry
+point, ``engine.pipeline.finish_staged``; it imports nothing above the engine. The writer maps the
 staging files once and reads the staged chunks in place.
 
 Cross-rank agreement stays in the training process: the writer's ``Comm`` (``RemoteComm``)
@@ -44,10 +45,11 @@ import torch
 from ckptfs.dist import BACKGROUND, Comm
 from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
-from ckptfs.engine.background import BackgroundSaver, Finish, T, bounded
+from ckptfs.engine.background import BackgroundSaver
 from ckptfs.engine.buffers import BufferAllocator, BufferPool, PinnedAllocator
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.overflow import Overflow
+from ckptfs.engine.overflow import Overflow, bounded
+from ckptfs.engine.pipeline import SaveRequest, SaveResult, finish_staged
 from ckptfs.engine.ring import Completion
 from ckptfs.engine.shared_ring import FedPart, FedRef, SharedOverflow, WriterRing
 from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
@@ -58,6 +60,29 @@ from ckptfs.io.loop import get_loop
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import DType
+
+#: the writer process's program: the package root's own module is made bare, its names (the
+#: public API above the engine) loaded only if something asks for one, so the writer imports
+#: the engine and what it needs, never the API; then ``main`` (argv: the package folder, the
+#: socket's fd, the parent's pid)
+BOOT = """
+import importlib, os, sys, types
+folder = sys.argv[1]
+init = os.path.join(folder, "__init__.py")
+package = types.ModuleType("ckptfs")
+package.__path__, package.__file__ = [folder], init
+def root_name(name):
+    if os.path.exists(os.path.join(folder, name + ".py")) or os.path.isdir(os.path.join(folder, name)):
+        return importlib.import_module("ckptfs." + name)
+    del package.__getattr__
+    with open(init) as f:
+        exec(compile(f.read(), init, "exec"), package.__dict__)
+    return getattr(package, name)
+package.__getattr__ = root_name
+sys.modules["ckptfs"] = package
+from ckptfs.engine.writer_process import main
+main(sys.argv[2:])
+"""
 
 #: seconds between checks that the other side is still alive
 POLL = 0.2
@@ -196,10 +221,10 @@ class _Writer:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        code = "import sys; from ckptfs.engine.writer_process import main; main(sys.argv[1:])"
+        package = os.path.join(root, "ckptfs")
         with theirs:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-c", BOOT, package, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         self.conn = Connection(ours.detach())
 
@@ -252,17 +277,27 @@ class ProcessSaver(BackgroundSaver):
         self._table: _SentTable | None = None  #: the chunk table the writer holds
         self._tables = itertools.count(1)
 
+    def writer_modules(self) -> list[str]:
+        """The package's modules the writer process has imported (its first save started it;
+        call between saves)."""
+        with self._lock:
+            self._wait_current()
+            writer = self._writer_ready()
+            writer.conn.send(("modules",))
+            return list(writer.recv()[1])
+
     @property
     def writer_pid(self) -> int | None:
         """The writer process's pid (None before the first save and after ``close``)."""
         w = self._writer
         return w.proc.pid if w is not None and w.alive else None
 
-    def start(self, state_dict: Any, url: str, be: Any, finish: Finish[T], *,
-              process_group: Any, options: SaveOptions, check_finite: bool = False,
-              stats: bool = False) -> tuple[Future[None], Future[T]]:
+    def start(self, state_dict: Any, request: SaveRequest, *, process_group: Any,
+              before: Callable[[Comm], None] | None = None,
+              after: Callable[[SaveResult, Comm], SaveResult] | None = None
+              ) -> tuple[Future[None], Future[SaveResult]]:
         try:  # refused here, on every rank alike, rather than in the background
-            pickle.dumps(finish, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             raise ConfigError(f"writer='process': the save's settings cannot be sent to the "
                               f"writer process ({type(e).__name__}: {e})") from e
@@ -272,8 +307,8 @@ class ProcessSaver(BackgroundSaver):
                 self._writer_ready()
             except WriterError:
                 pass  # the save tries again once staged, and fails there
-        return super().start(state_dict, url, be, finish, process_group=process_group,
-                             options=options, check_finite=check_finite, stats=stats)
+        return super().start(state_dict, request, process_group=process_group, before=before,
+                             after=after)
 
     def staging_pool(self, inner: BufferAllocator | None = None) -> BufferPool:
         """Always shared memory; page-locked (``cudaHostRegister``) once a save stages a
@@ -301,15 +336,16 @@ class ProcessSaver(BackgroundSaver):
             ring = self._ring = [self._arena.allocate(size) for _ in range(count)]
         return ring
 
-    def finish(self, finish: Finish[T], staged: StagedSave, comm: Comm,
-               give_back: Callable[[], None]) -> T:
-        """Run ``finish`` in the writer; serve its collectives and buffer returns meanwhile."""
+    def finish(self, request: SaveRequest, staged: StagedSave, comm: Comm,
+               give_back: Callable[[], None]) -> SaveResult:
+        """Run the pipeline's ``finish_staged`` of ``request`` in the writer; serve its
+        collectives and buffer returns meanwhile."""
         writer = self._writer_ready()
         staged, token = self._known_plans(staged, writer)
         rest, tables = self._chunk_table(staged, writer, token)
         buf = io.BytesIO()
         try:
-            _Pickler(buf, self._arena).dump((finish, rest, tables))
+            _Pickler(buf, self._arena).dump((request, rest, tables))
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             self._table = None  # never sent
             raise ConfigError(f"writer='process': the save cannot be sent to the writer "
@@ -647,6 +683,9 @@ def serve(conn: Connection, parent: int) -> None:
             return
         if msg[0] == "reply":  # late: its request's job has ended
             continue
+        if msg[0] == "modules":  # which of the package's modules this process imported
+            mail.send(("modules", sorted(m for m in sys.modules if m.split(".")[0] == "ckptfs")))
+            continue
         _, payload, (rank, size, timeout, members, live, token, nice, ring) = msg
         maps.forget(live)
         lower_priority(nice)
@@ -663,12 +702,12 @@ def _run_job(mail: Mailbox, maps: Mappings, payload: bytes, comm: RemoteComm,
              ring: list[tuple[str, int, int]]) -> None:
     kept, built = memo
     try:
-        finish, rest, (table_token, table) = _Unpickler(io.BytesIO(payload), maps).load()
+        request, rest, (table_token, table) = _Unpickler(io.BytesIO(payload), maps).load()
         shared = WriterRing([maps.flat(r) for r in ring],
                             lambda *a: mail.completion(mail.ask("copy", *a))) if ring else None
         staged = _with_plans(_with_chunks(rest, table_token, table, maps, shared, built), kept,
                              token)
-        result = finish(staged, comm, lambda: mail.send(("give_back",)))
+        result = finish_staged(request, staged, comm, lambda: mail.send(("give_back",)))
         del staged
         mail.send(("done", result))
     except (EOFError, OSError) as e:

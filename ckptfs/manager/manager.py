@@ -3,9 +3,12 @@ retention, a ``latest_step`` that only names committed checkpoints, an optional 
 written first and persisted in the background, preemption saves agreed across ranks, and a
 restore that reshards like ``load`` and reads intact local copies first.
 
-A save is ``async_save``'s composition (stage -> write -> commit on the background group, one
-save in flight per process) with two more steps in the same background job: the local tier
-(manager/tier.py) and, once the step is committed, retention (manager/steps.py).
+A save is the engine's save pipeline (engine/pipeline.py, as ``async_save`` runs it: stage ->
+claim -> write -> commit on the background group, one save in flight per process) with a
+``SaveRequest`` of the step's folder (written through the local tier where there is one), then,
+in the same background job, once the step is committed, retention (manager/steps.py); a local
+step's request writes the node's tier and its copies go to other nodes after
+(manager/replicas.py).
 """
 
 from __future__ import annotations
@@ -25,28 +28,30 @@ from typing import Any
 from ckptfs.async_save import AsyncSave
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.commit import Claim, claimed, replace_target
+from ckptfs.engine.commit import claimed
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
 from ckptfs.engine.options import LoadOptions, SaveOptions
-from ckptfs.engine.stage import StagedSave
+from ckptfs.engine.pipeline import SaveRequest, clear_dead, local_options
 from ckptfs.engine.writer_process import new_saver
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError, ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
-from ckptfs.layout.index import LOCK_FILE, Index
+from ckptfs.layout.index import Index
 from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.health import LAST_GOOD, Health, last_good
+from ckptfs.manager.peers import Nodes
 from ckptfs.manager.peers import failure_domain as failure_domain_of
 from ckptfs.manager.preemption import Preemption, PreemptionPolicy
 from ckptfs.manager.promote import promote
 from ckptfs.manager.recover import Choice, choose, restore_local
-from ckptfs.manager.replicas import drop_local, read_record, save_local
+from ckptfs.manager.replicas import clear_local, drop_local, read_record, share_local
 from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
-from ckptfs.manager.tier import RestoreResult, restore_tiered, save_tiered
+from ckptfs.manager.tier import RestoreResult, restore_tiered
 from ckptfs.options import resolve_save
-from ckptfs.save import SaveResult, make_backend, write_and_commit
+from ckptfs.save import SaveResult, health_hooks, make_backend
 
 log = logging.getLogger(__name__)
 
@@ -288,15 +293,19 @@ class CheckpointManager:
         preempt = self._preempt_step is not None and step == self._preempt_step
         restorable: Future[SaveResult] = Future()
         local_step = self.is_local_step(step)
-        if preempt and self.local_interval_steps is not None:  # the fastest restorable tier
-            finish = functools.partial(_finish_preempt_step, self, step, name, started, restorable)
-        elif local_step:
-            finish = functools.partial(_finish_local_step, self, step, started)
+        if (preempt and self.local_interval_steps is not None) or local_step:
+            # a local step (the preemption's: the fastest restorable tier)
+            request, nodes = self._local_request(step, started), _Box()
+            before = functools.partial(_before_local, self, step, nodes)
+            after: Callable[[SaveResult, Comm], SaveResult] = (
+                functools.partial(_after_preempt_step, self, step, name, started, nodes,
+                                  restorable)
+                if not local_step else functools.partial(_after_local, self, step, nodes))
         else:
-            finish = functools.partial(_finish_step, self, name, local, force, started)
-        staged, done = self.saver.start(state_dict, url, self._backend, finish,
-                                        process_group=self.process_group, options=self.save_options,
-                                        **self.health.flags)
+            request, before = self._request(name, local, force, started), None
+            after = self._retained
+        staged, done = self.saver.start(state_dict, request, process_group=self.process_group,
+                                        before=before, after=after)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
         handle = AsyncSave(local if local_step and local else url, staged, done)
         self._last = handle
@@ -306,37 +315,32 @@ class CheckpointManager:
             self._preempted()
         return handle
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a writer process needs to finish a step's save (``writer="process"``): the
-        manager's settings, without its saver, group, open store or preemption handler."""
-        state = dict(self.__dict__)
-        for name in ("saver", "_preemption", "process_group", "_last", "_store", "_store_lock",
-                     "last_restore"):
-            state[name] = None
-        return state
+    def _request(self, name: str, local: str | None, force: bool,
+                 started: float) -> SaveRequest:
+        """The pipeline's request of a step's save at the URL: its folder claimed, a dead
+        save's files cleared, written through the local tier if any, committed."""
+        opts = self.save_options
+        return SaveRequest(self.url, self._backend, self.storage_options, self.store_options,
+                           opts, force, self.progress and local is None, self._hooks(),
+                           folder=name, clear_dead=True, local_root=local,
+                           nice=opts.background_nice, started=started, opener=self._root)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._store_lock = threading.Lock()
+    def _local_request(self, step: int, started: float) -> SaveRequest:
+        """The pipeline's request of a local step's save into this node's tier (no lock: the
+        folder is this save's, emptied first by ``_before_local``)."""
+        assert self.local_dir is not None
+        root = os.path.join(self.local_dir, step_dir(step))
+        return SaveRequest(root, self._backend, None, local_options(self.store_options),
+                           self.save_options, hooks=self._hooks(), claim=False,
+                           started=started)
 
-    def _write_step(self, staged: StagedSave, comm: Comm, name: str, local: str | None, *,
-                    force: bool, started: float, give_back: Callable[[], None]) -> SaveResult:
-        """Phases 2 and 3 of a step's save (collective over ``comm``): claim the step folder,
-        clear a dead attempt's files, write (through the local tier if any) and commit."""
-        be, url = self._backend, self._url(name)
-        store = self._open_agreed(comm, f"save: opening {self.url}")
-        target = PrefixedStore(store, name)
-        with claimed(target, comm, force, be, keep_index=True) as claim:
-            comm.run_on_coordinator(f"save: clearing a dead save's files at {url}",
-                        lambda: run_sync(_clear_dead(target, claim)))
-            staged = replace_target(staged, target, comm, claim)
-            if local is None:
-                return write_and_commit(staged, be, target, url, comm, claim, progress=self.progress,
-                                        throttle_uploads=self.save_options.throttle_uploads,
-                                        started=started)
-            return save_tiered(staged, be, target, url, local, comm, claim,
-                               store_options=self.store_options, started=started,
-                               release=give_back)
+    def _hooks(self) -> tuple[SaveHook, ...]:
+        return health_hooks(self.health.check_finite, self.health.stats)
+
+    def _retained(self, result: SaveResult, comm: Comm) -> SaveResult:
+        """After a step's commit: retention (``_retain``)."""
+        self._retain(comm)
+        return result
 
     def save_sync(self, step: int, state_dict: Mapping[str, Any], *,
                   force: bool = False) -> SaveResult:
@@ -529,37 +533,35 @@ def _saving(store: Store) -> bool:
     return held is None or (held is not False and not held.stale())
 
 
-async def _clear_dead(store: Store, claim: Claim) -> None:
-    """Under this save's lock (coordinator): files in a step folder without an index are a
-    killed save's (whose stale lock ``claimed`` took over): remove them, never the lock. A
-    committed step being replaced (``force``) or a checkpoint another tool wrote there (a
-    backend recognises it; ``claim_target`` refused it without ``force``) is not touched:
-    ``commit`` removes what the replaced one leaves once the new one is committed."""
-    if claim.replacing:
-        return
-    leftovers = [f for f in await store.list() if f != LOCK_FILE]
-    if leftovers:
-        await store.delete(leftovers)
+class _Box:
+    """The nodes of a local step's save, from ``_before_local`` to its ``after``."""
+
+    nodes: Nodes | None = None
 
 
-def _finish_local_step(manager: CheckpointManager, step: int, started: float,
-                       staged: StagedSave, comm: Comm, give_back: Callable[[], None]) -> SaveResult:
-    """A local step's save: this node's tier, then its copies to other nodes."""
+def _before_local(manager: CheckpointManager, step: int, box: _Box, comm: Comm) -> None:
+    """Before a local step's write: this node's tier cleared of step ``step`` and later."""
     assert manager.local_dir is not None
-    return save_local(staged, manager._backend, manager.local_dir, step, comm,
-                      replicas=manager.replicas, keep_local=manager.keep_local,
-                      store_options=manager.store_options, started=started, release=give_back,
-                      domain=manager.failure_domain)
+    box.nodes = clear_local(comm, manager.local_dir, step, manager.failure_domain)
 
 
-def _finish_preempt_step(manager: CheckpointManager, step: int, name: str, started: float,
-                         restorable: Future[SaveResult], staged: StagedSave, comm: Comm,
-                         give_back: Callable[[], None]) -> SaveResult:
+def _after_local(manager: CheckpointManager, step: int, box: _Box, result: SaveResult,
+                 comm: Comm) -> SaveResult:
+    """After a local step's commit: the node's record, its copies to other nodes."""
+    assert manager.local_dir is not None and box.nodes is not None
+    share_local(comm, box.nodes, manager.local_dir, step, replicas=manager.replicas,
+                keep_local=manager.keep_local)
+    return result
+
+
+def _after_preempt_step(manager: CheckpointManager, step: int, name: str, started: float,
+                        box: _Box, restorable: Future[SaveResult], result: SaveResult,
+                        comm: Comm) -> SaveResult:
     """The preemption save with local steps: a local step (``restorable`` resolves once it is
     held by this node and copied to others), then, with ``PreemptionPolicy.persist``, the same
     files committed at the URL (manager/promote.py) and retention."""
     try:
-        result = _finish_local_step(manager, step, started, staged, comm, give_back)
+        result = _after_local(manager, step, box, result, comm)
     except BaseException as e:
         restorable.set_exception(e)
         raise
@@ -571,19 +573,8 @@ def _finish_preempt_step(manager: CheckpointManager, step: int, name: str, start
     target = PrefixedStore(manager._open_agreed(comm, f"save: opening {manager.url}"), name)
     with claimed(target, comm, False, manager._backend) as claim:
         comm.run_on_coordinator(f"save: clearing a dead save's files at {manager._url(name)}",
-                                lambda: run_sync(_clear_dead(target, claim)))
+                                lambda: run_sync(clear_dead(target, claim)))
         total = promote(root, target, result.files, comm, store_options=manager.store_options)
     manager._retain(comm)
     return replace(result, url=manager._url(name), total_bytes=total,
                    seconds=time.perf_counter() - started)
-
-
-def _finish_step(manager: CheckpointManager, name: str, local: str | None, force: bool,
-                 started: float, staged: StagedSave, comm: Comm,
-                 give_back: Callable[[], None]) -> SaveResult:
-    """Phases 2 and 3 of a step's save, then retention (a function of values: it may run in a
-    writer process, on a copy of the manager)."""
-    result = manager._write_step(staged, comm, name, local, force=force, started=started,
-                                 give_back=give_back)
-    manager._retain(comm)
-    return result

@@ -11,36 +11,27 @@ Layout of a local tier (``local_dir``, one per node, shared by the node's ranks)
   here, with the index and a record naming the files that arrived intact.
 
 A record is written last (write and rename), so a folder without one is an unfinished copy.
-Save (collective over the background group, after ``stage``): the node's leader removes its
-local steps at or after N (a timeline the run left by restoring an older step) -> every rank
-``write``s into ``step-<N>/`` -> the coordinator commits the index there and every node stores
-a copy of it -> each leader records its node's files -> the leaders copy them to other nodes,
-other failure domains first (manager/peers.py) -> each leader keeps its newest ``keep_local``
-local steps (its own and each origin's copies).
+Save (collective over the background group; the save pipeline, engine/pipeline.py, with
+``SaveRequest(claim=False)``): the node's leader removes its local steps at or after N
+(``clear_local``: a timeline the run left by restoring an older step) -> every rank writes
+into ``step-<N>/`` and the coordinator commits the index there (the pipeline) -> every node
+stores a copy of the index (``share_local``) -> each leader records its node's files -> the
+leaders copy them to other nodes, other failure domains first (manager/peers.py) -> each
+leader keeps its newest ``keep_local`` local steps (its own and each origin's copies).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import time
 from collections.abc import Callable
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import commit
-from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import write
-from ckptfs.io import StoreOptions
-from ckptfs.io.local_store import LocalStore
-from ckptfs.layout.backend import Backend
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.manager.peers import Nodes, nodes_of, recv_record, safe_name, send_record
 from ckptfs.manager.steps import parse_step, step_dir
-from ckptfs.manager.tier import local_options
-from ckptfs.save import SaveResult
 
 TIER_FILE = "ckptfs.tier.json"  #: a local copy's record
 PEERS_DIR = "peers"  #: copies other nodes sent here, by origin node
@@ -97,20 +88,23 @@ def own_files(folder: str, index: Index) -> dict[str, list]:
     return out
 
 
-def save_local(staged: StagedSave, be: Backend, local_dir: str, step: int, comm: Comm, *,
-               replicas: int, keep_local: int, store_options: StoreOptions | None,
-               started: float, release: Callable[[], None], domain: str = "") -> SaveResult:
-    """Save ``staged`` as local step ``step`` (collective over ``comm``; see the module doc;
-    ``domain``: this rank's failure domain, manager/peers.py)."""
+def clear_local(comm: Comm, local_dir: str, step: int, domain: str = "") -> Nodes:
+    """Collective, before a local step's write: each node's leader removes its local steps at
+    or after ``step``; returns the nodes (``domain``: this rank's failure domain,
+    manager/peers.py)."""
     root = os.path.join(local_dir, step_dir(step))
     nodes = nodes_of(comm, domain)
-    save_id = comm.run_on_coordinator("local save: naming the save", lambda: secrets.token_hex(6))
     comm.run_everywhere(f"local save: clearing {root}",
                         lambda: _clear(local_dir, root, step) if nodes.leader else None)
-    local = LocalStore(root, local_options(store_options))
-    written = write(staged, be, local, comm, save_id)
-    release()
-    total = commit(staged, written, be, local, comm, replacing=False)
+    return nodes
+
+
+def share_local(comm: Comm, nodes: Nodes, local_dir: str, step: int, *, replicas: int,
+                keep_local: int) -> None:
+    """Collective, once a local step is committed in ``local_dir`` (the save pipeline,
+    engine/pipeline.py): every node stores the index, its leader records the node's files and
+    copies them to ``replicas`` other nodes, then keeps its newest ``keep_local`` steps."""
+    root = os.path.join(local_dir, step_dir(step))
 
     def index_bytes() -> bytes:
         with open(os.path.join(root, INDEX_FILE), "rb") as f:
@@ -123,9 +117,6 @@ def save_local(staged: StagedSave, be: Backend, local_dir: str, step: int, comm:
                         lambda: replicate(comm, nodes, local_dir, record, replicas))
     if nodes.leader:
         keep_newest(local_dir, keep_local)
-    files = written.mine.files
-    return SaveResult(root, be.name, be.version, sum(files.values()), total, tuple(files),
-                      time.perf_counter() - started, staged.cached, comm.stats.snapshot())
 
 
 def _clear(local_dir: str, root: str, step: int) -> None:

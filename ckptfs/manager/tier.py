@@ -2,12 +2,12 @@
 a restore reads each file from its local copy when that holds what the committed index says,
 from the URL otherwise.
 
-Save (collective over the background group, after ``stage``; the URL's store is open on every
-rank and the step is claimed there, ``engine.commit.claimed``): the step's local folder is
-emptied (a killed attempt's files) -> ``write`` into the local tier (fsync off: a restore checks
-every chunk it reads there against the committed index anyway) -> the staging buffers go back
-to the pool -> every rank copies its files to the URL (``io/copy.py``: mapped, no heap copy) ->
-``commit`` the index at the URL. Only then does the step exist.
+Save: the save pipeline's write phase through the local tier (engine/pipeline.py,
+``SaveRequest.local_root``): the step claimed at the URL, its local folder emptied (a killed
+attempt's files), the files written there (fsync off: a restore checks every chunk it reads
+there against the committed index anyway), the staging buffers given back, every rank's files
+copied to the URL (``io/copy.py``: mapped, no heap copy), the index committed at the URL. Only
+then does the step exist.
 
 Restore (collective over the caller's group): the coordinator reads the committed index from
 the URL; each rank routes to the local tier the files its reads touch whose local copy has the
@@ -22,33 +22,27 @@ failure is raised when no local copy is at fault).
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import Claim, commit
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.intact import intact_files, usable_files
 from ckptfs.engine.options import LoadOptions
+from ckptfs.engine.pipeline import local_options
 from ckptfs.engine.read import TensorRead
-from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.targets import plan_targets
-from ckptfs.engine.write import write
 from ckptfs.errors import CollectiveError, MissingKeysError
 from ckptfs.io import Store, StoreOptions, run_sync
-from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.progress import ByteProgress
 from ckptfs.io.progress_store import ProgressStore
 from ckptfs.io.routed import RoutedStore
-from ckptfs.layout.backend import Backend
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.load import LoadResult, fill
-from ckptfs.save import SaveResult
 
 
 @dataclass(frozen=True)
@@ -70,35 +64,6 @@ class RestoreResult:
     fetched_bytes: int = 0  #: bytes this rank's node received from other nodes (its leader)
     source: str = "persistent"  #: "local" (a local step) or "persistent" (a step at the URL)
     reason: str = ""  #: why this step was chosen, and why newer local steps were passed
-
-
-def local_options(store_options: StoreOptions | None) -> StoreOptions:
-    """The local tier's store options: the caller's, without fsync (see the module doc)."""
-    return replace(store_options or StoreOptions(), fsync=False)
-
-
-def save_tiered(staged: StagedSave, be: Backend, remote: Store, url: str, local_root: str,
-                comm: Comm, claim: Claim, *, store_options: StoreOptions | None, started: float,
-                release: Callable[[], None]) -> SaveResult:
-    """Phases 2 and 3 of a save through the local tier into ``remote`` (open on every rank,
-    claimed: the caller holds the lock, ``claimed``; collective over ``comm``); ``release()``
-    gives the staging buffers back once the local files are written."""
-    local = LocalStore(local_root, local_options(store_options))
-    # the step is ours to write: a killed attempt's local files (other names) go first, on
-    # every rank before any rank writes (a refused save never gets here)
-    comm.run_everywhere(f"save: clearing {local_root}",
-               lambda: shutil.rmtree(local_root, ignore_errors=True))
-    written = write(staged, be, local, comm, claim.save_id)
-    release()
-    mine = sorted(written.mine.files)
-    if comm.is_coordinator:
-        mine = sorted({*mine, *written.prepared})
-    comm.run_everywhere(f"save: persisting the local tier to {url}",
-               lambda: run_sync(copy_files(local, remote, mine)))
-    total = commit(staged, written, be, remote, comm, replacing=claim.replacing)
-    files = written.mine.files
-    return SaveResult(url, be.name, be.version, sum(files.values()), total, tuple(files),
-                      time.perf_counter() - started, staged.cached, comm.stats.snapshot())
 
 
 def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: str,

@@ -14,15 +14,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import Claim, build_index, claimed, commit_index
+from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.stage import IndexContent, StagedSave
-from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files, write_rank
+from ckptfs.engine.hooks import SaveHook
+from ckptfs.engine.pipeline import commit_written, prepare_layout, write_chunks
+from ckptfs.engine.stage import IndexContent
+from ckptfs.engine.write import Written, WrittenRank
 from ckptfs.errors import UsageError
 from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store
@@ -111,31 +113,22 @@ def _convert(source: Source, be: Backend, store: Store, overwrite: bool, buffer_
 def _write_and_commit(source: Source, be: Backend, store: Store, plans: dict[str, TensorPlan],
                       claim: Claim, buffer_bytes: int, verify: bool, progress: bool) -> Index:
     index = source.index
-    save_id = claim.save_id
-    prepared: list[str] = []
+    prepared: tuple[str, ...] = ()
     prepared_sums: dict[str, tuple[int, str]] = {}
-    ranks = []
+    ranks: list[WrittenRank] = []
     regions = [Region(index.tensors[k], c.box) for k, p in plans.items() for c in p.chunks]
     bar = progress_bar(sum(r.nbytes for r in regions), f"ckptfs convert {source.url}", progress)
     try:
-        prep = be.prepare(plans)
-        prepared += [f.path for f in prep]
-        run_sync(write_files(store, prep, False))
-        prepared_sums.update(file_sums(prep))
+        prepared, prepared_sums = prepare_layout(plans, be, store)
         for batch_no, batch in enumerate(batches(regions, buffer_bytes)):
-            ranks.append(_write_batch(source, be, store, plans, batch_no, batch, save_id,
+            ranks.append(_write_batch(source, be, store, plans, batch_no, batch, claim.save_id,
                                       buffer_bytes, verify))
             bar.update(sum(r.nbytes for r in batch))
-        written = Written(tuple(prepared), ranks[0] if ranks else WrittenRank((), {}),
+        written = Written(prepared, ranks[0] if ranks else WrittenRank((), {}),
                           tuple(ranks), prepared_sums)
         content = IndexContent(dict(index.values), dict(index.containers),
                                {k: (p.dtype, p.shape) for k, p in plans.items()},
                                tuple(index.order or ()))
-        staged = StagedSave(0, 1, plans, (), (), False, content=content)
-        new = build_index(be, staged, written)
-        new = dataclasses.replace(new, writer={**new.writer, "converted_from": {
-            "url": source.url, "backend": index.backend, "backend_version": index.backend_version,
-            "writer": {k: v for k, v in index.writer.items() if isinstance(v, str | int | float)}}})
     except BaseException:
         paths = set(prepared) | {p for r in ranks for p in r.files}
         if paths:  # nothing was committed: what this conversion wrote is garbage
@@ -144,12 +137,26 @@ def _write_and_commit(source: Source, be: Backend, store: Store, plans: dict[str
     finally:
         bar.close()
     try:
-        commit_index(store, be, new, plans, written.paths() if claim.replacing else None)
+        return commit_written(be, store, plans, content, written, replacing=claim.replacing,
+                              hooks=(ConvertedFrom(source.url, index),))
     except BaseException:
         if not run_sync(store.exists(INDEX_FILE)):
             run_sync(store.delete(sorted(written.paths())))
         raise
-    return new
+
+
+@dataclass(frozen=True)
+class ConvertedFrom(SaveHook):
+    """The commit-phase hook of ``convert``: the index's ``writer`` names the source."""
+
+    url: str
+    source: Index
+
+    def before_commit(self, index: Index, parts: Sequence[Any], note: Any) -> Index:
+        src = self.source
+        return dataclasses.replace(index, writer={**index.writer, "converted_from": {
+            "url": self.url, "backend": src.backend, "backend_version": src.backend_version,
+            "writer": {k: v for k, v in src.writer.items() if isinstance(v, str | int | float)}}})
 
 
 def _write_batch(source: Source, be: Backend, store: Store, plans: dict[str, TensorPlan],
@@ -158,5 +165,4 @@ def _write_batch(source: Source, be: Backend, store: Store, plans: dict[str, Ten
     chunks = tuple(
         ChunkData(r.entry.key, from_name(r.entry.dtype, r.entry.key), r.entry.shape, r.box, data)
         for r, data in read_regions(source, batch, buffer_bytes=buffer_bytes, verify=verify))
-    staged = StagedSave(batch_no, 1, plans, chunks, (), False)
-    return write_rank(staged, be, store, save_id, False)
+    return write_chunks(chunks, plans, be, store, save_id, rank=batch_no, world_size=1)

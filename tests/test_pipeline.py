@@ -1,0 +1,215 @@
+"""The save pipeline (engine/pipeline.py) and its hooks (engine/hooks.py): one composition that
+every composer runs, hooks called in the documented order, the engine's staged save kept
+inside the engine, and a writer process that runs the engine's entry point alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.engine.hooks import PhaseTimes, SaveHook, WriteOutcome
+from ckptfs.engine.pipeline import SaveRequest, run_save
+from ckptfs.engine.writer_process import ProcessSaver
+from ckptfs.errors import CkptfsError
+from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
+from ckptfs.manager.steps import step_dir
+from tests.test_layers import API, ROOT, layer
+
+
+def test_no_module_outside_the_engine_uses_the_staged_save():
+    """``StagedSave`` is the engine's internal value: composers hand the pipeline a
+    ``SaveRequest`` and never import or build it."""
+    users = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+             if p.relative_to(ROOT).parts[0] != "engine"
+             and re.search(r"\bStagedSave\b", p.read_text())]
+    assert users == []
+
+
+def test_no_composer_runs_a_phase_of_the_save_itself():
+    """The modules that composed stage, write and commit by hand now run the pipeline: none
+    imports a phase function of the engine's save."""
+    composers = ["save.py", "async_save.py", "manager/manager.py", "manager/tier.py",
+                 "manager/replicas.py", "dcp/assemble.py", "dcp/writer.py", "tools/convert.py"]
+    phases = {"stage", "write", "write_rank", "commit", "build_index", "commit_index",
+              "replace_target", "check_staged"}
+    found = []
+    for name in composers:
+        for names in re.findall(r"^from ckptfs\.engine\.(?:stage|write|commit|health) import "
+                                r"\(?([^)\n]*)", (ROOT / name).read_text(), re.M):
+            found += [f"{name}: {n}" for n in re.split(r",\s*", names.strip()) if n in phases]
+    assert found == []
+
+
+@dataclass
+class Recorder(SaveHook):
+    """Records each call it gets (its own state), and what each call was handed."""
+
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    refuse: bool = False
+
+    def before_stage(self, state_dict, rank):
+        self.calls.append(("before_stage", rank))
+        return "memo"
+
+    def after_stage(self, chunks, comm, note, *, tensors):
+        self.calls.append(("after_stage", (note, sorted(tensors or {}))))
+        return "staged"
+
+    def before_write(self, chunks, comm, note, *, early):
+        self.calls.append(("before_write", (note, early)))
+        return "claimed"
+
+    def during_write(self, untested, note):
+        self.calls.append(("during_write", (note, sorted(c.key for c in untested))))
+        return "writing"
+
+    def after_write(self, suspect, note):
+        self.calls.append(("after_write", note))
+        return WriteOutcome("written", ("bad",) if self.refuse else (), part="rank part")
+
+    def before_commit(self, index, parts, note):
+        self.calls.append(("before_commit", (note, list(parts))))
+        return dataclasses.replace(index, writer={**index.writer, "hooked": True})
+
+    def phase_done(self, phase, seconds):
+        self.calls.append(("phase_done", phase))
+
+    def refusal(self, found_by_rank):
+        return CkptfsError(f"refused: {list(found_by_rank)}")
+
+
+def _request(url, hooks, **kw) -> SaveRequest:
+    return SaveRequest(str(url), SafetensorsChunksBackend(), hooks=tuple(hooks), **kw)
+
+
+def test_hooks_are_called_in_the_documented_order(tmp_path):
+    hook = Recorder()
+    state = {"w": torch.arange(6.0).reshape(2, 3), "n": 4}
+    run_save(state, _request(tmp_path / "c", [hook]), None)
+    assert hook.calls == [
+        ("before_stage", 0),
+        ("after_stage", ("memo", ["w"])),
+        ("phase_done", "stage"),
+        ("before_write", ("staged", False)),  # a fresh local target: decided while written
+        ("phase_done", "claim"),
+        ("during_write", ("claimed", ["w"])),
+        ("after_write", "writing"),
+        ("phase_done", "write"),
+        ("before_commit", ("written", ["rank part"])),
+        ("phase_done", "commit"),
+    ]
+    assert ckptfs.load_metadata(tmp_path / "c").writer["hooked"] is True
+
+
+def test_a_replacing_save_asks_the_hooks_to_decide_before_anything_is_written(tmp_path):
+    ckptfs.save({"w": torch.ones(2)}, tmp_path / "c")
+    hook = Recorder()
+    run_save({"w": torch.zeros(2)}, _request(tmp_path / "c", [hook], overwrite=True), None)
+    assert ("before_write", ("staged", True)) in hook.calls
+    assert ckptfs.load_metadata(tmp_path / "c").writer["hooked"] is True
+
+
+def test_a_refusal_after_the_write_removes_the_files_and_raises_the_hooks_error(tmp_path):
+    with pytest.raises(CkptfsError, match=r"refused: \[\('bad',\)\]"):
+        run_save({"w": torch.ones(4)}, _request(tmp_path / "c", [Recorder(refuse=True)]), None)
+    assert not [p for p in (tmp_path / "c").rglob("*") if p.is_file()]
+
+
+class Referencing(SaveHook):
+    def chunk_reference(self, chunk, note):
+        return object()  # any reference: the format records none yet
+
+
+def test_a_chunk_reference_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ckptfs.ConfigError, match="key 'w'"):
+        run_save({"w": torch.ones(4)}, _request(tmp_path / "c", [Referencing()]), None)
+    assert not (tmp_path / "c" / ckptfs.INDEX_FILE).exists()
+
+
+def test_phase_times_observes_every_phase_of_an_async_save(tmp_path):
+    times = PhaseTimes()
+    saver = ckptfs.BackgroundSaver()
+    try:
+        _, done = saver.start({"w": torch.ones(8)}, _request(tmp_path / "a", [times]),
+                              process_group=None)
+        done.result(120)
+    finally:
+        saver.close()
+    assert [p for p, _ in times.seconds] == ["stage", "claim", "write", "commit"]
+    assert all(s >= 0 for _, s in times.seconds)
+    assert ckptfs.verify(tmp_path / "a").ok
+
+
+@pytest.mark.slow
+def test_the_writer_process_imports_nothing_above_the_engine(tmp_path):
+    """A process writer's saves (``async_save`` with the health hook, a manager's step) run the
+    engine's ``finish_staged``: the writer imports the engine and the layers below it, never
+    the public API, the manager or the tools."""
+    saver = ProcessSaver()
+    try:
+        ckptfs.async_save({"w": torch.ones(64), "n": 1}, tmp_path / "a", saver=saver,
+                          writer="process", check_finite=True, stats=True).result(120)
+        with ckptfs.CheckpointManager(tmp_path / "m", saver=saver, writer="process",
+                                      check_finite=True) as m:
+            m.save_sync(1, {"w": torch.zeros(3)})
+        modules = saver.writer_modules()
+    finally:
+        saver.close()
+    assert "ckptfs.engine.pipeline" in modules and "ckptfs.engine.health" in modules
+    above = [m for m in modules if m not in ("ckptfs", "ckptfs.errors") and layer(m) >= API]
+    assert above == []
+    assert ckptfs.load_metadata(tmp_path / "a").tensors["w"].stats is not None
+    assert ckptfs.verify(tmp_path / "m" / step_dir(1)).ok
+
+
+def _module_entries(fn) -> dict[str, int]:
+    """How many times each ckptfs module is entered while ``fn()`` runs: a call of a function
+    defined in one of its source files from another module (generator resumes and generated
+    dataclass methods not counted), in every thread (sys.setprofile, threading.setprofile)."""
+    import sys
+    import threading
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    resumed: set[int] = set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or "ckptfs" not in code.co_filename or code.co_filename[0] == "<":
+            return
+        if code.co_flags & 0x2A0:  # a generator or coroutine: its first call only
+            if id(frame) in resumed:
+                return
+            resumed.add(id(frame))
+        module = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+        if module != caller:
+            counts[module] += 1
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return dict(counts)
+
+
+def test_a_save_enters_each_engine_and_api_module_at_most_eight_times(tmp_path):
+    """Following a small state dict through ``ckptfs.save`` (after a first save: imports and
+    the plan cache warm): no module of the engine or the API is entered more than 8 times
+    (docs/architecture.md, the save pipeline; the runtime's collectives and I/O loop are
+    entered once per collective and per I/O step)."""
+    state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
+    ckptfs.save(state, tmp_path / "warm")
+    counts = _module_entries(lambda: ckptfs.save(state, tmp_path / "c"))
+    ours = {m: n for m, n in counts.items() if layer(m) >= 5 and m != "ckptfs.errors"}
+    assert "ckptfs.engine.pipeline" in ours and "ckptfs.engine.write" in ours
+    assert {m: n for m, n in ours.items() if n > 8} == {}
