@@ -76,3 +76,32 @@ def test_import_leaves_the_heavy_modules_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT.parent, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """module -> the ckptfs modules it imports (anywhere in its text, function-level imports
+    too); ``from pkg import sub`` counts as importing ``pkg.sub`` where that is a module."""
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names[path] = ".".join(("ckptfs", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+    modules = set(names.values())
+    graph: dict[str, set[str]] = {}
+    for path, module in names.items():
+        found = graph.setdefault(module, set())
+        for base, what in re.findall(r"^\s*(?:from\s+(ckptfs[\w.]*)\s+import\s+([\w ,]+)|"
+                                     r"import\s+(?:ckptfs[\w.]*))", path.read_text(), re.M):
+            subs = {f"{base}.{n.strip()}" for n in what.split(",")} & modules
+            found |= subs or {base}
+        found |= set(re.findall(r"^\s*import\s+(ckptfs[\w.]*)", path.read_text(), re.M))
+        found.discard("")
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    """No import cycle between two modules (a lazy import inside a function included: the
+    shared piece belongs in a module both import, below them)."""
+    graph = _module_imports()
+    cycles = sorted((a, b) for a, targets in graph.items() for b in targets
+                    if a < b and a in graph.get(b, ()))
+    assert not cycles, cycles
