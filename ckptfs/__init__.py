@@ -49,9 +49,24 @@ from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import available_backends, get_backend, register_backend
 from ckptfs.load import LoadResult, load, load_keys
 from ckptfs.manage import delete
-from ckptfs.manager import CheckpointManager, PreemptionPolicy, RestoreResult, Retention
+from ckptfs.manager import (
+    CheckpointManager,
+    ManagerOptions,
+    PreemptionPolicy,
+    RestoreResult,
+    Retention,
+    TierOptions,
+)
 from ckptfs.metadata import load_metadata
-from ckptfs.options import IOConfig, LoadOptions, SaveOptions, StoreOptions
+from ckptfs.options import (
+    AsyncOptions,
+    DistOptions,
+    HealthOptions,
+    LoadOptions,
+    SaveOptions,
+    StoreOptions,
+    removed_attribute,
+)
 from ckptfs.save import SaveResult, save
 from ckptfs.state.flatten import PerRank
 from ckptfs.state.shards import ShardedTensor
@@ -89,7 +104,7 @@ _TOOLS: dict[str, str] = {
 def __getattr__(name: str):
     module = _TOOLS.get(name)
     if module is None:
-        raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")
+        return removed_attribute(name)
     import importlib
 
     value = getattr(importlib.import_module(module), name)
@@ -104,6 +119,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "INDEX_FILE",
     "AccessDeniedError",
+    "AsyncOptions",
     "AsyncSave",
     "Backend",
     "BackendOptionsError",
@@ -118,15 +134,17 @@ __all__ = [
     "ConfigError",
     "ConvertResult",
     "DiffReport",
+    "DistOptions",
     "ForbiddenGlobalError",
     "FormatVersionError",
-    "IOConfig",
+    "HealthOptions",
     "Index",
     "IntegrityError",
     "KeyDiff",
     "LoadOptions",
     "LoadResult",
     "MalformedIndexError",
+    "ManagerOptions",
     "MismatchError",
     "MissingKeysError",
     "NonFiniteError",
@@ -144,6 +162,7 @@ __all__ = [
     "StorageError",
     "StoreOptions",
     "TensorEntry",
+    "TierOptions",
     "UnknownBackendError",
     "UnshardResult",
     "UnsupportedValueError",

@@ -3,7 +3,6 @@ to it, then rank 0 commits the index."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from ckptfs.errors import ConfigError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.registry import get_backend
-from ckptfs.options import resolve_save
+from ckptfs.options import REMOVED, moved_keywords
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,7 @@ def device_parts(state_dict: Mapping[str, Any], be: Backend,
                              slots=options.ring_slots)
 
 
+@moved_keywords("save", REMOVED["save"])
 def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          backend: str = "safetensors_chunks", backend_version: int | None = None,
          backend_options: Mapping[str, Any] | None = None,
@@ -73,31 +73,31 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          storage_options: Mapping[str, Any] | None = None,
          store_options: StoreOptions | None = None, overwrite: bool = False,
          progress: bool = False, options: SaveOptions | None = None,
-         check_finite: bool = False, stats: bool = False, host_memory_limit: int | None = None,
-         **deprecated: Any) -> SaveResult:
+         check_finite: bool | None = None, stats: bool | None = None,
+         host_memory_limit: int | None = None) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
     create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
     existing checkpoint is refused and left intact. ``options`` (``SaveOptions``) tune the save:
-    ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
+    ``dist.collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
     wait for the other ranks (a rank that dies, hangs or never calls save makes the others
     raise CollectiveError naming the step, and nothing is committed); ``throttle_uploads=K``
     lets at most K ranks of a node write at once. ``store_options`` (``StoreOptions``) tune the
     store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
-    ``check_finite``: a NaN or infinity in any floating tensor fails the save on every rank with
-    NonFiniteError, nothing committed and a checkpoint at the URL untouched (searched while the
-    files are written where the target is fresh, before otherwise); ``stats``: the index
-    records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
-    ``SaveOptions.host_memory_limit``): the most host memory the save's copies hold (the chunks
-    it cannot write in place: not CPU, or not C-contiguous); the copies beyond it stream through
-    a ring within it while the files are written.
+    ``check_finite`` (a shortcut of ``options.health.check_finite``): a NaN or infinity in any
+    floating tensor fails the save on every rank with NonFiniteError, nothing committed and a
+    checkpoint at the URL untouched (searched while the files are written where the target is
+    fresh, before otherwise); ``stats`` (a shortcut of ``options.health.stats``): the index
+    records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; a
+    shortcut of ``options.asynchronous.host_memory_limit``): the most host memory the save's
+    copies hold (the chunks it cannot write in place: not CPU, or not C-contiguous); the copies
+    beyond it stream through a ring within it while the files are written.
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
-    opts, store_options = resolve_save(options, store_options, deprecated)
-    if host_memory_limit is not None:
-        opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
+    opts = (options or SaveOptions()).with_shortcuts(
+        check_finite=check_finite, stats=stats, host_memory_limit=host_memory_limit)
     wait_default_idle()
     with public_errors(url):
         comm = Comm(process_group, timeout=opts.collective_timeout)
@@ -112,10 +112,10 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
         pool = BufferPool(HostAllocator() if device is not None and overflow is None
                           else staging_allocator(state_dict))
         try:
-            on_device = check_on_device(state_dict, comm.rank, check_finite)
+            on_device = check_on_device(state_dict, comm.rank, opts.check_finite)
             staged = stage(state_dict, comm, be, pool, copy=False, threads=opts.copy_threads,
                            copy_piece=opts.copy_piece, device=device)
-            staged = checked(staged, pool, comm, check_finite=check_finite, stats=stats,
+            staged = checked(staged, pool, comm, check_finite=opts.check_finite, stats=opts.stats,
                              device=on_device)
             try:
                 store = open_agreed(comm, url, storage_options, store_options)
