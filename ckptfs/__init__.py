@@ -5,7 +5,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
                             model+optimizer helpers (re-exported here lazily)
   testing/                  spawned ranks for tests, the conformance suite (+ golden checkpoints)
   save / async_save / load  the public API: short compositions of the engine's phases
-    / metadata / manage       (manager/: CheckpointManager, steps, retention, local tier)
+    / metadata / deletion     (manager/: CheckpointManager, steps, retention, local tier)
   engine/                   how a save and a load run: stage -> write -> commit; the read engine;
                             the buffer allocator; index reading; pre-download; the error boundary
   state/                    what is saved: state-dict trees, tensors, DTensors, ShardedTensor
@@ -19,6 +19,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
 
 from ckptfs._version import __version__
 from ckptfs.async_save import AsyncSave, async_save, close
+from ckptfs.deletion import delete
 from ckptfs.engine.background import BackgroundSaver
 from ckptfs.errors import (
     AccessDeniedError,
@@ -48,7 +49,6 @@ from ckptfs.layout.backend import Backend
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import available_backends, get_backend, register_backend
 from ckptfs.load import LoadResult, load, load_keys
-from ckptfs.manage import delete
 from ckptfs.manager import (
     CheckpointManager,
     ManagerOptions,

@@ -1,4 +1,4 @@
-"""Checkpoint housekeeping: delete."""
+"""Deleting a checkpoint: ``ckptfs.delete``, the index first (un-commit), then the rest."""
 
 from __future__ import annotations
 

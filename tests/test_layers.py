@@ -15,7 +15,7 @@ import ckptfs
 
 RANK = {"_version": 0, "io": 0, "layout": 1, "dist": 2, "planning": 3, "state": 4, "engine": 5, "manager": 6, "dcp": 6,
         "testing": 7, "tools": 8, "torchtitan": 8, "cli": 8, "demo": 8, "__main__": 8}
-API = 6  # save, load, metadata, manage, manager/, the package root
+API = 6  # save, load, metadata, deletion, manager/, the package root
 ROOT = pathlib.Path(ckptfs.__file__).parent
 
 

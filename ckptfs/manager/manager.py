@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptfs.async_save import AsyncSave
+from ckptfs.deletion import delete_checkpoint
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.background import BackgroundSaver
 from ckptfs.engine.commit import Claim, claimed, replace_target
@@ -34,7 +35,6 @@ from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError,
 from ckptfs.io import Store, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import LOCK_FILE, Index
-from ckptfs.manage import delete_checkpoint
 from ckptfs.manager.health import LAST_GOOD, last_good
 from ckptfs.manager.options import MOVED, ManagerOptions
 from ckptfs.manager.peers import failure_domain as failure_domain_of
