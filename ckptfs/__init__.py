@@ -17,6 +17,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
   io/                       how bytes move: async stores over fsspec/s3fs/obstore, local fast path
 """
 
+from ckptfs import _aliases
 from ckptfs._version import __version__
 from ckptfs.async_save import AsyncSave, async_save, close
 from ckptfs.deletion import delete
@@ -71,6 +72,8 @@ from ckptfs.save import SaveResult, save
 from ckptfs.state.flatten import PerRank
 from ckptfs.state.shards import ShardedTensor
 
+_aliases.install()  # ckptfs.dcp, ckptfs.lightning, ...: ckptfs/integrations/, on first use
+
 
 def register_zarr_dtypes() -> None:
     """Teach zarr-python the ML data types ckptfs's zarr checkpoints use (bfloat16, float8_e4m3fn,
@@ -102,18 +105,20 @@ _TOOLS: dict[str, str] = {
 
 
 def __getattr__(name: str):
+    import importlib
+
+    if f"ckptfs.{name}" in _aliases.DROP_INS:  # ckptfs.dcp, ... without an import statement
+        return importlib.import_module(f"ckptfs.{name}")
     module = _TOOLS.get(name)
     if module is None:
         return removed_attribute(name)
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_TOOLS})
+    return sorted({*globals(), *_TOOLS, *(n.split(".")[1] for n in _aliases.DROP_INS)})
 
 
 __all__ = [

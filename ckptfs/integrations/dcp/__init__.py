@@ -9,7 +9,7 @@ index (JSON, crc32c, create-if-absent); ``ckptfs.load`` reads what it wrote. The
 of DCP's read items. ``items.py`` holds the values passed between the ranks and the key rules.
 """
 
-from ckptfs.dcp.reader import StorageReader
-from ckptfs.dcp.writer import StorageWriter
+from ckptfs.integrations.dcp.reader import StorageReader
+from ckptfs.integrations.dcp.writer import StorageWriter
 
 __all__ = ["StorageReader", "StorageWriter"]

@@ -13,12 +13,12 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptfs.dcp.items import OPAQUE, ItemWritten, Path
 from ckptfs.engine.commit import Claim, build_index, commit_index
 from ckptfs.engine.commit import abandon as _abandon
 from ckptfs.engine.stage import IndexContent, StagedSave
 from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
 from ckptfs.errors import CkptfsError
+from ckptfs.integrations.dcp.items import OPAQUE, ItemWritten, Path
 from ckptfs.io import Store, run_sync
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.backends.torch_dist_keys import containers_of_paths

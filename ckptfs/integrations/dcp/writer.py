@@ -34,14 +34,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.futures import Future
 
-from ckptfs.dcp import assemble
-from ckptfs.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.engine.commit import Claim, _claim
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.lock import LockInfo, Renewal, read_lock
 from ckptfs.engine.stage import StagedSave
 from ckptfs.engine.write import write_rank
 from ckptfs.errors import CkptfsError, SaveInProgressError
+from ckptfs.integrations.dcp import assemble
+from ckptfs.integrations.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.backends.torch_dist_keys import expand_value
