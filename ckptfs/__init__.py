@@ -118,7 +118,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_TOOLS, *(n.split(".")[1] for n in _aliases.DROP_INS)})
+    return sorted({*globals(), *_TOOLS})
 
 
 __all__ = [
