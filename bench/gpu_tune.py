@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 read.RING_PIECE = piece
                 for spec in args.rings.split(","):
                     mib, slots, conc = (int(x) for x in spec.split("/"))
-                    ring = ckptfs.LoadOptions(ring_bytes=mib << 20, ring_slots=slots)
+                    ring = ckptfs.LoadOptions(dist=ckptfs.DistOptions(ring_bytes=mib << 20, ring_slots=slots))
                     store = ckptfs.StoreOptions(max_concurrency=conc)
                     print(f"part {piece >> 20:3d} MiB, ring {mib} MiB in {slots} slots, {conc} "
                           f"in flight: verified {rate(ring, store, True):6.2f} GB/s, unverified "

@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -67,10 +68,11 @@ def main() -> None:
         print(f"# moto_server {endpoint}; torch {torch.__version__}; state {size / MB:.0f} MiB; "
               f"load average {os.getloadavg()[0]:.1f}")
         url, local = f"s3://{BUCKET}/manager", os.path.join(work, "local")
-        policies = {"retention": ckptfs.Retention(keep_last=2),
-                    "preemption": ckptfs.PreemptionPolicy(signals=())}
-        tiered = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts, **policies)
-        remote_only = ckptfs.CheckpointManager(url, storage_options=opts, **policies)
+        policies = ckptfs.ManagerOptions(retention=ckptfs.Retention(keep_last=2),
+                                         preemption=ckptfs.PreemptionPolicy(signals=()))
+        tiered = ckptfs.CheckpointManager(
+            url, replace(policies, tiers=ckptfs.TierOptions(local_dir=local)), storage_options=opts)
+        remote_only = ckptfs.CheckpointManager(url, policies, storage_options=opts)
         tiered.save_sync(1, state)
 
         def restore(mgr: ckptfs.CheckpointManager) -> float:

@@ -122,11 +122,12 @@ def rank_main(rank: int, world: int, url: str, locals_: list[str], opts: dict, m
               runs: int, out: dict) -> None:
     os.environ["CKPTFS_NODE_ID"] = f"n{rank // 2}"
     local = locals_[rank // 2]
-    policy = {"preemption": ckptfs.PreemptionPolicy(signals=())}
-    mgr = ckptfs.CheckpointManager(url, local_dir=local, local_interval_steps=1,
-                                   save_interval_steps=1000, keep_local=2, replicas=1,
-                                   storage_options=opts, **policy)
-    far = ckptfs.CheckpointManager(url, storage_options=opts, **policy)
+    quiet = ckptfs.PreemptionPolicy(signals=())
+    tiers = ckptfs.TierOptions(local_dir=local, local_interval_steps=1, keep_local=2, replicas=1)
+    mgr = ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(
+        tiers=tiers, save_interval_steps=1000, preemption=quiet), storage_options=opts)
+    far = ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(preemption=quiet),
+                                   storage_options=opts)
     rows: dict[str, list[float]] = {}
 
     def add(name: str, t: float) -> None:

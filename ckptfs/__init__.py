@@ -5,7 +5,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
                             model+optimizer helpers (re-exported here lazily)
   testing/                  spawned ranks for tests, the conformance suite (+ golden checkpoints)
   save / async_save / load  the public API: short compositions of the engine's phases
-    / metadata / manage       (manager/: CheckpointManager, steps, retention, local tier)
+    / metadata / deletion     (manager/: CheckpointManager, steps, retention, local tier)
   engine/                   how a save and a load run: stage -> write -> commit; the read engine;
                             the buffer allocator; index reading; pre-download; the error boundary
   state/                    what is saved: state-dict trees, tensors, DTensors, ShardedTensor
@@ -19,8 +19,10 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
   runtime                   the process's long-lived resources, closed by ``close()``
 """
 
+from ckptfs import _aliases
 from ckptfs._version import __version__
 from ckptfs.async_save import AsyncSave, async_save, close
+from ckptfs.deletion import delete
 from ckptfs.engine.background import BackgroundSaver
 from ckptfs.errors import (
     AccessDeniedError,
@@ -50,13 +52,29 @@ from ckptfs.layout.backend import Backend
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
 from ckptfs.layout.registry import available_backends, get_backend, register_backend
 from ckptfs.load import LoadResult, load, load_keys
-from ckptfs.manage import delete
-from ckptfs.manager import CheckpointManager, PreemptionPolicy, RestoreResult, Retention
+from ckptfs.manager import (
+    CheckpointManager,
+    ManagerOptions,
+    PreemptionPolicy,
+    RestoreResult,
+    Retention,
+    TierOptions,
+)
 from ckptfs.metadata import load_metadata
-from ckptfs.options import IOConfig, LoadOptions, SaveOptions, StoreOptions
+from ckptfs.options import (
+    AsyncOptions,
+    DistOptions,
+    HealthOptions,
+    LoadOptions,
+    SaveOptions,
+    StoreOptions,
+    removed_attribute,
+)
 from ckptfs.save import SaveResult, save
 from ckptfs.state.flatten import PerRank
 from ckptfs.state.shards import ShardedTensor
+
+_aliases.install()  # ckptfs.dcp, ckptfs.lightning, ...: ckptfs/integrations/, on first use
 
 
 def register_zarr_dtypes() -> None:
@@ -91,11 +109,13 @@ _TOOLS: dict[str, str] = {
 
 
 def __getattr__(name: str):
-    module = _TOOLS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckptfs' has no attribute {name!r}")
     import importlib
 
+    if f"ckptfs.{name}" in _aliases.DROP_INS:  # ckptfs.dcp, ... without an import statement
+        return importlib.import_module(f"ckptfs.{name}")
+    module = _TOOLS.get(name)
+    if module is None:
+        return removed_attribute(name)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
@@ -108,6 +128,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "INDEX_FILE",
     "AccessDeniedError",
+    "AsyncOptions",
     "AsyncSave",
     "Backend",
     "BackendOptionsError",
@@ -122,15 +143,17 @@ __all__ = [
     "ConfigError",
     "ConvertResult",
     "DiffReport",
+    "DistOptions",
     "ForbiddenGlobalError",
     "FormatVersionError",
-    "IOConfig",
+    "HealthOptions",
     "Index",
     "IntegrityError",
     "KeyDiff",
     "LoadOptions",
     "LoadResult",
     "MalformedIndexError",
+    "ManagerOptions",
     "MismatchError",
     "MissingKeysError",
     "NonFiniteError",
@@ -148,6 +171,7 @@ __all__ = [
     "StorageError",
     "StoreOptions",
     "TensorEntry",
+    "TierOptions",
     "UnknownBackendError",
     "UnshardResult",
     "UnsupportedValueError",

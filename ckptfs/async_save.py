@@ -26,8 +26,9 @@ from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
+from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.runtime import RUNTIME
-from ckptfs.save import SaveResult, health_hooks, save_request
+from ckptfs.save import SaveResult, save_request
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +73,7 @@ class AsyncSave:
         return self.done.result(timeout)
 
 
+@moved_keywords("async_save", REMOVED["save"])
 def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                backend: str = "safetensors_chunks", backend_version: int | None = None,
                backend_options: Mapping[str, Any] | None = None,
@@ -79,19 +81,20 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
                storage_options: Mapping[str, Any] | None = None,
                store_options: StoreOptions | None = None, overwrite: bool = False,
                progress: bool = False, options: SaveOptions | None = None,
-               saver: BackgroundSaver | None = None, check_finite: bool = False,
-               stats: bool = False, writer: str = "thread", host_memory_limit: int | None = None,
-               **deprecated: Any) -> AsyncSave:
+               saver: BackgroundSaver | None = None, check_finite: bool | None = None,
+               stats: bool | None = None, writer: str | None = None,
+               host_memory_limit: int | None = None) -> AsyncSave:
     """Start saving ``state_dict`` to ``url`` in the background; every rank of
-    ``process_group`` calls this. Options as for ``save``; ``options.collective_timeout``
+    ``process_group`` calls this. Options as for ``save``; ``options.dist.collective_timeout``
     bounds every wait of the background save for the other ranks (a dead rank fails ``done``
     with CollectiveError). ``saver``: the ``BackgroundSaver`` to run on (default: the
-    per-process one of ``writer``'s kind, ``ckptfs.close()`` frees it). ``writer``: where the
-    files are written, checksummed and committed once staged: ``"thread"`` (a thread of this
-    process) or ``"process"`` (a persistent writer process per rank, fed through shared memory:
-    the training loop's Python keeps the GIL to itself). ``host_memory_limit`` (bytes; also
-    ``SaveOptions.host_memory_limit``): the most host memory staging holds; what does not fit
-    is copied while the files are written (with ``writer="process"`` through a ring of shared
+    per-process one of ``writer``'s kind, ``ckptfs.close()`` frees it). ``writer`` (a shortcut
+    of ``options.asynchronous.writer``): where the files are written, checksummed and
+    committed once staged: ``"thread"`` (a thread of this process) or ``"process"`` (a
+    persistent writer process per rank, fed through shared memory: the training loop's Python
+    keeps the GIL to itself). ``host_memory_limit`` (bytes; a shortcut of
+    ``options.asynchronous.host_memory_limit``): the most host memory staging holds; what does
+    not fit is copied while the files are written (with ``writer="process"`` through a ring of shared
     memory, at the writer's request), and ``staged`` resolves after the last byte; with CUDA
     state, ``handle.wait_staged(stream=...)`` lets the host go on before the copies end.
     ``check_finite`` and ``stats`` as for ``save``
@@ -104,10 +107,10 @@ def async_save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     """
     url = os.fspath(url)
     request = save_request(url, backend, backend_version, backend_options, storage_options,
-                           store_options, overwrite, progress, options, deprecated,
-                           host_memory_limit=host_memory_limit,
-                           hooks=health_hooks(check_finite, stats), caller="async_save")
-    saver = _saver(saver, writer)
+                           store_options, overwrite, progress, options,
+                           check_finite=check_finite, stats=stats, writer=writer,
+                           host_memory_limit=host_memory_limit, caller="async_save")
+    saver = _saver(saver, request.options.writer)
     staged, done = saver.start(state_dict, request, process_group=process_group)
     return AsyncSave(url, staged, done)
 

@@ -25,7 +25,7 @@ from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index
 from ckptfs.layout.keys import encode_key
 from ckptfs.layout.values import decode_value
-from ckptfs.options import resolve_load
+from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.planning.load_plan import plan_reads
 from ckptfs.state.flatten import set_path, unflatten
 
@@ -51,12 +51,12 @@ def _remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
+@moved_keywords("load", REMOVED["load"])
 def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
          process_group: ProcessGroup | None = None,
          storage_options: Mapping[str, Any] | None = None,
          store_options: StoreOptions | None = None, strict: bool = True,
-         progress: bool = False, options: LoadOptions | None = None,
-         **deprecated: Any) -> LoadResult:
+         progress: bool = False, options: LoadOptions | None = None) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``, resharding as needed.
 
     Tensors (and DTensor local shards) are filled with exactly the byte ranges they overlap;
@@ -65,13 +65,13 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
     crc32c of every chunk read; ``pre_download`` first copies the files each node needs into
     the node-local ``work_dir``; ``exchange`` reads each region several ranks need once per
     process group and sends it to the others (default: when the checkpoint is remote and the
-    group has more than one rank); ``collective_timeout`` bounds every wait for the other
+    group has more than one rank); ``dist.collective_timeout`` bounds every wait for the other
     ranks, as in ``save``. ``store_options`` (``StoreOptions``) tune the store. ``progress``:
     rank 0 shows the bytes it reads (a bar on a terminal; one summary line in a log).
     """
     t0 = time.perf_counter()
     url = os.fspath(url)
-    opts, store_options = resolve_load(options, store_options, deprecated)
+    opts = options or LoadOptions()
     with public_errors(url):
         comm = Comm(process_group, timeout=opts.collective_timeout)
         store = run_sync(open_store(url, storage_options, store_options))
@@ -148,15 +148,16 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
             run_sync(source.close())
 
 
+@moved_keywords("load_keys", REMOVED["load"])
 def load_keys(url: str | os.PathLike, keys: Iterable[str | tuple] | None = None, *,
               storage_options: Mapping[str, Any] | None = None,
-              store_options: StoreOptions | None = None, options: LoadOptions | None = None,
-              **deprecated: Any) -> dict[str, Any]:
+              store_options: StoreOptions | None = None,
+              options: LoadOptions | None = None) -> dict[str, Any]:
     """Whole (unsharded) tensors and values of the checkpoint, as the nested state dict that was
     saved, with its exact types (int keys, tuples, lists). ``keys`` selects leaves or subtrees
     by canonical key ("optim/state/0") or path tuple; None loads everything. Runs in one process.
     """
-    opts, store_options = resolve_load(options, store_options, deprecated, "load_keys")
+    opts = options or LoadOptions()
 
     async def go() -> dict[str, Any]:
         store = await open_store(url, storage_options, store_options)

@@ -4,7 +4,6 @@ commits the index. ``SaveResult`` is the pipeline's."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.registry import get_backend
-from ckptfs.options import resolve_save
+from ckptfs.options import REMOVED, moved_keywords
 
 
 def make_backend(name: str, version: int | None, options: Mapping[str, Any] | None) -> Backend:
@@ -34,6 +33,7 @@ def make_backend(name: str, version: int | None, options: Mapping[str, Any] | No
     return be
 
 
+@moved_keywords("save", REMOVED["save"])
 def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          backend: str = "safetensors_chunks", backend_version: int | None = None,
          backend_options: Mapping[str, Any] | None = None,
@@ -41,53 +41,56 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          storage_options: Mapping[str, Any] | None = None,
          store_options: StoreOptions | None = None, overwrite: bool = False,
          progress: bool = False, options: SaveOptions | None = None,
-         check_finite: bool = False, stats: bool = False, host_memory_limit: int | None = None,
-         **deprecated: Any) -> SaveResult:
+         check_finite: bool | None = None, stats: bool | None = None,
+         host_memory_limit: int | None = None) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
     create-if-absent: its presence marks the checkpoint complete. Without ``overwrite`` an
     existing checkpoint is refused and left intact. ``options`` (``SaveOptions``) tune the save:
-    ``collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
+    ``dist.collective_timeout`` (seconds; default ``$CKPTFS_COLLECTIVE_TIMEOUT`` or 600) bounds every
     wait for the other ranks (a rank that dies, hangs or never calls save makes the others
     raise CollectiveError naming the step, and nothing is committed); ``throttle_uploads=K``
     lets at most K ranks of a node write at once. ``store_options`` (``StoreOptions``) tune the
     store. An asynchronous save of ``ckptfs.async_save`` still in flight is waited for first.
-    ``check_finite``: a NaN or infinity in any floating tensor fails the save on every rank with
-    NonFiniteError, nothing committed and a checkpoint at the URL untouched (searched while the
-    files are written where the target is fresh, before otherwise); ``stats``: the index
-    records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; also
-    ``SaveOptions.host_memory_limit``): the most host memory the save's copies hold (the chunks
-    it cannot write in place: not CPU, or not C-contiguous); the copies beyond it stream through
-    a ring within it while the files are written.
+    ``check_finite`` (a shortcut of ``options.health.check_finite``): a NaN or infinity in any
+    floating tensor fails the save on every rank with NonFiniteError, nothing committed and a
+    checkpoint at the URL untouched (searched while the files are written where the target is
+    fresh, before otherwise); ``stats`` (a shortcut of ``options.health.stats``): the index
+    records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; a
+    shortcut of ``options.asynchronous.host_memory_limit``): the most host memory the save's
+    copies hold (the chunks it cannot write in place: not CPU, or not C-contiguous); the copies
+    beyond it stream through a ring within it while the files are written.
     """
     url = os.fspath(url)
     request = save_request(url, backend, backend_version, backend_options, storage_options,
-                           store_options, overwrite, progress, options, deprecated,
-                           host_memory_limit=host_memory_limit,
-                           hooks=health_hooks(check_finite, stats))
+                           store_options, overwrite, progress, options,
+                           check_finite=check_finite, stats=stats,
+                           host_memory_limit=host_memory_limit)
     wait_default_idle()
     return run_save(state_dict, request, process_group)
 
 
-def health_hooks(check_finite: bool, stats: bool) -> tuple[SaveHook, ...]:
-    """The pipeline's hooks of the ``check_finite`` and ``stats`` keywords (engine/health.py)."""
-    return (HealthHook(check_finite, stats),) if check_finite or stats else ()
+def health_hooks(opts: SaveOptions) -> tuple[SaveHook, ...]:
+    """The pipeline's hooks of ``opts.health`` (engine/health.py)."""
+    return (HealthHook(opts.check_finite, opts.stats),) if opts.check_finite or opts.stats else ()
 
 
 def save_request(url: str, backend: str, backend_version: int | None,
                  backend_options: Mapping[str, Any] | None,
                  storage_options: Mapping[str, Any] | None, store_options: StoreOptions | None,
-                 overwrite: bool, progress: bool, options: SaveOptions | None,
-                 deprecated: dict[str, Any], *, host_memory_limit: int | None,
-                 hooks: tuple[SaveHook, ...], caller: str = "save") -> SaveRequest:
-    """The pipeline's ``SaveRequest`` of ``save``'s (and ``async_save``'s) arguments."""
+                 overwrite: bool, progress: bool, options: SaveOptions | None, *,
+                 check_finite: bool | None, stats: bool | None, host_memory_limit: int | None,
+                 writer: str | None = None, caller: str = "save") -> SaveRequest:
+    """The pipeline's ``SaveRequest`` of ``save``'s (and ``async_save``'s) arguments: the
+    keyword shortcuts set their fields of ``options``."""
     started = time.perf_counter()
-    opts, store_options = resolve_save(options, store_options, deprecated, caller)
-    if host_memory_limit is not None:
-        opts = dataclasses.replace(opts, host_memory_limit=host_memory_limit)
+    with public_errors(url):
+        opts = (options or SaveOptions()).with_shortcuts(
+            check_finite=check_finite, stats=stats, writer=writer,
+            host_memory_limit=host_memory_limit)
     with public_errors(url):
         be = make_backend(backend, backend_version, backend_options)
     nice = opts.background_nice if caller == "async_save" else 0
-    return SaveRequest(url, be, storage_options, store_options, opts, overwrite, progress, hooks,
-                       nice=nice, started=started)
+    return SaveRequest(url, be, storage_options, store_options, opts, overwrite, progress,
+                       health_hooks(opts), nice=nice, started=started)

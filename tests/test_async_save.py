@@ -514,7 +514,7 @@ def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
     assert sums and all(n == base for n in sums), sums
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
     seen[:], sums[:] = [], []
-    mgr = ckptfs.CheckpointManager(tmp_path / "mgr", save_options=cfg, preemption=ckptfs.PreemptionPolicy(signals=()))
+    mgr = ckptfs.CheckpointManager(tmp_path / "mgr", ckptfs.ManagerOptions(save=cfg, preemption=ckptfs.PreemptionPolicy(signals=())))
     mgr.save(1, sd).done.result()  # the manager's background saves run niced too
     assert seen and all(n == cfg.background_nice for _, n in seen), seen
     assert sums and all(n == cfg.background_nice for n in sums), sums

@@ -74,27 +74,27 @@ def scenarios(rank: int, root: str, out: str) -> None:
     ckptfs.save(sd, f"{root}/ok", backend="safetensors_chunks")
     if rank in (0, 1):
         ckptfs.save(sd, f"{root}/ok01", process_group=sub01,
-                    options=ckptfs.SaveOptions(collective_timeout=SHORT))
+                    options=ckptfs.SaveOptions(dist=ckptfs.DistOptions(collective_timeout=SHORT)))
 
     # 1. a rank that never calls save: rank 0 waits SHORT seconds, then raises
     if rank == 0:
         report["never"] = _attempt(lambda: ckptfs.save(
             sd, f"{root}/never", process_group=sub01,
-            options=ckptfs.SaveOptions(collective_timeout=SHORT)))
+            options=ckptfs.SaveOptions(dist=ckptfs.DistOptions(collective_timeout=SHORT))))
     elif rank == 1:
         time.sleep(SHORT + 2)
 
     # 2. rank 2 is killed while writing: ranks 0 and 1 raise at once (no timeout involved)
     report["killed_save"] = _attempt(lambda: ckptfs.save(
         sd, f"{root}/killed", backend="dies_while_writing",
-        options=ckptfs.SaveOptions(collective_timeout=LONG)))
+        options=ckptfs.SaveOptions(dist=ckptfs.DistOptions(collective_timeout=LONG))))
 
     # 3. rank 1 is killed during a load: rank 0 raises at once
     ckptfs.save({"w": torch.arange(12.0)}, f"{root}/forload", backend="dies_while_reading",
-                process_group=sub01, options=ckptfs.SaveOptions(collective_timeout=LONG * 1.5))
+                process_group=sub01, options=ckptfs.SaveOptions(dist=ckptfs.DistOptions(collective_timeout=LONG * 1.5)))
     report["killed_load"] = _attempt(lambda: ckptfs.load(
         {"w": torch.zeros(12)}, f"{root}/forload", process_group=sub01,
-        options=ckptfs.LoadOptions(collective_timeout=LONG * 1.5)))
+        options=ckptfs.LoadOptions(dist=ckptfs.DistOptions(collective_timeout=LONG * 1.5))))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 

@@ -13,7 +13,7 @@ from ckptfs.testing.ranks import run_ranks
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-RING = ckptfs.LoadOptions(ring_bytes=1 << 16, ring_slots=4)  # 16 KiB slots: most chunks are cut in parts
+RING = ckptfs.LoadOptions(dist=ckptfs.DistOptions(ring_bytes=1 << 16, ring_slots=4))  # 16 KiB slots: most chunks are cut in parts
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,7 +58,7 @@ def test_load_into_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
     target = {k: torch.empty_like(v, device="cuda") for k, v in sd.items()}
     torch.cuda.reset_peak_host_memory_stats()
     before, _ = _pinned_in_use()
-    cfg = ckptfs.LoadOptions(ring_bytes=1 << 19, ring_slots=4)
+    cfg = ckptfs.LoadOptions(dist=ckptfs.DistOptions(ring_bytes=1 << 19, ring_slots=4))
     res = ckptfs.load(target, tmp_path / "c", options=cfg)
     assert all(torch.equal(target[k].cpu(), v) for k, v in sd.items())
     assert res.scratch_peak == cfg.ring_bytes
@@ -91,7 +91,7 @@ def test_save_from_cuda_is_bit_exact(tmp_path):
 def test_save_from_cuda_holds_no_more_pinned_memory_than_the_ring(tmp_path):
     sd = {f"t{i}": torch.randn(1024, 1024, device="cuda") for i in range(8)}  # 32 MiB
     sd["t_t"] = sd["t0"].t()  # non-contiguous: copied out in C-order pieces
-    cfg = ckptfs.SaveOptions(ring_bytes=1 << 22, ring_slots=4)  # 4 MiB: 1 MiB slots
+    cfg = ckptfs.SaveOptions(dist=ckptfs.DistOptions(ring_bytes=1 << 22, ring_slots=4))  # 4 MiB: 1 MiB slots
     torch.cuda.synchronize()
     torch.cuda.reset_peak_host_memory_stats()
     before, _ = _pinned_in_use()
@@ -136,7 +136,7 @@ def test_checkpoint_manager_saves_from_cuda_through_pinned_staging(tmp_path):
     sd = {f"t{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
     want = {k: v.cpu() for k, v in sd.items()}
     ckptfs.close()  # no staging buffers cached by earlier tests
-    mgr = ckptfs.CheckpointManager(tmp_path / "m", preemption=ckptfs.PreemptionPolicy(signals=()))
+    mgr = ckptfs.CheckpointManager(tmp_path / "m", ckptfs.ManagerOptions(preemption=ckptfs.PreemptionPolicy(signals=())))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_host_memory_stats()
     before, _ = _pinned_in_use()

@@ -251,14 +251,14 @@ def _flat(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def test_manager_refuses_a_non_finite_step_and_finds_the_last_good_one(tmp_path):
     url = tmp_path / "run"
-    with ckptfs.CheckpointManager(url, check_finite=True, preemption=ckptfs.PreemptionPolicy(signals=())) as m:
+    with ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(preemption=ckptfs.PreemptionPolicy(signals=()), save=ckptfs.SaveOptions(health=ckptfs.HealthOptions(check_finite=True)))) as m:
         m.save_sync(1, {"w": torch.ones(3)})
         with pytest.raises(ckptfs.NonFiniteError):
             m.save_sync(2, {"w": torch.tensor([1.0, math.nan, 3.0])})
         assert m.latest_step() == 1 and m.steps() == [1]
         assert not (url / step_dir(2) / ckptfs.INDEX_FILE).exists()
     # a manager recording fingerprints only: a non-finite step is committed, but not good
-    with ckptfs.CheckpointManager(url, stats=True, preemption=ckptfs.PreemptionPolicy(signals=())) as m:
+    with ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(preemption=ckptfs.PreemptionPolicy(signals=()), save=ckptfs.SaveOptions(health=ckptfs.HealthOptions(stats=True)))) as m:
         m.save_sync(3, {"w": torch.full((3,), 3.0)})
         m.save_sync(4, {"w": torch.tensor([4.0, math.inf, 4.0])})
         assert m.latest_step() == 4 and m.last_good_step() == 3
@@ -276,8 +276,7 @@ def test_a_manager_with_a_local_tier_refuses_while_writing_and_keeps_nothing(tmp
     refused, its files removed from the tier and the URL, the previous step still the latest."""
     url, tier = tmp_path / "run", tmp_path / "tier"
     big = torch.ones(1 << 19)  # 2 MiB
-    with ckptfs.CheckpointManager(url, local_dir=tier, check_finite=True,
-                                  preemption=ckptfs.PreemptionPolicy(signals=())) as m:
+    with ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=tier), preemption=ckptfs.PreemptionPolicy(signals=()), save=ckptfs.SaveOptions(health=ckptfs.HealthOptions(check_finite=True)))) as m:
         m.save_sync(1, {"w": big})
         bad = big.clone()
         bad[12345], bad[-1] = math.nan, -math.inf
@@ -290,7 +289,7 @@ def test_a_manager_with_a_local_tier_refuses_while_writing_and_keeps_nothing(tmp
 
 
 def test_manager_without_good_steps(tmp_path):
-    with ckptfs.CheckpointManager(tmp_path / "run", stats=True, preemption=ckptfs.PreemptionPolicy(signals=())) as m:
+    with ckptfs.CheckpointManager(tmp_path / "run", ckptfs.ManagerOptions(preemption=ckptfs.PreemptionPolicy(signals=()), save=ckptfs.SaveOptions(health=ckptfs.HealthOptions(stats=True)))) as m:
         assert m.last_good_step() is None
         m.save_sync(1, {"w": torch.tensor([math.nan])})
         assert m.last_good_step() is None

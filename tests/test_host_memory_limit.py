@@ -43,7 +43,7 @@ def test_staging_stays_within_the_limit_and_the_checkpoint_is_exact(tmp_path, mo
 
 def test_the_limit_is_checked(tmp_path):
     with pytest.raises(ckptfs.ConfigError, match="host_memory_limit"):
-        ckptfs.SaveOptions(host_memory_limit=0)
+        ckptfs.AsyncOptions(host_memory_limit=0)
     with pytest.raises(ckptfs.ConfigError, match="host_memory_limit"):
         ckptfs.save({"w": torch.ones(4)}, str(tmp_path / "s"), host_memory_limit=-1)
     with pytest.raises(ckptfs.ConfigError, match="streams its chunks"):

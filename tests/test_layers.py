@@ -1,6 +1,7 @@
 """The package's layers import downwards only (CONTRIBUTING.md, "Layers").
 
-    io -> layout -> dist -> planning -> state -> engine -> API (and dcp/) -> testing -> tools and CLI
+    io -> layout -> dist -> planning -> state -> engine -> API (and integrations/) -> testing
+    -> tools, CLI (and integrations/torchtitan.py)
 
 A module may import modules of its own layer or of lower ones; ``ckptfs.errors`` is shared by
 every layer, and only the API and above may import the package root.
@@ -13,14 +14,17 @@ import re
 
 import ckptfs
 
-RANK = {"_version": 0, "runtime": 0, "io": 0, "layout": 1, "dist": 2, "planning": 3, "state": 4, "engine": 5, "manager": 6, "dcp": 6,
-        "testing": 7, "tools": 8, "torchtitan": 8, "cli": 8, "demo": 8, "__main__": 8}
-API = 6  # save, load, metadata, manage, manager/, the package root
+RANK = {"_version": 0, "runtime": 0, "io": 0, "layout": 1, "dist": 2, "planning": 3, "state": 4, "engine": 5,
+        "manager": 6, "integrations": 6, "integrations.torchtitan": 8, "testing": 7, "tools": 8, "cli": 8,
+        "demo": 8, "__main__": 8}
+API = 6  # save, load, metadata, deletion, manager/, the package root
 ROOT = pathlib.Path(ckptfs.__file__).parent
 
 
 def layer(module: str) -> int:
     parts = module.split(".")
+    if ".".join(parts[1:3]) in RANK:  # a module with a layer of its own inside a package
+        return RANK[".".join(parts[1:3])]
     return RANK.get(parts[1], API) if len(parts) > 1 else API
 
 
@@ -76,3 +80,60 @@ def test_import_leaves_the_heavy_modules_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT.parent, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """module -> the ckptfs modules it imports (anywhere in its text, function-level imports
+    too); ``from pkg import sub`` counts as importing ``pkg.sub`` where that is a module."""
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names[path] = ".".join(("ckptfs", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+    modules = set(names.values())
+    graph: dict[str, set[str]] = {}
+    for path, module in names.items():
+        found = graph.setdefault(module, set())
+        for base, what in re.findall(r"^\s*(?:from\s+(ckptfs[\w.]*)\s+import\s+([\w ,]+)|"
+                                     r"import\s+(?:ckptfs[\w.]*))", path.read_text(), re.M):
+            subs = {f"{base}.{n.strip()}" for n in what.split(",")} & modules
+            found |= subs or {base}
+        found |= set(re.findall(r"^\s*import\s+(ckptfs[\w.]*)", path.read_text(), re.M))
+        found.discard("")
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    """No import cycle between two modules (a lazy import inside a function included: the
+    shared piece belongs in a module both import, below them)."""
+    graph = _module_imports()
+    cycles = sorted((a, b) for a, targets in graph.items() for b in targets
+                    if a < b and a in graph.get(b, ()))
+    assert not cycles, cycles
+
+
+def test_the_drop_ins_keep_their_public_names_and_load_on_first_use():
+    """``ckptfs.dcp``, ``ckptfs.lightning``, ``ckptfs.megatron`` and ``ckptfs.torchtitan`` are
+    the modules of ckptfs/integrations/ (one module object under either name, submodules too);
+    ``import ckptfs`` imports none of them, nor Lightning, Megatron-Core or torchtitan."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ckptfs\n"
+        "heavy = ('lightning', 'megatron', 'torchtitan', 'ckptfs.integrations.dcp', "
+        "'ckptfs.integrations.lightning', 'ckptfs.integrations.torchtitan', 'ckptfs.dcp')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "assert ckptfs.dcp.__name__ == 'ckptfs.integrations.dcp'  # attribute access imports it\n"
+        "import ckptfs.dcp, ckptfs.integrations.dcp.items as real\n"
+        "from ckptfs.dcp.items import OPAQUE\n"
+        "import ckptfs.dcp.items as public\n"
+        "assert ckptfs.dcp is sys.modules['ckptfs.integrations.dcp'] is sys.modules['ckptfs.dcp']\n"
+        "assert public is real and OPAQUE is real.OPAQUE\n"
+        "assert ckptfs.dcp.StorageWriter.__module__ == 'ckptfs.integrations.dcp.writer'\n"
+        "assert ckptfs.dcp.__spec__.name == 'ckptfs.integrations.dcp'\n"
+        "import ckptfs.lightning\n"
+        "assert sys.modules['ckptfs.lightning'] is sys.modules['ckptfs.integrations.lightning']\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT.parent, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["[]", "ok"], out.stdout + out.stderr

@@ -51,8 +51,7 @@ def test_a_failed_load_prints_no_summary(tmp_path, capsys):
 
 
 def test_the_managers_restore_shows_its_progress(tmp_path, capsys):
-    with ckptfs.CheckpointManager(tmp_path / "run", local_dir=tmp_path / "local", progress=True,
-                                  preemption=ckptfs.PreemptionPolicy(signals=())) as mgr:
+    with ckptfs.CheckpointManager(tmp_path / "run", ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=tmp_path / "local"), progress=True, preemption=ckptfs.PreemptionPolicy(signals=()))) as mgr:
         mgr.save_sync(1, _state())
         capsys.readouterr()
         target = {"w": torch.zeros(300_000), "b": torch.zeros(7), "step": 0}

@@ -25,10 +25,12 @@ def blank() -> dict:
     return {"w": torch.full((8, 8), -1.0), "step": -1}
 
 
-def manager(tmp_path, **kw) -> ckptfs.CheckpointManager:
-    args = dict(local_dir=tmp_path / "local", local_interval_steps=1, save_interval_steps=5,
-                keep_local=2, preemption=ckptfs.PreemptionPolicy(signals=()))
-    return ckptfs.CheckpointManager(tmp_path / "ckpt", **{**args, **kw})
+def manager(tmp_path, *, writer: str = "thread", **tiers) -> ckptfs.CheckpointManager:
+    tiers = {"local_dir": tmp_path / "local", "local_interval_steps": 1, "keep_local": 2, **tiers}
+    return ckptfs.CheckpointManager(tmp_path / "ckpt", ckptfs.ManagerOptions(
+        tiers=ckptfs.TierOptions(**tiers), save_interval_steps=5,
+        save=ckptfs.SaveOptions(asynchronous=ckptfs.AsyncOptions(writer=writer)),
+        preemption=ckptfs.PreemptionPolicy(signals=())))
 
 
 def local_steps(tmp_path) -> list[int]:
@@ -91,7 +93,7 @@ def test_an_explicit_step_that_is_neither_committed_nor_held_is_named(tmp_path):
     (dict(replicas=-1), "replicas"),
     (dict(keep_local=0), "keep_local"),
     (dict(local_dir=None), "local_interval_steps needs local_dir"),
-    (dict(writer="process"), "local_interval_steps needs writer='thread'"),
+    (dict(writer="process"), "local_interval_steps needs save.asynchronous.writer='thread'"),
     (dict(failure_domain=3), "failure_domain must be a str"),
 ])
 def test_settings_are_checked(tmp_path, kw, field):

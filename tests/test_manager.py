@@ -87,8 +87,7 @@ class Run:
 def retention(rank: int, world: int, run: Run) -> None:
     """Retention over 20 steps: keep_last=3, keep_every=5; async saves, tensors changed as soon as
     `staged`; after each commit the committed steps are exactly the kept ones."""
-    run.mgr = ckptfs.CheckpointManager(run.url, local_dir=run.local, retention=ckptfs.Retention(keep_last=3, keep_every=5),
-                                       storage_options=run.opts, preemption=ckptfs.PreemptionPolicy(signals=()))
+    run.mgr = ckptfs.CheckpointManager(run.url, ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=run.local), retention=ckptfs.Retention(keep_last=3, keep_every=5), preemption=ckptfs.PreemptionPolicy(signals=())), storage_options=run.opts)
     assert run.mgr.latest_step() is None and run.mgr.restore(blank(rank, world)) is None
     sd = state(rank, world, 1)
     for step in range(1, 21):
@@ -171,7 +170,7 @@ def local_fallback(rank: int, world: int, run: Run) -> None:
 def preemption(rank: int, world: int, run: Run) -> None:
     """SIGTERM on rank 1 at a moment of its own: both ranks save the same step, synchronously, then
     leave with SystemExit(128 + SIGTERM); the training loop runs a collective per step."""
-    mgr = ckptfs.CheckpointManager(run.url2, storage_options=run.opts, save_interval_steps=1000)
+    mgr = ckptfs.CheckpointManager(run.url2, ckptfs.ManagerOptions(save_interval_steps=1000), storage_options=run.opts)
     sd = state(rank, world, 0)
     saved = None
     try:
@@ -193,7 +192,7 @@ def preemption(rank: int, world: int, run: Run) -> None:
     both = [None, None]
     dist.all_gather_object(both, saved)
     assert both[0] == both[1] and both[0] >= 5, both
-    check_mgr = ckptfs.CheckpointManager(run.url2, storage_options=run.opts, preemption=ckptfs.PreemptionPolicy(signals=()))
+    check_mgr = ckptfs.CheckpointManager(run.url2, ckptfs.ManagerOptions(preemption=ckptfs.PreemptionPolicy(signals=())), storage_options=run.opts)
     assert check_mgr.steps() == [saved]  # committed before SystemExit was raised
     target = blank(rank, world)
     assert check_mgr.restore(target) == saved
@@ -215,8 +214,7 @@ def one_process(url: str, local: str, opts: dict, proxy) -> None:
     that splits both saved shards (partial reads of local copies checked whole); every local
     copy but the two spoiled ones is intact: no GET of another data file."""
     proxy.reset()
-    mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts,
-                                   preemption=ckptfs.PreemptionPolicy(signals=()))
+    mgr = ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=local), preemption=ckptfs.PreemptionPolicy(signals=())), storage_options=opts)
     full = torch.arange(2 * ROWS * 4, dtype=torch.float32).reshape(2 * ROWS, 4) + 20000
     target = {"w": torch.zeros(2 * ROWS, 4), "b": torch.zeros(3), "step": -1}
     assert mgr.restore(target) == 20
@@ -296,7 +294,9 @@ import sys, time, torch, ckptfs
 url, local, endpoint, step = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
         "client_kwargs": {"region_name": "us-east-1"}}
-mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=opts, retention=ckptfs.Retention(keep_last=2))
+mgr = ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=local),
+                                                         retention=ckptfs.Retention(keep_last=2)),
+                               storage_options=opts)
 sd = lambda s: {"w": torch.arange(4096.0) + s, "step": s}
 for s in range(1, step):
     mgr.save_sync(s, sd(s))
@@ -351,8 +351,7 @@ def test_killed_during_save_and_persistence_restarts_at_last_persisted(tmp_path,
         for other in (0, step + 1):
             for f, data in ((LOCK_FILE, live), ("data/x", b"x")):
                 _s3_put(s3, f"killed{step}/step-{other:08d}/{f}", data)
-        mgr = ckptfs.CheckpointManager(url, local_dir=local, storage_options=s3.options,
-                                       retention=ckptfs.Retention(keep_last=2), preemption=ckptfs.PreemptionPolicy(signals=()))
+        mgr = ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=local), retention=ckptfs.Retention(keep_last=2), preemption=ckptfs.PreemptionPolicy(signals=())), storage_options=s3.options)
         assert mgr.latest_step() == step - 1, mgr.steps()
         target = {"w": torch.zeros(4096), "step": -1}
         assert mgr.restore(target) == step - 1

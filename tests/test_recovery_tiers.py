@@ -24,9 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 
 def manager(url: str, local: str) -> ckptfs.CheckpointManager:
-    return ckptfs.CheckpointManager(url, local_dir=local, local_interval_steps=2,
-                                    save_interval_steps=4, keep_local=2, replicas=1,
-                                    preemption=ckptfs.PreemptionPolicy(signals=()))
+    return ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=local, local_interval_steps=2, keep_local=2, replicas=1), save_interval_steps=4, preemption=ckptfs.PreemptionPolicy(signals=())))
 
 
 def as_node(rank: int, locals_: list[str]) -> str:

@@ -72,7 +72,7 @@ def writer_killed(rank: int, world: int, root: str) -> None:
     """Rank 1's writer is SIGKILLed while it writes: `done` fails on both ranks, nothing is
     committed, the previous checkpoint loads, and the next save runs on a new writer."""
     register_backend(SlowWrite.name, 1, SlowWrite, replace=True)
-    opts = ckptfs.SaveOptions(collective_timeout=TIMEOUT)
+    opts = ckptfs.SaveOptions(dist=ckptfs.DistOptions(collective_timeout=TIMEOUT))
     saver = defaults.default_saver("process")
     old = saver.writer_pid
     started = time.monotonic()
@@ -99,8 +99,7 @@ def writer_killed(rank: int, world: int, root: str) -> None:
 def manager(rank: int, world: int, root: str) -> None:
     """A CheckpointManager with writer="process" saves steps, keeps what retention says and
     restores the latest."""
-    m = ckptfs.CheckpointManager(f"{root}/mgr", writer="process",
-                                 retention=ckptfs.Retention(keep_last=1))
+    m = ckptfs.CheckpointManager(f"{root}/mgr", ckptfs.ManagerOptions(retention=ckptfs.Retention(keep_last=1), save=ckptfs.SaveOptions(asynchronous=ckptfs.AsyncOptions(writer="process"))))
     try:
         for step in (1, 2):
             m.save(step, state(rank, float(step))).result(timeout=60)

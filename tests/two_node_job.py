@@ -28,11 +28,12 @@ import ckptfs
 from tests.test_manager import blank, check, state
 
 
-def manager(url: str, local: str, **kw: Any) -> ckptfs.CheckpointManager:
-    args: dict[str, Any] = dict(local_interval_steps=2, save_interval_steps=4,
-                preemption=ckptfs.PreemptionPolicy(signals=()))
-    return ckptfs.CheckpointManager(url, local_dir=local, keep_local=2, replicas=1,
-                                    **{**args, **kw})
+def manager(url: str, local: str, *, local_interval_steps: int = 2, **kw: Any
+            ) -> ckptfs.CheckpointManager:
+    args: dict[str, Any] = dict(save_interval_steps=4, preemption=ckptfs.PreemptionPolicy(signals=()))
+    tiers = ckptfs.TierOptions(local_dir=local, local_interval_steps=local_interval_steps,
+                               keep_local=2, replicas=1)
+    return ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(tiers=tiers, **{**args, **kw}))
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_torch_dist.py",), k="not two_d and not two_to_three and not two_and_four"),
     Mutant("delete-index-last",
            "delete removes the data first and the index last",
-           (("manage.py",
+           (("deletion.py",
              "    if INDEX_FILE in files:\n        await store.delete([INDEX_FILE])\n"
              "    await store.delete([f for f in files if f != INDEX_FILE])\n",
              "    await store.delete([f for f in files if f != INDEX_FILE])\n"

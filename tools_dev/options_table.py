@@ -20,11 +20,18 @@ import ckptfs
 
 #: the classes, in the order of the table, with the layer each tunes
 CLASSES = (
-    (ckptfs.StoreOptions, "the store (`store_options=`)"),
-    (ckptfs.SaveOptions, "a save (`options=` of `save` / `async_save`, `save_options=` of the manager)"),
-    (ckptfs.LoadOptions, "a load (`options=` of `load` / `load_keys`, `load_options=` of the manager)"),
-    (ckptfs.Retention, "the manager's retention (`retention=`)"),
-    (ckptfs.PreemptionPolicy, "the manager's preemption saves (`preemption=`)"),
+    (ckptfs.StoreOptions, "the store (`store_options=`; `ManagerOptions.store`)"),
+    (ckptfs.SaveOptions, "a save (`options=` of `save` / `async_save`; `ManagerOptions.save`)"),
+    (ckptfs.LoadOptions, "a load (`options=` of `load` / `load_keys`; `ManagerOptions.load`)"),
+    (ckptfs.DistOptions, "what a save and a load share (`SaveOptions.dist`, `LoadOptions.dist`)"),
+    (ckptfs.AsyncOptions, "an asynchronous save's writer and staging bound "
+     "(`SaveOptions.asynchronous`; `writer=`, `host_memory_limit=`)"),
+    (ckptfs.HealthOptions, "a save's health checks (`SaveOptions.health`; `check_finite=`, "
+     "`stats=`)"),
+    (ckptfs.ManagerOptions, "a checkpoint manager (`CheckpointManager(url, options)`)"),
+    (ckptfs.Retention, "the manager's retention (`ManagerOptions.retention`)"),
+    (ckptfs.TierOptions, "the manager's recovery tiers (`ManagerOptions.tiers`)"),
+    (ckptfs.PreemptionPolicy, "the manager's preemption saves (`ManagerOptions.preemption`)"),
 )
 #: environment variables ckptfs reads, with what they set
 ENVIRONMENT = (
@@ -55,6 +62,8 @@ def comments(cls: type) -> dict[str, str]:
 
 
 def default_text(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:  # an option group
+        return f"{getattr(f.default_factory, '__name__', 'factory')}()"
     value = f.default
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
         for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

@@ -1,4 +1,4 @@
-"""Data type names of the format and their torch and safetensors equivalents."""
+"""Data type names of the format and their torch, safetensors and zarr equivalents."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _ALL}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _ALL}  #: for foreign headers
 NAMES: tuple[str, ...] = tuple(BY_NAME)
+#: ckptfs dtype name -> the name other zarr implementations give this ML data type, which
+#: zarr-python lacks (v2 ``dtype``, v3 ``data_type``; the zarr backends write it, and
+#: layout/backends/zarr_dtypes.py teaches zarr-python the types)
+ZARR_ML_NAMES: dict[str, str] = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
+                                 "float8_e5m2": "float8_e5m2"}
 
 
 def from_torch(dtype: torch.dtype, key: str = "?") -> DType:

@@ -11,11 +11,14 @@ in the background, preemption saves, restore that reshards (API layer, over the 
   recover.py     restoring a local step from the nearest intact copies
   promote.py     a local step (the preemption's) persisted at the URL after the fact
   health.py      the last good step
+  options.py     ``ManagerOptions`` and ``TierOptions``: the manager's settings, grouped
 """
 
 from ckptfs.manager.manager import CheckpointManager
+from ckptfs.manager.options import ManagerOptions, TierOptions
 from ckptfs.manager.preemption import PreemptionPolicy
 from ckptfs.manager.steps import Retention
 from ckptfs.manager.tier import RestoreResult
 
-__all__ = ["CheckpointManager", "PreemptionPolicy", "RestoreResult", "Retention"]
+__all__ = ["CheckpointManager", "ManagerOptions", "PreemptionPolicy", "RestoreResult", "Retention",
+           "TierOptions"]

@@ -1,5 +1,5 @@
-"""The manager's health policy: what each save checks and records (``Health``), and which
-committed step is the last known good one (``last_good``).
+"""The manager's health policy: which committed step is the last known good one
+(``last_good``); what each save checks and records is ``HealthOptions`` (engine/options.py).
 
 A step is *good* when its index reads and passes its own checksum (formats/README.md §6.2:
 every data file's size and CRC-32C are recorded in it) and every fingerprint it records
@@ -10,25 +10,12 @@ judged on its index alone; with ``check_finite=True`` no non-finite step is ever
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError
 from ckptfs.layout.index import Index
 
 #: ``restore(step=LAST_GOOD)`` restores ``last_good_step()``
 LAST_GOOD = "last_good"
-
-
-@dataclass(frozen=True, slots=True)
-class Health:
-    """What every save of a manager does besides saving (engine/health.py)."""
-
-    check_finite: bool = False  #: refuse a step holding NaN or infinity (NonFiniteError)
-    stats: bool = False  #: record every tensor's fingerprint in the index
-
-    @property
-    def flags(self) -> dict[str, bool]:
-        return {"check_finite": self.check_finite, "stats": self.stats}
 
 
 def is_good(index: Index) -> bool:

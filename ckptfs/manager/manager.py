@@ -19,13 +19,13 @@ import os
 import shutil
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from typing import Any
 
 from ckptfs.async_save import AsyncSave
+from ckptfs.deletion import delete_checkpoint
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.background import BackgroundSaver
 from ckptfs.engine.commit import claimed
@@ -33,69 +33,26 @@ from ckptfs.engine.errors import public_errors
 from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.lock import read_lock
-from ckptfs.engine.options import LoadOptions, SaveOptions
 from ckptfs.engine.pipeline import SaveRequest, clear_dead, local_options
 from ckptfs.engine.writer_process import new_saver
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError, ConfigError
-from ckptfs.io import Store, StoreOptions, open_store, run_sync
+from ckptfs.io import Store, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.index import Index
-from ckptfs.manage import delete_checkpoint
-from ckptfs.manager.health import LAST_GOOD, Health, last_good
+from ckptfs.manager.health import LAST_GOOD, last_good
+from ckptfs.manager.options import MOVED, ManagerOptions
 from ckptfs.manager.peers import Nodes
 from ckptfs.manager.peers import failure_domain as failure_domain_of
-from ckptfs.manager.preemption import Preemption, PreemptionPolicy
+from ckptfs.manager.preemption import Preemption
 from ckptfs.manager.promote import promote
 from ckptfs.manager.recover import Choice, choose, restore_local
 from ckptfs.manager.replicas import clear_local, drop_local, read_record, share_local
-from ckptfs.manager.steps import Listing, Retention, parse_step, read_listing, step_dir
+from ckptfs.manager.steps import Listing, parse_step, read_listing, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered
-from ckptfs.options import resolve_save
+from ckptfs.options import moved_keywords
 from ckptfs.save import SaveResult, health_hooks, make_backend
 
 log = logging.getLogger(__name__)
-
-#: the manager's flat policy keywords, deprecated: (policy, its field)
-_FLAT = {"keep_last": ("retention", "keep_last"), "keep_every": ("retention", "keep_every"),
-         "preemption_signals": ("preemption", "signals"),
-         "preemption_timeout": ("preemption", "timeout"),
-         "exit_on_preemption": ("preemption", "exit")}
-
-
-def policies(retention: Retention | None, preemption: PreemptionPolicy | None,
-             keywords: dict[str, Any]) -> tuple[Retention, PreemptionPolicy, dict[str, Any]]:
-    """The manager's retention and preemption policies, with the deprecated flat keywords
-    (``keep_last=``, ``preemption_signals=``, ...) folded in; returns the other keywords."""
-    groups: dict[str, dict[str, Any]] = {"retention": {}, "preemption": {}}
-    rest = {}
-    for name, value in keywords.items():
-        if name not in _FLAT:
-            rest[name] = value
-            continue
-        group, field = _FLAT[name]
-        cls = "Retention" if group == "retention" else "PreemptionPolicy"
-        warnings.warn(f"CheckpointManager({name}=...) is deprecated and will be removed in the "
-                      f"next minor version: use {group}=ckptfs.{cls}({field}=...)",
-                      DeprecationWarning, stacklevel=3)
-        groups[group][field] = value
-    retention = replace(retention or Retention(), **groups["retention"])
-    preemption = replace(preemption or PreemptionPolicy(), **groups["preemption"])
-    return retention, preemption, rest
-
-
-def local_tiers(local_dir: str | None, interval: int | None, replicas: int,
-                keep_local: int) -> tuple[int | None, int, int]:
-    """The local steps' settings, checked."""
-    for name, value, low in (("local_interval_steps", interval, 1), ("replicas", replicas, 0),
-                             ("keep_local", keep_local, 1)):
-        if value is None and name == "local_interval_steps":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"CheckpointManager: {name} must be an int >= {low}, got {value!r}")
-    if interval is not None and local_dir is None:
-        raise ConfigError("CheckpointManager: local_interval_steps needs local_dir (the node-local "
-                          "tier local steps are written to)")
-    return interval, replicas, keep_local
 
 
 class CheckpointManager:
@@ -105,79 +62,68 @@ class CheckpointManager:
     together; ``steps``, ``latest_step`` and ``metadata`` read storage and may be called by any
     rank alone.
 
+    ``options`` (``ManagerOptions``, manager/options.py) group what it is told:
+
     - ``retention=Retention(keep_last=K, keep_every=N)`` keeps the K newest committed steps
       (None: all) and every step divisible by N. Older steps are deleted (index first) by the
       save that committed a newer one, never the newest committed one or one being written.
-    - ``local_dir`` (node-local disk or ``/dev/shm``): each rank's files are written there
-      first, then copied to ``url`` in the background; ``restore`` reads the local copies that
-      match the committed index and fetches the rest from ``url``. Ranks of a node may share it.
+    - ``tiers=TierOptions(local_dir=...)`` (node-local disk or ``/dev/shm``): each rank's files
+      are written there first, then copied to ``url`` in the background; ``restore`` reads the
+      local copies that match the committed index and fetches the rest from ``url``. Ranks of a
+      node may share it.
     - ``save_interval_steps=N``: ``should_save(step)`` is True when N divides ``step``.
-    - ``local_interval_steps=N`` (with ``local_dir``): ``should_save`` is also True when N
-      divides ``step``, and ``save`` of such a step (not one of ``save_interval_steps``) is a
-      local step: written to the nodes' local tiers only, each node's files copied to
-      ``replicas`` other nodes in the background, nodes of other failure domains first
-      (``failure_domain``, else ``$CKPTFS_FAILURE_DOMAIN``: a rack, a power feed); the newest
-      ``keep_local`` are kept (docs/guide/recovery-tiers.md). ``restore`` picks the newest
-      step it can restore intact from the local tiers of the nodes present or from the URL.
+    - ``tiers=TierOptions(local_interval_steps=N)`` (with ``local_dir``): ``should_save`` is
+      also True when N divides ``step``, and ``save`` of such a step (not one of
+      ``save_interval_steps``) is a local step: written to the nodes' local tiers only, each
+      node's files copied to ``replicas`` other nodes in the background, nodes of other failure
+      domains first (``failure_domain``, else ``$CKPTFS_FAILURE_DOMAIN``: a rack, a power
+      feed); the newest ``keep_local`` are kept (docs/guide/recovery-tiers.md). ``restore``
+      picks the newest step it can restore intact from the local tiers of the nodes present or
+      from the URL.
     - ``preemption=PreemptionPolicy(...)``: the signals whose notice triggers a save agreed by
       every rank (default SIGTERM, SIGUSR1), and whether the ranks exit after it.
-    - ``save_options`` / ``load_options`` / ``store_options`` tune its saves, restores and store
-      as they tune ``save`` and ``load``; ``saver``: the ``BackgroundSaver`` its saves run on
-      (default: one of its own, closed with it); ``writer``: the kind of that saver,
-      ``"thread"`` or ``"process"`` (``ckptfs.async_save``'s ``writer``);
-      ``host_memory_limit``: ``SaveOptions.host_memory_limit`` for its saves.
+    - ``save`` / ``load`` / ``store`` (``SaveOptions``, ``LoadOptions``, ``StoreOptions``) tune
+      its saves, restores and store as they tune ``save`` and ``load``;
+      ``save.asynchronous.writer``: the kind of its saver, ``"thread"`` or ``"process"``
+      (``ckptfs.async_save``'s ``writer``); ``save.health``: ``check_finite`` / ``stats`` as
+      for ``ckptfs.save``: a step holding NaN or infinity is not committed and the previous one
+      stays the latest (docs/health.md).
     - ``progress``: rank 0 shows the bytes each save writes and each restore reads (a bar on a
       terminal, one summary line in a log).
-    - ``check_finite`` / ``stats``: as for ``ckptfs.save``; a step holding NaN or infinity is
-      not committed and the previous one stays the latest (docs/health.md).
+
+    ``saver``: the ``BackgroundSaver`` its saves run on (default: one of its own of
+    ``save.asynchronous.writer``'s kind, closed with it). A keyword it took before
+    ``ManagerOptions`` is refused with ``TypeError`` naming where it lives now.
     """
 
-    def __init__(self, url: str | os.PathLike, *, local_dir: str | os.PathLike | None = None,
-                 retention: Retention | None = None,
+    @moved_keywords("CheckpointManager", MOVED)
+    def __init__(self, url: str | os.PathLike, options: ManagerOptions | None = None, *,
                  backend: str = "safetensors_chunks", backend_version: int | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  process_group: ProcessGroup | None = None,
-                 save_interval_steps: int | None = None,
-                 preemption: PreemptionPolicy | None = None,
-                 store_options: StoreOptions | None = None,
-                 save_options: SaveOptions | None = None,
-                 load_options: LoadOptions | None = None,
-                 saver: BackgroundSaver | None = None, check_finite: bool = False,
-                 stats: bool = False, progress: bool = False, writer: str = "thread",
-                 host_memory_limit: int | None = None,
-                 local_interval_steps: int | None = None, replicas: int = 1,
-                 keep_local: int = 2, failure_domain: str | None = None,
-                 **deprecated: Any) -> None:
+                 saver: BackgroundSaver | None = None) -> None:
         self.url = os.fspath(url).rstrip("/")
-        self.local_dir = os.path.abspath(os.fspath(local_dir)) if local_dir is not None else None
-        self.local_interval_steps, self.replicas, self.keep_local = local_tiers(
-            self.local_dir, local_interval_steps, replicas, keep_local)
+        self.options = opts = options if options is not None else ManagerOptions()
+        if not isinstance(opts, ManagerOptions):
+            raise ConfigError(f"CheckpointManager: options must be a ckptfs.ManagerOptions, got "
+                              f"{opts!r}")
+        tiers = opts.tiers
+        self.local_dir = os.path.abspath(tiers.local_dir) if tiers.local_dir is not None else None
+        self.local_interval_steps = tiers.local_interval_steps
+        self.replicas, self.keep_local = tiers.replicas, tiers.keep_local
         #: this rank's failure domain (manager/peers.py): local steps' copies go to others first
-        self.failure_domain = failure_domain_of(failure_domain)
-        if local_interval_steps is not None and writer != "thread":
-            # a local step's copies to other nodes travel over this process's group
-            raise ConfigError(f"CheckpointManager: local_interval_steps needs writer='thread', "
-                              f"got writer={writer!r}")
-        self.retention, self.preemption, deprecated = policies(retention, preemption, deprecated)
-        if save_interval_steps is not None and (not isinstance(save_interval_steps, int)
-                                                or save_interval_steps < 1):
-            raise ConfigError(f"CheckpointManager: save_interval_steps must be a positive int or "
-                              f"None, got {save_interval_steps!r}")
-        self.save_interval_steps = save_interval_steps
+        self.failure_domain = failure_domain_of(tiers.failure_domain)
+        self.retention, self.preemption = opts.retention, opts.preemption
+        self.save_interval_steps = opts.save_interval_steps
         self.storage_options = storage_options
         self.process_group = process_group
-        self.save_options, self.store_options = resolve_save(
-            save_options, store_options, deprecated, "CheckpointManager")
-        if host_memory_limit is not None:
-            self.save_options = replace(self.save_options, host_memory_limit=host_memory_limit)
-        self.load_options = load_options or LoadOptions(
-            collective_timeout=self.save_options.collective_timeout)
+        self.save_options, self.store_options = opts.save, opts.store
+        self.load_options = opts.load_options
         #: runs this manager's saves (its own, on a lane named by the URL, unless one is given)
-        self.saver = saver or new_saver(writer, f"background:{self.url}")
+        self.saver = saver or new_saver(opts.save.writer, f"background:{self.url}")
         self._owns_saver = saver is None
-        self.health = Health(check_finite, stats)  #: what each save checks and records
-        self.progress = progress  #: rank 0 shows the bytes its saves write and restores read
+        self.progress = opts.progress  #: rank 0 shows the bytes its saves write and restores read
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
             self._backend = make_backend(backend, backend_version, backend_options)
@@ -189,7 +135,7 @@ class CheckpointManager:
         self._store: Store | None = None  # the URL's store, opened once, shared by every step
         self._store_lock = threading.Lock()
         self.last_restore: RestoreResult | None = None  #: what this rank's last restore read
-        self.preempted = False  #: the preemption save is committed (exit_on_preemption=False)
+        self.preempted = False  #: the preemption save is committed (PreemptionPolicy(exit=False))
 
     # -- where things are ------------------------------------------------------------------
     def _url(self, name: str) -> str:
@@ -335,7 +281,7 @@ class CheckpointManager:
                            started=started)
 
     def _hooks(self) -> tuple[SaveHook, ...]:
-        return health_hooks(self.health.check_finite, self.health.stats)
+        return health_hooks(self.save_options)
 
     def _retained(self, result: SaveResult, comm: Comm) -> SaveResult:
         """After a step's commit: retention (``_retain``)."""

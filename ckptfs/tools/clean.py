@@ -35,7 +35,7 @@ from ckptfs.errors import CheckpointNotFoundError, CkptfsError, SaveInProgressEr
 from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index
-from ckptfs.options import IOConfig, resolve_store
+from ckptfs.options import REMOVED, moved_keywords
 
 _SAVE_DIR = re.compile(r"data/([0-9a-f]{12})/")
 #: a create-if-absent's temp file on local disk (io/local_store.py), left by a crash
@@ -180,9 +180,9 @@ class CleanResult:
                 "dry_run": self.dry_run, "summary": self.summary, "seconds": round(self.seconds, 3)}
 
 
+@moved_keywords("clean", REMOVED["store"])
 def clean(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
-          store_options: StoreOptions | None = None,
-          io_config: IOConfig | None = None, dry_run: bool = False,
+          store_options: StoreOptions | None = None, dry_run: bool = False,
           force: bool = False) -> CleanResult:
     """Remove the leftovers of interrupted or failed saves at ``url`` (see ``survey``); a
     committed checkpoint and its files, nested checkpoints and unrecognised files stay. Refuses
@@ -191,7 +191,7 @@ def clean(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None =
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        store = run_sync(open_store(url, storage_options, resolve_store(store_options, io_config)))
+        store = run_sync(open_store(url, storage_options, store_options))
         try:
             s = survey(store)
             if s.lock_fresh and s.leftovers and not force:

@@ -33,7 +33,7 @@ from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, Index
 from ckptfs.layout.plan import TensorPlan
-from ckptfs.options import IOConfig, resolve_store
+from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.planning.save_plan import plan_boxes
 from ckptfs.save import make_backend
 from ckptfs.tools.source import (
@@ -62,12 +62,12 @@ class ConvertResult:
     seconds: float
 
 
+@moved_keywords("convert", REMOVED["store"])
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
             backend_version: int | None = None, backend_options: Mapping[str, Any] | None = None,
             overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,
-            store_options: StoreOptions | None = None,
-            io_config: IOConfig | None = None, buffer_bytes: int = DEFAULT_BUFFER,
+            store_options: StoreOptions | None = None, buffer_bytes: int = DEFAULT_BUFFER,
             verify: bool = True, progress: bool = False) -> ConvertResult:
     """Write the checkpoint at ``src`` to ``dst`` with ``backend`` (``backend_version`` None:
     the newest registered). One process, no process group. ``dst_storage_options`` default to
@@ -78,9 +78,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, backend: str,
         raise UsageError(f"convert: source and destination are the same ({src})")
     with public_errors(dst):
         be = make_backend(backend, backend_version, backend_options)
-        with open_checkpoint(src, storage_options, resolve_store(store_options, io_config)) as source:
+        with open_checkpoint(src, storage_options, store_options) as source:
             store = run_sync(open_store(dst, storage_options if dst_storage_options is None
-                                        else dst_storage_options, resolve_store(store_options, io_config)))
+                                        else dst_storage_options, store_options))
             try:
                 index = _convert(source, be, store, overwrite, buffer_bytes, verify, progress)
             finally:

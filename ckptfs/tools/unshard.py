@@ -36,7 +36,7 @@ from ckptfs.io.open import split_protocol
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.keys import encode_component
 from ckptfs.layout.values import decode_value
-from ckptfs.options import IOConfig, resolve_store
+from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.state.flatten import unflatten
 from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
 from ckptfs.tools.source import (
@@ -80,11 +80,11 @@ class _FilePlan:
     nested: bool  #: a torch one_file file (the nested state dict) rather than a flat one
 
 
+@moved_keywords("unshard", REMOVED["store"])
 def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "safetensors",
             strategy: str = "one_file", chunk_size: int | None = None,
             keys: Iterable[str | tuple] | None = None, overwrite: bool = False,
             storage_options: Mapping[str, Any] | None = None, store_options: StoreOptions | None = None,
-            io_config: IOConfig | None = None,
             buffer_bytes: int = DEFAULT_BUFFER, verify: bool = True,
             progress: bool = False) -> UnshardResult:
     """Write the whole (unsharded) tensors of the checkpoint at ``url`` (any backend, or a
@@ -94,7 +94,6 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
     t0 = time.perf_counter()
     _check_args(format, strategy, chunk_size, out_dir)
     out = Path(os.fspath(out_dir))
-    store_options = resolve_store(store_options, io_config)
     with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src:
         sel = select(src.index, keys, src.url)
         _check_values(sel, format, strategy)

@@ -38,7 +38,7 @@ from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index, TensorEntry, sealed_checksum
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
-from ckptfs.options import IOConfig, resolve_store
+from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.tools.clean import survey
 from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, batches, progress_bar, read_regions
 
@@ -126,9 +126,9 @@ class VerifyReport:
                 "problems": [p.to_dict() for p in self.problems]}
 
 
+@moved_keywords("verify", REMOVED["store"])
 def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
-           store_options: StoreOptions | None = None,
-           io_config: IOConfig | None = None, checksums: bool = True,
+           store_options: StoreOptions | None = None, checksums: bool = True,
            buffer_bytes: int = DEFAULT_BUFFER, progress: bool = False) -> VerifyReport:
     """Check the checkpoint at ``url`` and return every problem found (never raises for a
     damaged checkpoint; a missing one is a problem of kind "index"). ``checksums=False`` skips
@@ -137,7 +137,7 @@ def verify(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None 
     t0 = time.perf_counter()
     url = os.fspath(url)
     with public_errors(url):
-        store = run_sync(open_store(url, storage_options, resolve_store(store_options, io_config)))
+        store = run_sync(open_store(url, storage_options, store_options))
         try:
             return _verify(url, store, checksums, buffer_bytes, progress, t0)
         finally:

@@ -18,13 +18,13 @@ import logging
 import ml_dtypes
 import numpy as np
 
-from ckptfs.layout.backends.zarr_meta import ML_NAMES
+from ckptfs.layout.dtypes import ZARR_ML_NAMES
 
 log = logging.getLogger(__name__)
 
 #: ckptfs dtype name -> (zarr name, used in v2 ``dtype`` and v3 ``data_type``; numpy dtype)
 ML_DTYPES: dict[str, tuple[str, np.dtype]] = {
-    name: (zarr_name, np.dtype(getattr(ml_dtypes, name))) for name, zarr_name in ML_NAMES.items()}
+    name: (zarr_name, np.dtype(getattr(ml_dtypes, name))) for name, zarr_name in ZARR_ML_NAMES.items()}
 
 #: per-process: whether zarr-python's registry took the types (it is itself per process)
 _registered: bool | None = None

@@ -20,7 +20,7 @@ from ckptfs.errors import UnsupportedValueError
 from ckptfs.io.optional import import_optional
 from ckptfs.layout.backends.zarr_codecs import CodecOptions, ZarrFormat
 from ckptfs.layout.backends.zarr_paths import join
-from ckptfs.layout.dtypes import BY_NAME
+from ckptfs.layout.dtypes import BY_NAME, ZARR_ML_NAMES
 
 Json = Any
 
@@ -31,20 +31,16 @@ _NATIVE: dict[str, np.dtype] = {
     "float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
     "complex64": np.dtype("<c8"),
 }
-#: ckptfs dtype name -> the name other zarr implementations give this ML data type, which
-#: zarr-python lacks (v2 ``dtype``, v3 ``data_type``; zarr_dtypes teaches zarr-python them)
-ML_NAMES: dict[str, str] = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
-                            "float8_e5m2": "float8_e5m2"}
 #: v2 ``dtype`` strings ckptfs reads (little-endian or single-byte), to ckptfs names
 V2_DTYPES: dict[str, str] = {
     **{np.dtype(d).str: n for n, d in _NATIVE.items()},
-    **{zname: n for n, zname in ML_NAMES.items()},
+    **{zname: n for n, zname in ZARR_ML_NAMES.items()},
 }
 
 
 def standin_dtype(name: str) -> np.dtype:
     """The numpy dtype zarr-python creates an array of ckptfs dtype ``name`` with."""
-    if name in ML_NAMES:
+    if name in ZARR_ML_NAMES:
         return np.dtype(f"<u{BY_NAME[name].itemsize}")
     return _NATIVE[name]
 
@@ -164,8 +160,8 @@ class MetadataBuilder:
                           zarr_format=self.zarr_format, **kwargs)
         meta = ".zarray" if self.zarr_format == 2 else "zarr.json"
         doc = json.loads(backing[meta].to_bytes())
-        if layout.dtype in ML_NAMES:
-            doc["dtype" if self.zarr_format == 2 else "data_type"] = ML_NAMES[layout.dtype]
+        if layout.dtype in ZARR_ML_NAMES:
+            doc["dtype" if self.zarr_format == 2 else "data_type"] = ZARR_ML_NAMES[layout.dtype]
         return doc
 
 

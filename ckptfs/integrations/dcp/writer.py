@@ -37,14 +37,19 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
-from ckptfs.dcp import assemble
-from ckptfs.dcp.fs_args import WriterArgs, exists_error, keeps_old_index, map_writer_args
-from ckptfs.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.engine.commit import Claim, _claim
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.lock import LockInfo, Renewal, read_lock
 from ckptfs.engine.pipeline import write_chunks
 from ckptfs.errors import CheckpointExistsError, CkptfsError, SaveInProgressError
+from ckptfs.integrations.dcp import assemble
+from ckptfs.integrations.dcp.fs_args import (
+    WriterArgs,
+    exists_error,
+    keeps_old_index,
+    map_writer_args,
+)
+from ckptfs.integrations.dcp.items import ItemWritten, StoredChunks, item_key, item_paths
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.backends.torch_dist_keys import expand_value

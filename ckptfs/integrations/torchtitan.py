@@ -27,7 +27,7 @@ from ckptfs.dist import Comm
 from ckptfs.errors import ConfigError, MismatchError
 from ckptfs.load import load
 from ckptfs.manager import CheckpointManager as _CkptfsManager
-from ckptfs.manager import Retention
+from ckptfs.manager import ManagerOptions, Retention
 from ckptfs.manager.steps import step_dir
 from ckptfs.metadata import load_metadata
 from ckptfs.state.flatten import PerRank
@@ -110,7 +110,7 @@ class CheckpointManager(BaseCheckpointManager):
         self.staging_future: Future | None = None
         keep = config.keep_latest_k or None
         #: the ckptfs manager holding the steps (ckptfs.CheckpointManager)
-        self.manager = _CkptfsManager(self.folder, retention=Retention(keep_last=keep),
+        self.manager = _CkptfsManager(self.folder, ManagerOptions(retention=Retention(keep_last=keep)),
                                       backend=config.backend,
                                       storage_options=config.storage_options or None)
 

@@ -36,12 +36,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from ckptfs.dcp import StorageReader, StorageWriter
 from ckptfs.dist import Comm
 from ckptfs.errors import CkptfsError, ConfigError, MissingKeysError, UnsupportedValueError, UsageError
+from ckptfs.integrations.dcp import StorageReader, StorageWriter
+from ckptfs.integrations.megatron_parts import Part, Parts, empty_range, load_part, saved_part
 from ckptfs.layout.backends.torch_dist_keys import expand_value
 from ckptfs.layout.keys import decode_key, encode_key
-from ckptfs.megatron_parts import Part, Parts, empty_range, load_part, saved_part
 from ckptfs.metadata import load_metadata
 
 try:

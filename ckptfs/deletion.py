@@ -1,4 +1,4 @@
-"""Checkpoint housekeeping: delete."""
+"""Deleting a checkpoint: ``ckptfs.delete``, the index first (un-commit), then the rest."""
 
 from __future__ import annotations
 
@@ -10,19 +10,17 @@ from ckptfs.engine.errors import public_errors
 from ckptfs.errors import CheckpointNotFoundError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.index import INDEX_FILE
-from ckptfs.options import IOConfig, resolve_store
+from ckptfs.options import REMOVED, moved_keywords
 
 
+@moved_keywords("delete", REMOVED["store"])
 def delete(url: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
-           missing_ok: bool = False, store_options: StoreOptions | None = None,
-           io_config: IOConfig | None = None) -> int:
+           missing_ok: bool = False, store_options: StoreOptions | None = None) -> int:
     """Remove the checkpoint at ``url``: the index first (un-commit), then every file under the
     root (on S3: bulk DeleteObjects). Returns the number of files removed."""
 
-    opts = resolve_store(store_options, io_config)
-
     async def go() -> int:
-        store = await open_store(url, storage_options, opts)
+        store = await open_store(url, storage_options, store_options)
         try:
             return await delete_checkpoint(store, missing_ok=missing_ok)
         finally:

@@ -40,12 +40,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ckptfs.dcp.items import is_opaque
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.options import LoadOptions
 from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.errors import MissingKeysError
+from ckptfs.integrations.dcp.items import is_opaque
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.layout.backends.torch_dist_keys import dcp_leaves
 from ckptfs.layout.boxes import Box, full_box

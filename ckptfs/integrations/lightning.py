@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from ckptfs.deletion import delete
 from ckptfs.dist.solo import solo_group
 from ckptfs.errors import ConfigError, UsageError
 from ckptfs.io import StoreOptions
 from ckptfs.load import load_keys
-from ckptfs.manage import delete
 from ckptfs.save import save
 
 try:

@@ -11,7 +11,7 @@ of DCP's read items. ``items.py`` holds the values passed between the ranks and 
 them by name) and holds DCP's ``overwrite`` semantics.
 """
 
-from ckptfs.dcp.reader import StorageReader
-from ckptfs.dcp.writer import StorageWriter
+from ckptfs.integrations.dcp.reader import StorageReader
+from ckptfs.integrations.dcp.writer import StorageWriter
 
 __all__ = ["StorageReader", "StorageWriter"]

@@ -13,14 +13,14 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptfs.dcp.fs_args import uncommit_replaced
-from ckptfs.dcp.items import OPAQUE, ItemWritten, Path
 from ckptfs.engine.commit import Claim
 from ckptfs.engine.commit import abandon as _abandon
 from ckptfs.engine.pipeline import commit_written, prepare_layout
 from ckptfs.engine.stage import IndexContent
 from ckptfs.engine.write import Written, WrittenRank
 from ckptfs.errors import CkptfsError
+from ckptfs.integrations.dcp.fs_args import uncommit_replaced
+from ckptfs.integrations.dcp.items import OPAQUE, ItemWritten, Path
 from ckptfs.io import Store, run_sync
 from ckptfs.layout.backend import Backend
 from ckptfs.layout.backends.torch_dist_keys import containers_of_paths
