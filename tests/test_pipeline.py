@@ -35,7 +35,8 @@ def test_no_composer_runs_a_phase_of_the_save_itself():
     """The modules that composed stage, write and commit by hand now run the pipeline: none
     imports a phase function of the engine's save."""
     composers = ["save.py", "async_save.py", "manager/manager.py", "manager/tier.py",
-                 "manager/replicas.py", "dcp/assemble.py", "dcp/writer.py", "tools/convert.py"]
+                 "manager/replicas.py", "integrations/dcp/assemble.py", "integrations/dcp/writer.py",
+                 "tools/convert.py"]
     phases = {"stage", "write", "write_rank", "commit", "build_index", "commit_index",
               "replace_target", "check_staged"}
     found = []
@@ -155,8 +156,9 @@ def test_the_writer_process_imports_nothing_above_the_engine(tmp_path):
     try:
         ckptfs.async_save({"w": torch.ones(64), "n": 1}, tmp_path / "a", saver=saver,
                           writer="process", check_finite=True, stats=True).result(120)
-        with ckptfs.CheckpointManager(tmp_path / "m", saver=saver, writer="process",
-                                      check_finite=True) as m:
+        opts = ckptfs.ManagerOptions(save=ckptfs.SaveOptions().with_shortcuts(
+            writer="process", check_finite=True))
+        with ckptfs.CheckpointManager(tmp_path / "m", opts, saver=saver) as m:
             m.save_sync(1, {"w": torch.zeros(3)})
         modules = saver.writer_modules()
     finally:
