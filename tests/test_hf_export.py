@@ -1,0 +1,159 @@
+"""Hugging Face export spread over the ranks: a tiny Llama (transformers, random weights, made
+here) sharded with FSDP2 on spawned gloo ranks is exported from its live state
+(``ckptfs.export_hf``, cast to bf16, names through a key mapping) and from a ckptfs checkpoint
+(``ckptfs.unshard --format hf``, every rank writing its share of the files). ``transformers``'
+``from_pretrained`` loads every export equal to the full tensors; 1, 2 and 3 ranks write the
+same bytes; an interrupted export resumes; the CLI under ``torchrun`` shares the work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfs
+from ckptfs.testing.ranks import run_ranks
+from ckptfs.tools.unshard import PARTIAL, assign_files
+
+transformers = pytest.importorskip("transformers")  # the `test` extra
+
+CHUNK = 16_000  #: bytes per file: the tiny Llama's fp32 weights (90 kB) make 7 files
+
+
+def tiny_llama(seed: int = 0):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def sharded_llama():
+    """The tiny Llama with FSDP2 over every rank (each layer, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _native(name: str) -> str:
+    """A training code's own names (without the ``model.`` prefix) ..."""
+    return name.removeprefix("model.")
+
+
+def _to_hf(name: str) -> str:
+    """... and the key mapping back to Hugging Face's."""
+    return name if name.startswith("lm_head") else f"model.{name}"
+
+
+def _world(rank: int, world: int, root: str) -> None:
+    model = sharded_llama()
+    sd = model.state_dict()
+    assert all(type(v).__name__ == "DTensor" for v in sd.values())
+    r = ckptfs.export_hf(sd, f"{root}/live-fp32-{world}", max_shard_size=CHUNK)
+    assert r.ranks == world and r.files[-1] == "model.safetensors.index.json"
+    ckptfs.export_hf({_native(k): v for k, v in sd.items()}, f"{root}/live-bf16-{world}",
+                     key_mapping=_to_hf, dtype=torch.bfloat16, max_shard_size=CHUNK)
+    if world == 2:
+        ckptfs.save({"model": sd}, f"{root}/ckpt")
+    ckptfs.unshard(f"{root}/ckpt", f"{root}/ckpt-{world}", format="hf", strategy="chunks",
+                   chunk_size=CHUNK, keys=["model"])
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def same_weights(d: Path, want: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    tiny_llama().config.save_pretrained(d)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(d, torch_dtype=dtype).state_dict()
+    assert loaded.keys() == want.keys()
+    bad = [k for k, v in want.items() if not (loaded[k].dtype == dtype and torch.equal(loaded[k], v.to(dtype)))]
+    assert not bad, f"{d.name}: {bad[:3]} differ"
+
+
+@pytest.mark.slow
+def test_live_and_checkpoint_exports_on_1_2_and_3_ranks(tmp_path):
+    run_ranks(2, _world, str(tmp_path), timeout=300)
+    run_ranks(3, _world, str(tmp_path), timeout=300)
+    one = ckptfs.unshard(tmp_path / "ckpt", tmp_path / "ckpt-1", format="hf", strategy="chunks",
+                         chunk_size=CHUNK, keys=["model"])
+    assert one.ranks == 1 and len(one.files) == 7 + 1
+    want = tiny_llama().state_dict()
+    ref = files(tmp_path / "ckpt-1")
+    for d in ("ckpt-2", "ckpt-3", "live-fp32-2", "live-fp32-3"):  # the same bytes, any route
+        assert files(tmp_path / d) == ref, d
+    assert files(tmp_path / "live-bf16-2") == files(tmp_path / "live-bf16-3")
+    index = json.loads((tmp_path / "live-bf16-2" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3  # bf16: half the bytes
+    same_weights(tmp_path / "ckpt-2", want, torch.float32)
+    same_weights(tmp_path / "live-bf16-3", want, torch.bfloat16)
+    assert not any((tmp_path / d / PARTIAL).exists() for d in ("ckpt-2", "live-bf16-2"))
+
+
+def test_files_go_to_ranks_balanced_by_bytes():
+    assert assign_files([10, 50, 30, 30], 2) == [0, 0, 1, 1]  # largest first: 50+10 | 30+30
+    assert assign_files([10, 50, 30, 30], 1) == [0, 0, 0, 0]
+    assert sorted(assign_files([5] * 6, 3)) == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    ckptfs.save({"model": tiny_llama().state_dict()}, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_an_interrupted_export_resumes_or_is_overwritten(checkpoint, tmp_path):
+    def export(out: Path, **kw) -> ckptfs.UnshardResult:
+        return ckptfs.unshard(checkpoint, out, format="hf", strategy="chunks", chunk_size=CHUNK,
+                              keys=["model"], **kw)
+
+    ref = files(tmp_path / "ref") if export(tmp_path / "ref") else {}
+    out = tmp_path / "out"
+    export(out)
+    # interrupted: the index never written, one file lost, another left half-written
+    (out / "model.safetensors.index.json").unlink()
+    (out / "model-00003-of-00007.safetensors").unlink()
+    (out / PARTIAL).mkdir()
+    (out / PARTIAL / "model-00003-of-00007.safetensors").write_bytes(b"x" * 100)
+    torn = out / "model-00005-of-00007.safetensors"
+    torn.write_bytes(torn.read_bytes()[:-4] + b"\0\0\0\0")  # same size, header intact: kept as is
+    short = out / "model-00006-of-00007.safetensors"
+    short.write_bytes(short.read_bytes()[:-1])  # a size that is not the planned one: rewritten
+    with pytest.raises(ckptfs.CheckpointExistsError, match="--resume"):
+        export(out)
+    res = export(out, resume=True)
+    assert sorted(res.kept) == [f"model-0000{i}-of-00007.safetensors" for i in (1, 2, 4, 5, 7)]
+    got = files(out)
+    assert got.keys() == ref.keys() and not (out / PARTIAL).exists()
+    assert [n for n in ref if got[n] != ref[n]] == ["model-00005-of-00007.safetensors"]
+    res = export(out, overwrite=True)
+    assert res.kept == () and files(out) == ref
+    with pytest.raises(ckptfs.UsageError, match="resume"):
+        ckptfs.unshard(checkpoint, tmp_path / "t", format="torch", resume=True)
+
+
+@pytest.mark.slow
+def test_the_cli_under_torchrun_shares_the_files(checkpoint, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "ckptfs", "unshard", str(checkpoint), str(out), "--format", "hf",
+           "--strategy", "chunks", "--chunk-size", str(CHUNK), "--keys", "model"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("unsharded")]
+    assert len(lines) == 1 and "on 2 rank(s)" in lines[0], done.stdout
+    summaries = [ln for ln in done.stderr.splitlines() if ln.startswith("ckptfs unshard")]
+    assert len(summaries) == 1 and "(2 rank(s))" in summaries[0], done.stderr[-3000:]
+    ckptfs.unshard(checkpoint, tmp_path / "one", format="hf", strategy="chunks", chunk_size=CHUNK,
+                   keys=["model"])
+    assert files(out) == files(tmp_path / "one")
