@@ -3,7 +3,12 @@ here) sharded with FSDP2 on spawned gloo ranks is exported from its live state
 (``ckptfs.export_hf``, cast to bf16, names through a key mapping) and from a ckptfs checkpoint
 (``ckptfs.unshard --format hf``, every rank writing its share of the files). ``transformers``'
 ``from_pretrained`` loads every export equal to the full tensors; 1, 2 and 3 ranks write the
-same bytes; an interrupted export resumes; the CLI under ``torchrun`` shares the work."""
+same bytes; an interrupted export resumes; the CLI under ``torchrun`` shares the work.
+
+FP8 reads: a DeepSeek-V3 style checkpoint made here (``float8_e4m3fn`` weights, float32
+``weight_scale_inv`` per 128 x 128 tile, ragged edge tiles, a scale in another file than its
+weight) loads into bf16 DTensors sharded by rows and by columns on 2 and 3 ranks, and into
+plain tensors, bit-exact with DCP's ``QuantizedHuggingFaceStorageReader``."""
 
 from __future__ import annotations
 
@@ -54,7 +59,65 @@ def _to_hf(name: str) -> str:
     return name if name.startswith("lm_head") else f"model.{name}"
 
 
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's FP8 quantisation: each tile's max magnitude to 448 (e4m3's largest)."""
+    tiles = (-(-w.shape[0] // block), -(-w.shape[1] // block))
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(tiles)
+    for i in range(tiles[0]):
+        for j in range(tiles[1]):
+            t = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = t.abs().max() / 448
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (t / scale[i, j]).to(q.dtype)
+    return q, scale
+
+
+def fp8_checkpoint(d: Path) -> dict[str, torch.Tensor]:
+    """Write the FP8 checkpoint; returns what DCP's quantized reader loads from it (bf16)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    g = torch.Generator().manual_seed(0)
+    q0, s0 = quantize(torch.randn(300, 260, generator=g))
+    q1, s1 = quantize(torch.randn(256, 130, generator=g) * 3)
+    d.mkdir()
+    files = [{"l0.weight": q0, "l1.weight_scale_inv": s1,
+              "norm.weight": torch.randn(260, generator=g).to(torch.bfloat16)},
+             {"l0.weight_scale_inv": s0, "l1.weight": q1}]
+    for name, tensors in zip(SHARDS, files, strict=True):
+        save_file(tensors, str(d / name), metadata={"format": "pt"})
+    weight_map = {k: name for name, tensors in zip(SHARDS, files, strict=True) for k in tensors}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ref = {"l0.weight": torch.zeros(300, 260, dtype=torch.bfloat16),
+           "l1.weight": torch.zeros(256, 130, dtype=torch.bfloat16),
+           "norm.weight": torch.zeros(260, dtype=torch.bfloat16)}
+    dcp.load(ref, storage_reader=QuantizedHuggingFaceStorageReader(str(d), target_dtype=torch.float32),
+             no_dist=True)
+    return ref
+
+
+def _fp8(world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    ref = torch.load(f"{root}/fp8-ref.pt", weights_only=True)
+    mesh = init_device_mesh("cpu", (world,))
+    target = {"l0.weight": distribute_tensor(torch.zeros(300, 260, dtype=torch.bfloat16), mesh, [Shard(0)]),
+              "l1.weight": distribute_tensor(torch.zeros(256, 130, dtype=torch.bfloat16), mesh, [Shard(1)]),
+              "norm.weight": distribute_tensor(torch.zeros(260, dtype=torch.bfloat16), mesh, [Replicate()])}
+    res = ckptfs.load_hf_fp8(target, f"{root}/fp8")
+    assert res.unexpected_keys == [] and res.missing_keys == []
+    for k, v in ref.items():
+        got = target[k].full_tensor()
+        assert got.dtype == torch.bfloat16 and torch.equal(got, v), k
+
+
 def _world(rank: int, world: int, root: str) -> None:
+    _fp8(world, root)
     model = sharded_llama()
     sd = model.state_dict()
     assert all(type(v).__name__ == "DTensor" for v in sd.values())
@@ -81,7 +144,8 @@ def same_weights(d: Path, want: dict[str, torch.Tensor], dtype: torch.dtype) -> 
 
 
 @pytest.mark.slow
-def test_live_and_checkpoint_exports_on_1_2_and_3_ranks(tmp_path):
+def test_live_and_checkpoint_exports_and_fp8_reads_on_1_2_and_3_ranks(tmp_path):
+    torch.save(fp8_checkpoint(tmp_path / "fp8"), tmp_path / "fp8-ref.pt")
     run_ranks(2, _world, str(tmp_path), timeout=300)
     run_ranks(3, _world, str(tmp_path), timeout=300)
     one = ckptfs.unshard(tmp_path / "ckpt", tmp_path / "ckpt-1", format="hf", strategy="chunks",
@@ -157,3 +221,40 @@ def test_the_cli_under_torchrun_shares_the_files(checkpoint, tmp_path):
     ckptfs.unshard(checkpoint, tmp_path / "one", format="hf", strategy="chunks", chunk_size=CHUNK,
                    keys=["model"])
     assert files(out) == files(tmp_path / "one")
+
+
+def test_fp8_weights_load_dequantised_as_dcp_reads_them(tmp_path):
+    from ckptfs.tools.hf_fp8 import dequantize
+
+    ref = fp8_checkpoint(tmp_path / "fp8")
+    target = {k: torch.zeros_like(v) for k, v in ref.items()}
+    res = ckptfs.load_hf_fp8(target, tmp_path / "fp8")
+    assert all(torch.equal(target[k], v) for k, v in ref.items())
+    assert res.bytes_read == 300 * 260 + 256 * 130 + 4 * (3 * 3 + 2 * 2) + 2 * 260  # fp8: 1 byte
+    # the documented rounding, by hand: float32 product, one rounding to the target dtype
+    from safetensors.torch import load_file
+
+    q = load_file(str(tmp_path / "fp8" / SHARDS[0]))["l0.weight"]
+    s = load_file(str(tmp_path / "fp8" / SHARDS[1]))["l0.weight_scale_inv"]
+    by_hand = (q.float() * s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260])
+    assert torch.equal(dequantize(q, s, torch.float32), by_hand)
+    assert torch.equal(target["l0.weight"], by_hand.to(torch.bfloat16))
+    # a shard of rows 100..227 (across a tile edge) reads only its rows
+    part = {"l0.weight": ckptfs.ShardedTensor(torch.zeros(128, 260), (300, 260), (100, 0))}
+    res = ckptfs.load_hf_fp8(part, tmp_path / "fp8", strict=False)
+    assert torch.equal(part["l0.weight"].local_tensor, by_hand[100:228])
+    assert res.bytes_read == 128 * 260 + 4 * 2 * 3
+    # an fp8 target reads the stored bytes as they are (no dequantisation)
+    raw = {"l0.weight": torch.zeros(300, 260, dtype=torch.float8_e4m3fn)}
+    ckptfs.load_hf_fp8(raw, tmp_path / "fp8", strict=False)
+    assert torch.equal(raw["l0.weight"].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_fp8_scales_of_the_wrong_shape_are_refused_naming_the_key(tmp_path):
+    from safetensors.torch import save_file
+
+    q, s = quantize(torch.randn(300, 260))
+    tmp_path.joinpath("bad").mkdir()
+    save_file({"w.weight": q, "w.weight_scale_inv": s[:2]}, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ckptfs.MismatchError, match="'w.weight'.*scales \\[3, 3\\]"):
+        ckptfs.load_hf_fp8({"w.weight": torch.zeros(300, 260)}, tmp_path / "bad")
