@@ -394,14 +394,15 @@ def add_unshard(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "unshard", parents=[_common(), _quiet()],
         help="write whole tensors as safetensors, torch.save or Hugging Face files",
-        description="Write the whole tensors of the checkpoint at URL into the local directory DIR, "
+        description="Write the whole tensors of the checkpoint at URL into the directory DIR, "
                     "a bounded batch at a time. safetensors and hf hold tensors only (select them "
                     "with --keys, e.g. --keys model); torch also holds optimizer state and values. "
                     "hf writes model.safetensors, or model-0000i-of-0000N.safetensors shards with "
                     "model.safetensors.index.json (strategies chunks and one_file_per_tensor). "
                     "Under torchrun every process writes its share of the files.")
     p.add_argument("url", metavar="URL", help="the checkpoint: a local path or an fsspec URL (s3://...)")
-    p.add_argument("dir", metavar="DIR", help="the local directory to write the files into")
+    p.add_argument("dir", metavar="DIR", help="the directory to write the files into: a local path "
+                   "or an fsspec URL (s3://...; each file is staged locally, then uploaded)")
     p.add_argument("--format", choices=FORMATS, default="safetensors", help="the file format")
     p.add_argument("--strategy", choices=STRATEGIES, default="one_file",
                    help="one file, one file per tensor, or files of at most --chunk-size bytes")

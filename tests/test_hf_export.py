@@ -8,7 +8,10 @@ same bytes; an interrupted export resumes; the CLI under ``torchrun`` shares the
 FP8 reads: a DeepSeek-V3 style checkpoint made here (``float8_e4m3fn`` weights, float32
 ``weight_scale_inv`` per 128 x 128 tile, ragged edge tiles, a scale in another file than its
 weight) loads into bf16 DTensors sharded by rows and by columns on 2 and 3 ranks, and into
-plain tensors, bit-exact with DCP's ``QuantizedHuggingFaceStorageReader``."""
+plain tensors, bit-exact with DCP's ``QuantizedHuggingFaceStorageReader``.
+
+On S3 (moto): both exports write the same objects as locally, an existing export is refused and
+resumed, and the FP8 checkpoint loads from the bucket reading only a shard's bytes."""
 
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import pytest
 import torch
 
 import ckptfs
+from ckptfs.io import open_store, run_sync
 from ckptfs.testing.ranks import run_ranks
-from ckptfs.tools.unshard import PARTIAL, assign_files
+from ckptfs.tools.export_dir import PARTIAL
+from ckptfs.tools.unshard import assign_files
 
 transformers = pytest.importorskip("transformers")  # the `test` extra
 
@@ -258,3 +263,45 @@ def test_fp8_scales_of_the_wrong_shape_are_refused_naming_the_key(tmp_path):
     save_file({"w.weight": q, "w.weight_scale_inv": s[:2]}, str(tmp_path / "bad" / "model.safetensors"))
     with pytest.raises(ckptfs.MismatchError, match="'w.weight'.*scales \\[3, 3\\]"):
         ckptfs.load_hf_fp8({"w.weight": torch.zeros(300, 260)}, tmp_path / "bad")
+
+
+def _bucket(s3, prefix: str) -> dict[str, bytes]:
+    async def get() -> dict[str, bytes]:
+        store = await open_store(f"{s3.url}/{prefix}", s3.options)
+        try:
+            return {p: bytes(await store.get(p)) for p in sorted(await store.list(""))}
+        finally:
+            await store.close()
+
+    return run_sync(get())
+
+
+def test_exports_to_s3_and_fp8_reads_from_s3(checkpoint, s3, tmp_path):
+    kw = {"format": "hf", "strategy": "chunks", "chunk_size": CHUNK, "keys": ["model"]}
+    ckptfs.unshard(checkpoint, tmp_path / "local", **kw)
+    url = f"{s3.url}/export"
+    res = ckptfs.unshard(checkpoint, url, storage_options=s3.options, **kw)
+    assert res.out_dir == url and _bucket(s3, "export") == files(tmp_path / "local")
+    with pytest.raises(ckptfs.CheckpointExistsError, match="--resume"):
+        ckptfs.unshard(checkpoint, url, storage_options=s3.options, **kw)
+    res = ckptfs.unshard(checkpoint, url, storage_options=s3.options, resume=True, **kw)
+    assert len(res.kept) == 7 and _bucket(s3, "export") == files(tmp_path / "local")
+    live = ckptfs.load_keys(checkpoint)["model"]
+    ckptfs.export_hf(live, f"{s3.url}/live", max_shard_size=CHUNK, storage_options=s3.options)
+    assert _bucket(s3, "live") == files(tmp_path / "local")
+
+    ref = fp8_checkpoint(tmp_path / "fp8")
+    for p in (tmp_path / "fp8").iterdir():
+        run_sync(_put(s3, f"fp8/{p.name}", p.read_bytes()))
+    rows = {"l0.weight": ckptfs.ShardedTensor(torch.zeros(100, 260, dtype=torch.bfloat16), (300, 260), (200, 0))}
+    res = ckptfs.load_hf_fp8(rows, f"{s3.url}/fp8", storage_options=s3.options, strict=False)
+    assert torch.equal(rows["l0.weight"].local_tensor, ref["l0.weight"][200:])
+    assert res.bytes_read == 100 * 260 + 4 * 2 * 3  # rows 200..299: tiles 1 and 2 of scales
+
+
+async def _put(s3, path: str, data: bytes) -> None:
+    store = await open_store(s3.url, s3.options)
+    try:
+        await store.put(path, [data])
+    finally:
+        await store.close()

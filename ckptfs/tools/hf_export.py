@@ -24,29 +24,21 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.errors import ShardingError, UsageError
+from ckptfs.io import StoreOptions
 from ckptfs.io.progress import summary
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name, from_torch
 from ckptfs.state.shards import LocalShard, ShardedTensor, local_shard
+from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
 from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
 from ckptfs.tools.source import DEFAULT_BUFFER, progress_bar
-from ckptfs.tools.unshard import (
-    HF_INDEX,
-    HF_SINGLE,
-    PARTIAL,
-    UnshardResult,
-    assign_files,
-    claim_out_dir,
-    finish_out_dir,
-    hf_index,
-)
+from ckptfs.tools.unshard import UnshardResult, assign_files, hf_index
 
 KeyMapping = Mapping[str, str] | Callable[[str], str | None]
 
@@ -89,21 +81,32 @@ def export_hf(state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *,
               key_mapping: KeyMapping | None = None, dtype: torch.dtype | None = None,
               file_index: Mapping[str, int] | None = None, max_shard_size: int | None = None,
               overwrite: bool = False, buffer_bytes: int = DEFAULT_BUFFER, progress: bool = False,
-              process_group: ProcessGroup | None = None) -> UnshardResult:
+              process_group: ProcessGroup | None = None,
+              storage_options: Mapping[str, Any] | None = None,
+              store_options: StoreOptions | None = None) -> UnshardResult:
     """Write ``state_dict`` (this rank's; every rank of ``process_group`` calls this together)
-    as Hugging Face safetensors in the local directory ``out_dir``: see the module's text.
-    Refuses to replace existing files unless ``overwrite``."""
+    as Hugging Face safetensors in ``out_dir`` (a local directory, or an object-store URL with
+    ``storage_options``): see the module's text. Refuses to replace existing files unless
+    ``overwrite``."""
     t0 = time.perf_counter()
     if file_index is not None and max_shard_size is not None:
         raise UsageError("export_hf: give file_index or max_shard_size, not both")
     comm = Comm(process_group)
-    out = Path(os.fspath(out_dir))
     shards = _local_shards(state_dict, key_mapping, dtype, comm.rank)
     plan = _agree(comm, shards, file_index, max_shard_size)
+    out = ExportDir(out_dir, storage_options, store_options)
+    try:
+        return _export(comm, plan, shards, out, overwrite, buffer_bytes, progress, t0)
+    finally:
+        out.close()
+
+
+def _export(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir,
+            overwrite: bool, buffer_bytes: int, progress: bool, t0: float) -> UnshardResult:
     names = [name for name, _ in plan.files]
     indexed = names != [HF_SINGLE]
-    comm.run_on_coordinator(f"preparing {out}", lambda: claim_out_dir(
-        out, names + ([HF_INDEX] if indexed else []), "hf", overwrite, False, {}))
+    comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
+        names + ([HF_INDEX] if indexed else []), True, overwrite, False, {}))
     label = f"ckptfs export_hf -> {out}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
     _, counts = comm.run_everywhere(
         f"writing the files of {out}",
@@ -113,13 +116,13 @@ def export_hf(state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *,
     index = hf_index({s.name: n for n, file in plan.files for s in file},
                      sum(s.nbytes for s in specs), sum(s.nbytes // s.dtype.itemsize for s in specs))
     written = sum(counts) + comm.run_on_coordinator(
-        f"finishing {out}", lambda: finish_out_dir(out, index if indexed else None))
+        f"finishing {out}", lambda: out.finish(index if indexed else None))
     seconds = time.perf_counter() - t0
     if progress and comm.is_coordinator:
         print(summary(f"ckptfs export_hf -> {out} ({comm.size} rank(s))", written, seconds),
               file=sys.stderr)
     files = tuple(names) + ((HF_INDEX,) if indexed else ())
-    return UnshardResult(str(out), "hf", "live", files, len(specs), 0, written, seconds, comm.size)
+    return UnshardResult(out.url, "hf", "live", files, len(specs), 0, written, seconds, comm.size)
 
 
 def _local_shards(state_dict: Mapping[str, Any], key_mapping: KeyMapping | None,
@@ -239,7 +242,7 @@ def _batches(items: list[_Item], budget: int) -> list[list[_Item]]:
     return out
 
 
-def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], out: Path,
+def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir,
                 buffer_bytes: int, progress: bool, label: str) -> int:
     """This rank's part of every round; returns the bytes it wrote. A rank whose writing fails
     keeps taking part in the rounds (the others send to it and wait for its pieces) and
@@ -320,7 +323,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 class _Writers:
     """The file being written: opened at its first tensor, moved to its name after its last."""
 
-    def __init__(self, out: Path, plan: _Plan) -> None:
+    def __init__(self, out: ExportDir, plan: _Plan) -> None:
         self.out, self.plan = out, plan
         self.total = 0
         self._file = -1
@@ -330,14 +333,13 @@ class _Writers:
     def write(self, item: _Item, data: torch.Tensor) -> None:
         if self._writer is None or self._file != item.file:
             name, specs = self.plan.files[item.file]
-            self._writer = SafetensorsWriter(self.out / PARTIAL / name, specs, {"format": "pt"})
+            self._writer = SafetensorsWriter(self.out.partial(name), specs, {"format": "pt"})
             self._file, self._left = item.file, len(specs)
         self._writer.write(item.spec.name, data)
         self._left -= 1
         if not self._left:
             self._writer.close()
-            name = self.plan.files[item.file][0]
-            os.replace(self.out / PARTIAL / name, self.out / name)
+            self.out.publish(self.plan.files[item.file][0])
             self.total += self._writer.nbytes
             self._writer = None
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,15 +33,15 @@ from urllib.parse import quote
 
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.errors import public_errors
-from ckptfs.errors import CheckpointExistsError, UsageError
+from ckptfs.errors import UsageError
 from ckptfs.io import StoreOptions
-from ckptfs.io.open import split_protocol
 from ckptfs.io.progress import summary
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.keys import encode_component
 from ckptfs.layout.values import decode_value
 from ckptfs.options import IOConfig, resolve_store
 from ckptfs.state.flatten import unflatten
+from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
 from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
 from ckptfs.tools.source import (
     DEFAULT_BUFFER,
@@ -58,11 +58,6 @@ from ckptfs.tools.torch_file import TorchFileWriter
 
 FORMATS = ("safetensors", "torch", "hf")
 STRATEGIES = ("one_file", "one_file_per_tensor", "chunks")
-HF_SINGLE = "model.safetensors"
-HF_INDEX = "model.safetensors.index.json"
-#: the folder of out_dir where files are written (each moved to out_dir once complete; a
-#: torch file keeps its own name, which torch.save writes inside it)
-PARTIAL = ".unshard.partial"
 
 
 @dataclass(frozen=True)
@@ -108,18 +103,18 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
     after every file. Which file holds which tensor depends on the checkpoint and the arguments
     only, so the files are the same bytes whatever the number of ranks."""
     t0 = time.perf_counter()
-    _check_args(format, strategy, chunk_size, out_dir, resume)
-    out = Path(os.fspath(out_dir))
+    _check_args(format, strategy, chunk_size, resume)
     store_options = resolve_store(store_options, io_config)
     comm = Comm(process_group)
-    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src:
+    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src, \
+            _export_dir(out_dir, storage_options, store_options) as out:
         sel = select(src.index, keys, src.url)
         _check_values(sel, format, strategy)
         plans = _plan(src, sel, format, strategy, chunk_size)
         indexed = format == "hf" and strategy != "one_file"
         names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
-        done = comm.run_on_coordinator(f"preparing {out}", lambda: claim_out_dir(
-            out, names, format, overwrite, resume, _expected(src, sel, plans, format)))
+        done = comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
+            names, format == "hf", overwrite, resume, _expected(src, sel, plans, format)))
         owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
         mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
         label = f"ckptfs unshard {src.url}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
@@ -128,12 +123,12 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
             lambda: _write(src, sel, mine, out, format, buffer_bytes, verify, progress, label),
             lambda n: n, to="all")
         written = sum(counts) + comm.run_on_coordinator(
-            f"finishing {out}", lambda: finish_out_dir(out, _hf_index(src, sel, plans) if indexed else None))
+            f"finishing {out}", lambda: out.finish(_hf_index(src, sel, plans) if indexed else None))
     seconds = time.perf_counter() - t0
     if progress and comm.is_coordinator:
         print(summary(f"ckptfs unshard {src.url} -> {out} ({comm.size} rank(s))", written, seconds),
               file=sys.stderr)
-    return UnshardResult(str(out), format, strategy, tuple(names), len(sel.tensors),
+    return UnshardResult(out.url, format, strategy, tuple(names), len(sel.tensors),
                          len(sel.values), written, seconds, comm.size,
                          tuple(sorted(done)))
 
@@ -155,7 +150,7 @@ def _plan_bytes(src: Source, plan: _FilePlan) -> int:
     return sum(nbytes(src.index.tensors[k]) for k in plan.tensors)
 
 
-def _check_args(format: str, strategy: str, chunk_size: int | None, out_dir: Any,
+def _check_args(format: str, strategy: str, chunk_size: int | None,
                 resume: bool = False) -> None:
     if resume and format == "torch":
         raise UsageError("resume applies to formats safetensors and hf (their files are checked "
@@ -168,10 +163,6 @@ def _check_args(format: str, strategy: str, chunk_size: int | None, out_dir: Any
         raise UsageError("strategy 'chunks' needs chunk_size (bytes per file, at least 1)")
     if strategy != "chunks" and chunk_size is not None:
         raise UsageError(f"chunk_size applies to strategy 'chunks' only, not {strategy!r}")
-    proto, _ = split_protocol(os.fspath(out_dir))
-    if proto not in ("file", "local"):
-        raise UsageError(f"out_dir must be a local directory, not {os.fspath(out_dir)!r} (unshard "
-                         f"writes files in place; copy them to object storage afterwards)")
 
 
 def _check_values(sel: Selection, format: str, strategy: str) -> None:
@@ -234,37 +225,6 @@ def _specs(src: Source, sel: Selection, keys: Iterable[str]) -> list[TensorSpec]
                        src.index.tensors[k].shape) for k in keys]
 
 
-def claim_out_dir(out: Path, names: list[str], format: str, overwrite: bool, resume: bool,
-           expected: dict[str, tuple[int, bytes]]) -> set[str]:
-    """Refuse to replace files (and, for hf, to mix with another export's shards) unless
-    ``overwrite`` (every such file is removed first) or ``resume``: the planned files already
-    complete are kept and returned, everything else of an earlier export is removed."""
-    present = [p.name for p in out.iterdir()] if out.is_dir() else []
-    clash = [n for n in present if n in names or n == PARTIAL or (format == "hf" and _hf_weights(n))]
-    if clash and not (overwrite or resume):
-        raise CheckpointExistsError(
-            f"{out}: {', '.join(sorted(clash)[:5])}{' ...' if len(clash) > 5 else ''} already "
-            f"exist(s); pass overwrite=True (--overwrite) to replace them, or resume=True "
-            f"(--resume) to finish an interrupted export")
-    kept = {n for n in clash if resume and n in expected and _complete(out / n, *expected[n])}
-    for n in clash:
-        if n == PARTIAL:
-            shutil.rmtree(out / n)
-        elif n not in kept:
-            (out / n).unlink()
-    (out / PARTIAL).mkdir(parents=True)
-    return kept
-
-
-def _complete(path: Path, size: int, header: bytes) -> bool:
-    """Whether ``path`` is the finished file planned (its size and header as planned: a file
-    gets its final name only once all its bytes are written)."""
-    if path.stat().st_size != size:
-        return False
-    with open(path, "rb") as f:
-        return f.read(len(header)) == header
-
-
 def _expected(src: Source, sel: Selection, plans: list[_FilePlan],
               format: str) -> dict[str, tuple[int, bytes]]:
     """(size, header bytes) of every planned safetensors file (none for torch files)."""
@@ -281,21 +241,17 @@ def _metadata(format: str) -> dict[str, str]:
     return {"format": "pt"} if format == "hf" else {"format": "ckptfs.unshard"}
 
 
-def _hf_weights(name: str) -> bool:
-    return name in (HF_SINGLE, HF_INDEX) or (name.startswith("model-") and name.endswith(".safetensors"))
-
-
-def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: Path, format: str,
+def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, format: str,
            buffer_bytes: int, verify: bool, progress: bool, label: str) -> int:
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
-    name in ``out`` once complete (it is written in ``out/.unshard.partial`` until then)."""
+    name in ``out`` once complete (export_dir.py)."""
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
     stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify)
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress)
     total = 0
     try:
         for plan in plans:
-            partial = out / PARTIAL / plan.name
+            partial = out.partial(plan.name)
             writer = _open_writer(src, sel, plan, partial, format)
             try:
                 for key in plan.tensors:
@@ -309,7 +265,7 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: Path, forma
                 writer.abort()
                 raise
             writer.close()
-            os.replace(partial, out / plan.name)
+            out.publish(plan.name)
             total += writer.nbytes
     finally:
         bar.close(done=False)  # the caller prints one line for every rank
@@ -344,16 +300,6 @@ def _open_writer(src: Source, sel: Selection, plan: _FilePlan, path: Path,
     return TorchFileWriter(path, build)
 
 
-def finish_out_dir(out: Path, index: bytes | None) -> int:
-    """After every file: the hf index (last, so its presence means a complete export), and the
-    folder files were written in removed."""
-    if index is not None:
-        (out / PARTIAL / HF_INDEX).write_bytes(index)
-        os.replace(out / PARTIAL / HF_INDEX, out / HF_INDEX)
-    (out / PARTIAL).rmdir()
-    return 0 if index is None else len(index)
-
-
 def hf_index(weight_map: Mapping[str, str], total_size: int, total_parameters: int) -> bytes:
     """``model.safetensors.index.json``: the file of every tensor, as transformers writes it."""
     doc = {"metadata": {"total_size": total_size, "total_parameters": total_parameters},
@@ -365,3 +311,14 @@ def _hf_index(src: Source, sel: Selection, plans: list[_FilePlan]) -> bytes:
     return hf_index({sel.relative(k): p.name for p in plans for k in p.tensors},
                     sum(nbytes(src.index.tensors[k]) for k in sel.tensors),
                     sum(src.index.tensors[k].numel for k in sel.tensors))
+
+
+@contextmanager
+def _export_dir(out_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None,
+                store_options: StoreOptions | None) -> Iterator[ExportDir]:
+    with public_errors(os.fspath(out_dir)):
+        out = ExportDir(out_dir, storage_options, store_options)
+    try:
+        yield out
+    finally:
+        out.close()
