@@ -9,13 +9,16 @@ of DCP's consolidation). Then each export runs in a fresh world of 1 and of 2 ra
 ``--files`` ``model-0000i-of-0000N.safetensors`` files holding the same tensors:
 
 - ckptfs ``unshard(ckpt, out, format="hf", strategy="chunks")``, every rank writing its files;
+- ckptfs ``export_hf(state, out, max_shard_size=...)`` from the live DTensors (loaded from the
+  checkpoint before the clock starts): the route without a save and a read;
 - DCP ``consolidate_safetensors_files_on_every_rank`` (the mapping sends the same tensors to
   the same files).
 
 Each rank reports its wall time and its peak resident-set rise over its baseline after imports
-and joining the group (VmHWM, reset through /proc/self/clear_refs). The bound ckptfs states:
-the largest tensor plus its 64 MiB read buffer. Both outputs are checked: ckptfs's files are
-the same bytes from 1 and 2 ranks, and hold the same tensors as DCP's.
+and joining the group (VmHWM, reset through /proc/self/clear_refs; for ``export_hf``, after the
+live state is loaded), against the target of the largest tensor plus 256 MiB. The outputs are
+checked: ckptfs's files are the same bytes from 1 and 2 ranks and from both routes, and hold the
+same tensors as DCP's.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-JOBS = ("ckptfs unshard", "dcp consolidate")
+JOBS = ("ckptfs unshard", "ckptfs export_hf", "dcp consolidate")
 
 
 def _status(field: str) -> int:
@@ -62,7 +65,22 @@ def _build(rank: int, world: int, root: str, n: int, rows: int, per_file: int) -
         path=f"{root}/dcp-in", fqn_to_index_mapping=mapping, save_distributed=True))
 
 
-def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chunk: int) -> None:
+def _live(world: int, root: str, n: int, rows: int) -> dict:
+    """The state as a training job holds it: DTensors sharded by rows, filled from the checkpoint."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptfs
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)]) for k in names(n)}
+    ckptfs.load({"model": state}, f"{root}/ckpt")
+    return state
+
+
+def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chunk: int,
+         rows: int) -> None:
     """One export in a fresh world; each rank writes its numbers to a JSON file."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files_on_every_rank,
@@ -72,7 +90,8 @@ def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chun
     import ckptfs.tools.unshard
     from ckptfs.dist import Comm
 
-    out = f"{root}/out-{job.split()[0]}-{world}"
+    out = f"{root}/out-{job.split()[1]}-{world}"
+    state = _live(world, root, n, rows) if job == "ckptfs export_hf" else None
     Comm(None).barrier()  # ckptfs's group joined before the baseline
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
@@ -80,6 +99,8 @@ def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chun
     if job == "ckptfs unshard":
         ckptfs.unshard(f"{root}/ckpt", out, format="hf", strategy="chunks", chunk_size=chunk,
                        keys=["model"], overwrite=True)
+    elif state is not None:
+        ckptfs.export_hf(state, out, max_shard_size=chunk, overwrite=True)
     else:
         mapping = {k: 1 + i // per_file for i, k in enumerate(names(n))}
         os.makedirs(out, exist_ok=True)
@@ -125,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     rows_out = []
     for job in JOBS:
         for world in (1, 2):
-            run_ranks(world, _job, str(root), job, n, per_file, per_file * tensor, timeout=1800)
-            got = [json.loads(Path(f"{root}/out-{job.split()[0]}-{world}.rank{r}.json").read_text())
+            run_ranks(world, _job, str(root), job, n, per_file, per_file * tensor, rows, timeout=1800)
+            got = [json.loads(Path(f"{root}/out-{job.split()[1]}-{world}.rank{r}.json").read_text())
                    for r in range(world)]
             rows_out.append({"job": job, "ranks": world, "seconds": max(g["seconds"] for g in got),
                              "peak_rise_per_rank": [g["peak_rise"] for g in got]})
-    same = _files(root / "out-ckptfs-1") == _files(root / "out-ckptfs-2")
-    same_dcp = _same_tensors(root / "out-ckptfs-2", root / "out-dcp-2")
+    ref = _files(root / "out-unshard-1")
+    same = all(_files(root / f"out-{d}") == ref for d in ("unshard-2", "export_hf-1", "export_hf-2"))
+    same_dcp = _same_tensors(root / "out-unshard-2", root / "out-consolidate-2")
     load = os.getloadavg()
     print(f"state: {n * tensor / 1e6:.0f} MB in {n} fp32 tensors of {tensor / 1e6:.1f} MB, "
           f"{args.files} files; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
@@ -141,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         rise = " / ".join(f"{p / 2**20:.0f}" for p in r["peak_rise_per_rank"])
         print(f"| {r['job']} | {r['ranks']} | {r['seconds']:.2f} | {rise} |")
     by = {(r["job"], r["ranks"]): r["seconds"] for r in rows_out}
-    print(f"\nckptfs 1 rank / 2 ranks: {by[('ckptfs unshard', 1)] / by[('ckptfs unshard', 2)]:.2f}x; "
-          f"DCP 2 ranks / ckptfs 2 ranks: {by[('dcp consolidate', 2)] / by[('ckptfs unshard', 2)]:.2f}x")
-    print(f"bound per rank (largest tensor + 64 MiB): {(tensor + (64 << 20)) / 2**20:.0f} MiB; "
-          f"ckptfs files the same bytes from 1 and 2 ranks: {same}; same tensors as DCP's: {same_dcp}")
+    two = by[("ckptfs unshard", 2)]
+    print(f"\nckptfs unshard 1 rank / 2 ranks: {by[('ckptfs unshard', 1)] / two:.2f}x; "
+          f"DCP 2 ranks / ckptfs 2 ranks: {by[('dcp consolidate', 2)] / two:.2f}x; "
+          f"export_hf 2 ranks / unshard 2 ranks: {by[('ckptfs export_hf', 2)] / two:.2f}x")
+    print(f"target per rank (largest tensor + 256 MiB): {(tensor + (256 << 20)) / 2**20:.0f} MiB; "
+          f"ckptfs files the same bytes from 1 and 2 ranks and both routes: {same}; "
+          f"same tensors as DCP's: {same_dcp}")
     doc = {"bench": "hf_export", "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core, CPU",
            "cpus": os.cpu_count(), "load_average": load, "mb": n * tensor / 1e6,
            "tensor_bytes": tensor, "files": args.files, "runs": rows_out,
