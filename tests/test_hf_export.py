@@ -132,6 +132,12 @@ def _world(rank: int, world: int, root: str) -> None:
                      key_mapping=_to_hf, dtype=torch.bfloat16, max_shard_size=CHUNK)
     if world == 2:
         ckptfs.save({"model": sd}, f"{root}/ckpt")
+    else:  # refusals reach every rank, whichever rank's input is wrong
+        with pytest.raises((ckptfs.UsageError, ckptfs.RankError), match="holds a int|rank 1"):
+            ckptfs.export_hf({"step": 5} if rank == 1 else {}, f"{root}/bad-1")
+        odd = {"w": torch.zeros(4 if rank == 2 else 3)}
+        with pytest.raises(ckptfs.ShardingError, match="'w' is float32 \\[4\\] on rank 2"):
+            ckptfs.export_hf(odd, f"{root}/bad-2")
     ckptfs.unshard(f"{root}/ckpt", f"{root}/ckpt-{world}", format="hf", strategy="chunks",
                    chunk_size=CHUNK, keys=["model"])
 

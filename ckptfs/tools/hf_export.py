@@ -92,7 +92,8 @@ def export_hf(state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *,
     if file_index is not None and max_shard_size is not None:
         raise UsageError("export_hf: give file_index or max_shard_size, not both")
     comm = Comm(process_group)
-    shards = _local_shards(state_dict, key_mapping, dtype, comm.rank)
+    shards = comm.run_everywhere(  # a bad key on one rank raises on every rank
+        "describing the tensors to export", lambda: _local_shards(state_dict, key_mapping, dtype, comm.rank))
     plan = _agree(comm, shards, file_index, max_shard_size)
     out = ExportDir(out_dir, storage_options, store_options)
     try:
