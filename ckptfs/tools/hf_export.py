@@ -249,7 +249,8 @@ def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None]
     keeps taking part in the rounds (the others send to it and wait for its pieces) and
     raises at the end, where every rank learns of it."""
     mine = [i for i in range(len(plan.files)) if plan.owner[i] == comm.rank]
-    bar = progress_bar(sum(s.nbytes for i in mine for s in plan.files[i][1]), label, progress)
+    bar = progress_bar(sum(s.nbytes for i in mine for s in plan.files[i][1]), label, progress,
+                       position=comm.rank)
     writers = _Writers(out, plan)
     failed: BaseException | None = None
     try:

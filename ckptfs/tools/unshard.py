@@ -120,7 +120,7 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
         label = f"ckptfs unshard {src.url}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
         _, counts = comm.run_everywhere(
             f"writing the files of {out}",
-            lambda: _write(src, sel, mine, out, format, buffer_bytes, verify, progress, label),
+            lambda: _write(src, sel, mine, out, format, buffer_bytes, verify, progress, label, comm.rank),
             lambda n: n, to="all")
         written = sum(counts) + comm.run_on_coordinator(
             f"finishing {out}", lambda: out.finish(_hf_index(src, sel, plans) if indexed else None))
@@ -242,12 +242,12 @@ def _metadata(format: str) -> dict[str, str]:
 
 
 def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, format: str,
-           buffer_bytes: int, verify: bool, progress: bool, label: str) -> int:
+           buffer_bytes: int, verify: bool, progress: bool, label: str, rank: int = 0) -> int:
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
     name in ``out`` once complete (export_dir.py)."""
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
     stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify)
-    bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress)
+    bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
     total = 0
     try:
         for plan in plans:
