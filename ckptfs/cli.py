@@ -6,7 +6,8 @@
     ckptfs clean URL [--dry-run] [--force] [--json]
     ckptfs convert SRC DST --backend NAME[:VERSION] [--backend-option K=V ...] [--overwrite]
     ckptfs unshard URL DIR [--format safetensors|torch|hf] [--strategy one_file|one_file_per_tensor|chunks]
-                   [--chunk-size BYTES] [--keys KEY ...] [--overwrite] [--json]
+                   [--chunk-size BYTES] [--keys KEY ...] [--overwrite | --resume] [--json]
+                   (under torchrun: every process writes its share of the files)
     ckptfs bench [SUITE] [ARGS ...]
     ckptfs conformance [--backend NAME:VERSION ...] [--golden-dir DIR] [pytest args ...]
 
@@ -366,15 +367,22 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def run_unshard(args: argparse.Namespace, rest: list[str]) -> int:
-    res = ckptfs.unshard(args.url, args.dir, format=args.format, strategy=args.strategy,
-                         chunk_size=args.chunk_size, keys=args.keys, overwrite=args.overwrite,
-                         storage_options=storage_options(args), progress=not args.quiet)
+    from ckptfs.dist import launcher_world
+
+    with launcher_world() as rank:  # under torchrun: every process writes its share of the files
+        res = ckptfs.unshard(args.url, args.dir, format=args.format, strategy=args.strategy,
+                             chunk_size=args.chunk_size, keys=args.keys, overwrite=args.overwrite,
+                             resume=args.resume, storage_options=storage_options(args),
+                             progress=not args.quiet)
+    if rank != 0:
+        return 0
     if args.json:
         _emit(asdict(res))
     elif not args.quiet:
+        kept = f", {len(res.kept)} kept from an earlier run" if res.kept else ""
         print(f"unsharded {args.url} -> {res.out_dir} ({res.format}, {res.strategy}): "
-              f"{res.tensors} tensors, {res.values} values, {len(res.files)} file(s), "
-              f"{res.bytes_written} bytes in {res.seconds:.2f} s")
+              f"{res.tensors} tensors, {res.values} values, {len(res.files)} file(s){kept}, "
+              f"{res.bytes_written} bytes in {res.seconds:.2f} s on {res.ranks} rank(s)")
         for f in res.files:
             print(f"  {f}")
     return 0
@@ -386,13 +394,15 @@ def add_unshard(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "unshard", parents=[_common(), _quiet()],
         help="write whole tensors as safetensors, torch.save or Hugging Face files",
-        description="Write the whole tensors of the checkpoint at URL into the local directory DIR, "
+        description="Write the whole tensors of the checkpoint at URL into the directory DIR, "
                     "a bounded batch at a time. safetensors and hf hold tensors only (select them "
                     "with --keys, e.g. --keys model); torch also holds optimizer state and values. "
                     "hf writes model.safetensors, or model-0000i-of-0000N.safetensors shards with "
-                    "model.safetensors.index.json (strategies chunks and one_file_per_tensor).")
+                    "model.safetensors.index.json (strategies chunks and one_file_per_tensor). "
+                    "Under torchrun every process writes its share of the files.")
     p.add_argument("url", metavar="URL", help="the checkpoint: a local path or an fsspec URL (s3://...)")
-    p.add_argument("dir", metavar="DIR", help="the local directory to write the files into")
+    p.add_argument("dir", metavar="DIR", help="the directory to write the files into: a local path "
+                   "or an fsspec URL (s3://...; each file is staged locally, then uploaded)")
     p.add_argument("--format", choices=FORMATS, default="safetensors", help="the file format")
     p.add_argument("--strategy", choices=STRATEGIES, default="one_file",
                    help="one file, one file per tensor, or files of at most --chunk-size bytes")
@@ -401,6 +411,8 @@ def add_unshard(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keys", nargs="+", action="extend", metavar="KEY",
                    help="only these keys or subtrees; one container (e.g. model) becomes the root")
     _overwrite(p, "existing files in DIR")
+    p.add_argument("--resume", action="store_true",
+                   help="finish an interrupted export: keep the files it completed, write the rest")
     _json(p, "the result")
     p.set_defaults(run=run_unshard)
 

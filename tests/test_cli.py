@@ -61,7 +61,7 @@ def test_every_argument_has_help_and_defaults_are_shown():
         assert p.formatter_class is argparse.ArgumentDefaultsHelpFormatter, name
     text = sub.choices["unshard"].format_help()
     assert "(default: safetensors)" in text and "(default: one_file)" in text
-    assert "the local directory to write the files into" in text
+    assert "the directory to write the files into" in text
 
 
 def test_overwrite_has_one_wording(ckpt, capsys, tmp_path):

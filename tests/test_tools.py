@@ -331,8 +331,6 @@ def test_unshard_safetensors_and_hf(ckpts, tmp_path, capsys):
     assert rc == 0 and sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
     rc, _, err = cli(capsys, "unshard", root, tmp_path / "y", "--strategy", "chunks", "--keys", "dtypes")
     assert rc == 2 and "chunk_size" in err
-    rc, _, err = cli(capsys, "unshard", root, "s3://bucket/x", "--keys", "dtypes")
-    assert rc == 2 and "local directory" in err
 
 
 # ---------------------------------------------------------------------------- S3

@@ -8,7 +8,8 @@ fresh process state, bit-exact with the reference; retention (``keep_latest_k``)
 step saved model-only in ``export_dtype``; torchtitan's own DCP manager's step read through
 ``initial_load_path``. Two ranks SIGKILLed while a save may be in flight resume from the newest
 committed step, bit-exact. Single-process tests cover an S3 folder (moto), Hugging Face loads
-and exports through a state-dict adapter, the policies (``load_only``, ``exclude_from_loading``,
+(FP8 block-quantized ones dequantised as DCP's quantized reader does) and exports from live state
+through a state-dict adapter, the policies (``load_only``, ``exclude_from_loading``,
 ``enable=False``) and the refused configurations."""
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from torch import nn
 pytest.importorskip("torchtitan.components.checkpointer",
                     reason="torchtitan (>= 0.3.0) is not installed: pip install 'ckptfs[torchtitan]'")
 
+import ckptfs.torchtitan
 from torchtitan.components.checkpointer import CheckpointManager as TitanDCPManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 import ckptfs
-import ckptfs.torchtitan
 from ckptfs.testing.ranks import RanksFailed, run_ranks
 
 Manager = ckptfs.torchtitan.CheckpointManager
@@ -322,6 +323,68 @@ def test_last_save_in_hf_writes_safetensors_through_the_adapter(tmp_path):
     assert all(torch.equal(hf[k], v.to(torch.bfloat16)) for k, v in want.items())
 
 
+class ShardedRenamer(Renamer):
+    """An adapter whose Hugging Face checkpoint has two files (``fqn_to_index_mapping``)."""
+
+    fqn_to_index_mapping = {"model.layers.0.weight": 1, "model.layers.0.bias": 1,
+                            "model.layers.2.weight": 2, "model.layers.2.bias": 2}
+
+
+def test_last_save_in_hf_writes_the_adapters_files_from_live_state(tmp_path):
+    from safetensors.torch import load_file
+
+    p = parts(0)
+    cfg = Manager.Config(enable=True, folder="ckpt", interval=10, last_save_in_hf=True)
+    mgr = cfg.build(dataloader=p["data"], model_parts=[p["model"]], optimizers=p["opt"],
+                    lr_schedulers=p["lr"], states={"train_state": p["train"]},
+                    sd_adapter=ShardedRenamer(), base_folder=str(tmp_path))
+    train(p, mgr, range(1, 3), last=2)
+    mgr.close()
+    out = tmp_path / "ckpt" / "step-2-hf"
+    assert sorted(f.name for f in out.iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json"]
+    want = Renamer().to_hf(snapshot(p)["model"])
+    first = load_file(str(out / "model-00001-of-00002.safetensors"))
+    assert sorted(first) == ["model.layers.0.bias", "model.layers.0.weight"]
+    assert torch.equal(first["model.layers.0.weight"], want["model.layers.0.weight"].to(torch.float32))
+    assert ckptfs.CheckpointManager(str(tmp_path / "ckpt")).steps() == []  # no ckptfs step first
+
+
+def test_initial_load_in_hf_quantized_dequantises_fp8_weights(tmp_path):
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    hf = Renamer().to_hf(parts(0)["model"].state_dict())
+    stored = {}
+    for k, v in hf.items():
+        if k.endswith("weight"):  # one 128 x 128 tile each: scale = max |w| / 448
+            scale = v.abs().max() / 448
+            stored[k] = (v / scale).to(torch.float8_e4m3fn)
+            stored[k + "_scale_inv"] = scale.reshape(1, 1)
+        else:
+            stored[k] = v
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(stored, "model.safetensors")}))
+    ref = {k: torch.zeros_like(v) for k, v in hf.items()}
+    dcp.load(ref, storage_reader=QuantizedHuggingFaceStorageReader(str(tmp_path)), no_dist=True)
+    p = parts(1)
+    cfg = Manager.Config(enable=True, folder="ckpt", initial_load_path=str(tmp_path),
+                         initial_load_in_hf=True, initial_load_in_hf_quantized=True)
+    mgr = cfg.build(dataloader=p["data"], model_parts=[p["model"]], optimizers=p["opt"],
+                    lr_schedulers=p["lr"], states={"train_state": p["train"]},
+                    sd_adapter=Renamer(), base_folder=str(tmp_path / "run"))
+    assert mgr.load() is True
+    mgr.close()
+    got = Renamer().to_hf(p["model"].state_dict())
+    assert all(torch.equal(got[k], v) for k, v in ref.items())
+    assert not torch.equal(got["model.layers.0.weight"], hf["model.layers.0.weight"])  # lossy FP8
+
+
 def test_a_step_not_saved_is_refused_naming_it(tmp_path):
     p = parts(0)
     mgr = build(p, str(tmp_path), interval=2, keep_latest_k=0)
@@ -342,9 +405,6 @@ def test_disabled_manager_does_nothing(tmp_path):
 
 
 def test_refused_configurations_name_the_field(tmp_path):
-    with pytest.raises(ckptfs.ConfigError, match="initial_load_in_hf_quantized"):
-        Manager.Config(enable=True, initial_load_path="/x", initial_load_in_hf=True,
-                       initial_load_in_hf_quantized=True)
     with pytest.raises(ckptfs.ConfigError, match="async_mode"):
         Manager.Config(enable=True, async_mode="later")  # type: ignore[arg-type]
     p = parts(0)

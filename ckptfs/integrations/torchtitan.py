@@ -23,15 +23,14 @@ from typing import Any, Literal
 
 import torch
 
-from ckptfs.dist import Comm
 from ckptfs.errors import ConfigError, MismatchError
 from ckptfs.load import load
 from ckptfs.manager import CheckpointManager as _CkptfsManager
 from ckptfs.manager import ManagerOptions, Retention
-from ckptfs.manager.steps import step_dir
 from ckptfs.metadata import load_metadata
 from ckptfs.state.flatten import PerRank
-from ckptfs.tools.unshard import unshard
+from ckptfs.tools.hf_export import export_hf
+from ckptfs.tools.hf_fp8 import load_hf_fp8
 
 try:
     from torchtitan.components.checkpointer.base import (
@@ -85,10 +84,6 @@ class CheckpointManager(BaseCheckpointManager):
             if self.async_mode not in _ASYNC_MODES:
                 raise ConfigError(f"checkpoint.async_mode: {self.async_mode!r} is not one of "
                                   f"{list(_ASYNC_MODES)}")
-            if self.initial_load_in_hf_quantized:
-                raise ConfigError("checkpoint.initial_load_in_hf_quantized is not supported by "
-                                  "ckptfs.torchtitan: it needs torchtitan's quantized "
-                                  "Hugging Face reader")
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[torch.nn.Module],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
@@ -139,18 +134,19 @@ class CheckpointManager(BaseCheckpointManager):
 
     def _save_last(self, step: int) -> None:
         """The last step: model-only in ``export_dtype`` (or everything); with
-        ``last_save_in_hf`` its keys are the adapter's and rank 0 writes Hugging Face
-        safetensors beside it, at ``<folder>/step-<N>-hf``."""
-        state = self._export_state() if self.config.last_save_model_only else self._state()
+        ``last_save_in_hf`` (model-only, as torchtitan requires) the model's live state goes
+        through the adapter straight into Hugging Face safetensors at
+        ``<folder>/step-<N>-hf``, every rank writing its share of the files
+        (``ckptfs.export_hf``; the adapter's ``fqn_to_index_mapping`` names the files, else
+        one ``model.safetensors``), and no ckptfs step is written."""
         if self.config.last_save_in_hf:
-            state = self.sd_adapter.to_hf(state)
-        self.manager.save_sync(step, state, force=True)
-        if not self.config.last_save_in_hf:
+            hf = self.sd_adapter.to_hf(self._state(model_only=True))
+            export_hf(hf, f"{self.folder}/step-{step}-hf", dtype=self.export_dtype,
+                      file_index=getattr(self.sd_adapter, "fqn_to_index_mapping", None),
+                      overwrite=True)
             return
-        src, out = f"{self.folder}/{step_dir(step)}", f"{self.folder}/step-{step}-hf"
-        Comm(None).run_on_coordinator(f"exporting {src} to {out}", lambda: unshard(
-            src, out, format="hf", overwrite=True, storage_options=self.config.storage_options
-            or None) and None)
+        state = self._export_state() if self.config.last_save_model_only else self._state()
+        self.manager.save_sync(step, state, force=True)
 
     def _state(self, model_only: bool = False) -> dict[str, Any]:
         """The tree a step holds: the model's keys flat, then the other states by name."""
@@ -192,7 +188,8 @@ class CheckpointManager(BaseCheckpointManager):
     def _initial_load(self) -> bool:
         """An empty folder: ``initial_load_path`` (a ckptfs checkpoint, a DCP checkpoint such as
         one of torchtitan's own steps, or with ``initial_load_in_hf`` Hugging Face safetensors
-        through ``sd_adapter``), else a fresh start."""
+        through ``sd_adapter``; with ``initial_load_in_hf_quantized`` too, FP8 block-quantized
+        weights dequantised on read, ``ckptfs.load_hf_fp8``), else a fresh start."""
         cfg = self.config
         path = cfg.initial_load_path
         if path is None and cfg.initial_load_in_hf and self.sd_adapter is not None:
@@ -205,7 +202,10 @@ class CheckpointManager(BaseCheckpointManager):
                 raise ConfigError("checkpoint.initial_load_in_hf needs the model's state-dict "
                                   "adapter (sd_adapter), and the trainer gave none")
             hf = self.sd_adapter.to_hf(self.states[MODEL].state_dict())
-            load(hf, path, storage_options=opts)
+            if cfg.initial_load_in_hf_quantized:  # FP8 weights, dequantised on read
+                load_hf_fp8(hf, path, storage_options=opts)
+            else:
+                load(hf, path, storage_options=opts)
             self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf))
             return True
         target = self._target(cfg.initial_load_model_only)

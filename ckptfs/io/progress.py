@@ -15,7 +15,7 @@ from typing import Any
 class ByteProgress:
     """Counts bytes; ``update(n)`` as they move, ``close()`` once (prints the summary line)."""
 
-    def __init__(self, total: int, desc: str, unit: str = "B") -> None:
+    def __init__(self, total: int, desc: str, unit: str = "B", position: int = 0) -> None:
         self.total, self.desc, self.unit = total, desc, unit
         self.done = 0
         self._t0 = time.perf_counter()
@@ -24,7 +24,8 @@ class ByteProgress:
         if sys.stderr.isatty():
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
+            self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False,
+                             position=position)  # several processes on one terminal: a line each
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -86,6 +87,7 @@ def size(n: int) -> str:
     return f"{n} B"
 
 
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> ByteProgress | NoProgress:
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B",
+                 position: int = 0) -> ByteProgress | NoProgress:
     """A ``ByteProgress`` when ``enabled``, else a ``NoProgress``."""
-    return ByteProgress(total, desc, unit) if enabled else NoProgress()
+    return ByteProgress(total, desc, unit, position) if enabled else NoProgress()

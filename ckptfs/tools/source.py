@@ -179,6 +179,8 @@ def region_pieces(r: Region) -> tuple[ReadPiece, ...]:
     return (ReadPiece(r.chunk, whole, whole),)
 
 
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> ByteProgress | NoProgress:
-    """Progress on stderr (a bar on a terminal, one summary line on close), or a stand-in."""
-    return _progress_bar(total, desc, enabled, unit)
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B",
+                 position: int = 0) -> ByteProgress | NoProgress:
+    """Progress on stderr (a bar on a terminal, on line ``position``, one summary line on
+    close), or a stand-in."""
+    return _progress_bar(total, desc, enabled, unit, position)

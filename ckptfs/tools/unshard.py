@@ -22,22 +22,26 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.errors import public_errors
-from ckptfs.errors import CheckpointExistsError, UsageError
+from ckptfs.errors import UsageError
 from ckptfs.io import StoreOptions
-from ckptfs.io.open import split_protocol
+from ckptfs.io.progress import summary
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.keys import encode_component
 from ckptfs.layout.values import decode_value
 from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.state.flatten import unflatten
+from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
 from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
 from ckptfs.tools.source import (
     DEFAULT_BUFFER,
@@ -54,8 +58,6 @@ from ckptfs.tools.torch_file import TorchFileWriter
 
 FORMATS = ("safetensors", "torch", "hf")
 STRATEGIES = ("one_file", "one_file_per_tensor", "chunks")
-HF_SINGLE = "model.safetensors"
-HF_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ class UnshardResult:
     files: tuple[str, ...]  #: relative to out_dir, in writing order (the hf index last)
     tensors: int
     values: int
-    bytes_written: int
+    bytes_written: int  #: by every rank together
     seconds: float
+    ranks: int = 1  #: the processes that shared the work
+    kept: tuple[str, ...] = ()  #: files a resumed export found complete and left as they were
 
 
 @dataclass(frozen=True)
@@ -84,30 +88,73 @@ class _FilePlan:
 def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "safetensors",
             strategy: str = "one_file", chunk_size: int | None = None,
             keys: Iterable[str | tuple] | None = None, overwrite: bool = False,
-            storage_options: Mapping[str, Any] | None = None, store_options: StoreOptions | None = None,
+            resume: bool = False, storage_options: Mapping[str, Any] | None = None,
+            store_options: StoreOptions | None = None,
             buffer_bytes: int = DEFAULT_BUFFER, verify: bool = True,
-            progress: bool = False) -> UnshardResult:
+            progress: bool = False, process_group: ProcessGroup | None = None) -> UnshardResult:
     """Write the whole (unsharded) tensors of the checkpoint at ``url`` (any backend, or a
     DCP, Megatron or Hugging Face directory; local or remote) as files in the local directory
-    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor.
-    Refuses to replace existing files unless ``overwrite``."""
+    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor, per rank.
+    Refuses to replace existing files unless ``overwrite``; ``resume`` keeps the files an
+    interrupted export finished and writes the others.
+
+    In an initialised process group the call is collective: every rank of ``process_group``
+    (default: the whole job) calls it with the same arguments, the files are assigned to the
+    ranks balanced by bytes, each rank writes its files whole, and the hf index is written once,
+    after every file. Which file holds which tensor depends on the checkpoint and the arguments
+    only, so the files are the same bytes whatever the number of ranks."""
     t0 = time.perf_counter()
-    _check_args(format, strategy, chunk_size, out_dir)
-    out = Path(os.fspath(out_dir))
-    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src:
+    _check_args(format, strategy, chunk_size, resume)
+    comm = Comm(process_group)
+    with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src, \
+            _export_dir(out_dir, storage_options, store_options) as out:
         sel = select(src.index, keys, src.url)
         _check_values(sel, format, strategy)
         plans = _plan(src, sel, format, strategy, chunk_size)
-        names = [p.name for p in plans] + ([HF_INDEX] if format == "hf" and strategy != "one_file" else [])
-        _claim(out, names, format, overwrite)
-        written = _write(src, sel, plans, out, format, buffer_bytes, verify, progress)
-        if format == "hf" and strategy != "one_file":
-            written += _write_hf_index(src, sel, plans, out)
-    return UnshardResult(str(out), format, strategy, tuple(names), len(sel.tensors),
-                         len(sel.values), written, time.perf_counter() - t0)
+        indexed = format == "hf" and strategy != "one_file"
+        names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
+        done = comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
+            names, format == "hf", overwrite, resume, _expected(src, sel, plans, format)))
+        owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
+        mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
+        label = f"ckptfs unshard {src.url}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
+        _, counts = comm.run_everywhere(
+            f"writing the files of {out}",
+            lambda: _write(src, sel, mine, out, format, buffer_bytes, verify, progress, label, comm.rank),
+            lambda n: n, to="all")
+        written = sum(counts) + comm.run_on_coordinator(
+            f"finishing {out}", lambda: out.finish(_hf_index(src, sel, plans) if indexed else None))
+    seconds = time.perf_counter() - t0
+    if progress and comm.is_coordinator:
+        print(summary(f"ckptfs unshard {src.url} -> {out} ({comm.size} rank(s))", written, seconds),
+              file=sys.stderr)
+    return UnshardResult(out.url, format, strategy, tuple(names), len(sel.tensors),
+                         len(sel.values), written, seconds, comm.size,
+                         tuple(sorted(done)))
 
 
-def _check_args(format: str, strategy: str, chunk_size: int | None, out_dir: Any) -> None:
+def assign_files(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that writes each file: the largest file first, each to the rank with the
+    fewest bytes so far (the lowest rank on a tie). A pure function of the sizes and the
+    number of ranks; the files themselves never depend on it."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def _plan_bytes(src: Source, plan: _FilePlan) -> int:
+    return sum(nbytes(src.index.tensors[k]) for k in plan.tensors)
+
+
+def _check_args(format: str, strategy: str, chunk_size: int | None,
+                resume: bool = False) -> None:
+    if resume and format == "torch":
+        raise UsageError("resume applies to formats safetensors and hf (their files are checked "
+                         "against the planned header and size); rerun a torch export with overwrite")
     if format not in FORMATS:
         raise UsageError(f"format {format!r} is not one of {', '.join(FORMATS)}")
     if strategy not in STRATEGIES:
@@ -116,10 +163,6 @@ def _check_args(format: str, strategy: str, chunk_size: int | None, out_dir: Any
         raise UsageError("strategy 'chunks' needs chunk_size (bytes per file, at least 1)")
     if strategy != "chunks" and chunk_size is not None:
         raise UsageError(f"chunk_size applies to strategy 'chunks' only, not {strategy!r}")
-    proto, _ = split_protocol(os.fspath(out_dir))
-    if proto not in ("file", "local"):
-        raise UsageError(f"out_dir must be a local directory, not {os.fspath(out_dir)!r} (unshard "
-                         f"writes files in place; copy them to object storage afterwards)")
 
 
 def _check_values(sel: Selection, format: str, strategy: str) -> None:
@@ -182,35 +225,34 @@ def _specs(src: Source, sel: Selection, keys: Iterable[str]) -> list[TensorSpec]
                        src.index.tensors[k].shape) for k in keys]
 
 
-def _claim(out: Path, names: list[str], format: str, overwrite: bool) -> None:
-    """Refuse to replace files (and, for hf, to mix with another export's shards)."""
-    clash = [n for n in names if (out / n).exists()]
-    if format == "hf" and out.is_dir():
-        clash += [p.name for p in out.iterdir() if p.name not in clash and _hf_weights(p.name)]
-    if clash and not overwrite:
-        raise CheckpointExistsError(
-            f"{out}: {', '.join(sorted(clash)[:5])}{' ...' if len(clash) > 5 else ''} already "
-            f"exist(s); pass overwrite=True (--overwrite) to replace them")
-    for n in clash:
-        if n not in names:
-            (out / n).unlink()  # a stale shard of an earlier hf export
-    out.mkdir(parents=True, exist_ok=True)
+def _expected(src: Source, sel: Selection, plans: list[_FilePlan],
+              format: str) -> dict[str, tuple[int, bytes]]:
+    """(size, header bytes) of every planned safetensors file (none for torch files)."""
+    if format == "torch":
+        return {}
+    out = {}
+    for p in plans:
+        header, order = layout(_specs(src, sel, p.tensors), _metadata(format))
+        out[p.name] = (len(header) + sum(s.nbytes for s in order), header)
+    return out
 
 
-def _hf_weights(name: str) -> bool:
-    return name in (HF_SINGLE, HF_INDEX) or (name.startswith("model-") and name.endswith(".safetensors"))
+def _metadata(format: str) -> dict[str, str]:
+    return {"format": "pt"} if format == "hf" else {"format": "ckptfs.unshard"}
 
 
-def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: Path, format: str,
-           buffer_bytes: int, verify: bool, progress: bool) -> int:
-    """Open each file's writer in turn and feed it from one stream of tensors."""
+def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, format: str,
+           buffer_bytes: int, verify: bool, progress: bool, label: str, rank: int = 0) -> int:
+    """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
+    name in ``out`` once complete (export_dir.py)."""
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
     stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify)
-    bar = progress_bar(sum(nbytes(r.entry) for r in regions), f"ckptfs unshard {src.url}", progress)
+    bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
     total = 0
     try:
         for plan in plans:
-            writer = _open_writer(src, sel, plan, out / plan.name, format)
+            partial = out.partial(plan.name)
+            writer = _open_writer(src, sel, plan, partial, format)
             try:
                 for key in plan.tensors:
                     region, data = next(stream)
@@ -223,9 +265,10 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: Path, forma
                 writer.abort()
                 raise
             writer.close()
+            out.publish(plan.name)
             total += writer.nbytes
     finally:
-        bar.close()
+        bar.close(done=False)  # the caller prints one line for every rank
     return total
 
 
@@ -239,8 +282,7 @@ def _open_writer(src: Source, sel: Selection, plan: _FilePlan, path: Path,
                  format: str) -> SafetensorsWriter | TorchFileWriter:
     idx = src.index
     if format != "torch":
-        meta = {"format": "pt"} if format == "hf" else {"format": "ckptfs.unshard"}
-        return SafetensorsWriter(path, _specs(src, sel, plan.tensors), meta)
+        return SafetensorsWriter(path, _specs(src, sel, plan.tensors), _metadata(format))
 
     def build(make):
         leaves: dict[str, Any] = {}
@@ -258,11 +300,25 @@ def _open_writer(src: Source, sel: Selection, plan: _FilePlan, path: Path,
     return TorchFileWriter(path, build)
 
 
-def _write_hf_index(src: Source, sel: Selection, plans: list[_FilePlan], out: Path) -> int:
-    weight_map = {sel.relative(k): p.name for p in plans for k in p.tensors}
-    doc = {"metadata": {"total_size": sum(nbytes(src.index.tensors[k]) for k in sel.tensors),
-                        "total_parameters": sum(src.index.tensors[k].numel for k in sel.tensors)},
+def hf_index(weight_map: Mapping[str, str], total_size: int, total_parameters: int) -> bytes:
+    """``model.safetensors.index.json``: the file of every tensor, as transformers writes it."""
+    doc = {"metadata": {"total_size": total_size, "total_parameters": total_parameters},
            "weight_map": dict(sorted(weight_map.items()))}
-    raw = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
-    (out / HF_INDEX).write_bytes(raw)
-    return len(raw)
+    return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def _hf_index(src: Source, sel: Selection, plans: list[_FilePlan]) -> bytes:
+    return hf_index({sel.relative(k): p.name for p in plans for k in p.tensors},
+                    sum(nbytes(src.index.tensors[k]) for k in sel.tensors),
+                    sum(src.index.tensors[k].numel for k in sel.tensors))
+
+
+@contextmanager
+def _export_dir(out_dir: str | os.PathLike, storage_options: Mapping[str, Any] | None,
+                store_options: StoreOptions | None) -> Iterator[ExportDir]:
+    with public_errors(os.fspath(out_dir)):
+        out = ExportDir(out_dir, storage_options, store_options)
+    try:
+        yield out
+    finally:
+        out.close()

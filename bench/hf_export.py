@@ -1,0 +1,184 @@
+"""Hugging Face export spread over the ranks: ckptfs vs DCP's consolidation, same ranks and bytes.
+
+    python -m bench.hf_export [--mb 1500] [--tensor-mb 32] [--files 8] [--dir /tmp/ckptfs-bench-hf]
+
+A state of ``--mb`` MB (fp32 tensors of ``--tensor-mb`` MB, FSDP-style DTensors sharded by rows
+over 2 gloo ranks) is saved twice by those 2 ranks: as a ckptfs checkpoint, and with DCP's
+``HuggingFaceStorageWriter(save_distributed=True)`` (its per-rank sharded safetensors, the input
+of DCP's consolidation). Then each export runs in a fresh world of 1 and of 2 ranks into
+``--files`` ``model-0000i-of-0000N.safetensors`` files holding the same tensors:
+
+- ckptfs ``unshard(ckpt, out, format="hf", strategy="chunks")``, every rank writing its files;
+- ckptfs ``export_hf(state, out, max_shard_size=...)`` from the live DTensors (loaded from the
+  checkpoint before the clock starts): the route without a save and a read;
+- DCP ``consolidate_safetensors_files_on_every_rank`` (the mapping sends the same tensors to
+  the same files).
+
+Each rank reports its wall time and its peak resident-set rise over its baseline after imports
+and joining the group (VmHWM, reset through /proc/self/clear_refs; for ``export_hf``, after the
+live state is loaded), against the target of the largest tensor plus 256 MiB. The outputs are
+checked: ckptfs's files are the same bytes from 1 and 2 ranks and from both routes, and hold the
+same tensors as DCP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+JOBS = ("ckptfs unshard", "ckptfs export_hf", "dcp consolidate")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def names(n: int) -> list[str]:
+    return [f"layers.{i:03d}.weight" for i in range(n)]
+
+
+def _build(rank: int, world: int, root: str, n: int, rows: int, per_file: int) -> None:
+    """The 2 ranks save the state both ways."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptfs
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    state = {k: distribute_tensor(torch.randn(rows, 1024, generator=g), mesh, [Shard(0)])
+             for k in names(n)}
+    ckptfs.save({"model": state}, f"{root}/ckpt", overwrite=True)
+    mapping = {k: 1 + i // per_file for i, k in enumerate(names(n))}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(
+        path=f"{root}/dcp-in", fqn_to_index_mapping=mapping, save_distributed=True))
+
+
+def _live(world: int, root: str, n: int, rows: int) -> dict:
+    """The state as a training job holds it: DTensors sharded by rows, filled from the checkpoint."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptfs
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)]) for k in names(n)}
+    ckptfs.load({"model": state}, f"{root}/ckpt")
+    return state
+
+
+def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chunk: int,
+         rows: int) -> None:
+    """One export in a fresh world; each rank writes its numbers to a JSON file."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files_on_every_rank,
+    )
+
+    import ckptfs
+    import ckptfs.tools.unshard
+    from ckptfs.dist import Comm
+
+    out = f"{root}/out-{job.split()[1]}-{world}"
+    state = _live(world, root, n, rows) if job == "ckptfs export_hf" else None
+    Comm(None).barrier()  # ckptfs's group joined before the baseline
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status("VmRSS")
+    t0 = time.perf_counter()
+    if job == "ckptfs unshard":
+        ckptfs.unshard(f"{root}/ckpt", out, format="hf", strategy="chunks", chunk_size=chunk,
+                       keys=["model"], overwrite=True)
+    elif state is not None:
+        ckptfs.export_hf(state, out, max_shard_size=chunk, overwrite=True)
+    else:
+        mapping = {k: 1 + i // per_file for i, k in enumerate(names(n))}
+        os.makedirs(out, exist_ok=True)
+        consolidate_safetensors_files_on_every_rank(f"{root}/dcp-in", out, mapping)
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM") - before
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps({"seconds": seconds, "peak_rise": peak}))
+
+
+def _same_tensors(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    for f in sorted(a.glob("model-*.safetensors")):
+        x, y = load_file(str(f)), load_file(str(b / f.name))
+        if x.keys() != y.keys() or any(not x[k].equal(y[k]) for k in x):
+            return False
+    return True
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("model*"))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ckptfs.testing.ranks import run_ranks
+
+    ap = argparse.ArgumentParser(prog="python -m bench.hf_export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=1500)
+    ap.add_argument("--tensor-mb", type=float, default=32)
+    ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--dir", default="/tmp/ckptfs-bench-hf")
+    ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    rows = max(2, int(args.tensor_mb * 1e6 / 4096) // 2 * 2)
+    n = max(args.files, int(args.mb / args.tensor_mb))
+    per_file = -(-n // args.files)
+    tensor = rows * 4096
+    run_ranks(2, _build, str(root), n, rows, per_file, timeout=1800)
+    rows_out = []
+    for job in JOBS:
+        for world in (1, 2):
+            run_ranks(world, _job, str(root), job, n, per_file, per_file * tensor, rows, timeout=1800)
+            got = [json.loads(Path(f"{root}/out-{job.split()[1]}-{world}.rank{r}.json").read_text())
+                   for r in range(world)]
+            rows_out.append({"job": job, "ranks": world, "seconds": max(g["seconds"] for g in got),
+                             "peak_rise_per_rank": [g["peak_rise"] for g in got]})
+    ref = _files(root / "out-unshard-1")
+    same = all(_files(root / f"out-{d}") == ref for d in ("unshard-2", "export_hf-1", "export_hf-2"))
+    same_dcp = _same_tensors(root / "out-unshard-2", root / "out-consolidate-2")
+    load = os.getloadavg()
+    print(f"state: {n * tensor / 1e6:.0f} MB in {n} fp32 tensors of {tensor / 1e6:.1f} MB, "
+          f"{args.files} files; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
+    print("| export | ranks | seconds | peak RSS rise per rank (MiB) |")
+    print("|---|---|---|---|")
+    for r in rows_out:
+        rise = " / ".join(f"{p / 2**20:.0f}" for p in r["peak_rise_per_rank"])
+        print(f"| {r['job']} | {r['ranks']} | {r['seconds']:.2f} | {rise} |")
+    by = {(r["job"], r["ranks"]): r["seconds"] for r in rows_out}
+    two = by[("ckptfs unshard", 2)]
+    print(f"\nckptfs unshard 1 rank / 2 ranks: {by[('ckptfs unshard', 1)] / two:.2f}x; "
+          f"DCP 2 ranks / ckptfs 2 ranks: {by[('dcp consolidate', 2)] / two:.2f}x; "
+          f"export_hf 2 ranks / unshard 2 ranks: {by[('ckptfs export_hf', 2)] / two:.2f}x")
+    print(f"target per rank (largest tensor + 256 MiB): {(tensor + (256 << 20)) / 2**20:.0f} MiB; "
+          f"ckptfs files the same bytes from 1 and 2 ranks and both routes: {same}; "
+          f"same tensors as DCP's: {same_dcp}")
+    doc = {"bench": "hf_export", "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core, CPU",
+           "cpus": os.cpu_count(), "load_average": load, "mb": n * tensor / 1e6,
+           "tensor_bytes": tensor, "files": args.files, "runs": rows_out,
+           "same_bytes_1_vs_2_ranks": same, "same_tensors_as_dcp": same_dcp}
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    Path(args.results, f"hf_export-{int(doc['mb'])}mb.json").write_text(json.dumps(doc, indent=2) + "\n")
+    shutil.rmtree(root)
+    return 0 if same and same_dcp else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""``ckptfs.export_hf``: a running job's (sharded) state dict written as Hugging Face safetensors,
+without a checkpoint written and read back first.
+
+Every rank of the job calls it with its own state dict (FSDP2 / TP DTensors, ``ShardedTensor``s
+or plain tensors, which count as replicas on every rank). Names go through ``key_mapping``
+(a dict, or a callable returning the new name or None to leave the tensor out) and floating
+tensors are cast to ``dtype`` on the rank that holds them, before any byte moves.
+
+Which file holds which tensor depends on the names, dtypes and shapes only: ``file_index``
+(name -> 1-based file number, as torchtitan's ``fqn_to_index_mapping``) or, without it, files
+of at most ``max_shard_size`` bytes packed in name order (``None``: one ``model.safetensors``).
+The files go to the ranks balanced by bytes (``unshard.assign_files``). The work then runs in
+rounds: in round k every rank receives the k-th batch of its files' tensors (at most
+``buffer_bytes``, or one larger tensor) from the ranks holding their pieces (each piece sent by
+one holder; a rank's own pieces are copied, not sent) and writes them. A rank holds its batch
+plus the casts of its own pieces that the others' batches of the round need: about twice
+``buffer_bytes``, or the largest tensor plus ``buffer_bytes``, beside the state itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptfs.dist import Comm, ProcessGroup
+from ckptfs.errors import ShardingError, UsageError
+from ckptfs.io import StoreOptions
+from ckptfs.io.progress import summary
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.dtypes import from_name, from_torch
+from ckptfs.state.shards import LocalShard, ShardedTensor, local_shard
+from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
+from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
+from ckptfs.tools.source import DEFAULT_BUFFER, progress_bar
+from ckptfs.tools.unshard import UnshardResult, assign_files, hf_index
+
+KeyMapping = Mapping[str, str] | Callable[[str], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A box of one tensor and the ranks holding it (in rank order)."""
+
+    name: str
+    box: Box
+    holders: tuple[int, ...]
+
+    def sender(self, owner: int) -> int:
+        """Who gives it to ``owner``: the owner itself when it holds it, else the lowest holder."""
+        return owner if owner in self.holders else self.holders[0]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every rank agrees on: each file's tensors in data order, its writer, the pieces."""
+
+    files: tuple[tuple[str, tuple[TensorSpec, ...]], ...]
+    owner: tuple[int, ...]  #: the rank writing each file
+    pieces: Mapping[str, tuple[_Piece, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One tensor a rank writes: its file (position in the plan) and spec."""
+
+    file: int
+    spec: TensorSpec
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+
+def export_hf(state_dict: Mapping[str, Any], out_dir: str | os.PathLike, *,
+              key_mapping: KeyMapping | None = None, dtype: torch.dtype | None = None,
+              file_index: Mapping[str, int] | None = None, max_shard_size: int | None = None,
+              overwrite: bool = False, buffer_bytes: int = DEFAULT_BUFFER, progress: bool = False,
+              process_group: ProcessGroup | None = None,
+              storage_options: Mapping[str, Any] | None = None,
+              store_options: StoreOptions | None = None) -> UnshardResult:
+    """Write ``state_dict`` (this rank's; every rank of ``process_group`` calls this together)
+    as Hugging Face safetensors in ``out_dir`` (a local directory, or an object-store URL with
+    ``storage_options``): see the module's text. Refuses to replace existing files unless
+    ``overwrite``."""
+    t0 = time.perf_counter()
+    if file_index is not None and max_shard_size is not None:
+        raise UsageError("export_hf: give file_index or max_shard_size, not both")
+    comm = Comm(process_group)
+    shards = comm.run_everywhere(  # a bad key on one rank raises on every rank
+        "describing the tensors to export", lambda: _local_shards(state_dict, key_mapping, dtype, comm.rank))
+    plan = _agree(comm, shards, file_index, max_shard_size)
+    out = ExportDir(out_dir, storage_options, store_options)
+    try:
+        return _export(comm, plan, shards, out, overwrite, buffer_bytes, progress, t0)
+    finally:
+        out.close()
+
+
+def _export(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir,
+            overwrite: bool, buffer_bytes: int, progress: bool, t0: float) -> UnshardResult:
+    names = [name for name, _ in plan.files]
+    indexed = names != [HF_SINGLE]
+    comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
+        names + ([HF_INDEX] if indexed else []), True, overwrite, False, {}))
+    label = f"ckptfs export_hf -> {out}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
+    _, counts = comm.run_everywhere(
+        f"writing the files of {out}",
+        lambda: _run_rounds(comm, plan, shards, out, buffer_bytes, progress, label),
+        lambda n: n, to="all")
+    specs = [s for _, file in plan.files for s in file]
+    index = hf_index({s.name: n for n, file in plan.files for s in file},
+                     sum(s.nbytes for s in specs), sum(s.nbytes // s.dtype.itemsize for s in specs))
+    written = sum(counts) + comm.run_on_coordinator(
+        f"finishing {out}", lambda: out.finish(index if indexed else None))
+    seconds = time.perf_counter() - t0
+    if progress and comm.is_coordinator:
+        print(summary(f"ckptfs export_hf -> {out} ({comm.size} rank(s))", written, seconds),
+              file=sys.stderr)
+    files = tuple(names) + ((HF_INDEX,) if indexed else ())
+    return UnshardResult(out.url, "hf", "live", files, len(specs), 0, written, seconds, comm.size)
+
+
+def _local_shards(state_dict: Mapping[str, Any], key_mapping: KeyMapping | None,
+                  dtype: torch.dtype | None, rank: int) -> dict[str, LocalShard | None]:
+    """This rank's piece of every tensor under its new name, with the dtype it is written in
+    (``dtype`` for floating tensors); None where the rank holds nothing of it."""
+    out: dict[str, LocalShard | None] = {}
+    for key, obj in state_dict.items():
+        name = _rename(key, key_mapping)
+        if name is None:
+            continue
+        if not isinstance(obj, torch.Tensor | ShardedTensor):
+            raise UsageError(f"export_hf: key {key!r} holds a {type(obj).__name__}; Hugging Face "
+                             f"files hold tensors only (leave it out with key_mapping)")
+        if name in out:
+            raise UsageError(f"export_hf: key_mapping gives two tensors the name {name!r}")
+        shard = local_shard(name, obj, rank)
+        if shard is not None and dtype is not None and shard.local.is_floating_point():
+            # the dtype it is written in; the cast happens when its bytes are sent or copied
+            shard = LocalShard(name, shard.local, from_torch(dtype, name), shard.global_shape,
+                               shard.box, shard.replica_id)
+        out[name] = shard
+    return out
+
+
+def _rename(key: str, key_mapping: KeyMapping | None) -> str | None:
+    if key_mapping is None:
+        return key
+    if callable(key_mapping):
+        return key_mapping(key)
+    return key_mapping.get(key, key)
+
+
+def _agree(comm: Comm, shards: Mapping[str, LocalShard | None],
+           file_index: Mapping[str, int] | None, max_shard_size: int | None) -> _Plan:
+    """Every rank's pieces gathered; the same plan computed on every rank from them."""
+    mine = {n: None if s is None else (s.dtype.name, s.global_shape, s.box, s.replica_id)
+            for n, s in shards.items()}
+    every = comm.all_gather(mine, "gathering the tensors to export")
+    specs: dict[str, TensorSpec] = {}
+    held: dict[str, dict[Box, list[int]]] = {}
+    for rank, got in enumerate(every):
+        if got.keys() != every[0].keys():
+            diff = sorted(set(got) ^ set(every[0]))[:3]
+            raise ShardingError(f"export_hf: rank {rank} and rank 0 name different tensors "
+                                f"(e.g. {diff})")
+        for name, desc in got.items():
+            if desc is None:
+                continue
+            dt, shape, box, _ = desc
+            spec = TensorSpec(name, from_name(dt, name), shape)
+            if specs.setdefault(name, spec) != spec:
+                raise ShardingError(f"export_hf: key {name!r} is {spec.dtype.name} {list(shape)} "
+                                    f"on rank {rank}, {specs[name].dtype.name} "
+                                    f"{list(specs[name].shape)} elsewhere")
+            held.setdefault(name, {}).setdefault(box, []).append(rank)
+    pieces = {n: tuple(_Piece(n, b, tuple(r)) for b, r in sorted(held.get(n, {}).items()))
+              for n in specs}
+    for name, spec in specs.items():
+        if sum(p.box.volume for p in pieces[name]) != spec.nbytes // spec.dtype.itemsize:
+            raise ShardingError(f"export_hf: the ranks' pieces of key {name!r} do not cover its "
+                                f"shape {list(spec.shape)} exactly once")
+    groups = _files(specs, file_index, max_shard_size)
+    files = tuple((name, tuple(layout(g, {"format": "pt"})[1])) for name, g in groups)
+    owner = assign_files([sum(s.nbytes for s in g) for _, g in files], comm.size)
+    return _Plan(files, tuple(owner), pieces)
+
+
+def _files(specs: Mapping[str, TensorSpec], file_index: Mapping[str, int] | None,
+           max_shard_size: int | None) -> list[tuple[str, list[TensorSpec]]]:
+    """The files and their tensors: by ``file_index``, packed by ``max_shard_size`` in name
+    order, or one file."""
+    names = sorted(specs)
+    if file_index is not None:
+        missing = [n for n in names if n not in file_index]
+        if missing:
+            raise UsageError(f"export_hf: file_index has no file for {missing[:3]}")
+        top = max((file_index[n] for n in names), default=1)
+        if any(file_index[n] < 1 for n in names):
+            raise UsageError("export_hf: file_index numbers files from 1")
+        by: dict[int, list[TensorSpec]] = {}
+        for n in names:
+            by.setdefault(file_index[n], []).append(specs[n])
+        return [(f"model-{i:05d}-of-{top:05d}.safetensors", by[i]) for i in sorted(by)]
+    if max_shard_size is None:
+        return [(HF_SINGLE, [specs[n] for n in names])]
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for n in names:
+        if groups[-1] and size + specs[n].nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(specs[n])
+        size += specs[n].nbytes
+    return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _rounds(plan: _Plan, ranks: int, buffer_bytes: int) -> list[list[list[_Item]]]:
+    """rounds[k][r]: rank r's k-th batch of tensors (empty once it has no more)."""
+    per_rank = [_batches([_Item(i, s) for i, (_, file) in enumerate(plan.files)
+                          if plan.owner[i] == r for s in file], buffer_bytes)
+                for r in range(ranks)]
+    n = max((len(b) for b in per_rank), default=0)
+    return [[b[k] if k < len(b) else [] for b in per_rank] for k in range(n)]
+
+
+def _batches(items: list[_Item], budget: int) -> list[list[_Item]]:
+    """Consecutive items of at most ``budget`` bytes together (a larger one alone)."""
+    out: list[list[_Item]] = []
+    size = 0
+    for it in items:
+        if not out or (out[-1] and size + it.nbytes > budget):
+            out.append([])
+            size = 0
+        out[-1].append(it)
+        size += it.nbytes
+    return out
+
+
+def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir,
+                buffer_bytes: int, progress: bool, label: str) -> int:
+    """This rank's part of every round; returns the bytes it wrote. A rank whose writing fails
+    keeps taking part in the rounds (the others send to it and wait for its pieces) and
+    raises at the end, where every rank learns of it."""
+    mine = [i for i in range(len(plan.files)) if plan.owner[i] == comm.rank]
+    bar = progress_bar(sum(s.nbytes for i in mine for s in plan.files[i][1]), label, progress,
+                       position=comm.rank)
+    writers = _Writers(out, plan)
+    failed: BaseException | None = None
+    try:
+        for batch in _rounds(plan, comm.size, buffer_bytes):
+            for item, data in _exchange(comm, plan, shards, batch):
+                if failed is None:
+                    try:
+                        writers.write(item, data)
+                    except Exception as e:
+                        failed = e
+                        writers.abort()
+                bar.update(data.nbytes)
+    finally:
+        bar.close(done=False)  # the coordinator prints one line for every rank
+    if failed is not None:
+        raise failed
+    return writers.total
+
+
+def _exchange(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None],
+              batch: list[list[_Item]]) -> Iterator[tuple[_Item, torch.Tensor]]:
+    """One round: every rank sends the pieces it gives to the batch's owners and receives its
+    own batch's; yields this rank's tensors whole, in order."""
+    me = comm.rank
+    ops: list[tuple[str, torch.Tensor, int, int]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    whole: list[torch.Tensor] = []
+    tag = 0  #: numbers the round's messages alike on every rank
+    for owner, items in enumerate(batch):
+        for item in items:
+            full = torch.empty(item.spec.shape, dtype=item.spec.dtype.torch) if owner == me else None
+            if full is not None:
+                whole.append(full)
+            for piece in plan.pieces[item.spec.name]:
+                sender = piece.sender(owner)
+                if piece.box.volume == 0:
+                    continue
+                tag += sender != owner
+                if me not in (owner, sender):
+                    continue
+                if full is not None and sender == me:
+                    full[piece.box.slices()].copy_(_cast(shards[item.spec.name]))
+                elif full is None:
+                    ops.append(("send", _raw(_cast(shards[item.spec.name])), owner, tag))
+                else:
+                    view = full[piece.box.slices()]
+                    buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
+                    copies.append((view, buf))
+                    ops.append(("recv", _raw(buf), sender, tag))
+    comm.point_to_point(ops, "sending the pieces of the tensors to export")
+    del ops
+    for view, buf in copies:
+        if buf is not view:
+            view.copy_(buf)
+    mine = batch[me]
+    for i, item in enumerate(mine):
+        t, whole[i] = whole[i], None  # type: ignore[call-overload]
+        yield item, t
+
+
+def _cast(shard: LocalShard | None) -> torch.Tensor:
+    """This rank's piece in the dtype it is written in, contiguous, on the CPU."""
+    assert shard is not None
+    return shard.local.detach().to(device="cpu", dtype=shard.dtype.torch).contiguous()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU tensor as a uint8 view (what travels)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Writers:
+    """The file being written: opened at its first tensor, moved to its name after its last."""
+
+    def __init__(self, out: ExportDir, plan: _Plan) -> None:
+        self.out, self.plan = out, plan
+        self.total = 0
+        self._file = -1
+        self._left = 0
+        self._writer: SafetensorsWriter | None = None
+
+    def write(self, item: _Item, data: torch.Tensor) -> None:
+        if self._writer is None or self._file != item.file:
+            name, specs = self.plan.files[item.file]
+            self._writer = SafetensorsWriter(self.out.partial(name), specs, {"format": "pt"})
+            self._file, self._left = item.file, len(specs)
+        self._writer.write(item.spec.name, data)
+        self._left -= 1
+        if not self._left:
+            self._writer.close()
+            self.out.publish(self.plan.files[item.file][0])
+            self.total += self._writer.nbytes
+            self._writer = None
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
