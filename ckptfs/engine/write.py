@@ -1,6 +1,8 @@
 """Save, phase 2 of 3: write. The data files reach storage; nothing is committed yet.
 
-The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
+The coordinator first makes the backend's layout files (``Backend.prepare``: a failure raises on
+every rank before anything is written) and writes them beside its own data files, so no rank
+waits for them (zarr: a document per array and group, each fsynced); every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
 computing each chunk's crc32c and each file's (formats/README.md §6), and the checksums of the
 replica slices a synchronous save left to this phase (stage.py), while the I/O threads write
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -97,7 +99,6 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
         with paused_gc():  # zarr: a metadata document per array (layout/nogc.py)
             prep.extend(backend.prepare(staged.plans))
-        run_sync(write_files(store, prep, False))
 
     if not store.streams_in_place:
         staged = check_now(staged, comm)
@@ -107,7 +108,7 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     mine: WrittenRank | None = None
     try:
         mine = run_throttled(throttle_uploads, comm, lambda: write_rank(
-            staged, backend, store, save_id, progress and comm.is_coordinator))
+            staged, backend, store, save_id, progress and comm.is_coordinator, prep))
     except Exception as e:
         err = e
     clean = not (mine and mine.non_finite)
@@ -143,8 +144,9 @@ def file_sums(files: Sequence[FileWrite],
 
 @paused_gc()  # many small acyclic objects (layout/nogc.py)
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
-               progress: bool) -> WrittenRank:
-    """This rank's files; checksums are computed here while the I/O threads write, or, for a
+               progress: bool, layout: Sequence[FileWrite] = ()) -> WrittenRank:
+    """This rank's files, and on the coordinator the backend's ``layout`` files beside them;
+    checksums are computed here while the I/O threads write, or, for a
     store that writes streamed parts in place, by its writer threads slice by slice as they
     write each chunk (engine/checked_parts.py), as is the search for NaN and infinity left to
     the write (``StagedSave.finite``: the chunks not searched so are searched here)."""
@@ -160,7 +162,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
         tests = {address(data): test for c, data in views
                  if id(c) in search and (test := slice_test(c.data)) is not None}
         files, checked = checked_files(rw.files, (data for _, data in views), tests)
-    writing = submit(write_files(store, files, progress))
+    writing = submit(_beside(write_files(store, layout, False), write_files(store, files, progress)))
     # each view's part checksummed as it is written (None: checksummed here)
     parts = [checked.get(address(data)) if checked else None for _, data in views]
     try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
@@ -190,6 +192,11 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                     for key, e in rw.chunks)
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
                        {p: crc for p, (_, crc) in whole.items()}, replicas, found)
+
+
+async def _beside(*writes: Awaitable[None]) -> None:
+    """Several ``write_files`` at once, sharing the store's request slots."""
+    await gather_all(*writes)
 
 
 def _streamed_crc(part: StreamedPart | None) -> int:
@@ -249,8 +256,11 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
 
     # the groups dealt over the store's request slots: each worker's fsyncs wait in turn
     groups, single = group_small(files, _small, _SMALL_GROUP, spread=store.options.max_concurrency)
+    # smallest first (the slots are taken in this order): a small file's fsync then commits
+    # before the large files' write-back is under way, instead of waiting for it
+    single = sorted(single, key=lambda f: f.nbytes)
     try:
-        await gather_all(*(one(f) for f in single), *(group(g) for g in groups))
+        await gather_all(*(group(g) for g in groups), *(one(f) for f in single))
     finally:
         if bar is not None:
             bar.close()
