@@ -9,14 +9,16 @@ Cases (synthetic fp32 + bf16 state, row-sharded DTensors, ``bench.synthetic``; `
   per rank; W6 warm-cache loads 1->1 and 2->2 (the same load again right after the cold one);
   W7 the W1 saves again without dropping the page cache (what a training job's next save meets);
   W8 a state of mid-size tensors (``--mid-gb``; 12-16 MiB each, ``bench.synthetic.mid_specs``)
-  saved with the page cache dropped and warm, and loaded cold and warm, at 1 and 2 ranks.
+  saved with the page cache dropped and warm, and loaded cold and warm, at 1 and 2 ranks; W9 a
+  few large matrices (``--large-gb``; fp32 and bf16 (4096, 8192), ``bench.synthetic.large_specs``)
+  saved with the page cache warm by 2 ranks at once, each writing one large chunk per tensor.
 - Beside every ckptfs save from a dropped page cache (W1, W8), the same save with
   ``fsync=False`` (column ``x no fsync`` = that time / the save's time): what durability costs;
   and its physical floor: the same files (paths and sizes) written anew with plain ``os.write``
   calls of the ranks' own bytes and one ``fsync`` per file, from the same page-cache state
   (``floors.write_same``; column ``x fsync floor`` = the save's time / the floor's time), so a
   gap to ``fsync=False`` that the disk itself imposes is told from one the library adds.
-- Every cold load, and every save but the warm ones (W7, W8 warm), runs after the page cache was dropped
+- Every cold load, and every save but the warm ones (W7, W8 warm, W9), runs after the page cache was dropped
   (``bench.worker.drop_caches``): measured on a 2-vCPU cloud VM, a page cache holding 8 GB of clean pages
   slowed a 1.1 GB save from 1.5-1.7 s to 2.6 s, so saves start from the same state too. Every
   load is verified bit-exact (the command fails if one is not). Medians over ``--reps``.
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=20_000, help="W4's count of small tensors (0: skip W4)")
     p.add_argument("--mid-gb", type=float, default=0.8,
                    help="W8's mid-size-tensor state in GB (0: skip W8), default 0.8")
+    p.add_argument("--large-gb", type=float, default=1.2,
+                   help="W9's state of a few large matrices in GB (0: skip W9), default 1.2")
     p.add_argument("--floor-threads", default="1,2,4,8", help="files (threads) per rank for the floors")
     p.add_argument("--no-drop-caches", dest="drop", action="store_false",
                    help="do not drop the page cache before cold loads (needs root)")
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.join(root, f"records-{stamp}.jsonl")
-    base = {"gb": args.gb, "small": args.small, "mid_gb": args.mid_gb, "drop": args.drop, "root": root,
+    base = {"gb": args.gb, "small": args.small, "mid_gb": args.mid_gb, "large_gb": args.large_gb,
+            "drop": args.drop, "root": root,
             "out": out,
             "floor_threads": [int(t) for t in args.floor_threads.split(",") if t], "timeout": args.timeout}
     print(f"bench.perf: {len(specs)} tensors, {state_bytes / 1e9:.3f} GB (fp32 + bf16 DTensor Shard(0)), "
@@ -270,13 +275,13 @@ def floor_kind(case: str, kind: str) -> str:
 
 
 def page_cache(case: str, kind: str) -> str:
-    """The page cache a case starts from: "warm" (W6, W7 and W8's warm cases keep what the
-    earlier cases left) or "dropped"."""
+    """The page cache a case starts from: "warm" (W6, W7 and the warm cases of W8 and W9 keep
+    what the earlier cases left) or "dropped"."""
     return "warm" if kind == "warm" or case.startswith(("W6", "W7")) or " warm " in case else "dropped"
 
 
 def save_case(case: str) -> bool:
-    """A save the never-behind target covers: W1, W7, W8 (W4's small tensors have their own)."""
+    """A save the never-behind target covers: W1, W7, W8, W9 (W4's small tensors have their own)."""
     return " save" in case and not case.startswith("W4")
 
 
@@ -376,7 +381,7 @@ def targets(cases: list[dict]) -> list[dict[str, Any]]:
             TARGETS["save_floor"], True, "%")
         every = [c for c in mine if save_case(c["case"])]
         behind = [v for c in every for peer in PEER_NAMES if (v := ratio(c["case"], peer, lib)) is not None]
-        add(lib, "saves (W1, W7, W8; page cache dropped and warm) never behind any peer "
+        add(lib, "saves (W1, W7, W8, W9; page cache dropped and warm) never behind any peer "
             "(peer time / ckptfs time >= 1)", behind, 1.0, True, "x")
         add(lib, "saves from a dropped page cache (W1, W8) within 10% of the same save without fsync "
             "(time / no-fsync time <= 1.10)",

@@ -13,7 +13,8 @@ Worlds: 2 saves (W1, W5; again without dropping the page cache, W7) and loads 2-
 (W6) and 10% of the keys (W3, with a floor of its own: the cold read of only those keys' local
 bytes); 1 saves and loads 1->1 (W1, W5, W6, W7), loads 2->1 (W2) and the 20,000 small tensors
 (W4); 3 loads 2->3 (W2). Worlds 1 and 2 also save and load the mid-size-tensor state (W8), with
-the page cache dropped and warm. Beside every ckptfs save that starts from a dropped page cache
+the page cache dropped and warm. World 2 also saves a few large matrices, page cache warm (W9).
+Beside every ckptfs save that starts from a dropped page cache
 (W1, W8), the same save without fsync is timed (kind ``save-nofsync``), and so are the same
 files written anew with plain ``os.write`` calls and one ``fsync`` per file (kind
 ``floor-fsync``, ``floors.write_same``): what the durable save costs at least on this disk.
@@ -37,7 +38,15 @@ import torch.distributed as dist
 
 from bench import floors
 from bench.libs import Checkpointer, Ckptfs, Dcp
-from bench.synthetic import make_plain, make_state, mid_specs, same_bits, small_specs, state_specs
+from bench.synthetic import (
+    large_specs,
+    make_plain,
+    make_state,
+    mid_specs,
+    same_bits,
+    small_specs,
+    state_specs,
+)
 from bench.worker import ckpt_path, drop_caches, meminfo, settle
 from ckptfs.testing.ranks import run_ranks
 
@@ -316,6 +325,8 @@ class World:
         del target
         if saves and cfg.get("mid_gb"):
             self.run_mid(cfg["mid_gb"])
+        if w == SOURCE and cfg.get("large_gb"):
+            self.run_large(cfg["large_gb"])
         if w == 1 and cfg["small"]:
             sspecs = small_specs(cfg["small"])
             src = make_plain(sspecs, zeros=False)
@@ -347,6 +358,23 @@ class World:
             self.load(f"W8 mid warm load {w}->{w}", "warm", ck, target, expected, path, total)
             if self.rank == 0:
                 ck.remove(path)
+
+
+    def run_large(self, gb: float) -> None:
+        """W9: a few large matrices (``bench.synthetic.large_specs``), each row-sharded over
+        the ranks, saved with the page cache warm by every rank at once (each rank writes one
+        large chunk per tensor); the libraries in mirrored order (``abba``)."""
+        w, root = self.world, self.cfg["root"]
+        specs = large_specs(gb)
+        total = sum(s.nbytes for s in specs)
+        state = make_state(specs, self.rank, w, zeros=False)
+        for ck in abba(self.libs):
+            self.save(f"W9 large warm save {w}", ck, state, ckpt_path(root, ck, w) + "-large", total,
+                      drop=False)
+        dist.barrier()
+        if self.rank == 0:
+            for ck in self.libs:
+                ck.remove(ckpt_path(root, ck, w) + "-large")
 
 
 def abba(libs: list[Checkpointer]) -> list[Checkpointer]:

@@ -154,3 +154,21 @@ def mid_specs(gb: float) -> list[TensorSpec]:
         specs += mid_layer_specs(layer, shrink)
         layer += 1
     return specs
+
+
+LARGE = (4096, 8192)  #: rows and columns of ``large_specs``'s matrices: 128 MiB fp32, 64 MiB bf16
+
+
+def large_specs(gb: float) -> list[TensorSpec]:
+    """A few large matrices, fp32 and bf16 (4096, 8192), about 3/4 of the bytes fp32, until the
+    state holds about ``gb`` GB (one of each at least): a checkpoint of a few big weights, each
+    row-sharded over the ranks, so a rank writes one large chunk per tensor. Below one matrix
+    of each (quick checks) every dimension shrinks, down to 1/64."""
+    shrink = 1
+    while shrink < 64 and (LARGE[0] // (2 * shrink)) * (LARGE[1] // (2 * shrink)) * 6 >= gb * 1e9:
+        shrink *= 2
+    rows, cols = LARGE[0] // shrink, LARGE[1] // shrink
+    n32 = max(1, round(gb * 0.75e9 / (rows * cols * 4)))
+    n16 = max(1, round(gb * 0.25e9 / (rows * cols * 2)))
+    return ([TensorSpec(f"large.fp32.{i}", torch.float32, (rows, cols), 20_000 + i) for i in range(n32)]
+            + [TensorSpec(f"large.bf16.{i}", torch.bfloat16, (rows, cols), 20_100 + i) for i in range(n16)])

@@ -13,16 +13,17 @@ from bench import perf
 
 CASES = {"W1 save 1", "W1 save 2", "W1 load 1->1", "W1 load 2->2", "W2 load 2->1", "W2 load 2->3",
          "W3 load 10% keys 2->2", "W4 save 40 small", "W4 load 40 small", "W6 warm load 1->1",
-         "W6 warm load 2->2", "W7 warm save 1", "W7 warm save 2",
+         "W6 warm load 2->2", "W7 warm save 1", "W7 warm save 2", "W9 large warm save 2",
          *(f"W8 mid {c}" for w in (1, 2) for c in (f"save {w}", f"warm save {w}", f"load {w}->{w}",
                                                    f"warm load {w}->{w}"))}
 WARM = {"W6 warm load 1->1", "W6 warm load 2->2", "W7 warm save 1", "W7 warm save 2",
-        "W8 mid warm save 1", "W8 mid warm save 2", "W8 mid warm load 1->1", "W8 mid warm load 2->2"}
+        "W8 mid warm save 1", "W8 mid warm save 2", "W8 mid warm load 1->1", "W8 mid warm load 2->2",
+        "W9 large warm save 2"}
 
 
 @pytest.mark.slow
 def test_perf_tiny(tmp_path, capsys):
-    rc = perf.main(["--gb", "0.0005", "--mid-gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
+    rc = perf.main(["--gb", "0.0005", "--mid-gb", "0.0005", "--large-gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
                     "--backends", "safetensors_chunks", "--peers", "DCP,OLMo-core",
                     "--olmo-venv", str(tmp_path / "no-venv"), "--floor-threads", "1",
                     "--no-drop-caches", "--no-plot", "--results", str(tmp_path / "res"),

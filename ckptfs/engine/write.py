@@ -1,6 +1,8 @@
 """Save, phase 2 of 3: write. The data files reach storage; nothing is committed yet.
 
-The coordinator first writes the backend's layout files (``Backend.prepare``); then every rank
+The coordinator first makes the backend's layout files (``Backend.prepare``: a failure raises on
+every rank before anything is written) and writes them beside its own data files, so no rank
+waits for them (zarr: a document per array and group, each fsynced); every rank
 lays out its staged chunks (``Backend.write_rank``) and writes the files through the store,
 computing each chunk's crc32c and each file's (formats/README.md §6), and the checksums of the
 replica slices a synchronous save left to this phase (stage.py), while the I/O threads write
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -103,7 +105,6 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
         with paused_gc():  # zarr: a metadata document per array (layout/nogc.py)
             prep.extend(backend.prepare(staged.plans))
-        run_sync(write_files(store, prep, False))
 
     comm.run_on_coordinator("save: preparing the layout", prepare)
     what = "save: writing data"
@@ -111,7 +112,7 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     mine: WrittenRank | None = None
     try:
         mine = run_throttled(throttle_uploads, comm, lambda: write_rank(
-            staged, backend, store, save_id, progress and comm.is_coordinator, hooks))
+            staged, backend, store, save_id, progress and comm.is_coordinator, hooks, prep))
     except Exception as e:
         err = e
     clean = not (mine and mine.refused)
@@ -151,8 +152,10 @@ def file_sums(files: Sequence[FileWrite],
 
 @paused_gc()  # many small acyclic objects (layout/nogc.py)
 def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
-               progress: bool, hooks: Sequence[SaveHook] = ()) -> WrittenRank:
-    """This rank's files; checksums are computed here while the I/O threads write, or, for a
+               progress: bool, hooks: Sequence[SaveHook] = (),
+               layout: Sequence[FileWrite] = ()) -> WrittenRank:
+    """This rank's files, and on the coordinator the backend's ``layout`` files beside them;
+    checksums are computed here while the I/O threads write, or, for a
     store that writes streamed parts in place, by its writer threads slice by slice as they
     write each chunk (engine/checked_parts.py), with the block tests of ``hooks`` (the search
     for NaN and infinity); the chunks no block test runs on go to the hooks' ``during_write``
@@ -171,7 +174,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
                  in zip(views, _block_tests(hooks, notes, [c for c, _ in views]), strict=True)
                  if test is not None}
         files, checked = checked_files(rw.files, (data for _, data in views), tests)
-    writing = submit(write_files(store, files, progress))
+    writing = submit(_beside(write_files(store, layout, False), write_files(store, files, progress)))
     # each view's part checksummed as it is written (None: checksummed here)
     parts = [checked.get(address(data)) if checked else None for _, data in views]
     try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
@@ -244,6 +247,11 @@ def _no_references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook],
                                   f"this format version does not record")
 
 
+async def _beside(*writes: Awaitable[None]) -> None:
+    """Several ``write_files`` at once, sharing the store's request slots."""
+    await gather_all(*writes)
+
+
 def _streamed_crc(part: StreamedPart | None) -> int:
     """The crc32c a streamed part computed while it was written."""
     if part is None or part.crc is None:
@@ -301,8 +309,11 @@ async def write_files(store: Store, files: Sequence[FileWrite], progress: bool) 
 
     # the groups dealt over the store's request slots: each worker's fsyncs wait in turn
     groups, single = group_small(files, _small, _SMALL_GROUP, spread=store.options.max_concurrency)
+    # smallest first (the slots are taken in this order): a small file's fsync then commits
+    # before the large files' write-back is under way, instead of waiting for it
+    single = sorted(single, key=lambda f: f.nbytes)
     try:
-        await gather_all(*(one(f) for f in single), *(group(g) for g in groups))
+        await gather_all(*(group(g) for g in groups), *(one(f) for f in single))
     finally:
         if bar is not None:
             bar.close()

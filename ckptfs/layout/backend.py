@@ -143,7 +143,9 @@ class Backend(ABC):
                                                      must be deterministic (ranks compare plans);
                                                      overriding it makes every rank plan every
                                                      tensor (its input is all ranks' boxes)
-      2. ``prepare(plans)``                          coordinator, before any rank writes data
+      2. ``prepare(plans)``                          coordinator, before any rank writes data;
+                                                     its files are written beside the
+                                                     coordinator's data files
       3. ``write_rank(job)``                         every rank that writes chunks (job.plans
                                                      holds the plans of the keys it writes)
       4. ``index_options()``                         coordinator, building the index
@@ -198,7 +200,8 @@ class Backend(ABC):
         return boxes
 
     def prepare(self, plans: Mapping[str, TensorPlan]) -> list[FileWrite]:
-        """Files the coordinator writes before any rank writes data (e.g. array metadata)."""
+        """Files the coordinator writes (e.g. array metadata), made before any rank writes data
+        and written beside the coordinator's own data files, durable before the commit."""
         return []
 
     @abstractmethod
