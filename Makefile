@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 COMPILE := $(BIN)/python -m compileall -q -j 0 ckptfs tests bench examples tools_dev > /dev/null
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
+	fuzz clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
 	test-two-node test-extended titan-trainer
 
 $(BIN)/python:
@@ -183,6 +183,14 @@ $(TITAN_VENV)/.installed:
 
 titan-trainer: $(TITAN_VENV)/.installed
 	PYTHONPATH=$(abspath .) $(TITAN_VENV)/bin/python tests/interop/titan_trainer.py
+
+# The parsers' fuzzers (tests/test_fuzz.py) with FUZZ_EXAMPLES examples per target (`make test`
+# runs 30, seeded); FUZZ_SEED=N draws other inputs than the fixed seed
+FUZZ_EXAMPLES ?= 2000
+FUZZ_SEED ?=
+fuzz: $(STAMP)
+	CKPTFS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) CKPTFS_FUZZ_SEED=$(FUZZ_SEED) \
+		$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) tests/test_fuzz.py
 
 mutate: $(STAMP)
 	$(BIN)/python -m tools_dev.mutate
