@@ -268,3 +268,29 @@ def test_soak_reduced(s3, moto_server):
     report = soak(10, 0.10, seed=1, proxy=s3.proxy, endpoint=moto_server)
     assert report["faults_injected"] > 0 and report["retries"] > 0, report
     assert report["wrong_loads"] == 0 and report["lost_committed"] == 0, report
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_failure_after_the_index_landed_never_deletes_its_data(s3, engine):
+    """The index PUT lands, then the save fails (the lock's release refused with 403): the
+    save's cleanup must not delete the data files a committed index points to. The URL loads
+    exact, or holds no committed checkpoint; never an index without its data."""
+    c = Cell(s3, engine, f"landed-{engine}")
+    url = f"{c.base}/ck"
+    s3.proxy.reset()
+    # the first deletion after the index PUT is the lock's release (s3fs: DELETE, obstore: a
+    # bulk POST ?delete); refusing it fails the save after its commit
+    s3.proxy.configure(script=[{"method": "DELETE", "path": "ckptfs.lock", "fault": "deny"},
+                               {"method": "POST", "query": "delete", "fault": "deny"}])
+    try:
+        c.save(state(7), url)
+    except ckptfs.CkptfsError:
+        pass
+    denied = [r for r in s3.proxy.log() if r.fault == "deny"]
+    s3.proxy.reset()
+    assert denied, "the release was not refused: the test tests nothing"
+    try:
+        got = ckptfs.load_keys(url, **c.kw)
+    except ckptfs.CheckpointNotFoundError:
+        return
+    assert same(got, state(7))
