@@ -17,7 +17,7 @@ TEST_WORKERS ?= 2
 COMPILE := $(BIN)/python -m compileall -q -j 0 ckptfs tests bench examples tools_dev > /dev/null
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
+	fuzz soak clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
 	test-two-node test-extended titan-trainer
 
 $(BIN)/python:
@@ -184,6 +184,24 @@ $(TITAN_VENV)/.installed:
 
 titan-trainer: $(TITAN_VENV)/.installed
 	PYTHONPATH=$(abspath .) $(TITAN_VENV)/bin/python tests/interop/titan_trainer.py
+
+# The parsers' fuzzers (tests/test_fuzz.py) with FUZZ_EXAMPLES examples per target (`make test`
+# runs 30, seeded); FUZZ_SEED=N draws other inputs than the fixed seed
+FUZZ_EXAMPLES ?= 2000
+FUZZ_SEED ?=
+fuzz: $(STAMP)
+	CKPTFS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) CKPTFS_FUZZ_SEED=$(FUZZ_SEED) \
+		$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) tests/test_fuzz.py
+
+# The fault soak (tests/soak.py): SOAK_CYCLES save/load cycles against moto through the fault
+# proxy at SOAK_RATE faults per request (every kind, seeded), then the whole fault matrix
+# (tests/test_fault_matrix.py: every fault x operation x client); `make test` runs 10 cycles and
+# each fault once per client
+SOAK_CYCLES ?= 200
+SOAK_RATE ?= 0.05
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak --cycles $(SOAK_CYCLES) --rate $(SOAK_RATE) --seed 0
+	CKPTFS_FAULT_MATRIX=full $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) tests/test_fault_matrix.py
 
 mutate: $(STAMP)
 	$(BIN)/python -m tools_dev.mutate

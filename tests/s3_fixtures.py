@@ -2,7 +2,10 @@
 state reset per test), and a loopback fault-injecting HTTP proxy in front of it.
 
 The proxy forwards each request to moto and can answer a share of them with 503 SlowDown, drop
-the connection before or after forwarding, add latency, or deny paths with 403; ``script`` gives
+the connection before or after forwarding, add latency, or deny paths with 403; ``mix`` draws
+each faulty request's fault from a list that also has 500, a connection reset in the middle of
+an upload's body or a download's body, a body cut short under its full Content-Length, a body
+with one byte changed, and a stall past the client's timeout; ``script`` gives
 chosen requests a chosen fault (deterministic: the first N matching requests), and ``gate`` holds
 requests until a number of them are in flight at once (concurrency proven by construction, not
 by timing). It logs every request (method, path, status, start and end times, body size, the keys
@@ -12,6 +15,7 @@ log and settings through ``/__proxy__/...``.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import http.client
 import http.server
@@ -83,9 +87,15 @@ class Faults:
     latency: float = 0.0  #: seconds to wait before forwarding
     deny: list[str] = field(default_factory=list)  #: path substrings answered 403 AccessDenied
     seed: int = 0
+    #: a share of requests get a fault drawn (seeded) from ``mix``: any of FAULTS; a download
+    #: fault drawn for a request without a response body becomes "drop_after", an upload fault
+    #: for one without a request body "drop"
+    mix_share: float = 0.0
+    mix: list[str] = field(default_factory=list)
+    stall: float = 0.0  #: seconds a "stall" holds the request before forwarding it
     #: deterministic faults: {"path": substring, "method": "PUT" (optional), "query": substring
     #: (optional), "fault": "503" | "drop" | "drop_after" | "deny", "skip": K (default 0),
-    #: "times": N (default 1)}: requests K+1 .. K+N that match a rule get its fault
+    #: "times": N (default 1)}: requests K+1 .. K+N that match a rule get its fault (any of FAULTS)
     script: list[dict] = field(default_factory=list)
     #: hold requests whose path contains ``gate_path`` (and query ``gate_query``) until ``gate``
     #: of them are in flight at once (then the gate stays open); ``gate_timeout`` seconds at
@@ -96,6 +106,18 @@ class Faults:
     gate_timeout: float = 30.0
 
 
+#: every fault the proxy injects: answered without forwarding (503 SlowDown, 500 InternalError,
+#: 403 deny), a dropped connection before forwarding ("drop") or after it ("drop_after"), a
+#: connection reset halfway through the request body ("reset_upload") or the response body
+#: ("reset_download"), a response body cut short under its full Content-Length ("truncate"),
+#: a response body with one byte changed ("corrupt"), a wait of ``stall`` seconds ("stall")
+FAULTS = ("503", "500", "deny", "drop", "drop_after", "reset_upload", "reset_download",
+          "truncate", "corrupt", "stall")
+_DOWNLOAD = frozenset({"reset_download", "truncate", "corrupt"})
+_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+             b"<Message>We encountered an internal error. Please try again.</Message></Error>")
+
+
 @dataclass
 class Record:
     method: str
@@ -104,7 +126,7 @@ class Record:
     status: int  #: 0 for a dropped connection
     t0: float
     t1: float
-    fault: str  #: "", "503", "drop", "drop_after", "deny"
+    fault: str  #: "" or one of FAULTS
     range: str = ""  #: the Range header
     if_none_match: str = ""  #: the If-None-Match header (create-if-absent)
     copy_source: str = ""  #: x-amz-copy-source (a server-side copy: a "rename")
@@ -207,49 +229,90 @@ class FaultProxy:
     # -- request handling --------------------------------------------------------------------
     def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
         path, _, query = h.path.partition("?")
-        body = _read_body(h)
         if path.startswith("/__proxy__/"):
-            return self._control(h, path, body)
+            return self._control(h, path, _read_body(h))
         t0 = time.monotonic()
         with self._lock:
             f = self.faults
             roll = self._rng.random()
             fault = self._scripted(h.command, path, query)
+            drawn = self._rng.choice(f.mix) if f.mix else ""
+        if not fault:
+            fault = self._rolled(f, roll, path, drawn)
+        if fault == "reset_upload":
+            return self._reset_upload(h, path, query, t0)
+        body = _read_body(h)
         self._wait_at_gate(path, query)
-        if fault:
-            pass  # scripted
-        elif any(d in path for d in f.deny):
-            fault = "deny"
-        elif roll < f.fail_share:
-            fault = "503"
-        elif roll < f.fail_share + f.drop_share:
-            fault = "drop"
-        elif roll < f.fail_share + f.drop_share + f.drop_after_share:
-            fault = "drop_after"
         if f.latency:
             time.sleep(f.latency)
+        if fault == "stall":
+            time.sleep(f.stall)
         if fault == "drop":
             self._record(h, path, query, 0, t0, fault, body)
             h.close_connection = True
             return
-        if fault in ("503", "deny"):
-            status = 503 if fault == "503" else 403
+        if fault in ("503", "500", "deny"):
+            status = {"503": 503, "500": 500, "deny": 403}[fault]
             self._record(h, path, query, status, t0, fault, body)
             _reply(h, status, [("Content-Type", "application/xml")],
-                   b"" if h.command == "HEAD" else (_SLOWDOWN if status == 503 else _DENIED))
+                   b"" if h.command == "HEAD" else
+                   {503: _SLOWDOWN, 500: _INTERNAL, 403: _DENIED}[status])
             return
         try:
             status, headers, payload = self._forward(h, body)
         except OSError:
             self._record(h, path, query, 0, t0, "upstream", body)
             raise
+        if fault in _DOWNLOAD and (h.command == "HEAD" or not payload):
+            fault = "drop_after"
         if fault == "drop_after":
             self._record(h, path, query, 0, t0, fault, body)
             h.close_connection = True
             return
         # logged before answering: a client that got its answer finds its request in the log
         self._record(h, path, query, status, t0, fault, body)
+        if fault in _DOWNLOAD:
+            return self._damaged_reply(h, fault, status, headers, payload)
         _reply(h, status, headers, payload, head=h.command == "HEAD")
+
+    def _rolled(self, f: Faults, roll: float, path: str, drawn: str) -> str:
+        """The fault the shares give a request (``roll`` uniform in [0, 1))."""
+        if any(d in path for d in f.deny):
+            return "deny"
+        edges = (("503", f.fail_share), ("drop", f.drop_share),
+                 ("drop_after", f.drop_after_share), (drawn, f.mix_share))
+        for fault, share in edges:
+            if roll < share:
+                return fault
+            roll -= share
+        return ""
+
+    def _reset_upload(self, h, path: str, query: str, t0: float) -> None:
+        """Read half the request body, then reset the connection (a body of 0 bytes: a drop)."""
+        n = int(h.headers.get("Content-Length") or 0)
+        h.rfile.read(n // 2)
+        self._record(h, path, query, 0, t0, "reset_upload" if n else "drop")
+        _reset(h)
+
+    def _damaged_reply(self, h, fault: str, status: int, headers, payload: bytes) -> None:
+        """The answer with its full Content-Length and a damaged body: the first half then a
+        reset ("reset_download") or a close ("truncate"), or one byte changed ("corrupt")."""
+        if fault == "corrupt":
+            b = bytearray(payload)
+            b[len(b) // 2] ^= 0x5A
+            _reply(h, status, headers, bytes(b))
+            return
+        h.send_response_only(status)
+        for k, v in headers:
+            if k.lower() != "content-length":
+                h.send_header(k, v)
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        h.wfile.write(payload[: len(payload) // 2])
+        h.wfile.flush()
+        if fault == "reset_download":
+            _reset(h)
+        h.close_connection = True
 
     def _record(self, h, path: str, query: str, status: int, t0: float, fault: str,
                 body: bytes = b"") -> None:
@@ -291,6 +354,18 @@ class FaultProxy:
             _reply(h, 404, [], b"")
             return
         _reply(h, 200, [("Content-Type", "application/json")], data)
+
+
+def _reset(h) -> None:
+    """Abort the client's connection with a TCP reset (SO_LINGER 0, then close)."""
+    import struct
+
+    h.close_connection = True
+    with contextlib.suppress(OSError):
+        h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        # the handler's file objects keep the socket open past close(): close its descriptor
+        # (detached, so no later close can hit a reused one)
+        os.close(h.connection.detach())
 
 
 def _read_body(h) -> bytes:

@@ -165,7 +165,7 @@ def _dims(v: Any, where: str) -> tuple[int, ...]:
 
 
 def check_path(p: Any, where: str) -> str:
-    if (not isinstance(p, str) or not p or p.startswith("/") or "\\" in p
+    if (not isinstance(p, str) or not p or p.startswith("/") or "\\" in p or "\0" in p
             or any(c in ("", ".", "..") for c in p.split("/"))):
         raise SpecError(f"{where}: {p!r} is not a relative path inside the checkpoint")
     return p

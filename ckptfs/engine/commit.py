@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import platform
 import time
@@ -151,8 +152,11 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
     try:
         return comm.run_on_coordinator("save: committing the index", build_and_commit)
     except BaseException:
-        if comm.is_coordinator:  # nothing was committed: the data files are garbage
-            run_sync(store.delete(sorted(written.paths())))
+        if comm.is_coordinator:  # nothing committed: the data files are garbage, unless...
+            paths = sorted(written.paths())
+            with contextlib.suppress(Exception):  # unsure: keep them (`ckptfs clean` removes)
+                if paths and not run_sync(_index_lists(store, paths[0])):
+                    run_sync(store.delete(paths))
         raise
 
 
@@ -166,6 +170,17 @@ def hooked_index(index: Index, written: Written, hooks: Sequence[SaveHook]) -> I
         parts = [r.parts[i] if r.parts else None for r in written.ranks]
         index = hook.before_commit(index, parts, note)
     return index
+
+
+async def _index_lists(store: Store, path: str) -> bool:
+    """Whether the index at the root names ``path``: the commit's index PUT landed and the save
+    failed after it (its answer lost and the check of our own bytes failed, the lock's release
+    refused). Its data files are then a committed checkpoint's and must stay."""
+    try:
+        raw = bytes(await store.get(INDEX_FILE))
+    except FileNotFoundError:
+        return False
+    return json.dumps(path).encode() in raw
 
 
 def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index:

@@ -174,8 +174,28 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     Reads into contiguous CPU targets need no scratch; the others lease it from ``pool``, or
     from ``ring`` for the targets it accepts (``direct`` may read some of those in place).
     ``verify`` checks the crc32c of every chunk read whole. A missing or short data file is an
-    IntegrityError naming the file and the keys read from it.
+    IntegrityError naming the file and the keys read from it. A chunk whose bytes fail their
+    checksum is read once more, with every other read (they only fill the targets; not through
+    ``ring`` or ``direct``): bytes damaged on the way must not fail a read of a sound checkpoint;
+    failing again, the IntegrityError names the store's URL, key, chunk and file.
     """
+    rereads = 1 if ring is None and direct is None else 0
+    while True:
+        try:
+            return await _execute_once(store, backend, jobs, pool=pool, verify=verify, ring=ring,
+                                       direct=direct, wave=wave)
+        except IntegrityError as e:
+            if not getattr(e, "mismatch", False):
+                raise
+            if not rereads:
+                raise IntegrityError(f"{store.url}: {e}") from e
+            rereads -= 1
+            store.stats.retries += 1
+
+
+async def _execute_once(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
+                        pool: BufferPool, verify: bool, ring: Ring | None,
+                        direct: DirectReads | None, wave: int) -> int:
     sources = await backend.chunk_sources(
         [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
     schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
@@ -436,8 +456,10 @@ def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
 
 
 def _mismatch(key: str, chunk: ChunkEntry, file: str, got: str) -> IntegrityError:
-    return IntegrityError(f"key {key!r}: chunk at {list(chunk.offsets)} in {file} fails its "
-                          f"checksum (index says {chunk.checksum}, data gives {got})")
+    e = IntegrityError(f"key {key!r}: chunk at {list(chunk.offsets)} in {file} fails its "
+                       f"checksum (index says {chunk.checksum}, data gives {got})")
+    e.mismatch = True  # type: ignore[attr-defined]  # read_tensors reads it once more
+    return e
 
 
 def _combined_checkers(key: str, chunk: ChunkEntry, file: str, sizes: list[int],

@@ -21,7 +21,7 @@ from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 from ckptfs.errors import StorageError
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, total_bytes, views
-from ckptfs.io.retry import retrying
+from ckptfs.io.retry import http_status, retrying
 from ckptfs.io.store import Buffer, Part, Store, inside_root
 from ckptfs.io.tasks import gather_all
 
@@ -111,7 +111,14 @@ class FsspecStore(Store):
 
         async def once() -> None:
             async with self.semaphore:
-                await self.fs._pipe_file(self._p(path), data, mode="create")
+                try:
+                    await self.fs._pipe_file(self._p(path), data, mode="create")
+                except OSError as e:
+                    # 412 to If-None-Match is "exists", also where s3fs could not read the
+                    # error's body (it then raises a plain OSError)
+                    if not isinstance(e, FileExistsError) and http_status(e) == 412:
+                        raise FileExistsError(f"{self.full_path(path)} already exists") from e
+                    raise
 
         try:
             await self._retry(once, path)

@@ -16,9 +16,9 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager, suppress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -252,7 +252,12 @@ class LocalStore(Store):
         return await asyncio.to_thread(work)
 
     def _write_file(self, full: str, parts: Sequence[Part]) -> int:
-        """Write ``parts`` as the file ``full`` (its directories made), fsynced if configured."""
+        """Write ``parts`` as the file ``full`` (its directories made), fsynced if configured;
+        an OSError names ``full`` (a write's ENOSPC or EIO does not by itself)."""
+        with _naming(full):
+            return self._write_parts(full, parts)
+
+    def _write_parts(self, full: str, parts: Sequence[Part]) -> int:
         os.makedirs(os.path.dirname(full), exist_ok=True)
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -280,11 +285,16 @@ class LocalStore(Store):
         def work() -> None:
             os.makedirs(os.path.dirname(full), exist_ok=True)
             tmp = f"{full}.tmp-{os.getpid()}-{id(data)}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.options.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+            try:
+                with _naming(full), open(tmp, "wb") as f:
+                    f.write(data)
+                    if self.options.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+            except BaseException:  # a full disk: no partial file left beside the index's name
+                with suppress(OSError):
+                    os.unlink(tmp)
+                raise
             try:
                 os.link(tmp, full)
             except FileExistsError:
@@ -547,3 +557,14 @@ def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
         out.append(b[n:])
         n = 0
     return out
+
+
+@contextmanager
+def _naming(full: str) -> Iterator[None]:
+    """Re-raise an OSError without a file name (ENOSPC, EIO from a write) naming ``full``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, full) from e

@@ -27,7 +27,7 @@ from obstore.exceptions import (
 from ckptfs.errors import StorageError
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, part_size_for, pieces_async, total_bytes
-from ckptfs.io.retry import RetryPolicy, is_transient, retrying
+from ckptfs.io.retry import RetryPolicy, is_transient, retrying, status_in_text
 from ckptfs.io.store import Buffer, Part, Store, inside_root
 
 if TYPE_CHECKING:  # obstore's config types exist in its stubs only
@@ -251,6 +251,13 @@ class ObstoreStore(Store):
             raise FileExistsError(f"{url} already exists") from None
         except (PermissionDeniedError, UnauthenticatedError, PermissionError) as e:
             raise PermissionError(f"{url}: access denied ({_first_line(e)})") from e
+        except Exception as e:
+            if not (type(e).__module__ or "").startswith("obstore"):
+                raise
+            # obstore's GenericError (a listing's 403 among them): a builtin error naming the URL
+            if status_in_text(e) in (401, 403):
+                raise PermissionError(f"{url}: access denied ({_first_line(e)})") from e
+            raise OSError(f"{url}: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def _first_line(e: BaseException) -> str:

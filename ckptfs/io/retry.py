@@ -70,6 +70,17 @@ def _client_error_transient(e: BaseException) -> bool | None:
     return code.isdigit() and int(code) in TRANSIENT_STATUS
 
 
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of the botocore ClientError in ``exc``'s chain, or None."""
+    for e in _chain(exc):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+    return None
+
+
 def _network_types() -> tuple[type[BaseException], ...]:
     types: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError,
                                          socket.timeout, http.client.IncompleteRead,
@@ -108,26 +119,38 @@ _NETWORK: tuple[type[BaseException], ...] | None = None
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True if retrying ``exc`` may succeed (5xx, throttling, drops, timeouts)."""
+    """True if retrying ``exc`` may succeed (5xx, throttling, drops, timeouts). The first error
+    of ``exc``'s chain (itself, then its causes and contexts) that says either way decides: an
+    error raised while handling another (a re-read after a refused create) is judged by itself,
+    not by the one it was raised during."""
     global _NETWORK
     if _NETWORK is None:
         _NETWORK = _network_types()
-    for e in _chain(exc):
+    for i, e in enumerate(_chain(exc)):
         verdict = _client_error_transient(e)
+        if verdict is None and isinstance(e, _NETWORK):
+            verdict = True
+        if verdict is None:
+            verdict = _obstore_transient(e)
+        if verdict is None and isinstance(e, OSError) and e.errno in (
+                errno.EBUSY, errno.EREMOTEIO, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
+            verdict = True
+        if verdict is None and i == 0 and isinstance(e, _PERMANENT) and not _cause_is_client(e):
+            verdict = False
         if verdict is not None:
             return verdict
-    if isinstance(exc, _PERMANENT):
-        return False
-    for e in _chain(exc):
-        if isinstance(e, _NETWORK):
-            return True
-        verdict = _obstore_transient(e)
-        if verdict is not None:
-            return verdict
-        if isinstance(e, OSError) and e.errno in (errno.EBUSY, errno.EREMOTEIO, errno.ECONNRESET,
-                                                   errno.ETIMEDOUT, errno.EPIPE):
-            return True
     return False
+
+
+def _cause_is_client(e: BaseException) -> bool:
+    """``e`` translates a botocore ClientError (s3fs: its status then decides)."""
+    return any(_client_error_transient(x) is not None for x in _chain(e))
+
+
+def status_in_text(e: BaseException) -> int | None:
+    """The HTTP status an error's message names ("status code: 403"), or None."""
+    m = _STATUS_IN_TEXT.search(str(e))
+    return int(m.group(1)) if m else None
 
 
 def _obstore_transient(e: BaseException) -> bool | None:

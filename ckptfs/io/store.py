@@ -24,9 +24,12 @@ Part = Buffer | StreamedPart
 
 def path_problem(path: str) -> str | None:
     """Why ``path`` is not a relative path inside a checkpoint root (formats/README.md §1:
-    '/'-separated non-empty components, none '.' or '..', no backslash, not absolute), or None."""
+    '/'-separated non-empty components, none '.' or '..', no backslash or NUL, not absolute), or
+    None."""
     if not path:
         return "it is empty"
+    if "\0" in path:
+        return "it holds a NUL character"
     if path.startswith("/"):
         return "it is absolute"
     if "\\" in path:
@@ -39,7 +42,7 @@ def path_problem(path: str) -> str | None:
 def inside_root(path: str, root: str) -> str:
     """``path``, if it cannot leave the root (the stores' last line of defence: index, foreign
     metadata and backends are checked before, this holds whatever reached the store)."""
-    if path and (path.startswith("/") or "\\" in path or ".." in path.split("/")):
+    if path and (path.startswith("/") or "\\" in path or "\0" in path or ".." in path.split("/")):
         raise MalformedIndexError(f"{path!r} is not a path inside the checkpoint root {root} "
                                   f"({path_problem(path)}); refused before any request")
     return path

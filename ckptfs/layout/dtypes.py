@@ -77,7 +77,7 @@ def from_safetensors(code: str, where: str = "?") -> DType:
 
     try:
         return BY_SAFETENSORS[code]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: not a string (a list, an object) in the header
         raise UnsupportedValueError(
             f"{where}: safetensors dtype {code!r} is not supported; supported: "
             f"{', '.join(BY_SAFETENSORS)}"

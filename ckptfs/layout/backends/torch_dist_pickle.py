@@ -22,6 +22,8 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import pickletools
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -63,6 +65,68 @@ METADATA_GLOBALS: Mapping[tuple[str, str], str] = {
     # OLMo-core writes its own _StorageInfo(relative_path, offset, length)
     ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): "StorageInfo",
 }
+
+
+# -- claims a pickle makes before the unpickler allocates -----------------------------------------
+
+#: opcode byte -> how its argument is laid out: n >= 0 fixed bytes; "nl" a line; "nl2" two lines;
+#: (k, fmt) a k-byte length of format fmt, then that many bytes
+_ARGS: list[Any] = [None] * 256
+for _op in pickletools.opcodes:
+    _arg = _op.arg
+    _ARGS[ord(_op.code)] = (
+        0 if _arg is None else _arg.n if _arg.n >= 0
+        else ("nl2" if _arg.name == "stringnl_noescape_pair" else "nl") if _arg.n == -1
+        else {-2: (1, "<B"), -3: (4, "<i"), -4: (4, "<I"), -5: (8, "<Q")}[_arg.n])
+_PUT, _LONG_BINPUT = ord("p"), ord("r")  #: memo stores whose index can be large (a line; 4 bytes)
+
+
+def check_claims(data: bytes, source: str) -> None:
+    """Refuse a pickle whose opcodes claim more than its bytes hold, before unpickling it.
+
+    CPython's C unpickler sizes some buffers from the pickle's own claims: a memo index (PUT,
+    LONG_BINPUT) grows its memo table to twice that index, and a length-prefixed bytes opcode
+    (BINBYTES8, BYTEARRAY8) allocates the claimed length before finding the data short, so nine
+    bytes can make it allocate gigabytes. A real pickle's memo indices are below its length (each
+    store takes two bytes or more) and its lengths fit in what follows them; this walk over the
+    opcodes checks both, allocating nothing per opcode."""
+    n, i, args = len(data), 0, _ARGS
+    while i < n:
+        code = data[i]
+        spec = args[code]
+        i += 1
+        if spec.__class__ is int:
+            if code == _LONG_BINPUT and i + 4 <= n:
+                _claim(struct.unpack_from("<I", data, i)[0], n, source, "memo index", i - 1)
+            i += spec
+        elif spec is None:
+            raise MalformedIndexError(f"{source}: not a pickle (opcode {code:#04x} at byte {i - 1})")
+        elif spec.__class__ is tuple:
+            k, fmt = spec
+            size = struct.unpack_from(fmt, data, i)[0] if i + k <= n else 0
+            if size < 0:
+                raise MalformedIndexError(f"{source}: the pickle claims a length of {size} at "
+                                          f"byte {i - 1}")
+            _claim(size, n - i - k, source, "length", i - 1)
+            i += k + size
+        else:
+            end = data.find(b"\n", i)
+            if spec == "nl2" and end >= 0:
+                end = data.find(b"\n", end + 1)
+            if end < 0:
+                break  # the unpickler reports the truncation
+            if code == _PUT:
+                _claim(int(data[i:end] or b"0") if data[i:end].isdigit() else 0, n, source,
+                       "memo index", i - 1)
+            i = end + 1
+        if code == 0x2E:  # STOP
+            return
+
+
+def _claim(value: int, bound: int, source: str, what: str, at: int) -> None:
+    if value > max(bound, 0):
+        raise MalformedIndexError(f"{source}: the pickle claims a {what} of {value} at byte {at}, "
+                                  f"beyond its {bound} bytes")
 
 
 def _size(*args: Any) -> tuple[int, ...]:
@@ -200,6 +264,7 @@ class DcpMetadata:
 
 def load_dcp_metadata(data: bytes, source: str) -> DcpMetadata:
     """Unpickle ``.metadata`` with the allowlist and check it; errors name ``source``."""
+    check_claims(data, source)
     up = _MetadataUnpickler(data, source)
     try:
         root = up.load()
@@ -296,7 +361,7 @@ def _check_storage(sd: Any, source: str) -> dict[tuple[str, tuple[int, ...] | No
                 or length < 0:
             raise _bad(source, where, (path, start, length))
         parts = path.replace("\\", "/").split("/")
-        if path.startswith("/") or ".." in parts or ":" in parts[0]:
+        if path.startswith("/") or ".." in parts or ":" in parts[0] or "\0" in path:
             raise _bad(source, f"{where}.relative_path (must stay inside the checkpoint)", path)
         tds = info.get("transform_descriptors", 3) or ()
         if not isinstance(tds, list | tuple) or not all(isinstance(t, str) for t in tds):
@@ -398,6 +463,7 @@ class _TensorUnpickler(pickle.Unpickler):
 
 def read_tensor_pickle(data: bytes) -> StoredTensor:
     """The tensor record of a torch.save blob's data.pkl; raises if it is anything else."""
+    check_claims(data, "data.pkl")
     out = _TensorUnpickler(io.BytesIO(data)).load()
     if not isinstance(out, StoredTensor):
         raise IntegrityError(f"data.pkl holds a {type(out).__name__}, not a tensor")
@@ -491,6 +557,7 @@ class _ValueUnpickler(pickle.Unpickler):
 def read_value_pickle(data: bytes, source: str) -> Any:
     """The object tree of a pickle of plain values; objects of any other class are ``Opaque``.
     Raises MalformedIndexError naming ``source`` if it is not a readable pickle."""
+    check_claims(data, source)
     try:
         return _ValueUnpickler(data).load()
     except Exception as e:

@@ -227,7 +227,10 @@ class _ZarrBackend(Backend):
         pipe = self._pipelines.get(tensor.key)
         if pipe is None:
             configs = tensor.extra.get("codecs")
-            pipe = Pipeline.from_configs(configs) if configs else self._options_pipeline()
+            if configs is not None and not isinstance(configs, list):
+                raise MalformedIndexError(f"key {tensor.key!r}: extra 'codecs' must be a list")
+            where = f"key {tensor.key!r}: extra 'codecs'"
+            pipe = Pipeline.from_configs(configs, where) if configs else self._options_pipeline()
             self._pipelines[tensor.key] = pipe
         return pipe
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
-from ckptfs.errors import BackendOptionsError
+from ckptfs.errors import BackendOptionsError, MalformedIndexError
 from ckptfs.io.optional import import_optional
 
 if TYPE_CHECKING:
@@ -131,21 +131,24 @@ class Pipeline:
     codecs: tuple[Codec, ...]
 
     @classmethod
-    def from_zarray(cls, doc: Mapping[str, Any]) -> Pipeline:
-        """The pipeline of a zarr v2 ``.zarray`` document (any numcodecs codec)."""
-        numcodecs = numcodecs_module()
-        filters = [numcodecs.get_codec(dict(f)) for f in doc.get("filters") or ()]
-        comp = doc.get("compressor")
-        return cls(tuple(filters + ([numcodecs.get_codec(dict(comp))] if comp else [])))
+    def from_zarray(cls, doc: Mapping[str, Any], where: str = ".zarray") -> Pipeline:
+        """The pipeline of a zarr v2 ``.zarray`` document (the numcodecs codecs of
+        ``BYTE_CODECS``); a malformed or refused codec raises MalformedIndexError naming
+        ``where`` and the field."""
+        filters, comp = doc.get("filters"), doc.get("compressor")
+        if filters is not None and not isinstance(filters, list):
+            raise MalformedIndexError(f"{where}: field 'filters' must be a list or null, got "
+                                      f"{filters!r}"[:300])
+        configs = [*(filters or ()), *([comp] if comp is not None else [])]
+        return cls.from_configs(configs, where)
 
     def configs(self) -> list[dict[str, Any]]:
         """The numcodecs configs of the codecs, in order (JSON; ``from_configs`` reverses it)."""
         return [c.get_config() for c in self.codecs]
 
     @classmethod
-    def from_configs(cls, configs: Sequence[Mapping[str, Any]]) -> Pipeline:
-        numcodecs = numcodecs_module()
-        return cls(tuple(numcodecs.get_codec(dict(c)) for c in configs))
+    def from_configs(cls, configs: Sequence[Mapping[str, Any]], where: str = "codecs") -> Pipeline:
+        return cls(tuple(_codec(c, where) for c in configs))
 
     def encode(self, arr: np.ndarray) -> tuple[Buffer, ...]:
         """Encode one chunk given as a C-contiguous array (its itemsize guides blosc)."""
@@ -186,3 +189,25 @@ def _bytes_view(buf: Any) -> memoryview:
         return np.ascontiguousarray(buf).reshape(-1).view(np.uint8).data
     mv = memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+#: numcodecs codecs a stored chunk may name: compressors, checksums and numeric filters. The
+#: object codecs (pickle, json2, msgpack2, vlen-*) are refused: decoding a chunk with them would
+#: unpickle or build objects from the checkpoint's bytes.
+BYTE_CODECS = frozenset({
+    "blosc", "zstd", "zlib", "gzip", "bz2", "lzma", "lz4", "crc32", "crc32c", "adler32",
+    "fletcher32", "jenkins_lookup3", "shuffle", "delta", "bitround", "fixedscaleoffset",
+    "quantize", "astype", "packbits"})
+
+
+def _codec(config: Any, where: str) -> Codec:
+    """The numcodecs codec of one config; MalformedIndexError naming ``where`` if the config is
+    not an object with a known ``id`` of ``BYTE_CODECS`` or the codec refuses its parameters."""
+    cid = config.get("id") if isinstance(config, Mapping) else None
+    if not isinstance(cid, str) or cid not in BYTE_CODECS:
+        raise MalformedIndexError(f"{where}: codec {config!r} is not one of the byte codecs a "
+                                  f"chunk may use ({sorted(BYTE_CODECS)})"[:400])
+    try:
+        return numcodecs_module().get_codec(dict(config))
+    except Exception as e:  # the codec's own parameter checks (TypeError, ValueError, ...)
+        raise MalformedIndexError(f"{where}: codec {config!r}: {e}"[:400]) from None

@@ -11,6 +11,7 @@ read with the restricted value unpickler (megatron_common, torch_dist_pickle).
 from __future__ import annotations
 
 import asyncio
+import math
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from ckptfs.layout.backends.zarr_codecs import Pipeline
 from ckptfs.layout.backends.zarr_grid import Grid
 from ckptfs.layout.backends.zarr_meta import V2_DTYPES
 from ckptfs.layout.backends.zarr_paths import chunk_key, join
+from ckptfs.layout.dtypes import BY_NAME
 from ckptfs.layout.index import MAX_DIM, ChunkEntry, Index, TensorEntry, parse_json
 from ckptfs.layout.keys import encode_component
 
@@ -142,6 +144,9 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any],
             n < 0 or n > MAX_DIM for n in shape):
         raise MalformedIndexError(f"{where}: shape {_short(shape)} and chunks {_short(chunks)} do "
                                   f"not make a chunk grid")
+    if math.prod(chunks) * BY_NAME[dtype].itemsize > MAX_DIM:
+        # a chunk's byte strides must fit in 64 bits (and no chunk file holds that much)
+        raise MalformedIndexError(f"{where}: chunks {_short(chunks)} hold more than 2**62 bytes")
     sep = doc.get("dimension_separator") or "."
     grid = Grid(shape, chunks)
     # a few missing chunks are the loader's to name (IntegrityError); a grid far larger than the
@@ -155,7 +160,7 @@ def tensor_from_zarray(key: str, path: str, doc: Mapping[str, Any],
         entries.append(ChunkEntry(cell.offsets, cell.shape,
                                   file=join(path, chunk_key(2, grid.index_of(cell.offsets), sep)),
                                   byte_offset=0, extra=stored))
-    codecs = Pipeline.from_zarray(doc).configs()
+    codecs = Pipeline.from_zarray(doc, where).configs()
     extra: dict[str, Any] = {"zarr_path": path}
     if codecs:
         extra["codecs"] = codecs
