@@ -30,6 +30,8 @@ $(STAMP): $(BIN)/python pyproject.toml examples/npy_plugin/pyproject.toml exampl
 	$(BIN)/pip install -q --no-deps -e examples/npy_plugin
 	$(BIN)/pip install -q --no-deps -e examples/store_plugin
 	$(BIN)/pip install -q --no-deps $(TITAN)
+	# Azurite (the Azure Blob emulator tests/test_azure.py starts), from npm where node is present
+	if command -v npm > /dev/null; then npm install -s --no-fund --no-audit --prefix $(VENV)/node azurite@3.37.0; fi
 	touch $(STAMP)
 
 venv: $(STAMP)

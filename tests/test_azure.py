@@ -10,6 +10,8 @@ AlreadyExistsError, ckptfs CheckpointExistsError) and two writers saving to one 
 
 from __future__ import annotations
 
+import os
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -31,9 +33,12 @@ CONTAINER = "ckpt"
 
 @pytest.fixture(scope="module")
 def azurite():
-    exe = shutil.which("azurite-blob")
+    # `make venv` installs it under .venv/node where npm is present
+    local = pathlib.Path(__file__).resolve().parent.parent / ".venv/node/node_modules/.bin"
+    exe = shutil.which("azurite-blob", path=f"{local}{os.pathsep}{os.environ.get('PATH', '')}")
     if exe is None:
-        pytest.skip("azurite-blob is not installed (npm install -g azurite)")
+        pytest.skip("azurite-blob is not installed (node and npm are missing: `make venv` "
+                    "installs it with npm)")
     blob = pytest.importorskip("azure.storage.blob", reason="azure-storage-blob makes the container")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
