@@ -134,19 +134,18 @@ def op_load(c: Cell) -> tuple[Callable[[], None], Callable[[bool], None]]:
 
 
 def op_manager(c: Cell) -> tuple[Callable[[], None], Callable[[bool], None]]:
-    from ckptfs.manager.steps import Retention
-
     url = f"{c.base}/run"
-    with ckptfs.CheckpointManager(url, retention=Retention(keep_last=2), **c.kw) as m:
+    opts = ckptfs.ManagerOptions(retention=ckptfs.Retention(keep_last=2), store=c.cfg)
+    with ckptfs.CheckpointManager(url, opts, storage_options=c.so) as m:
         m.save_sync(1, state(1))
 
     def run() -> None:
-        with ckptfs.CheckpointManager(url, retention=Retention(keep_last=2), **c.kw) as m:
+        with ckptfs.CheckpointManager(url, opts, storage_options=c.so) as m:
             m.save_sync(2, state(2))
             m.save_sync(3, state(3))
 
     def check(ok: bool) -> None:
-        with ckptfs.CheckpointManager(url, retention=Retention(keep_last=2), **c.kw) as m:
+        with ckptfs.CheckpointManager(url, opts, storage_options=c.so) as m:
             steps = m.steps()
             assert steps and steps[-1] >= 1
             if ok:

@@ -417,7 +417,8 @@ def test_fuzz_zarr_metadata_writer(dtype, shape, data, zarr_format):
     from zarr.storage import MemoryStore
 
     from ckptfs.layout.backends.zarr_codecs import CodecOptions
-    from ckptfs.layout.backends.zarr_meta import ML_NAMES, ArrayLayout, MetadataBuilder
+    from ckptfs.layout.backends.zarr_meta import ArrayLayout, MetadataBuilder
+    from ckptfs.layout.dtypes import ZARR_ML_NAMES as ML_NAMES
 
     chunk = tuple(data.draw(st.integers(1, max(1, n))) for n in shape)
     b = MetadataBuilder(zarr_format, CodecOptions.from_options(zarr_format, {}),
