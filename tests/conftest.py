@@ -29,6 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "extended: a long run beside a quicker one that covers the "
                                        "same code (`make test` leaves it out; `make test-extended` "
                                        "runs it)")
+    config.addinivalue_line("markers", "pooled_ranks: run_ranks in this test (on a module: in its "
+                                       "tests and fixtures) runs on ranks kept for the session "
+                                       "(ckptfs.testing.ranks.RankPool) instead of new ones")
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name
@@ -111,6 +114,43 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(
             f"spec audit: {kinds['index']} indexes and {kinds['data']} saved checkpoints read by "
             f"tests/spec_reader.py in {seconds:.1f} s (all processes), {len(bad)} problem(s)")
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Spawned ranks kept for the session (per xdist worker), started at their first use: what
+    ``pooled_ranks`` tests run ``run_ranks`` on."""
+    from ckptfs.testing.ranks import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pooled_ranks_of_module(request):
+    """A module marked ``pooled_ranks`` (``pytestmark``) runs its ``run_ranks`` calls, its
+    module-scoped fixtures' included, on the session's ``rank_pool``."""
+    if request.node.get_closest_marker("pooled_ranks") is None:
+        yield
+        return
+    from ckptfs.testing.ranks import pooled
+
+    with pooled(request.getfixturevalue("rank_pool")):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _pooled_ranks_of_test(request):
+    """A test marked ``pooled_ranks`` runs its ``run_ranks`` calls on the session's
+    ``rank_pool``."""
+    if request.node.get_closest_marker("pooled_ranks") is None:
+        yield
+        return
+    from ckptfs.testing.ranks import pooled
+
+    with pooled(request.getfixturevalue("rank_pool")):
+        yield
 
 
 @pytest.fixture
