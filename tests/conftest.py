@@ -44,6 +44,13 @@ FIRST = ("test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugi
          "test_bench_smoke", "test_reshard")
 LAST = ("test_docs_blocks",)
 
+#: modules whose ``run_ranks`` calls run on the session's ``rank_pool`` (as if marked
+#: ``pooled_ranks``): their rank functions change nothing in the process that outlives the call
+#: but what the pool puts back (environment, directory, threads)
+POOLED = frozenset({"test_reshard", "test_torch_dist", "test_zarr", "test_dcp_plugin", "test_diff",
+                    "test_comm_verbs", "test_health", "test_schema", "test_errors",
+                    "test_model_state", "test_distributed", "test_s3"})
+
 
 def _place(item: pytest.Item) -> int:
     name = item.module.__name__.rpartition(".")[2] if item.module else ""
@@ -129,9 +136,10 @@ def rank_pool():
 
 @pytest.fixture(scope="module", autouse=True)
 def _pooled_ranks_of_module(request):
-    """A module marked ``pooled_ranks`` (``pytestmark``) runs its ``run_ranks`` calls, its
-    module-scoped fixtures' included, on the session's ``rank_pool``."""
-    if request.node.get_closest_marker("pooled_ranks") is None:
+    """A module marked ``pooled_ranks`` (``pytestmark``) or named in ``POOLED`` runs its
+    ``run_ranks`` calls, its module-scoped fixtures' included, on the session's ``rank_pool``."""
+    name = request.module.__name__.rpartition(".")[2]
+    if request.node.get_closest_marker("pooled_ranks") is None and name not in POOLED:
         yield
         return
     from ckptfs.testing.ranks import pooled

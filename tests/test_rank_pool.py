@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ckptfs
 from ckptfs.testing.ranks import RankPool, RanksFailed, pooled, run_ranks
 
 pytestmark = pytest.mark.slow  # every test spawns ranks
@@ -22,7 +23,9 @@ def report(rank: int, world: int, out: str, tag: str) -> None:
     """What a rank sees of its process and the call: written to OUT/TAG-rankR.json."""
     t = torch.tensor([rank + 1])
     dist.all_reduce(t)
-    seen = {"pid": os.getpid(), "world": dist.get_world_size(), "sum": int(t.item()),
+    # the same structure in every call: an earlier call's cached plan is not reused
+    saved = ckptfs.save({"w": torch.ones(2, 2)}, os.path.join(out, f"{tag}-ck"))
+    seen = {"plan_cached": saved.plan_cached, "pid": os.getpid(), "world": dist.get_world_size(), "sum": int(t.item()),
             "cwd": os.getcwd(), "env": os.environ.get("CKPTFS_POOL_TEST"),
             "left": os.environ.get("CKPTFS_POOL_LEFT"), "threads": torch.get_num_threads(),
             "randn": torch.randn(4).tolist()}
@@ -72,6 +75,7 @@ def test_calls_reuse_the_processes_but_not_their_state(pool, tmp_path, monkeypat
     # what a call set in its environment and threads is gone in the next; env= still applies
     assert [s["left"] for s in a + b + c] == [None, None, "given", "given", None, None, None]
     assert len({s["threads"] for s in a + b + c}) == 1
+    assert not any(s["plan_cached"] for s in a + b + c)
     # torch's generator is seeded afresh in every call, as in a new process
     assert len({tuple(s["randn"]) for s in a + b + c}) == 7
 

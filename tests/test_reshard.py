@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import ckptfs
 from ckptfs.testing.ranks import run_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.pooled_ranks]  # every test runs ranks
+pytestmark = pytest.mark.slow  # every test spawns ranks
 
 SHAPE = (10, 6)  # 10 rows over 3 ranks is uneven (4, 4, 2); over 4 ranks (3, 3, 3, 1)
 LAYOUTS_1D = {"row": [Shard(0)], "col": [Shard(1)], "rep": [Replicate()]}

@@ -130,6 +130,14 @@ def _put_back(environ: Mapping[str, str], cwd: str, path: list[str]) -> None:
     sys.path[:] = path
 
 
+def _forget_plans() -> None:
+    """Save plans cached by earlier calls (keyed by the group's ranks, so a later call's group
+    would find them): a new process has none."""
+    from ckptfs.planning.plan_cache import PLANS
+
+    PLANS.clear()
+
+
 def _serve(slot: int, conn: Connection) -> None:
     """A pooled rank: runs one call after another as rank ``slot`` until told to stop or until a
     call fails (a failed rank is never reused)."""
@@ -145,6 +153,7 @@ def _serve(slot: int, conn: Connection) -> None:
         mine = dict(os.environ), os.getcwd(), list(sys.path)
         _put_back(environ, cwd, path)
         torch.seed()  # a new process's generator starts from a random seed too
+        _forget_plans()
         try:
             _entry(slot, *entry_args)
         except BaseException:
