@@ -11,7 +11,9 @@ test cannot slip into the lane.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -39,7 +41,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 #: modules whose tests run longest (tens of seconds each) go first and the many short docs
 #: blocks last, so that parallel workers (``-n``) end together instead of one finishing a long
-#: test alone; a module's tests stay together (its module-scoped fixtures are set up once)
+#: test alone. Under ``--dist loadgroup`` (``make test``) the tests of a module that defines a
+#: fixture of module scope run on one worker, so the fixture is set up once
 FIRST = ("test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugin",
          "test_bench_smoke", "test_reshard")
 LAST = ("test_docs_blocks",)
@@ -66,6 +69,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     items.sort(key=_place)
+
+
+MODULE_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope=["'](module|class)["']""")
+
+
+def _modules_sharing_fixtures(root: Path) -> frozenset[str]:
+    """The test modules (as node ids name them) that define a fixture of module or class scope."""
+    return frozenset(f"tests/{p.name}" for p in sorted((root / "tests").glob("test_*.py"))
+                     if MODULE_FIXTURE.search(p.read_text(encoding="utf-8")))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: none without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadgroup`` (``make test``): tests go to the workers one at a time, in the
+    order ``pytest_collection_modifyitems`` gives, except that the tests of a module defining a
+    module-scoped fixture all go to one worker, so that the fixture (often a spawned world) is
+    set up once (xdist's own ``xdist_group`` marks do not reach its scheduler under pytest 9)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    shared = _modules_sharing_fixtures(config.rootpath)
+
+    class ModuleGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in shared else super()._split_scope(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
