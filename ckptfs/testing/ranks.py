@@ -133,8 +133,10 @@ def _put_back(environ: Mapping[str, str], cwd: str, path: list[str]) -> None:
 def _forget_plans() -> None:
     """Save plans cached by earlier calls (keyed by the group's ranks, so a later call's group
     would find them): a new process has none."""
-    from ckptfs.planning.plan_cache import PLANS
-
+    try:
+        from ckptfs.planning.plan_cache import PLANS
+    except ImportError:  # the cache lives elsewhere: tests/test_rank_pool.py tells if plans leak
+        return
     PLANS.clear()
 
 
