@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "same code (`make test` leaves it out; `make test-extended` "
                                        "runs it)")
     config.addinivalue_line("markers", "pooled_ranks: run_ranks in this test (on a module: in its "
-                                       "tests and fixtures) runs on ranks kept for the session "
+                                       "tests and fixtures) runs on ranks kept for the whole run "
                                        "(ckptfs.testing.ranks.RankPool) instead of new ones")
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
@@ -47,7 +47,7 @@ FIRST = ("test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugi
          "test_bench_smoke", "test_reshard")
 LAST = ("test_docs_blocks",)
 
-#: modules whose ``run_ranks`` calls run on the session's ``rank_pool`` (as if marked
+#: modules whose ``run_ranks`` calls run on the run's ``rank_pool`` (as if marked
 #: ``pooled_ranks``): their rank functions change nothing in the process that outlives the call
 #: but what the pool puts back (environment, directory, threads)
 POOLED = frozenset({"test_reshard", "test_torch_dist", "test_zarr", "test_dcp_plugin", "test_diff",
@@ -157,7 +157,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 @pytest.fixture(scope="session")
 def rank_pool():
-    """Spawned ranks kept for the session (per xdist worker), started at their first use: what
+    """Spawned ranks kept for the whole run (one pool per xdist worker), started at first use: what
     ``pooled_ranks`` tests run ``run_ranks`` on."""
     from ckptfs.testing.ranks import RankPool
 
@@ -169,7 +169,7 @@ def rank_pool():
 @pytest.fixture(scope="module", autouse=True)
 def _pooled_ranks_of_module(request):
     """A module marked ``pooled_ranks`` (``pytestmark``) or named in ``POOLED`` runs its
-    ``run_ranks`` calls, its module-scoped fixtures' included, on the session's ``rank_pool``."""
+    ``run_ranks`` calls, its module-scoped fixtures' included, on the run's ``rank_pool``."""
     name = request.module.__name__.rpartition(".")[2]
     if request.node.get_closest_marker("pooled_ranks") is None and name not in POOLED:
         yield
@@ -182,8 +182,7 @@ def _pooled_ranks_of_module(request):
 
 @pytest.fixture(autouse=True)
 def _pooled_ranks_of_test(request):
-    """A test marked ``pooled_ranks`` runs its ``run_ranks`` calls on the session's
-    ``rank_pool``."""
+    """A test marked ``pooled_ranks`` runs its ``run_ranks`` calls on the run's ``rank_pool``."""
     if request.node.get_closest_marker("pooled_ranks") is None:
         yield
         return
