@@ -11,6 +11,10 @@ TITAN := torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard sht
 # pytest-xdist workers for `make test` (the suite waits on disks, sockets and spawned ranks
 # much of the time: two workers on CI's 2 cores cut its wall time by about a third)
 TEST_WORKERS ?= 2
+# how the workers share the tests: one at a time in the order tests/conftest.py gives (longest
+# modules first), except that the tests sharing a module-scoped fixture of their module stay on
+# one worker (conftest marks them xdist_group), so that fixture (often a spawned world) runs once
+TEST_DIST := --dist loadgroup --no-loadscope-reorder
 # The checkout's bytecode, written once before the tests: every spawned rank, writer process and
 # docs block imports ckptfs and the test modules, and where PYTHONDONTWRITEBYTECODE is set each
 # of those processes would compile them again
@@ -44,13 +48,13 @@ test: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 	$(BIN)/mypy
 	$(COMPILE)
-	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m "not extended"
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(TEST_DIST) -m "not extended"
 
 # The longer runs `make test` leaves out (marker `extended`): the conformance suite from an
 # installed wheel and the larger benches' smoke runs; each has a quicker twin in `make test`
 test-extended: $(STAMP)
 	$(COMPILE)
-	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) -m extended
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(TEST_DIST) -m extended
 
 # The fast lane: the tests that start no processes and no servers (`pytest -m "not slow"`).
 # A test that spawns ranks, runs a program in a subprocess or starts moto is marked
@@ -58,7 +62,7 @@ test-extended: $(STAMP)
 # using the S3 fixtures are marked by tests/conftest.py. In this lane, starting a process or moto
 # fails the test with a message naming the marker it lacks. `make test` runs everything.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=10 -m "not slow" -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -ra --durations=10 -m "not slow" -n $(TEST_WORKERS) $(TEST_DIST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptfs tests bench examples tools_dev

@@ -11,7 +11,9 @@ test cannot slip into the lane.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -29,6 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "extended: a long run beside a quicker one that covers the "
                                        "same code (`make test` leaves it out; `make test-extended` "
                                        "runs it)")
+    config.addinivalue_line("markers", "pooled_ranks: run_ranks in this test (on a module: in its "
+                                       "tests and fixtures) runs on ranks kept for the whole run "
+                                       "(ckptfs.testing.ranks.RankPool) instead of new ones")
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name
@@ -36,10 +41,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 #: modules whose tests run longest (tens of seconds each) go first and the many short docs
 #: blocks last, so that parallel workers (``-n``) end together instead of one finishing a long
-#: test alone; a module's tests stay together (its module-scoped fixtures are set up once)
+#: test alone. Under ``--dist loadgroup`` (``make test``) the tests of a module that defines a
+#: fixture of module scope run on one worker, so the fixture is set up once
 FIRST = ("test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugin",
          "test_bench_smoke", "test_reshard")
 LAST = ("test_docs_blocks",)
+
+#: modules whose ``run_ranks`` calls run on the run's ``rank_pool`` (as if marked
+#: ``pooled_ranks``): their rank functions change nothing in the process that outlives the call
+#: but what the pool puts back (environment, directory, threads)
+POOLED = frozenset({"test_reshard", "test_torch_dist", "test_zarr", "test_dcp_plugin", "test_diff",
+                    "test_comm_verbs", "test_health", "test_schema", "test_errors",
+                    "test_model_state", "test_distributed", "test_s3"})
 
 
 def _place(item: pytest.Item) -> int:
@@ -56,6 +69,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     items.sort(key=_place)
+
+
+MODULE_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope=["'](module|class)["']""")
+
+
+def _modules_sharing_fixtures(root: Path) -> frozenset[str]:
+    """The test modules (as node ids name them) that define a fixture of module or class scope."""
+    return frozenset(f"tests/{p.name}" for p in sorted((root / "tests").glob("test_*.py"))
+                     if MODULE_FIXTURE.search(p.read_text(encoding="utf-8")))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: none without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadgroup`` (``make test``): tests go to the workers one at a time, in the
+    order ``pytest_collection_modifyitems`` gives, except that the tests of a module defining a
+    module-scoped fixture all go to one worker, so that the fixture (often a spawned world) is
+    set up once (xdist's own ``xdist_group`` marks do not reach its scheduler under pytest 9)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    shared = _modules_sharing_fixtures(config.rootpath)
+
+    class ModuleGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return module if module in shared else super()._split_scope(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -111,6 +153,43 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(
             f"spec audit: {kinds['index']} indexes and {kinds['data']} saved checkpoints read by "
             f"tests/spec_reader.py in {seconds:.1f} s (all processes), {len(bad)} problem(s)")
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Spawned ranks kept for the whole run (one pool per xdist worker), started at first use: what
+    ``pooled_ranks`` tests run ``run_ranks`` on."""
+    from ckptfs.testing.ranks import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pooled_ranks_of_module(request):
+    """A module marked ``pooled_ranks`` (``pytestmark``) or named in ``POOLED`` runs its
+    ``run_ranks`` calls, its module-scoped fixtures' included, on the run's ``rank_pool``."""
+    name = request.module.__name__.rpartition(".")[2]
+    if request.node.get_closest_marker("pooled_ranks") is None and name not in POOLED:
+        yield
+        return
+    from ckptfs.testing.ranks import pooled
+
+    with pooled(request.getfixturevalue("rank_pool")):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _pooled_ranks_of_test(request):
+    """A test marked ``pooled_ranks`` runs its ``run_ranks`` calls on the run's ``rank_pool``."""
+    if request.node.get_closest_marker("pooled_ranks") is None:
+        yield
+        return
+    from ckptfs.testing.ranks import pooled
+
+    with pooled(request.getfixturevalue("rank_pool")):
+        yield
 
 
 @pytest.fixture

@@ -6,18 +6,33 @@ one gloo process group over a free loopback port and calls ``fn(rank, world, *ar
 When a rank fails, every failing rank's traceback is collected and raised here as one
 ``RanksFailed``; a rank that is still alive when ``timeout`` runs out is killed and reported.
 ``fn`` must be importable (defined at module level).
+
+``RankPool`` keeps spawned ranks alive between calls: inside ``with pooled(pool):``,
+``run_ranks`` hands each call to the pool's processes instead of spawning new ones, which saves
+starting Python and importing torch in every rank of every call. Each call still gets a new gloo
+process group on a new port, the caller's current environment, working directory and
+``sys.path``, and torch's default generator seeded afresh as in a new process; the environment,
+directory, path and torch's thread count are put back afterwards. A call that fails or times out
+kills every pooled process, so the next call starts from fresh ones. What a pooled ``fn`` changes
+beyond that (a module attribute patched, a signal handler, the process's peak memory) outlives
+the call: pool only functions that leave the process as they found it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
@@ -42,8 +57,6 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if threads is not None:
-        import torch
-
         torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -57,13 +70,25 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: 
         raise
 
 
+def _failures(errdir: str) -> str:
+    msgs = []
+    for name in sorted(os.listdir(errdir)):
+        with open(os.path.join(errdir, name)) as f:
+            msgs.append(f"--- {name}\n{f.read()}")
+    return "\n".join(msgs)
+
+
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, env: Mapping[str, str] | None = None,
               threads: int | None = None, timeout: float | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks and wait for all of them.
 
     ``env`` is added to each rank's environment; ``threads`` sets torch's intra-op threads per
     rank; ``timeout`` (seconds) kills ranks still running after it and raises RanksFailed.
+    Inside ``with pooled(pool):`` the ranks are the pool's processes (``RankPool``).
     """
+    if _ACTIVE:
+        _ACTIVE[-1].run(world, fn, *args, env=env, threads=threads, timeout=timeout)
+        return
     with tempfile.TemporaryDirectory(prefix="ckptfs-ranks-") as errdir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, errdir, dict(env or {}),
                                                threads),
@@ -89,8 +114,163 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, env: Mapping[str, 
             for p in ctx.processes:  # the others may wait in a collective for the dead one
                 if p.is_alive():
                     p.kill()
-            msgs = []
-            for name in sorted(os.listdir(errdir)):
-                with open(os.path.join(errdir, name)) as f:
-                    msgs.append(f"--- {name}\n{f.read()}")
-            raise RanksFailed("\n".join(msgs) or str(error)) from None
+            raise RanksFailed(_failures(errdir) or str(error)) from None
+
+
+# --- pooled ranks ---------------------------------------------------------------------------
+
+#: the pools of the ``pooled`` blocks now open, innermost last
+_ACTIVE: list[RankPool] = []
+
+
+def _put_back(environ: Mapping[str, str], cwd: str, path: list[str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+
+
+def _forget_plans() -> None:
+    """Save plans cached by earlier calls (keyed by the group's ranks, so a later call's group
+    would find them): a new process has none."""
+    from ckptfs.planning.plan_cache import plan_cache
+
+    plan_cache().clear()
+
+
+def _serve(slot: int, conn: Connection) -> None:
+    """A pooled rank: runs one call after another as rank ``slot`` until told to stop or until a
+    call fails (a failed rank is never reused)."""
+    threads = torch.get_num_threads()
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if job is None:
+            return
+        environ, cwd, path, entry_args = job
+        mine = dict(os.environ), os.getcwd(), list(sys.path)
+        _put_back(environ, cwd, path)
+        torch.seed()  # a new process's generator starts from a random seed too
+        _forget_plans()
+        try:
+            _entry(slot, *entry_args)
+        except BaseException:
+            conn.send(False)
+            return
+        finally:
+            _put_back(*mine)
+            torch.set_num_threads(threads)
+        conn.send(True)
+
+
+class RankPool:
+    """Spawned processes that run one ``run_ranks`` call after another (module docstring).
+
+    Started lazily, as many as the largest world asked for; ``close()`` stops them. Use it
+    through ``pooled(pool)``, or call ``pool.run(world, fn, *args, ...)`` as ``run_ranks``.
+    """
+
+    def __init__(self) -> None:
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self.started = 0  #: processes started over the pool's life (fresh starts included)
+        # before multiprocessing's own exit handler, which would wait for the idle processes
+        atexit.register(self.kill)
+
+    @property
+    def size(self) -> int:
+        """The processes running now."""
+        return len(self._procs)
+
+    def _grow(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        while len(self._procs) < world:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(len(self._procs), child), daemon=False)
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+            self.started += 1
+
+    def close(self) -> None:
+        """Stop the processes (they finish the call they run, if any, then exit)."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every pooled process at once; the next call starts fresh ones."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def run(self, world: int, fn: Callable[..., Any], *args: Any,
+            env: Mapping[str, str] | None = None, threads: int | None = None,
+            timeout: float | None = None) -> None:
+        """``run_ranks(world, fn, *args, env=, threads=, timeout=)`` on the pool's processes."""
+        if any(not p.is_alive() for p in self._procs):
+            self.kill()
+        self._grow(world)
+        with tempfile.TemporaryDirectory(prefix="ckptfs-ranks-") as errdir:
+            entry_args = (world, free_port(), fn, args, errdir, dict(env or {}), threads)
+            job = (dict(os.environ), os.getcwd(), list(sys.path), entry_args)
+            try:
+                for conn in self._conns[:world]:
+                    conn.send(job)
+                failed = self._wait(world, timeout)
+            except BaseException:
+                self.kill()
+                raise
+            if failed:
+                self.kill()  # the others may wait in a collective for a failed one
+                dead = [f for f in failed if f.startswith("process")]
+                raise RanksFailed("\n".join(m for m in (_failures(errdir), *dead) if m)
+                                  or failed[0])
+
+    def _wait(self, world: int, timeout: float | None) -> list[str]:
+        """Wait for ranks 0..world-1 to report: what went wrong on each that failed (after the
+        first failure, the others get two seconds more to report theirs)."""
+        pending = {self._conns[r]: r for r in range(world)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed: list[str] = []
+        grace = None
+        while pending and (grace is None or time.monotonic() < grace):
+            if not failed and deadline is not None and time.monotonic() > deadline:
+                self.kill()
+                raise RanksFailed(f"rank(s) {sorted(pending.values())} still running after "
+                                  f"{timeout:g} s; killed")
+            for conn in wait(list(pending), timeout=0.5):
+                rank = pending.pop(conn)  # type: ignore[call-overload]
+                problem = self._outcome(rank, conn)  # type: ignore[arg-type]
+                if problem:
+                    failed.append(problem)
+                    grace = grace or time.monotonic() + 2
+        return failed
+
+    def _outcome(self, rank: int, conn: Connection) -> str:
+        try:
+            return "" if conn.recv() else f"rank {rank} failed"
+        except EOFError:
+            self._procs[rank].join(timeout=5)
+            return f"process {rank} terminated with exit code {self._procs[rank].exitcode}"
+
+
+@contextlib.contextmanager
+def pooled(pool: RankPool) -> Iterator[RankPool]:
+    """Within the block, ``run_ranks`` runs its calls on ``pool``'s processes."""
+    _ACTIVE.append(pool)
+    try:
+        yield pool
+    finally:
+        _ACTIVE.remove(pool)
