@@ -21,7 +21,7 @@ Layers, top to bottom (imports point down only; tests/test_layers.py pins it):
 
 from ckptfs._version import __version__
 from ckptfs.async_save import AsyncSave, async_save, close
-from ckptfs.engine.background import BackgroundSaver
+from ckptfs.engine.background.saver import BackgroundSaver
 from ckptfs.errors import (
     AccessDeniedError,
     BackendOptionsError,

@@ -1,4 +1,4 @@
-"""The save pipeline (engine/pipeline.py) and its hooks (engine/hooks.py): one composition that
+"""The save pipeline (engine/save/pipeline.py) and its hooks (engine/save/hooks.py): one composition that
 every composer runs, hooks called in the documented order, the engine's staged save kept
 inside the engine, and a writer process that runs the engine's entry point alone."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.hooks import PhaseTimes, SaveHook, WriteOutcome
-from ckptfs.engine.pipeline import SaveRequest, run_save
-from ckptfs.engine.writer_process import ProcessSaver
+from ckptfs.engine.background.writer_process import ProcessSaver
+from ckptfs.engine.save.hooks import PhaseTimes, SaveHook, WriteOutcome
+from ckptfs.engine.save.pipeline import SaveRequest, run_save
 from ckptfs.errors import CkptfsError
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.manager.steps import step_dir
@@ -161,7 +161,7 @@ def test_the_writer_process_imports_nothing_above_the_engine(tmp_path):
         modules = saver.writer_modules()
     finally:
         saver.close()
-    assert "ckptfs.engine.pipeline" in modules and "ckptfs.engine.health" in modules
+    assert "ckptfs.engine.save.pipeline" in modules and "ckptfs.engine.save.health" in modules
     above = [m for m in modules if m not in ("ckptfs", "ckptfs.errors") and layer(m) >= API]
     assert above == []
     assert ckptfs.load_metadata(tmp_path / "a").tensors["w"].stats is not None
@@ -211,5 +211,5 @@ def test_a_save_enters_each_engine_and_api_module_at_most_eight_times(tmp_path):
     ckptfs.save(state, tmp_path / "warm")
     counts = _module_entries(lambda: ckptfs.save(state, tmp_path / "c"))
     ours = {m: n for m, n in counts.items() if layer(m) >= 5 and m != "ckptfs.errors"}
-    assert "ckptfs.engine.pipeline" in ours and "ckptfs.engine.write" in ours
+    assert "ckptfs.engine.save.pipeline" in ours and "ckptfs.engine.save.write" in ours
     assert {m: n for m, n in ours.items() if n > 8} == {}

@@ -1,4 +1,4 @@
-"""The read engine's schedule (engine/read.py ``schedule_reads``): what a load reads, in which
+"""The read engine's schedule (engine/load/schedule.py ``schedule_reads``): what a load reads, in which
 order and into which buffer, as a value built without I/O, then run against the real files."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.read import TensorRead, run_schedule, schedule_reads
+from ckptfs.engine.load.schedule import TensorRead, run_schedule, schedule_reads
+from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.io import open_store, run_sync
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.registry import get_backend

@@ -21,7 +21,7 @@ LAST_GOOD = "last_good"
 
 @dataclass(frozen=True, slots=True)
 class Health:
-    """What every save of a manager does besides saving (engine/health.py)."""
+    """What every save of a manager does besides saving (engine/save/health.py)."""
 
     check_finite: bool = False  #: refuse a step holding NaN or infinity (NonFiniteError)
     stats: bool = False  #: record every tensor's fingerprint in the index

@@ -4,17 +4,17 @@ A load's reads are scheduled first, without I/O (``schedule_reads``: a ``ReadSch
 what is read, in which order, into which buffer), then run (``run_schedule``).
 
 Bytes land directly in the target tensor when its region is contiguous CPU memory; otherwise
-they land in scratch leased from the engine's buffer pool (engine/buffers.py) and are copied
+they land in scratch leased from the engine's buffer pool (engine/memory/buffers.py) and are copied
 once into the target. The pool bounds scratch held at once (``LoadOptions.scratch_bytes``): each
 file's pieces are read in batches whose scratch fits the budget, so a load of any size needs
 at most that much extra memory.
 
-Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring.py,
+Regions of CUDA targets go through a ring of pinned buffers instead (engine/memory/ring.py,
 ``LoadOptions.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
 to the device asynchronously, the copy started before the slot's check so that the two overlap
 (a mismatch fails the load); a chunk cut into several pieces is still checked whole (the CRCs
 of its pieces, combined). With ``LoadOptions.gds`` chunks may go straight to the device
-(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (docs/guide/gpu.md).
+(engine/load/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (docs/guide/gpu.md).
 
 A batch's reads go to the store in waves of about ``LoadOptions.read_wave`` bytes that run
 concurrently; each
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool, Lease
-from ckptfs.engine.gds import DirectReads, gds_reader
+from ckptfs.engine.load.gds import DirectReads, gds_reader
+from ckptfs.engine.memory.buffers import BufferPool, Lease
+from ckptfs.engine.memory.ring import Completion, Ring, cuda_ring
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.ring import Completion, Ring, cuda_ring
 from ckptfs.engine.small_files import group_small
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
