@@ -219,9 +219,9 @@ class _Writer:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        package = os.path.dirname(os.path.abspath(sys.modules["ckptfs"].__file__ or ""))
+        root = os.path.dirname(package)  # the folder holding the package
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        package = os.path.join(root, "ckptfs")
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", BOOT, package, str(theirs.fileno()), str(os.getpid())],
