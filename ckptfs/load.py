@@ -14,7 +14,8 @@ from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.load import exchange as xchg
-from ckptfs.engine.load.schedule import TensorRead, read_tensors
+from ckptfs.engine.load.run import read_tensors
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.engine.load.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import MissingKeysError

@@ -8,7 +8,8 @@ import torch
 
 import ckptfs
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.load.schedule import TensorRead, run_schedule, schedule_reads
+from ckptfs.engine.load.run import run_schedule
+from ckptfs.engine.load.schedule import TensorRead, schedule_reads
 from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.io import open_store, run_sync
 from ckptfs.layout.boxes import Box, full_box

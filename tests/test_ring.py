@@ -17,7 +17,8 @@ import torch
 import ckptfs
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.load.gds import GdsFallbackWarning, gds_reader, gds_unavailable
-from ckptfs.engine.load.schedule import TensorRead, execute_reads, split_piece
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead, split_piece
 from ckptfs.engine.memory.buffers import (
     BufferAllocator,
     BufferPool,

@@ -13,7 +13,8 @@ import torch
 
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.load.schedule import TensorRead, execute_reads
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import MissingKeysError

@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from ckptfs.engine.load.schedule import TensorRead, execute_reads
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import CkptfsError
