@@ -105,3 +105,29 @@ def test_many_small_files_are_read_in_groups(tmp_path, tensors, groups):
     run()
     for k, (t, _) in targets.items():
         assert torch.equal(t, sd[k])
+
+
+@pytest.mark.parametrize("resharded", [False, True], ids=["same-shapes", "resharded"])
+def test_a_load_enters_the_read_module_at_most_six_times(tmp_path, resharded):
+    """Following a small state dict through ``ckptfs.load`` (after a first load: imports warm),
+    in the caller's thread, the I/O loop's and the worker threads: the read module (the
+    schedule and its run, counted as one: calls between them are not entries) is entered at
+    most 6 times (docs/architecture.md); the schedule decides alone (no callbacks from the
+    layers below into it) and a lone file or stream is awaited in place."""
+    from tests.test_pipeline import _module_entries
+
+    state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
+    ckptfs.save(state, tmp_path / "c")
+
+    def target():
+        w = (ckptfs.ShardedTensor(torch.zeros(32, 64), (64, 64), (16, 0)) if resharded
+             else torch.zeros(64, 64))
+        return {"w": w, "b": torch.ones(64), "step": 0, "opt": {"m": torch.zeros(8)}}
+
+    ckptfs.load(target(), tmp_path / "c")
+    sd = target()
+    read = {"ckptfs.engine.load.schedule": "read", "ckptfs.engine.load.run": "read"}
+    counts = _module_entries(lambda: ckptfs.load(sd, tmp_path / "c"), io_loop=True, one=read)
+    assert 1 <= counts.get("read", 0) <= 6, counts
+    got = sd["w"].local_tensor if resharded else sd["w"]
+    assert torch.equal(got, state["w"][16:48] if resharded else state["w"])

@@ -10,7 +10,7 @@ and the keys read from it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
 from ckptfs.engine.load.gds import DirectReads, gds_reader
 from ckptfs.engine.load.schedule import (
@@ -49,7 +49,7 @@ async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead],
     backend = get_backend(index.backend, index.backend_version)(index.backend_options)
     pool = BufferPool(limit=options.scratch_bytes)
     verify = options.verify
-    ring = cuda_ring((j.target for j in jobs), ring_bytes=options.ring_bytes,
+    ring = cuda_ring([j.target for j in jobs], ring_bytes=options.ring_bytes,
                      slots=options.ring_slots)
     direct = gds_reader(store, verify) if ring is not None and options.gds else None
     try:
@@ -89,7 +89,7 @@ async def run_schedule(store: Store, schedule: ReadSchedule, *, pool: BufferPool
     """Run every read of ``schedule`` concurrently (a failure cancels the rest): scratch from
     ``pool``, ring slots from ``ring``, and ``direct``'s reads beside them."""
     keys = schedule.keys
-    await gather_all(*(_read_file(store, f, pool, keys[f.path], schedule.wave)
+    await _together(*(_read_file(store, f, pool, keys[f.path], schedule.wave)
                        for f in schedule.scratch),
                      *(_read_small(store, group, keys) for group in schedule.small),
                      *((_read_ring_file(store, f, ring, keys[f.path], schedule.ring_wave)
@@ -97,6 +97,15 @@ async def run_schedule(store: Store, schedule: ReadSchedule, *, pool: BufferPool
                        if ring is not None else ()),
                      *(_read_encoded(store, pool, e, verify) for e in schedule.encoded),
                      *((direct.run(store, _damaged, keys),) if direct is not None else ()))
+
+
+async def _together(*aws: Awaitable[None]) -> None:
+    """Await ``aws`` concurrently (``gather_all``); a lone one is awaited in place, without a
+    task of its own (a small load's one file, a batch's one stream)."""
+    if len(aws) == 1:
+        await aws[0]
+    else:
+        await gather_all(*aws)
 
 
 async def _read_wave(store: Store, path: str, wave: FileWork, keys: frozenset[str]) -> None:
@@ -145,8 +154,8 @@ async def _read_batch(store: Store, path: str, batch: Batch, buf: memoryview, wa
                       pending: list[Completion], keys: frozenset[str]) -> None:
     """``batch`` read into ``buf`` as the store's read streams, checked and placed."""
     waves = _waves(batch, buf, wave, pending)
-    await gather_all(*(_read_stream(store, path, s, keys)
-                       for s in _streams(waves, store.read_streams(path))))
+    await _together(*(_read_stream(store, path, s, keys)
+                      for s in _streams(waves, store.read_streams(path))))
 
 
 async def _read_file(store: Store, f: FileReads, pool: BufferPool, keys: frozenset[str],

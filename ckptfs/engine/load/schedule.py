@@ -174,11 +174,13 @@ def schedule_reads(jobs: Sequence[TensorRead], sources: Sequence[ChunkSource], *
                 continue
             scratch[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize, max_gap,
                                                verify, wave=wave))
-    groups, rest = group_small(list(scratch.items()), lambda f: file_bytes[f[0]] <= _SMALL_FILE
-                               and all(p.scratch == 0 for p in f[1]), _SMALL_GROUP)
+    # the test decided here, the grouping asked with a set's lookup: no call back into here
+    small = {f for f, w in scratch.items()
+             if file_bytes[f] <= _SMALL_FILE and all(p.scratch == 0 for p in w)}
+    groups, rest = group_small(list(scratch), small.__contains__, _SMALL_GROUP)
     slot = ring.slot_bytes if ring is not None else None
-    return ReadSchedule(needed, tuple(FileReads(p, _batches(w, budget)) for p, w in rest),
-                        tuple(tuple(FileReads(p, (Batch(0, tuple(w)),)) for p, w in g)
+    return ReadSchedule(needed, tuple(FileReads(p, _batches(scratch[p], budget)) for p in rest),
+                        tuple(tuple(FileReads(p, (Batch(0, tuple(scratch[p])),)) for p in g)
                               for g in groups),
                         tuple(FileReads(p, _batches(w, slot)) for p, w in ringed_files.items()),
                         tuple(encoded), {f: frozenset(k) for f, k in keys.items()}, wave,
