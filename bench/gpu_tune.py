@@ -1,7 +1,7 @@
 """``python -m bench.gpu_tune``: loads into CUDA tensors under several ring settings.
 
 Writes a ``--gb`` fp32 checkpoint from 2 spawned CPU ranks, then loads it into CUDA tensors with
-each combination of ring part size (``engine.read.RING_PIECE``), ring size and slots
+each combination of ring part size (``engine.load.schedule.RING_PIECE``), ring size and slots
 (``LoadOptions.ring_bytes``/``ring_slots``) and requests in flight (``max_concurrency``), with and
 without crc32c checks (medians of 3, each load compared on the device), beside the page-cache
 read floors of bench.gpu. The defaults in ckptfs come from this probe's runs (docs/guide/gpu.md).
@@ -21,7 +21,7 @@ import torch
 
 import ckptfs
 from bench.gpu import _fill, _shape, copy_floor, page_cache_read
-from ckptfs.engine import read
+from ckptfs.engine.load import schedule as read
 from ckptfs.testing.ranks import run_ranks
 
 

@@ -9,9 +9,9 @@
   the save a training loop makes, its disk's time in it); the cost is the ratio of the medians
   (and of the fastest runs, of the lower quartiles, and the median of each run against the one
   beside it; the runs go without, with, with, without, ...), and
-  the check alone (engine/health.py's ``non_finite`` over the same tensors) beside it. What
+  the check alone (engine/save/health.py's ``non_finite`` over the same tensors) beside it. What
   bounds it: the CPU time of the check inside the checksum thread (every tensor streamed
-  through engine/checked_parts.py's ``CheckedPart`` with no write, its crc32c alone and with the
+  through engine/save/checked_parts.py's ``CheckedPart`` with no write, its crc32c alone and with the
   test of each block before it, alternating) against the save's CPU time, the user CPU time the
   save gains with the check (the kernel's time, and its slow spells, left out), and the cores
   the save keeps busy (its CPU time over its wall time): a save that keeps every core busy pays
@@ -49,8 +49,8 @@ import torch
 import ckptfs
 from bench.floors import files_under, read_files, scratch_for
 from bench.worker import drop_caches
-from ckptfs.engine.checked_parts import CheckedPart
-from ckptfs.engine.health import non_finite, slice_test
+from ckptfs.engine.save.checked_parts import CheckedPart
+from ckptfs.engine.save.health import non_finite, slice_test
 from ckptfs.io import StoreOptions
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.boxes import full_box

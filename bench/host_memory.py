@@ -86,7 +86,7 @@ def child(a: argparse.Namespace) -> dict:
     import torch
 
     import ckptfs
-    from ckptfs.engine.defaults import default_saver
+    from ckptfs.engine.background.defaults import default_saver
 
     limit = a.limit_mib * MiB if a.limit_mib else None
     state = make_state(a.gb, a.tensor_mib, a.layout)

@@ -124,13 +124,13 @@ def _timed(fn: Any, name: str, trace: Trace) -> Any:
 
 def ckptfs_points() -> list[tuple[Any, str, str]]:
     """(owner, attribute, phase) of every function timed in a ckptfs save."""
-    import ckptfs.engine.commit as commit
-    import ckptfs.engine.stage as stage
-    import ckptfs.engine.write as write
+    import ckptfs.engine.save.commit as commit
+    import ckptfs.engine.save.stage as stage
+    import ckptfs.engine.save.write as write
     import ckptfs.io.local_store as local
 
     try:  # where the phases are composed (the save pipeline; older code: the save module)
-        import ckptfs.engine.pipeline as save
+        import ckptfs.engine.save.pipeline as save
     except ImportError:
         save = sys.modules["ckptfs.save"]  # (``ckptfs.save`` is also the function)
     return [
@@ -162,10 +162,10 @@ def ckptfs_points() -> list[tuple[Any, str, str]]:
 
 
 def _checked_parts() -> list[Any]:
-    """engine/checked_parts.py, where this version of ckptfs has it (a before/after comparison
+    """engine/save/checked_parts.py, where this version of ckptfs has it (a before/after comparison
     runs this bench on older code too)."""
     try:
-        import ckptfs.engine.checked_parts as checked
+        import ckptfs.engine.save.checked_parts as checked
     except ImportError:
         return []
     return [checked]

@@ -210,7 +210,7 @@ def peak(fn):
 
 def ckptfs_rank(s: Shape, variant: str, rank: int, sd: dict) -> dict:
     from ckptfs.dist import Comm
-    from ckptfs.engine.stage import describe
+    from ckptfs.engine.save.stage import describe
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
     from ckptfs.layout.dtypes import from_name
     from ckptfs.planning.save_plan import MIN_SLICE_BYTES, SavePlan, agree_layouts
@@ -238,9 +238,9 @@ def ckptfs_rank(s: Shape, variant: str, rank: int, sd: dict) -> dict:
 
 def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") -> tuple[dict, bytes]:
     """The coordinator's index assembly from every rank's entries; (figures, index bytes)."""
-    from ckptfs.engine.pipeline import index_of
-    from ckptfs.engine.stage import IndexContent
-    from ckptfs.engine.write import Written, WrittenRank
+    from ckptfs.engine.save.pipeline import index_of
+    from ckptfs.engine.save.stage import IndexContent
+    from ckptfs.engine.save.write import Written, WrittenRank
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend, tensor_name
     from ckptfs.layout.dtypes import from_name
     from ckptfs.layout.index import ChunkEntry
@@ -377,7 +377,7 @@ def _dcp_finish(global_plan, md) -> bytes:
 
 
 def ckptfs_load(index_raw: bytes, target: dict, rank: int) -> dict:
-    from ckptfs.engine.targets import plan_targets
+    from ckptfs.engine.load.targets import plan_targets
     from ckptfs.layout.index import Index
 
     t_parse, index = timed(lambda: Index.loads(index_raw))

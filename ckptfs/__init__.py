@@ -23,7 +23,7 @@ from ckptfs import _aliases
 from ckptfs._version import __version__
 from ckptfs.async_save import AsyncSave, async_save, close
 from ckptfs.deletion import delete
-from ckptfs.engine.background import BackgroundSaver
+from ckptfs.engine.background.saver import BackgroundSaver
 from ckptfs.errors import (
     AccessDeniedError,
     BackendOptionsError,

@@ -2,10 +2,10 @@
 two futures: ``staged`` (this rank's bytes are copied: the caller may change its tensors) and
 ``done`` (the index is committed; its result is the ``SaveResult``).
 
-The save is ``save()``'s pipeline (engine/pipeline.py: stage -> claim -> write -> commit, the
+The save is ``save()``'s pipeline (engine/save/pipeline.py: stage -> claim -> write -> commit, the
 same ``SaveRequest``) with two differences: staging
 copies every chunk this rank writes into the reusable staging buffers of a ``BackgroundSaver``
-(engine/background.py), and every phase runs over a gloo group of its own (dist/groups.py),
+(engine/background/saver.py), and every phase runs over a gloo group of its own (dist/groups.py),
 never over the caller's group, so the training loop can run its collectives meanwhile. At most
 one save is in flight per saver: a new ``async_save`` on it (and ``save``, for the default
 saver) first waits for the previous one's ``done``.
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import ProcessGroup
-from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.defaults import default_saver
+from ckptfs.engine.background.defaults import default_saver
+from ckptfs.engine.background.saver import BackgroundSaver
+from ckptfs.engine.background.writer_process import ProcessSaver
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.writer_process import ProcessSaver
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.options import REMOVED, moved_keywords

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.engine import exchange as xchg
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.load import exchange as xchg
+from ckptfs.engine.load.run import read_tensors
+from ckptfs.engine.load.schedule import TensorRead
+from ckptfs.engine.load.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.read import TensorRead, read_tensors
-from ckptfs.engine.targets import TargetPlan, check_allocation, files_of, plan_targets
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.progress_store import load_progress
@@ -30,7 +31,7 @@ from ckptfs.planning.load_plan import plan_reads
 from ckptfs.state.flatten import set_path, unflatten
 
 if TYPE_CHECKING:
-    from ckptfs.engine.pre_download import CachedIndex
+    from ckptfs.engine.load.pre_download import CachedIndex
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
         try:
             cached = None
             if opts.pre_download:
-                from ckptfs.engine.pre_download import cached_index
+                from ckptfs.engine.load.pre_download import cached_index
 
                 cached = cached_index(comm, store, url, opts.work_dir)
                 index = cached.index
@@ -125,7 +126,7 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
         reads = ex.reads
     source = store
     if cached is not None:
-        from ckptfs.engine.pre_download import fill_cache
+        from ckptfs.engine.load.pre_download import fill_cache
 
         source = fill_cache(comm, store, cached, files_of(reads))
     try:

@@ -1,4 +1,4 @@
-"""``ckptfs.save``: the engine's save pipeline (engine/pipeline.py: stage, claim, write,
+"""``ckptfs.save``: the engine's save pipeline (engine/save/pipeline.py: stage, claim, write,
 commit) run in the caller's thread: every rank writes the chunks assigned to it, then rank 0
 commits the index. ``SaveResult`` is the pipeline's."""
 
@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptfs.dist import ProcessGroup
-from ckptfs.engine.defaults import wait_default_idle
+from ckptfs.engine.background.defaults import wait_default_idle
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.health import HealthHook
-from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.pipeline import SaveRequest, SaveResult, run_save
+from ckptfs.engine.save.health import HealthHook
+from ckptfs.engine.save.hooks import SaveHook
+from ckptfs.engine.save.pipeline import SaveRequest, SaveResult, run_save
 from ckptfs.errors import ConfigError
 from ckptfs.io import StoreOptions
 from ckptfs.layout.backend import Backend

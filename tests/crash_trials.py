@@ -74,7 +74,7 @@ def same(a: Any, b: Any) -> bool:
 def _count_mutations(kill_at: int | None, when: str, out: str) -> None:
     """Make every store count its mutating calls; SIGKILL this process before or after call
     number ``kill_at`` (0-based)."""
-    from ckptfs.engine import pipeline as save_mod  # where a save opens its store
+    from ckptfs.engine.save import pipeline as save_mod  # where a save opens its store
 
     real_open = save_mod.open_store
     seen = [0]
@@ -113,7 +113,7 @@ def child(spec: dict) -> None:
     if spec.get("barrier") is not None:
         spec["barrier"].wait()
     import ckptfs
-    import ckptfs.engine.pipeline  # the module, for _count_mutations
+    import ckptfs.engine.save.pipeline  # the module, for _count_mutations
 
     _count_mutations(spec.get("kill_at"), spec.get("when", "before"), spec["out"])
     t0 = time.perf_counter()

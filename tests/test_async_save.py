@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptfs
 from ckptfs.dist import Comm
-from ckptfs.engine import defaults
+from ckptfs.engine.background.saver import defaults
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
 from ckptfs.testing.ranks import run_ranks
@@ -67,10 +67,10 @@ class PausingInCommit(SafetensorsChunksBackend):
 
 @contextlib.contextmanager
 def spied_copies():
-    """engine/copies.py's piece copies, each slowed a little (so that every thread gets some)
+    """engine/memory/copies.py's piece copies, each slowed a little (so that every thread gets some)
     and recording the threads that ran them: yields that set of names (the callers pick small
     pieces with ``SaveOptions.copy_piece`` or ``copy_all``'s ``piece``)."""
-    from ckptfs.engine import copies
+    from ckptfs.engine.memory import copies
 
     real = copies._copy
     by: set[str] = set()
@@ -382,7 +382,7 @@ def test_exit_waits_for_the_save_in_flight(tmp_path):
 def test_threaded_copies_are_bit_exact(monkeypatch):
     """copies.copy_all on 3 threads: every byte of contiguous, bf16, non-contiguous, empty and
     0-dim sources lands in its buffer; the helpers take part; a failing piece raises."""
-    from ckptfs.engine import copies
+    from ckptfs.engine.memory import copies
 
     real_copy = copies._copy
     g = torch.Generator().manual_seed(0)
@@ -452,7 +452,7 @@ def test_staging_pool_follows_the_allocator_kind():
     for CUDA sources) and dropped, with its buffers, when the kind changes: a CPU-only save
     after a CUDA one must not stage into the old pinned buffers, nor keep them. Another
     allocator class stands in for the pinned one (CPU-only torch cannot pin)."""
-    from ckptfs.engine.buffers import HostAllocator
+    from ckptfs.engine.memory.buffers import HostAllocator
     from ckptfs.io import run_sync
 
     class Other(HostAllocator):
@@ -478,7 +478,7 @@ def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
     checksums computed, by threads of that nice value (Linux nice is per thread), a
     synchronous save's at the caller's, whose own nice never changes; both checkpoints load.
     Out-of-range values are refused naming the field."""
-    from ckptfs.engine import write as write_engine
+    from ckptfs.engine.save import write as write_engine
     from ckptfs.io import local_store
 
     if not sys.platform.startswith("linux"):
@@ -531,7 +531,7 @@ def test_a_bounded_saves_overflow_is_copied_and_written_at_the_callers_priority(
     """Under ``host_memory_limit`` the chunks beyond the bound are copied while their file is
     written, and ``staged`` waits for those copies: that file is written, and the pieces
     copied, at the caller's nice value, not ``background_nice``; the others are niced."""
-    from ckptfs.engine import overflow
+    from ckptfs.engine.memory import overflow
     from ckptfs.io import local_store
     from ckptfs.io.streamed import StreamedPart
 
@@ -569,9 +569,9 @@ def test_a_bounded_saves_overflow_is_copied_and_written_at_the_callers_priority(
 
 def test_a_files_chunks_checksummed_as_written_keep_the_background_priority(tmp_path, monkeypatch):
     """A chunk of 1 MiB or more is checksummed slice by slice while its file is written
-    (engine/checked_parts.py); its bytes are staged already, so that file is written at
+    (engine/save/checked_parts.py); its bytes are staged already, so that file is written at
     ``background_nice`` like every other, not at the caller's priority."""
-    from ckptfs.engine.checked_parts import CheckedPart
+    from ckptfs.engine.save.checked_parts import CheckedPart
     from ckptfs.io import local_store
 
     if not sys.platform.startswith("linux"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
+from ckptfs.engine.memory.buffers import BufferAllocator, BufferPool, CachingAllocator
 
 
 class FailsAt(BufferAllocator):

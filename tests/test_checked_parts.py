@@ -1,4 +1,4 @@
-"""Chunk bytes checksummed while they are written (engine/checked_parts.py): on a local store
+"""Chunk bytes checksummed while they are written (engine/save/checked_parts.py): on a local store
 each large chunk's crc32c is computed slice by slice, a bounded number of slices ahead of the
 writer thread's write of them (never by the saving thread), and the index holds
 the same chunk and file checksums as bytes read back give; small chunks, encoded chunks and
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine import write as write_mod
-from ckptfs.engine.checked_parts import MIN_BYTES, CheckedPart, address, checked_files
-from ckptfs.engine.writer_process import ProcessSaver
+from ckptfs.engine.background.writer_process import ProcessSaver
+from ckptfs.engine.save import write as write_mod
+from ckptfs.engine.save.checked_parts import MIN_BYTES, CheckedPart, address, checked_files
 from ckptfs.layout.backend import FileWrite
 from ckptfs.layout.index import Index
 from ckptfs.layout.tensor_bytes import tensor_bytes
@@ -42,7 +42,7 @@ def test_a_checked_part_yields_its_bytes_in_slices_and_their_crc():
 def test_the_checksum_runs_a_bounded_number_of_slices_ahead_and_ends_with_the_stream():
     """While the writer holds a slice the checksum thread has summed at most ``AHEAD`` of them;
     a writer that stops early ends that thread before the stream is closed, and no crc."""
-    from ckptfs.engine import checked_parts
+    from ckptfs.engine.save import checked_parts
 
     data = memoryview(bytes(range(256)) * 64)
     part = CheckedPart(data, slice_bytes=1024)
@@ -134,7 +134,7 @@ def test_a_store_that_would_copy_streamed_views_gets_host_bytes(memfs, monkeypat
 def test_the_writer_goes_on_while_the_last_slices_are_checksummed(monkeypatch):
     """A stream that has yielded every slice returns at once, its checksum thread still
     running; ``crc`` waits for that thread, and ``finish`` ends it."""
-    from ckptfs.engine import checked_parts
+    from ckptfs.engine.save import checked_parts
 
     gate = threading.Event()
     real_crc_of = checked_parts.crc_of
@@ -163,7 +163,7 @@ def test_a_checked_part_checksums_each_block_right_after_its_test(monkeypatch):
     """Each slice is tested and checksummed ``BLOCK`` bytes at a time, the crc32c of a block
     right after its test (which read it into the cache); no block is tested after a hit (the
     checksum goes on); a retried write tests again from the start."""
-    from ckptfs.engine import checked_parts
+    from ckptfs.engine.save import checked_parts
 
     monkeypatch.setattr(checked_parts, "BLOCK", 1024)
     data = np.zeros(4000, dtype=np.float32)
@@ -209,7 +209,7 @@ def _bad_state() -> dict:
 def _keys_searched_apart(monkeypatch) -> list[str]:
     """The keys of the chunks the write phase searches apart from their write (the health
     hook's ``during_write``: the chunks no block test runs on)."""
-    from ckptfs.engine import health
+    from ckptfs.engine.save import health
 
     apart: list[str] = []
     real = health.HealthHook.during_write
@@ -256,7 +256,7 @@ def test_every_float_dtype_is_searched_block_by_block_while_written(tmp_path, mo
     sign and an infinity of either sign, each in its own chunk and in a different block (the
     first, a middle one, the short last one), are found and counted exactly; chunks of finite
     extremes are not; nothing is written."""
-    from ckptfs.engine import checked_parts
+    from ckptfs.engine.save import checked_parts
 
     monkeypatch.setattr(checked_parts, "MIN_BYTES", 32 << 10)
     monkeypatch.setattr(checked_parts, "BLOCK", 8 << 10)

@@ -1,5 +1,5 @@
 """A synchronous save streaming its device chunks through a bounded ring while the files are
-written (engine/device_parts.py, io/streamed.py), on CPU: the "device" chunks are CPU tensors
+written (engine/memory/device_parts.py, io/streamed.py), on CPU: the "device" chunks are CPU tensors
 that a stand-in copier copies late in a worker thread (as a DMA engine would), through a ring
 of a few small slots that are reused, so a store that keeps a view after asking for the next,
 a slot given back before its copy completed, or a piece written before its copy completed
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.device_parts import DeviceChunk, DeviceParts, SlotPool
+from ckptfs.engine.memory.device_parts import DeviceChunk, DeviceParts, SlotPool
 from ckptfs.errors import StorageError
 from ckptfs.io import StoreOptions, run_sync
 from ckptfs.io.fsspec_store import FsspecStore
@@ -26,7 +26,7 @@ from ckptfs.layout.checksum import crc_of
 from ckptfs.layout.geometry import c_order_cuts
 from tests.copiers import LateCopier
 
-SAVE = sys.modules["ckptfs.engine.pipeline"]  # where a synchronous save makes its ring
+SAVE = sys.modules["ckptfs.engine.save.pipeline"]  # where a synchronous save makes its ring
 SLOT = 1 << 16  # 64 KiB slots: every tensor below is cut in several pieces
 
 

@@ -206,7 +206,7 @@ def test_wait_staged_on_a_stream_lets_the_host_go_on_before_the_copies_end(tmp_p
 
 
 def test_process_writer_pins_its_shared_staging_for_cuda_state(tmp_path):
-    from ckptfs.engine.defaults import default_saver
+    from ckptfs.engine.background.defaults import default_saver
 
     sd = {f"t{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
     want = {k: v.cpu() for k, v in sd.items()}

@@ -92,7 +92,7 @@ def bad_state(rank: int, world: int) -> dict:
 
 def big_bad_state(rank: int, world: int) -> dict:
     """``bad_state`` with 2 MiB shards: the last rank's NaN and infinity are found by the
-    writer threads while its chunk is written (engine/checked_parts.py)."""
+    writer threads while its chunk is written (engine/save/checked_parts.py)."""
     rows = 1 << 9
     mine = torch.ones(rows, 1024)
     if rank == world - 1:
@@ -324,7 +324,7 @@ def test_tensors_checked_on_their_device_are_not_checked_again(tmp_path, monkeyp
     staged host copies are skipped; on this CPU-only run every tensor stands in for one."""
     import functools
 
-    from ckptfs.engine import health
+    from ckptfs.engine.save import health
 
     state = {"w": torch.tensor([1.0, math.nan, math.inf]), "ok": torch.ones(2), "n": 3}
     found = health.check_on_device(state, 0, True, on_device=lambda t: True)
@@ -356,7 +356,7 @@ def test_the_quick_pass_clears_exactly_the_finite_tensors(dtype, monkeypatch):
     """The quick test of CPU tensors (a float sum, then bit patterns), in pieces over threads
     and blocks within them: every finite extreme passes it (a sum that overflows too) (no false alarm to count), every NaN and infinity of
     either sign anywhere fails it."""
-    from ckptfs.engine import health
+    from ckptfs.engine.save import health
 
     monkeypatch.setattr(health, "PIECE_BYTES", 64)  # many pieces, dealt over the threads
     monkeypatch.setattr(health, "BLOCK_BYTES", 24)  # several blocks per piece, a short last one

@@ -45,6 +45,29 @@ def test_imports_point_down_only():
     assert not upward, upward
 
 
+#: the engine's rooms (engine/__init__.py) and the rooms each may import; the engine's
+#: top-level modules (options, errors, index_io, small_files) are shared by all of them
+ROOMS = {"memory": set(), "save": {"memory"}, "load": {"memory"},
+         "background": {"memory", "save"}}
+
+
+def test_engine_rooms_import_only_the_rooms_below_them():
+    """Host memory imports no other room; the save and the load import memory, not each other;
+    background savers sit above the save. Top-level engine modules import no room."""
+    crossing = []
+    engine = ROOT / "engine"
+    assert {p.name for p in engine.iterdir() if (p / "__init__.py").exists()} == set(ROOMS)
+    for path in engine.rglob("*.py"):
+        rel = path.relative_to(engine).parts
+        room = rel[0] if len(rel) > 1 else None
+        allowed = ROOMS.get(room, set()) | {room}
+        for target in re.findall(r"^\s*(?:from|import)\s+ckptfs\.engine\.(\w+)", path.read_text(),
+                                 re.M):
+            if target in ROOMS and target not in allowed:
+                crossing.append(f"engine/{'/'.join(rel)} -> engine/{target}/")
+    assert not crossing, crossing
+
+
 def test_only_dist_and_dtensor_placement_call_torch_distributed():
     """``torch.distributed`` collectives live in dist/ (state/shards.py reads DTensor placements)."""
     allowed = {"dist", "testing"}

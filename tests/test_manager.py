@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import ckptfs
-from ckptfs.engine.lock import LockInfo
+from ckptfs.engine.save.lock import LockInfo
 from ckptfs.layout.index import LOCK_FILE
 from ckptfs.testing.ranks import free_port, run_ranks
 from tests.scenarios import outcomes_of, passed, run_steps

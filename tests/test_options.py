@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.defaults import default_saver
+from ckptfs.engine.background.defaults import default_saver
+from ckptfs.engine.background.saver import BackgroundSaver
 
 
 def _state() -> dict:

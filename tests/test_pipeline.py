@@ -1,4 +1,4 @@
-"""The save pipeline (engine/pipeline.py) and its hooks (engine/hooks.py): one composition that
+"""The save pipeline (engine/save/pipeline.py) and its hooks (engine/save/hooks.py): one composition that
 every composer runs, hooks called in the documented order, the engine's staged save kept
 inside the engine, and a writer process that runs the engine's entry point alone."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.hooks import PhaseTimes, SaveHook, WriteOutcome
-from ckptfs.engine.pipeline import SaveRequest, run_save
-from ckptfs.engine.writer_process import ProcessSaver
+from ckptfs.engine.background.writer_process import ProcessSaver
+from ckptfs.engine.save.hooks import PhaseTimes, SaveHook, WriteOutcome
+from ckptfs.engine.save.pipeline import SaveRequest, run_save
 from ckptfs.errors import CkptfsError
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.manager.steps import step_dir
@@ -163,23 +163,28 @@ def test_the_writer_process_imports_nothing_above_the_engine(tmp_path):
         modules = saver.writer_modules()
     finally:
         saver.close()
-    assert "ckptfs.engine.pipeline" in modules and "ckptfs.engine.health" in modules
+    assert "ckptfs.engine.save.pipeline" in modules and "ckptfs.engine.save.health" in modules
     above = [m for m in modules if m not in ("ckptfs", "ckptfs.errors") and layer(m) >= API]
     assert above == []
     assert ckptfs.load_metadata(tmp_path / "a").tensors["w"].stats is not None
     assert ckptfs.verify(tmp_path / "m" / step_dir(1)).ok
 
 
-def _module_entries(fn) -> dict[str, int]:
+def _module_entries(fn, *, io_loop: bool = False, one: dict[str, str] | None = None,
+                    ) -> dict[str, int]:
     """How many times each ckptfs module is entered while ``fn()`` runs: a call of a function
     defined in one of its source files from another module (generator resumes and generated
-    dataclass methods not counted), in every thread (sys.setprofile, threading.setprofile)."""
+    dataclass methods not counted), in every thread started meanwhile (sys.setprofile,
+    threading.setprofile); with ``io_loop`` also in the running I/O loop's thread and the
+    worker threads of a fresh default executor of that loop. ``one``: modules counted as one
+    (module -> name), calls between them not counted."""
     import sys
     import threading
     from collections import Counter
 
     counts: Counter[str] = Counter()
     resumed: set[int] = set()
+    one = one or {}
 
     def profile(frame, event, arg):
         code = frame.f_code
@@ -191,17 +196,42 @@ def _module_entries(fn) -> dict[str, int]:
             resumed.add(id(frame))
         module = frame.f_globals.get("__name__", "")
         caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
-        if module != caller:
-            counts[module] += 1
+        if one.get(module, module) != one.get(caller, caller):
+            counts[one.get(module, module)] += 1
 
     threading.setprofile(profile)
     sys.setprofile(profile)
+    if io_loop:
+        _profile_io_loop(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+        if io_loop:
+            _profile_io_loop(None)
     return dict(counts)
+
+
+def _profile_io_loop(profile) -> None:
+    """Set ``profile`` in the I/O loop's thread (and, when set, give the loop a fresh default
+    executor, whose threads start under ``threading.setprofile``)."""
+    import concurrent.futures
+    import sys
+    import threading
+
+    from ckptfs.io.loop import get_loop
+
+    loop, done = get_loop(), threading.Event()
+
+    def install() -> None:
+        sys.setprofile(profile)
+        if profile is not None:
+            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+        done.set()
+
+    loop.call_soon_threadsafe(install)
+    assert done.wait(60)
 
 
 def test_a_save_enters_each_engine_and_api_module_at_most_eight_times(tmp_path):
@@ -213,5 +243,5 @@ def test_a_save_enters_each_engine_and_api_module_at_most_eight_times(tmp_path):
     ckptfs.save(state, tmp_path / "warm")
     counts = _module_entries(lambda: ckptfs.save(state, tmp_path / "c"))
     ours = {m: n for m, n in counts.items() if layer(m) >= 5 and m != "ckptfs.errors"}
-    assert "ckptfs.engine.pipeline" in ours and "ckptfs.engine.write" in ours
+    assert "ckptfs.engine.save.pipeline" in ours and "ckptfs.engine.save.write" in ours
     assert {m: n for m, n in ours.items() if n > 8} == {}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ckptfs.dist import Comm
-from ckptfs.engine.buffers import BufferPool
-from ckptfs.engine.stage import stage
+from ckptfs.engine.memory.buffers import BufferPool
+from ckptfs.engine.save.stage import stage
 from ckptfs.layout.boxes import Box
 from ckptfs.planning.layouts import Description, Layout
 from ckptfs.planning.plan_cache import PlanCache

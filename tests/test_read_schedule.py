@@ -1,4 +1,4 @@
-"""The read engine's schedule (engine/read.py ``schedule_reads``): what a load reads, in which
+"""The read engine's schedule (engine/load/schedule.py ``schedule_reads``): what a load reads, in which
 order and into which buffer, as a value built without I/O, then run against the real files."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.read import TensorRead, run_schedule, schedule_reads
+from ckptfs.engine.load.run import run_schedule
+from ckptfs.engine.load.schedule import TensorRead, schedule_reads
+from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.io import open_store, run_sync
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.registry import get_backend
@@ -104,3 +105,29 @@ def test_many_small_files_are_read_in_groups(tmp_path, tensors, groups):
     run()
     for k, (t, _) in targets.items():
         assert torch.equal(t, sd[k])
+
+
+@pytest.mark.parametrize("resharded", [False, True], ids=["same-shapes", "resharded"])
+def test_a_load_enters_the_read_module_at_most_six_times(tmp_path, resharded):
+    """Following a small state dict through ``ckptfs.load`` (after a first load: imports warm),
+    in the caller's thread, the I/O loop's and the worker threads: the read module (the
+    schedule and its run, counted as one: calls between them are not entries) is entered at
+    most 6 times (docs/architecture.md); the schedule decides alone (no callbacks from the
+    layers below into it) and a lone file or stream is awaited in place."""
+    from tests.test_pipeline import _module_entries
+
+    state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
+    ckptfs.save(state, tmp_path / "c")
+
+    def target():
+        w = (ckptfs.ShardedTensor(torch.zeros(32, 64), (64, 64), (16, 0)) if resharded
+             else torch.zeros(64, 64))
+        return {"w": w, "b": torch.ones(64), "step": 0, "opt": {"m": torch.zeros(8)}}
+
+    ckptfs.load(target(), tmp_path / "c")
+    sd = target()
+    read = {"ckptfs.engine.load.schedule": "read", "ckptfs.engine.load.run": "read"}
+    counts = _module_entries(lambda: ckptfs.load(sd, tmp_path / "c"), io_loop=True, one=read)
+    assert 1 <= counts.get("read", 0) <= 6, counts
+    got = sd["w"].local_tensor if resharded else sd["w"]
+    assert torch.equal(got, state["w"][16:48] if resharded else state["w"])

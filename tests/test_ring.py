@@ -1,4 +1,4 @@
-"""The pinned ring of loads into CUDA targets (engine/ring.py), the allocator choice and the GDS
+"""The pinned ring of loads into CUDA targets (engine/memory/ring.py), the allocator choice and the GDS
 fall-back, on CPU: the ring runs with a stand-in copier that copies late in a worker thread, as
 a DMA engine would, so a buffer reused before its copy completed corrupts the target. The CUDA
 copier itself is tested in tests/test_gpu.py (GPU machines only)."""
@@ -15,18 +15,19 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.buffers import (
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.load.gds import GdsFallbackWarning, gds_reader, gds_unavailable
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead, split_piece
+from ckptfs.engine.memory.buffers import (
     BufferAllocator,
     BufferPool,
     HostAllocator,
     PinnedAllocator,
     allocator_for,
 )
-from ckptfs.engine.gds import GdsFallbackWarning, gds_reader, gds_unavailable
-from ckptfs.engine.index_io import read_index
-from ckptfs.engine.read import TensorRead, execute_reads, split_piece
-from ckptfs.engine.ring import Ring, cuda_ring
-from ckptfs.engine.stage import staging_allocator
+from ckptfs.engine.memory.ring import Ring, cuda_ring
+from ckptfs.engine.save.stage import staging_allocator
 from ckptfs.errors import ConfigError, IntegrityError
 from ckptfs.io import open_store
 from ckptfs.layout.boxes import Box, full_box
@@ -204,7 +205,7 @@ class FencedCopier(LateCopier):
     def __call__(self, dst, src):
         self.given.append(src)
         self.futures.append(self.pool.submit(lambda: (time.sleep(0.001), dst.copy_(src))))
-        from ckptfs.engine.ring import _FENCED
+        from ckptfs.engine.memory.ring import _FENCED
 
         return _FENCED  # raises if waited for
 
@@ -305,7 +306,7 @@ def test_gds_setting_leaves_a_cpu_load_alone(saved):
 
 
 def test_pinned_slots_are_a_power_of_two_within_the_ring():
-    from ckptfs.engine.ring import pinned_slot_bytes
+    from ckptfs.engine.memory.ring import pinned_slot_bytes
 
     assert pinned_slot_bytes(512 << 20, 8) == 64 << 20  # the default ring
     assert pinned_slot_bytes(300 << 20, 4) == 64 << 20  # 75 MiB each, rounded down
@@ -316,7 +317,7 @@ async def test_a_parts_device_copy_starts_before_its_check(saved, monkeypatch):
     """The CPU checks a slot while its device copy runs (measured on an H100: 21.5 against
     19.2 GB/s verified, 8 GB fp32): every part's copy is started before its crc32c is computed,
     for compact parts and for parts gathered from far-apart runs alike."""
-    from ckptfs.engine import read
+    from ckptfs.engine.load import schedule as read
 
     url, sd = saved
     events: list[tuple[str, int]] = []

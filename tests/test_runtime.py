@@ -71,8 +71,8 @@ def test_a_dead_value_is_made_anew_and_swapped_restores():
 
 
 def test_close_closes_the_process_resources_and_keeps_the_registries(tmp_path):
-    from ckptfs.engine.copies import COPY_THREADS, copy_all
-    from ckptfs.engine.defaults import SAVERS
+    from ckptfs.engine.background.defaults import SAVERS
+    from ckptfs.engine.memory.copies import COPY_THREADS, copy_all
     from ckptfs.io.loop import LOOP
     from ckptfs.io.registry import STORES
     from ckptfs.layout.registry import BACKENDS

@@ -14,7 +14,7 @@ import torch
 
 import ckptfs
 from ckptfs.async_save import AsyncSave
-from ckptfs.engine.background import Staged
+from ckptfs.engine.background.saver import Staged
 
 
 class Stream:

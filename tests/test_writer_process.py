@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine import defaults, writer_process
-from ckptfs.engine.shm import PREFIX, SHM_DIR
+from ckptfs.engine.background.saver import defaults, writer_process
+from ckptfs.engine.memory.shm import PREFIX, SHM_DIR
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
 from ckptfs.testing.ranks import run_ranks
@@ -166,7 +166,7 @@ def test_close_stops_the_writer_and_frees_shared_memory(outcomes):
 
 TRAINER = textwrap.dedent("""
     import sys, time, torch, ckptfs
-    from ckptfs.engine import defaults
+    from ckptfs.engine.background.saver import defaults
     from tests.test_writer_process import SlowWrite
     from ckptfs.layout.registry import register_backend
     register_backend(SlowWrite.name, 1, SlowWrite, replace=True)

@@ -3,6 +3,7 @@
     python -m tools_dev.mutate                      # every mutant against its own tests
     python -m tools_dev.mutate -m delete-index-last -m checksum-off
     python -m tools_dev.mutate --list               # the mutants and what each breaks
+    python -m tools_dev.mutate --check              # only that every mutant still applies
     python -m tools_dev.mutate --tree DIR           # mutate and test another checkout (e.g. main)
 
 Each mutant is a named set of text substitutions in ckptfs's source that breaks exactly one
@@ -68,7 +69,7 @@ MUTANTS: tuple[Mutant, ...] = (
            k="not every_backend and not transient and not throttled"),
     Mutant("scratch-never-waits",
            "the read engine's scratch budget counts but never waits",
-           (("engine/buffers.py",
+           (("engine/memory/buffers.py",
              "        held = await self.budget.acquire(nbytes)\n",
              "        held = self.budget._clamp(nbytes)\n        self.budget.used += held\n"
              "        self.budget.peak = max(self.budget.peak, self.budget.used)\n"),),
@@ -88,13 +89,13 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_s3.py", "tests/test_io.py"), k="throttle"),
     Mutant("checksum-off",
            "the read engine never verifies chunk checksums",
-           (("engine/read.py", "    if not (verify and whole and chunk.checksum is not None):\n",
+           (("engine/load/schedule.py", "    if not (verify and whole and chunk.checksum is not None):\n",
              "    if True:\n"),),
            ("tests/test_save_load.py", "tests/test_errors.py", "tests/test_conformance.py"),
            k="not wheel and not demo", conformance="flipped or golden_loads"),
     Mutant("whole-chunk-reads",
            "the read engine fetches every raw chunk whole (as DCP does)",
-           (("engine/read.py", "            src = next(it)\n",
+           (("engine/load/schedule.py", "            src = next(it)\n",
              "            src = next(it)\n"
              "            if isinstance(src, RawChunk) and src.stored_shape is None:\n"
              "                src = EncodedChunk(src.file, bytes, src.offset, src.offset + src.nbytes)\n"),),
@@ -109,8 +110,8 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_s3.py",), k="retries or retried"),
     Mutant("commit-overwrites",
            "the index commit overwrites instead of create-if-absent",
-           (("engine/commit.py", "await store.put_if_absent(INDEX_FILE, index.dumps())",
-             "await store.put(INDEX_FILE, [index.dumps()])"),),
+           (("engine/save/commit.py", "        await store.put_if_absent(INDEX_FILE, body)\n",
+             "        await store.put(INDEX_FILE, [body])\n"),),
            ("tests/test_save_load.py", "tests/test_s3.py"),
            k="not every_backend and not transient and not throttled"),
     Mutant("partial-saved-as-replicate",
@@ -153,16 +154,18 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_torch_dist.py",)),
     Mutant("progress-ignored",
            "save(progress=True) shows no progress bar",
-           (("engine/write.py", "    if progress and files:\n", "    if False:\n"),),
+           (("engine/save/write.py", "    if progress and files:\n", "    if False:\n"),),
            ("tests/test_save_load.py",), k="progress"),
     Mutant("async-staged-before-copy",
            "async_save resolves `staged` before this rank's bytes are copied",
-           (("engine/stage.py",
-             "        taken.append(_take(views, shards, pool, copy, threads, device))\n"
-             "        if on_copied is not None:\n            on_copied()\n",
+           (("engine/save/stage.py",
+             "        catch_up()\n        if on_copied is not None:\n            on_copied()\n",
+             "        catch_up()\n"),
+            ("engine/save/stage.py",
+             "        taken.append(_take(views, shards, pool, copy, threads, device, on_queued))\n",
              "        if on_copied is not None:\n            on_copied()\n"
              "        __import__('time').sleep(0.5)\n"
-             "        taken.append(_take(views, shards, pool, copy, threads, device))\n"),),
+             "        taken.append(_take(views, shards, pool, copy, threads, device, on_queued))\n")),
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("async-on-callers-group",
            "the background save runs its collectives on the caller's process group",
@@ -177,9 +180,10 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("async-saves-overlap",
            "a second async_save starts while the first is in flight",
-           (("engine/background.py", "            self._wait_current()\n            with public_errors",
+           (("engine/background/saver.py", "            self._wait_current()\n            with public_errors",
              "            with public_errors"),
-            ("engine/background.py", "            self._wait_current()\n            self._hook_exit()\n",
+            ("engine/background/saver.py",
+             "            self._wait_current()\n            self._hook_exit()\n",
              "            self._hook_exit()\n")),
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("save-ignores-async",
@@ -188,12 +192,12 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("staging-not-reused",
            "async saves allocate new staging buffers every time",
-           (("engine/buffers.py", "            self._cached[buffer.numel()].append(buffer)\n",
+           (("engine/memory/buffers.py", "            self._cached[buffer.numel()].append(buffer)\n",
              "            pass\n"),),
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
     Mutant("non-finite-saved",
            "check_finite lets a NaN or infinity through",
-           (("engine/health.py", 'all_true={"clean": not found}', 'all_true={"clean": True}'),),
+           (("engine/save/health.py", 'all_true={"clean": not found}', 'all_true={"clean": True}'),),
            ("tests/test_health.py",), k="refuse or non_finite"),
     Mutant("read-only-store-writes",
            "a read-only store accepts writes and deletes",
@@ -202,7 +206,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_stores.py",), k="read_only or ReadOnly or routed"),
     Mutant("async-error-lost",
            "a failed background save resolves `done` without its error",
-           (("engine/background.py", "                done.set_exception(e)\n",
+           (("engine/background/saver.py", "                done.set_exception(e)\n",
              "                done.set_result(None)\n"),),
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
 )
@@ -242,6 +246,25 @@ def _apply(pkg: Path, m: Mutant) -> str:
             return f"{rel}: the text to replace occurs {n} times"
         path.write_text(text.replace(old, new))
     return ""
+
+
+def check(tree: Path, mutants: tuple[Mutant, ...] = MUTANTS) -> list[str]:
+    """Why each of ``mutants`` that is stale in ``tree``'s ckptfs/ is stale (no copy, no
+    tests): every edit's text must occur exactly once in its file, and the edits of a mutant
+    are checked in order, as ``_apply`` makes them."""
+    stale = []
+    for m in mutants:
+        texts: dict[str, str] = {}
+        for rel, old, new in m.edits:
+            path = tree / "ckptfs" / rel
+            if rel not in texts:
+                texts[rel] = path.read_text() if path.exists() else ""
+            n = texts[rel].count(old)
+            if n != 1:
+                stale.append(f"{m.name}: {rel}: the text to replace occurs {n} times")
+                break
+            texts[rel] = texts[rel].replace(old, new)
+    return stale
 
 
 def _run(pkg_root: Path, tests_root: Path, m: Mutant, work: Path, tag: str,
@@ -294,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--mutant", action="append", default=[], help="run only these (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that every mutant's edits match exactly once (no tests)")
     ap.add_argument("--tree", type=Path, default=REPO,
                     help="checkout whose ckptfs/ is mutated and whose tests/ run; default: this one")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
@@ -306,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         for m in MUTANTS:
             print(f"{m.name:32} {m.breaks}")
         return 0
+    if args.check:
+        stale = check(args.tree.resolve(), tuple(chosen))
+        for line in stale:
+            print(f"stale: {line}")
+        print(f"{len(chosen) - len(stale)} of {len(chosen)} mutants apply")
+        return 1 if stale else 0
     tests_root = args.tree.resolve()
     results: dict[str, Outcome] = {}
     baselines: dict[tuple, tuple[set[str], set[str]]] = {}

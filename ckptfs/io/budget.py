@@ -1,5 +1,5 @@
 """A counting semaphore over bytes: bounds the bytes of requests in flight in one store, and the
-scratch and staging memory the engines lease (engine/buffers.py). The one implementation."""
+scratch and staging memory the engines lease (engine/memory/buffers.py). The one implementation."""
 
 from __future__ import annotations
 

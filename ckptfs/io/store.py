@@ -133,7 +133,7 @@ class Store(ABC):
     def streams_in_place(self) -> bool:
         """Whether ``put`` writes each view of a ``StreamedPart`` as it comes, without copying it
         (a local disk; implies ``streams_parts``): the engine then hands it host chunk bytes as
-        streamed parts too, to checksum each slice as it is written (engine/checked_parts.py)."""
+        streamed parts too, to checksum each slice as it is written (engine/save/checked_parts.py)."""
         return False
 
     def check_writable(self, path: str) -> None:

@@ -2,7 +2,7 @@
 
 A save from CUDA tensors does not copy the state to host memory first: each chunk's bytes come
 off the device through a few pinned buffers, one buffer's worth at a time, as the store writes
-them (engine/device_parts.py). A store that declares ``Store.streams_parts`` takes such parts
+them (engine/memory/device_parts.py). A store that declares ``Store.streams_parts`` takes such parts
 in ``put``; for any other store the engine joins a file's parts into host bytes first.
 
 Call order: ``nbytes`` at any time -> ``stream()`` from the thread or task that writes (more

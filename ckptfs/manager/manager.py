@@ -3,7 +3,7 @@ retention, a ``latest_step`` that only names committed checkpoints, an optional 
 written first and persisted in the background, preemption saves agreed across ranks, and a
 restore that reshards like ``load`` and reads intact local copies first.
 
-A save is the engine's save pipeline (engine/pipeline.py, as ``async_save`` runs it: stage ->
+A save is the engine's save pipeline (engine/save/pipeline.py, as ``async_save`` runs it: stage ->
 claim -> write -> commit on the background group, one save in flight per process) with a
 ``SaveRequest`` of the step's folder (written through the local tier where there is one), then,
 in the same background job, once the step is committed, retention (manager/steps.py); a local
@@ -27,14 +27,14 @@ from typing import Any
 from ckptfs.async_save import AsyncSave
 from ckptfs.deletion import delete_checkpoint
 from ckptfs.dist import Comm, ProcessGroup
-from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.commit import claimed
+from ckptfs.engine.background.saver import BackgroundSaver
+from ckptfs.engine.background.writer_process import new_saver
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.lock import read_lock
-from ckptfs.engine.pipeline import SaveRequest, clear_dead, local_options
-from ckptfs.engine.writer_process import new_saver
+from ckptfs.engine.save.commit import claimed
+from ckptfs.engine.save.hooks import SaveHook
+from ckptfs.engine.save.lock import read_lock
+from ckptfs.engine.save.pipeline import SaveRequest, clear_dead, local_options
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError, ConfigError
 from ckptfs.io import Store, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore

@@ -2,7 +2,7 @@
 nodes' tiers first, then, time allowing, committed at the URL like any persistent step).
 
 Collective over the background group, the step folder at the URL claimed by the caller
-(``engine.commit.claimed``): every rank copies the data files it wrote from its node's tier
+(``engine.save.commit.claimed``): every rank copies the data files it wrote from its node's tier
 (``io/copy.py``), the coordinator also the backend's files; then the coordinator creates the
 local step's own index at the URL (create-if-absent, the same bytes: the names, sizes and
 checksums it records are those of the copies) and gives the lock back. Only then is the step
@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 
 from ckptfs.dist import Comm
-from ckptfs.engine.lock import release
+from ckptfs.engine.save.lock import release
 from ckptfs.errors import CheckpointExistsError
 from ckptfs.io import Store, StoreOptions, run_sync
 from ckptfs.io.copy import copy_files

@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptfs.dist import Comm
+from ckptfs.engine.load.targets import plan_targets
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.targets import plan_targets
 from ckptfs.errors import IntegrityError, MalformedIndexError, MissingKeysError
 from ckptfs.io import StoreOptions
 from ckptfs.io.local_store import LocalStore

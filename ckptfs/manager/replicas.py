@@ -11,7 +11,7 @@ Layout of a local tier (``local_dir``, one per node, shared by the node's ranks)
   here, with the index and a record naming the files that arrived intact.
 
 A record is written last (write and rename), so a folder without one is an unfinished copy.
-Save (collective over the background group; the save pipeline, engine/pipeline.py, with
+Save (collective over the background group; the save pipeline, engine/save/pipeline.py, with
 ``SaveRequest(claim=False)``): the node's leader removes its local steps at or after N
 (``clear_local``: a timeline the run left by restoring an older step) -> every rank writes
 into ``step-<N>/`` and the coordinator commits the index there (the pipeline) -> every node
@@ -102,7 +102,7 @@ def clear_local(comm: Comm, local_dir: str, step: int, domain: str = "") -> Node
 def share_local(comm: Comm, nodes: Nodes, local_dir: str, step: int, *, replicas: int,
                 keep_local: int) -> None:
     """Collective, once a local step is committed in ``local_dir`` (the save pipeline,
-    engine/pipeline.py): every node stores the index, its leader records the node's files and
+    engine/save/pipeline.py): every node stores the index, its leader records the node's files and
     copies them to ``replicas`` other nodes, then keeps its newest ``keep_local`` steps."""
     root = os.path.join(local_dir, step_dir(step))
 

@@ -2,7 +2,7 @@
 a restore reads each file from its local copy when that holds what the committed index says,
 from the URL otherwise.
 
-Save: the save pipeline's write phase through the local tier (engine/pipeline.py,
+Save: the save pipeline's write phase through the local tier (engine/save/pipeline.py,
 ``SaveRequest.local_root``): the step claimed at the URL, its local folder emptied (a killed
 attempt's files), the files written there (fsync off: a restore checks every chunk it reads
 there against the committed index anyway), the staging buffers given back, every rank's files
@@ -11,7 +11,7 @@ then does the step exist.
 
 Restore (collective over the caller's group): the coordinator reads the committed index from
 the URL; each rank routes to the local tier the files its reads touch whose local copy has the
-index's size and a checksum on every chunk read (``engine/intact.py``: a stat, no data read),
+index's size and a checksum on every chunk read (``engine/load/intact.py``: a stat, no data read),
 and reads once through a ``RoutedStore``: those files locally, the rest from the URL. The read
 engine checks every chunk it reads whole against its crc32c as it lands; a chunk read only in
 part (another layout) is checked whole first. If the read fails anywhere, the local copies are
@@ -30,11 +30,11 @@ from typing import Any
 
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.intact import intact_files, usable_files
+from ckptfs.engine.load.intact import intact_files, usable_files
+from ckptfs.engine.load.schedule import TensorRead
+from ckptfs.engine.load.targets import plan_targets
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.pipeline import local_options
-from ckptfs.engine.read import TensorRead
-from ckptfs.engine.targets import plan_targets
+from ckptfs.engine.save.pipeline import local_options
 from ckptfs.errors import CollectiveError, MissingKeysError
 from ckptfs.io import Store, StoreOptions, run_sync
 from ckptfs.io.local_store import LocalStore

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.lock import LEASE_SECONDS, LockInfo, read_lock
+from ckptfs.engine.save.lock import LEASE_SECONDS, LockInfo, read_lock
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, SaveInProgressError
 from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store

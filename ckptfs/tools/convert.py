@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfs.dist import Comm
-from ckptfs.engine.commit import Claim, claimed
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.hooks import SaveHook
-from ckptfs.engine.pipeline import commit_written, prepare_layout, write_chunks
-from ckptfs.engine.stage import IndexContent
-from ckptfs.engine.write import Written, WrittenRank
+from ckptfs.engine.save.commit import Claim, claimed
+from ckptfs.engine.save.hooks import SaveHook
+from ckptfs.engine.save.pipeline import commit_written, prepare_layout, write_chunks
+from ckptfs.engine.save.stage import IndexContent
+from ckptfs.engine.save.write import Written, WrittenRank
 from ckptfs.errors import UsageError
 from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.store import Store

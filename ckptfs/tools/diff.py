@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.errors import ConfigError
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name

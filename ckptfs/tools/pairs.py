@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ckptfs.engine.read import TensorRead, execute_reads
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.io.loop import submit
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.dtypes import from_name

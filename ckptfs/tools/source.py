@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead
+from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.read import TensorRead, execute_reads
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import StoreOptions, open_store, run_sync
 from ckptfs.io.progress import ByteProgress, NoProgress

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 import ckptfs.layout
-from ckptfs.engine.buffers import BufferPool
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError
 from ckptfs.io import StoreOptions, open_store, run_sync

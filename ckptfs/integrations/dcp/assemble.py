@@ -1,6 +1,6 @@
 """The DCP writer's results: what each rank reports of its items, and the coordinator's commit of
 the ckptfs index built from every rank's reports (the save pipeline's commit phase,
-engine/pipeline.py's ``commit_written``)."""
+engine/save/pipeline.py's ``commit_written``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptfs.engine.commit import Claim
-from ckptfs.engine.commit import abandon as _abandon
-from ckptfs.engine.pipeline import commit_written, prepare_layout
-from ckptfs.engine.stage import IndexContent
-from ckptfs.engine.write import Written, WrittenRank
+from ckptfs.engine.save.commit import Claim
+from ckptfs.engine.save.commit import abandon as _abandon
+from ckptfs.engine.save.pipeline import commit_written, prepare_layout
+from ckptfs.engine.save.stage import IndexContent
+from ckptfs.engine.save.write import Written, WrittenRank
 from ckptfs.errors import CkptfsError
 from ckptfs.integrations.dcp.fs_args import uncommit_replaced
 from ckptfs.integrations.dcp.items import OPAQUE, ItemWritten, Path

@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-from ckptfs.engine.commit import Claim
+from ckptfs.engine.save.commit import Claim
 from ckptfs.errors import CheckpointExistsError, ConfigError, SaveInProgressError
 from ckptfs.io import Store, StoreOptions, run_sync
 from ckptfs.layout.index import INDEX_FILE

@@ -42,8 +42,9 @@ from torch.futures import Future
 
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.load.run import read_tensors
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.read import TensorRead, read_tensors
 from ckptfs.errors import MissingKeysError
 from ckptfs.integrations.dcp.items import is_opaque
 from ckptfs.io import Store, StoreOptions, open_store, run_sync

@@ -10,7 +10,7 @@ DCP calls the writer in this order (torch/distributed/checkpoint/storage.py):
                                                      ``overwrite``) and tells each rank the
                                                      stored chunks of its tensors
 4. ``write_data(plan, planner)``                     every rank: its items through the backend
-                                                     (engine/write.py: files, crc32c)
+                                                     (engine/save/write.py: files, crc32c)
 5. ``finish(metadata, results)``                     coordinator: builds the index from every
                                                      rank's results and commits it (assemble.py)
 
@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.futures import Future
 
-from ckptfs.engine.commit import Claim, _claim
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.lock import LockInfo, Renewal, read_lock
-from ckptfs.engine.pipeline import write_chunks
+from ckptfs.engine.save.commit import Claim, _claim
+from ckptfs.engine.save.lock import LockInfo, Renewal, read_lock
+from ckptfs.engine.save.pipeline import write_chunks
 from ckptfs.errors import CheckpointExistsError, CkptfsError, SaveInProgressError
 from ckptfs.integrations.dcp import assemble
 from ckptfs.integrations.dcp.fs_args import (

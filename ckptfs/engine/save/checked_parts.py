@@ -51,7 +51,7 @@ AHEAD = 2
 class CheckedPart(StreamedPart):
     """A chunk's host bytes, streamed in slices of ``slice_bytes``, each checksummed as it
     goes; with ``test`` (a function of a block of ``BLOCK`` bytes or fewer, as a flat uint8
-    array: True where it may hold a value to refuse, engine/health.py's ``slice_test``) each
+    array: True where it may hold a value to refuse, engine/save/health.py's ``slice_test``) each
     slice is also tested, block by block. Its bytes are already in host memory (``awaited``
     False: a background save's store writes it at its own priority).
 

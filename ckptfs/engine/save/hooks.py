@@ -1,4 +1,4 @@
-"""``SaveHook``: the extension point of the save pipeline (engine/pipeline.py).
+"""``SaveHook``: the extension point of the save pipeline (engine/save/pipeline.py).
 
 A feature that adds a step to every save (a check, a fingerprint, an observer, later chunk
 references, index segments, an export) is one ``SaveHook`` subclass put in
@@ -31,7 +31,7 @@ from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.index import ChunkEntry, Index
 
 #: a test of one block of a chunk's bytes (a flat uint8 array): True where it may hold
-#: something the hook refuses (engine/checked_parts.py runs it right before the block's crc32c)
+#: something the hook refuses (engine/save/checked_parts.py runs it right before the block's crc32c)
 BlockTest = Callable[[np.ndarray], bool]
 
 #: the named phases of a save, in order (``SaveHook.phase_done``)
@@ -65,7 +65,7 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
     3) ``block_tests(chunks, note) -> [BlockTest | None, ...]``: local, in the write phase, once,
        one test (or None) per chunk this rank writes from host memory, in order; a store that
        writes in place runs each on every block of its chunk right before the block's crc32c
-       (engine/checked_parts.py). ``chunk_reference(chunk, note) -> ChunkEntry | None``: local,
+       (engine/save/checked_parts.py). ``chunk_reference(chunk, note) -> ChunkEntry | None``: local,
        for each chunk before it is laid out, only for a hook that overrides it (designed for
        chunks recorded as a reference to an earlier checkpoint; a reference is refused until
        the format records them).

@@ -1,5 +1,5 @@
 """Save: the health of what each rank writes, as one hook of the save pipeline
-(``HealthHook``, engine/hooks.py): ``check_on_device`` runs before staging
+(``HealthHook``, engine/save/hooks.py): ``check_on_device`` runs before staging
 (``before_stage``), the rest once the chunks are staged (``after_stage``) and in the write
 phase (``before_write``, ``block_tests``, ``during_write``, ``after_write``):
 
@@ -10,7 +10,7 @@ phase (``before_write``, ``block_tests``, ``during_write``, ``after_write``):
   streamed while written are searched at once): at a fresh target on a store that writes streamed
   parts in place, each chunk of at least ``checked_parts.MIN_BYTES`` is tested block by block in
   the checksum thread ahead of the write, each block right before its crc32c, which reads it
-  from the core's cache (``slice_test``; engine/write.py), the smaller ones by ``non_finite``
+  from the core's cache (``slice_test``; engine/save/write.py), the smaller ones by ``non_finite``
   while the files are written; where a checkpoint is being replaced (before its index is
   un-committed: ``before_write`` with ``early``) or on other stores (before anything is
   written) ``before_write`` searches them in one read-only pass of pieces of ``PIECE_BYTES`` dealt
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ckptfs.dist import Comm
-from ckptfs.engine.hooks import BlockTest, SaveHook, WriteOutcome
+from ckptfs.engine.save.hooks import BlockTest, SaveHook, WriteOutcome
 from ckptfs.errors import NonFiniteError
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.index import Index
@@ -119,7 +119,7 @@ class HealthNote:
 
 @dataclass(frozen=True)
 class HealthHook(SaveHook):
-    """The save's health checks as one hook of the pipeline (engine/hooks.py):
+    """The save's health checks as one hook of the pipeline (engine/save/hooks.py):
     ``check_finite`` refuses NaN and infinity, ``stats`` records every tensor's fingerprint
     (see the module doc for where each chunk is searched)."""
 
@@ -330,7 +330,7 @@ def summed_test(floats: type[np.floating], exact: Callable[[np.ndarray], bool],
 def slice_test(t: torch.Tensor) -> Callable[[np.ndarray], bool] | None:
     """The quick test (``_host_test``) of a block of ``t``'s C-order bytes (a flat uint8 array
     of whole elements), for the checksum thread ahead of a write to run on each block right
-    before its crc32c, which then reads it from cache (engine/checked_parts.py); None where ``t``
+    before its crc32c, which then reads it from cache (engine/save/checked_parts.py); None where ``t``
     has none (not a floating CPU tensor of a dtype the quick pass knows, or empty)."""
     test = _host_test(t) if t.is_floating_point() and t.numel() else None
     if test is None:

@@ -5,7 +5,7 @@ leases staging buffers for chunks it must copy (non-contiguous or non-CPU data, 
 for an asynchronous save). Both go through a ``BufferPool`` over a ``BufferAllocator``: the
 allocator decides what memory is (pageable host memory, or pinned host memory where CUDA
 tensors take part: ``allocator_for``), the pool bounds how much of it is held at once. Loads
-into CUDA targets lease a fixed ring of pinned buffers from a pool (engine/ring.py).
+into CUDA targets lease a fixed ring of pinned buffers from a pool (engine/memory/ring.py).
 
 Call order: ``pool.expect(sizes)`` (optional: the sizes of the leases about to be made, so a
 caching allocator drops what they will not reuse) -> ``lease = await pool.lease(nbytes)`` (waits
@@ -112,7 +112,7 @@ class CachingAllocator(BufferAllocator):
         self.inner = inner or HostAllocator()
         #: first in, first out: a save gets its buffers in the order the last save of the same
         #: structure released them, so each chunk lands where it did then (a writer process
-        #: reuses what it built for that save: engine/writer_process.py)
+        #: reuses what it built for that save: engine/background/writer_process.py)
         self._cached: dict[int, deque[torch.Tensor]] = defaultdict(deque)
         self._lock = threading.Lock()
         self.allocations = 0  #: buffers obtained from ``inner`` (reuse keeps this flat)

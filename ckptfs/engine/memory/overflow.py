@@ -3,7 +3,7 @@
 An asynchronous save stages a copy of every chunk its rank writes. Under a bound, the chunks
 are taken in order: those that fit in the bound less a small ring are copied into staging
 buffers as usual; each later one becomes a ``StreamedPart`` whose bytes are copied from the
-caller's tensor through the ring (engine/device_parts.py: a ``SlotPool`` and a copier) while
+caller's tensor through the ring (engine/memory/device_parts.py: a ``SlotPool`` and a copier) while
 its file is written. Staging then never holds more than the bound. ``staged`` resolves only
 once every such chunk has been copied out of the caller's tensors (``on_done``): until then
 the caller must not change them (a later ``staged``, never an out-of-memory).
@@ -24,10 +24,10 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from ckptfs.engine.buffers import HostAllocator
-from ckptfs.engine.device_parts import CudaD2H, DeviceChunk, SlotPool
+from ckptfs.engine.memory.buffers import HostAllocator
+from ckptfs.engine.memory.device_parts import CudaD2H, DeviceChunk, SlotPool
+from ckptfs.engine.memory.ring import pinned_slot_bytes
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.ring import pinned_slot_bytes
 from ckptfs.errors import ConfigError, StorageError
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.backend import Backend
@@ -83,7 +83,7 @@ class Overflow:
             self._left += 1
         if data.device.type == "cuda":
             if self._cuda is None:
-                from ckptfs.engine.buffers import PinnedAllocator
+                from ckptfs.engine.memory.buffers import PinnedAllocator
 
                 slot = pinned_slot_bytes(self._ring, self._slots)
                 self._cuda = (SlotPool(self._slots, slot, PinnedAllocator().allocate), CudaD2H())

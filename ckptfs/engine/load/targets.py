@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfs.engine.read import TensorRead
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.errors import MalformedIndexError, MismatchError
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index, TensorEntry

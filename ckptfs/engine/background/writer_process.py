@@ -1,7 +1,7 @@
 """``ProcessSaver``: a ``BackgroundSaver`` whose writes run in a writer process of its own.
 
 The training process stages as the thread writer does (``BackgroundSaver.start``), but into
-shared memory (engine/shm.py: ``/dev/shm`` files it owns). Once staged, the save's finishing
+shared memory (engine/memory/shm.py: ``/dev/shm`` files it owns). Once staged, the save's finishing
 work (claiming the target, writing the files, checksums, building and committing the index)
 runs in one persistent writer process per saver, started on first use and reused by later
 saves: it receives the save's ``SaveRequest`` (a value) and runs the pipeline's named entry
@@ -45,15 +45,15 @@ import torch
 from ckptfs.dist import BACKGROUND, Comm
 from ckptfs.dist.comm import CommStats
 from ckptfs.dist.groups import drop
-from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.buffers import BufferAllocator, BufferPool, PinnedAllocator
+from ckptfs.engine.background.saver import BackgroundSaver
+from ckptfs.engine.memory.buffers import BufferAllocator, BufferPool, PinnedAllocator
+from ckptfs.engine.memory.overflow import Overflow, bounded
+from ckptfs.engine.memory.ring import Completion
+from ckptfs.engine.memory.shared_ring import FedPart, FedRef, SharedOverflow, WriterRing
+from ckptfs.engine.memory.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.overflow import Overflow, bounded
-from ckptfs.engine.pipeline import SaveRequest, SaveResult, finish_staged
-from ckptfs.engine.ring import Completion
-from ckptfs.engine.shared_ring import FedPart, FedRef, SharedOverflow, WriterRing
-from ckptfs.engine.shm import Mappings, SharedArena, TensorRef, unlink_orphans, unlink_owned
-from ckptfs.engine.stage import StagedSave, join_plans, split_plans
+from ckptfs.engine.save.pipeline import SaveRequest, SaveResult, finish_staged
+from ckptfs.engine.save.stage import StagedSave, join_plans, split_plans
 from ckptfs.errors import ConfigError, WriterError
 from ckptfs.io.local_store import lower_priority
 from ckptfs.io.loop import get_loop
@@ -80,7 +80,7 @@ def root_name(name):
     return getattr(package, name)
 package.__getattr__ = root_name
 sys.modules["ckptfs"] = package
-from ckptfs.engine.writer_process import main
+from ckptfs.engine.background.writer_process import main
 main(sys.argv[2:])
 """
 
@@ -219,9 +219,9 @@ class _Writer:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        package = os.path.dirname(os.path.abspath(sys.modules["ckptfs"].__file__ or ""))
+        root = os.path.dirname(package)  # the folder holding the package
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        package = os.path.join(root, "ckptfs")
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", BOOT, package, str(theirs.fileno()), str(os.getpid())],
@@ -319,7 +319,7 @@ class ProcessSaver(BackgroundSaver):
 
     def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
         """Under ``host_memory_limit`` the overflow crosses to the writer through a ring of
-        shared memory (engine/shared_ring.py)."""
+        shared memory (engine/memory/shared_ring.py)."""
         if bounded(options, be) is None:
             return None
         assert options.host_memory_limit is not None

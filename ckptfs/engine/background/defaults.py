@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 
 from ckptfs.dist import BACKGROUND
-from ckptfs.engine.background import BackgroundSaver
-from ckptfs.engine.writer_process import new_saver
+from ckptfs.engine.background.saver import BackgroundSaver
+from ckptfs.engine.background.writer_process import new_saver
 from ckptfs.runtime import RUNTIME, Resource
 
 #: the lane of each kind's default saver (their groups are their own: both may run at once)

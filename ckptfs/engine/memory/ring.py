@@ -5,7 +5,7 @@ memory for CUDA, leased once from the engine's ``BufferPool``); a ``Copier`` sta
 from the buffer into the target and returns a ``Completion``. A buffer goes back into the ring
 only when every copy out of it has completed, so storage reads into the next buffer overlap the
 copies out of earlier ones, and the host memory held is the ring: ``slots * slot_bytes``, never
-a copy of the state. The read engine splits pieces larger than a slot (engine/read.py).
+a copy of the state. The read schedule splits pieces larger than a slot (engine/load/schedule.py).
 
 Call order (one event loop, the ckptfs I/O loop): ``lease = await ring.lease(nbytes)`` (waits
 for a free buffer; ``nbytes <= slot_bytes``) -> fill ``lease.view`` -> ``ring.copier(dst, src)``
@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool, Lease
+from ckptfs.engine.memory.buffers import BufferPool, Lease
 
 
 class Completion(Protocol):
@@ -283,7 +283,7 @@ def cuda_ring(targets: Iterable[torch.Tensor], *, ring_bytes: int, slots: int) -
     load into CPU tensors never touches CUDA (and never pins memory)."""
     if not any(t.device.type == "cuda" for t in targets):
         return None
-    from ckptfs.engine.buffers import PinnedAllocator
+    from ckptfs.engine.memory.buffers import PinnedAllocator
 
     copier = CudaCopier()
     slot = pinned_slot_bytes(ring_bytes, slots)

@@ -1,20 +1,21 @@
-"""The read engine: turn read pieces into byte reads, run them, and place the bytes.
+"""The read schedule: turn read pieces into byte reads and say where the bytes go, without I/O.
 
-A load's reads are scheduled first, without I/O (``schedule_reads``: a ``ReadSchedule`` saying
-what is read, in which order, into which buffer), then run (``run_schedule``).
+A load's reads are scheduled first (``schedule_reads``: a ``ReadSchedule`` saying what is read,
+in which order, into which buffer, and what runs on the bytes once read), then run
+(load/run.py: ``run_schedule``).
 
 Bytes land directly in the target tensor when its region is contiguous CPU memory; otherwise
-they land in scratch leased from the engine's buffer pool (engine/buffers.py) and are copied
+they land in scratch leased from the engine's buffer pool (engine/memory/buffers.py) and are copied
 once into the target. The pool bounds scratch held at once (``LoadOptions.scratch_bytes``): each
 file's pieces are read in batches whose scratch fits the budget, so a load of any size needs
 at most that much extra memory.
 
-Regions of CUDA targets go through a ring of pinned buffers instead (engine/ring.py,
+Regions of CUDA targets go through a ring of pinned buffers instead (engine/memory/ring.py,
 ``LoadOptions.ring_bytes``): pieces are cut to fit a ring slot, read compact into it, and copied
 to the device asynchronously, the copy started before the slot's check so that the two overlap
 (a mismatch fails the load); a chunk cut into several pieces is still checked whole (the CRCs
 of its pieces, combined). With ``LoadOptions.gds`` chunks may go straight to the device
-(engine/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (docs/guide/gpu.md).
+(engine/load/gds.py). The CUDA paths run in tests/test_gpu.py on a GPU machine (docs/guide/gpu.md).
 
 A batch's reads go to the store in waves of about ``LoadOptions.read_wave`` bytes that run
 concurrently; each
@@ -25,32 +26,26 @@ CRCs are combined).
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool, Lease
-from ckptfs.engine.gds import DirectReads, gds_reader
+from ckptfs.engine.load.gds import DirectReads
+from ckptfs.engine.memory.ring import Completion, Ring
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.ring import Completion, Ring, cuda_ring
 from ckptfs.engine.small_files import group_small
 from ckptfs.errors import IntegrityError
 from ckptfs.io.ranges import ReadInto
-from ckptfs.io.store import Store
-from ckptfs.io.tasks import gather_all, settled
-from ckptfs.layout.backend import Backend, ChunkSource, EncodedChunk, RawChunk
+from ckptfs.layout.backend import ChunkSource, EncodedChunk, RawChunk
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum, combine, crc_of, render
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.geometry import c_order_cuts, c_strides, region_runs
-from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
-from ckptfs.layout.nogc import paused_gc
-from ckptfs.layout.registry import get_backend
+from ckptfs.layout.index import ChunkEntry, TensorEntry
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.planning.load_plan import ReadPiece
 
@@ -65,7 +60,7 @@ class TensorRead:
 
 
 @dataclass
-class _FileWork:
+class FileWork:
     """The reads of one wave and what runs after them (checks, copies into targets)."""
 
     reads: list[ReadInto]
@@ -80,7 +75,7 @@ class Piece:
     a wave, given a view of exactly ``scratch`` bytes."""
 
     scratch: int
-    place: Callable[[_FileWork, memoryview], None]
+    place: Callable[[FileWork, memoryview], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +116,7 @@ class ReadSchedule:
     encoded: tuple[EncodedRead, ...]
     keys: Mapping[str, frozenset[str]]  #: file -> keys read from it (for errors)
     wave: int  #: bytes of reads per wave of a scratch batch
+    ring_wave: int  #: bytes of reads per wave of a ring slot (RING_PIECE)
 
 
 #: a file whose pieces all go straight into their targets and need at most this many bytes is
@@ -128,80 +124,16 @@ class ReadSchedule:
 #: engine/small_files.py): one read call per file costs far more than the reads themselves
 _SMALL_FILE = 1 << 20
 _SMALL_GROUP = 64
-_NO_SCRATCH = memoryview(b"")
+NO_SCRATCH = memoryview(b"")
 #: bytes of each part of a region read through the ring (at most a slot), and of its waves:
 #: each part is read, checked and copied to the device on its own. Large parts are faster (each
 #: device copy has a start-up cost: bench/gpu.py), so a slot of the default ring holds one part
 RING_PIECE = 64 << 20
 
 
-def _typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def typed(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     t = torch.frombuffer(buf, dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
     return t.view(dtype).reshape(shape)
-
-
-async def read_tensors(store: Store, index: Index, jobs: Sequence[TensorRead],
-                       options: LoadOptions) -> tuple[int, int]:
-    """Fill the jobs' targets from the checkpoint ``index`` describes, with the index's backend
-    and a scratch pool bounded by ``options.scratch_bytes`` (and, for CUDA targets, a pinned
-    ring of ``options.ring_bytes``); returns (bytes the targets needed, peak scratch and ring
-    bytes held at once)."""
-    backend = get_backend(index.backend, index.backend_version)(index.backend_options)
-    pool = BufferPool(limit=options.scratch_bytes)
-    verify = options.verify
-    ring = cuda_ring((j.target for j in jobs), ring_bytes=options.ring_bytes,
-                     slots=options.ring_slots)
-    direct = gds_reader(store, verify) if ring is not None and options.gds else None
-    try:
-        with paused_gc():  # a piece of planning per small tensor (layout/nogc.py)
-            needed = await execute_reads(store, backend, jobs, pool=pool, verify=verify,
-                                         ring=ring, direct=direct, wave=options.read_wave)
-    except BaseException:
-        if ring is not None:
-            await ring.close(quiet=True)  # the first error is the one to raise
-        raise
-    if ring is not None:
-        await ring.close()
-    return needed, pool.peak + (ring.pool.peak if ring is not None else 0)
-
-
-async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
-                        pool: BufferPool, verify: bool = True, ring: Ring | None = None,
-                        direct: DirectReads | None = None,
-                        wave: int = LoadOptions.read_wave) -> int:
-    """Run every read; returns the number of bytes the targets needed.
-
-    Reads into contiguous CPU targets need no scratch; the others lease it from ``pool``, or
-    from ``ring`` for the targets it accepts (``direct`` may read some of those in place).
-    ``verify`` checks the crc32c of every chunk read whole. A missing or short data file is an
-    IntegrityError naming the file and the keys read from it. A chunk whose bytes fail their
-    checksum is read once more, with every other read (they only fill the targets; not through
-    ``ring`` or ``direct``): bytes damaged on the way must not fail a read of a sound checkpoint;
-    failing again, the IntegrityError names the store's URL, key, chunk and file.
-    """
-    rereads = 1 if ring is None and direct is None else 0
-    while True:
-        try:
-            return await _execute_once(store, backend, jobs, pool=pool, verify=verify, ring=ring,
-                                       direct=direct, wave=wave)
-        except IntegrityError as e:
-            if not getattr(e, "mismatch", False):
-                raise
-            if not rereads:
-                raise IntegrityError(f"{store.url}: {e}") from e
-            rereads -= 1
-            store.stats.retries += 1
-
-
-async def _execute_once(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
-                        pool: BufferPool, verify: bool, ring: Ring | None,
-                        direct: DirectReads | None, wave: int) -> int:
-    sources = await backend.chunk_sources(
-        [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
-    schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
-                              budget=pool.budget.limit, ring=ring, direct=direct, wave=wave)
-    await run_schedule(store, schedule, pool=pool, verify=verify, ring=ring, direct=direct)
-    return schedule.needed
 
 
 def schedule_reads(jobs: Sequence[TensorRead], sources: Sequence[ChunkSource], *, max_gap: int,
@@ -242,186 +174,23 @@ def schedule_reads(jobs: Sequence[TensorRead], sources: Sequence[ChunkSource], *
                 continue
             scratch[src.file].extend(_plan_raw(job, piece, src, dt.torch, dt.itemsize, max_gap,
                                                verify, wave=wave))
-    groups, rest = group_small(list(scratch.items()), lambda f: file_bytes[f[0]] <= _SMALL_FILE
-                               and all(p.scratch == 0 for p in f[1]), _SMALL_GROUP)
+    # the test decided here, the grouping asked with a set's lookup: no call back into here
+    small = {f for f, w in scratch.items()
+             if file_bytes[f] <= _SMALL_FILE and all(p.scratch == 0 for p in w)}
+    groups, rest = group_small(list(scratch), small.__contains__, _SMALL_GROUP)
     slot = ring.slot_bytes if ring is not None else None
-    return ReadSchedule(needed, tuple(FileReads(p, _batches(w, budget)) for p, w in rest),
-                        tuple(tuple(FileReads(p, (Batch(0, tuple(w)),)) for p, w in g)
+    return ReadSchedule(needed, tuple(FileReads(p, _batches(scratch[p], budget)) for p in rest),
+                        tuple(tuple(FileReads(p, (Batch(0, tuple(scratch[p])),)) for p in g)
                               for g in groups),
                         tuple(FileReads(p, _batches(w, slot)) for p, w in ringed_files.items()),
-                        tuple(encoded), {f: frozenset(k) for f, k in keys.items()}, wave)
+                        tuple(encoded), {f: frozenset(k) for f, k in keys.items()}, wave,
+                        RING_PIECE)
 
 
-async def run_schedule(store: Store, schedule: ReadSchedule, *, pool: BufferPool, verify: bool,
-                       ring: Ring | None = None, direct: DirectReads | None = None) -> None:
-    """Run every read of ``schedule`` concurrently (a failure cancels the rest): scratch from
-    ``pool``, ring slots from ``ring``, and ``direct``'s reads beside them."""
-    keys = schedule.keys
-    await gather_all(*(_read_file(store, f, pool, keys[f.path], schedule.wave)
-                       for f in schedule.scratch),
-                     *(_read_small(store, group, keys) for group in schedule.small),
-                     *((_read_ring_file(store, f, ring, keys[f.path]) for f in schedule.ring)
-                       if ring is not None else ()),
-                     *(_read_encoded(store, pool, e, verify) for e in schedule.encoded),
-                     *((direct.run(store, _damaged, keys),) if direct is not None else ()))
-
-
-async def _read_wave(store: Store, path: str, wave: _FileWork, keys: frozenset[str]) -> None:
-    try:
-        await store.read_into(path, wave.reads)
-    except (FileNotFoundError, EOFError) as e:
-        raise _read_failed(path, keys, e) from None
-
-
-async def _read_stream(store: Store, path: str, waves: list[_FileWork],
-                       keys: frozenset[str]) -> None:
-    """Read ``waves`` one after the other; each wave's checks and copies run while the next
-    waves are read."""
-    afters: list[asyncio.Future[None]] = []
-    try:
-        for wave in waves:
-            await _read_wave(store, path, wave, keys)
-            if wave.after:
-                afters.append(asyncio.ensure_future(_run_after(wave.after)))
-    except BaseException:
-        for a in afters:
-            a.cancel()
-        if afters:
-            await asyncio.wait(afters)  # nothing copies out of the lease once it is back
-        raise
-    await gather_all(*afters)
-
-
-def _waves(batch: Batch, buf: memoryview, wave: int, pending: list[Completion]) -> list[_FileWork]:
-    """``batch``'s pieces placed one after the other in ``buf``, cut into waves of about
-    ``wave`` bytes of reads."""
-    waves = [_FileWork([], [], pending)]
-    pos = size = 0
-    for piece in batch.pieces:
-        if size >= wave:
-            waves.append(_FileWork([], [], pending))
-            size = 0
-        n = len(waves[-1].reads)
-        piece.place(waves[-1], buf[pos : pos + piece.scratch])
-        size += sum(r.dest.nbytes for r in waves[-1].reads[n:])
-        pos += piece.scratch
-    return waves
-
-
-async def _read_batch(store: Store, path: str, batch: Batch, buf: memoryview, wave: int,
-                      pending: list[Completion], keys: frozenset[str]) -> None:
-    """``batch`` read into ``buf`` as the store's read streams, checked and placed."""
-    waves = _waves(batch, buf, wave, pending)
-    await gather_all(*(_read_stream(store, path, s, keys)
-                       for s in _streams(waves, store.read_streams(path))))
-
-
-async def _read_file(store: Store, f: FileReads, pool: BufferPool, keys: frozenset[str],
-                     wave: int) -> None:
-    """``f``'s batches one after the other, each in scratch leased from ``pool``."""
-    for batch in f.batches:
-        lease = await pool.lease(batch.scratch)
-        try:
-            await _read_batch(store, f.path, batch, lease.view, wave, [], keys)
-        finally:
-            await pool.release(lease)
-
-
-async def _read_ring_batch(store: Store, path: str, batch: Batch, lease: Lease, ring: Ring,
-                           keys: frozenset[str]) -> None:
-    pending: list[Completion] = []  # copies started out of the slot
-    try:
-        await _read_batch(store, path, batch, lease.view, RING_PIECE, pending, keys)
-    finally:  # reused once the copies out of it complete
-        await ring.release(lease, pending)
-
-
-async def _read_ring_file(store: Store, f: FileReads, ring: Ring, keys: frozenset[str]) -> None:
-    """The file's batches in file order, each in a slot of its own as soon as one is free:
-    the reads into one slot overlap the checks and device copies out of the others."""
-    started: list[asyncio.Future[None]] = []
-    try:
-        for batch in f.batches:
-            if any(t.done() and not t.cancelled() and t.exception() for t in started):
-                break  # a batch failed: lease no more (gather_all below raises it)
-            started.append(asyncio.ensure_future(
-                _read_ring_batch(store, f.path, batch, await ring.lease(batch.scratch), ring,
-                                 keys)))
-    except BaseException:
-        for t in started:
-            t.cancel()
-        if started:
-            await asyncio.wait(started)
-        raise
-    await gather_all(*started)
-
-
-async def _read_small(store: Store, files: tuple[FileReads, ...],
-                      keys: Mapping[str, frozenset[str]]) -> None:
-    """Small files read straight into their targets (no scratch), as one group: one store
-    call (a local store reads them in one worker thread) and one run of their checks."""
-    works = []
-    for f in files:
-        work = _FileWork([], [], [])
-        for batch in f.batches:
-            for piece in batch.pieces:
-                piece.place(work, _NO_SCRATCH)
-        works.append((f.path, work))
-    errors = await store.read_files([(path, w.reads) for path, w in works])
-    for (path, _), e in zip(works, errors):
-        if e is not None:  # returned, not raised here: no context to suppress
-            raise _read_failed(path, keys[path], e)
-    after = [fn for _, w in works for fn in w.after]
-    if after:
-        await _run_after(after)
-
-
-async def _read_encoded(store: Store, pool: BufferPool, e: EncodedRead, verify: bool) -> None:
-    cost = 2 * _nbytes(e.piece.chunk.shape, from_name(e.job.entry.dtype).itemsize)
-    async with pool.budget.hold(cost):  # the fetched bytes and the decoded ones
-        await _run_encoded(store, e.job, e.piece, e.source, verify)
-
-
-def _damaged(file: str, keys: Collection[str], what: str) -> IntegrityError:
-    """A data file the index lists is gone or short: the checkpoint is damaged."""
-    return IntegrityError(f"key(s) {', '.join(map(repr, sorted(keys)))}: {file}: {what}")
-
-
-def _read_failed(file: str, keys: Collection[str], e: BaseException) -> BaseException:
-    """What a failed read of ``file`` raises: a missing or short file is ``_damaged``; any other
-    error is itself."""
-    if isinstance(e, FileNotFoundError):
-        return _damaged(file, keys, f"the data file is missing ({e})")
-    if isinstance(e, EOFError):
-        return _damaged(file, keys, f"the data file is truncated ({e})")
-    return e
-
-
-def _run_all(fns: list[Callable[[], None]]) -> None:
-    for f in fns:
-        f()
-
-
-async def _run_after(fns: list[Callable[[], None]]) -> None:
-    """Run ``fns`` in a worker thread; if cancelled, still wait for the thread, so that nothing
-    copies out of a buffer after it was given back."""
-    await settled(asyncio.get_running_loop().run_in_executor(None, _run_all, fns))
-
-
-def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
+def nbytes_of(shape: tuple[int, ...], itemsize: int) -> int:
     for n in shape:
         itemsize *= n
     return itemsize
-
-
-def _streams(waves: list[_FileWork], streams: int | None) -> list[list[_FileWork]]:
-    """``waves`` (in file order) as ``streams`` runs of consecutive waves, each read in order;
-    one wave per run when the store has no preference."""
-    if streams is None or len(waves) <= streams:
-        return [[w] for w in waves]
-    waves = sorted(waves, key=lambda w: min((r.start for r in w.reads), default=0))
-    n = len(waves)
-    return [waves[i * n // streams : (i + 1) * n // streams] for i in range(streams)]
 
 
 def _batches(pieces: list[Piece], budget: int | None) -> tuple[Batch, ...]:
@@ -440,7 +209,7 @@ def _batches(pieces: list[Piece], budget: int | None) -> tuple[Batch, ...]:
     return tuple(out)
 
 
-def _checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
+def checker(key: str, chunk: ChunkEntry, file: str, verify: bool,
              whole: bool) -> Callable[[memoryview | torch.Tensor], None] | None:
     """A function checking the crc32c of a chunk's raw C-order bytes, when they are all read."""
     if not (verify and whole and chunk.checksum is not None):
@@ -497,7 +266,7 @@ def _plan_ring(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dt
     parts = split_piece(piece, itemsize, min(ring.slot_bytes, RING_PIECE))
     checks: list[Any]  # checkers of memoryviews (the parts' compact bytes in their slots)
     if len(parts) == 1:
-        checks = [_checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)]
+        checks = [checker(job.entry.key, piece.chunk, src.file, verify, piece.whole_chunk)]
     else:
         checks = _combined_checkers(job.entry.key, piece.chunk, src.file,
                                     [p.src.volume * itemsize for p in parts],
@@ -535,7 +304,7 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
     if (src.stored_shape is None and piece.src.shape == chunk.shape
             and piece.dst.shape == tuple(job.target.shape)):
         # a whole unpadded chunk filling the whole target (small tensors): one run, no slicing
-        dst, starts, run = job.target, (0,), _nbytes(chunk.shape, itemsize)
+        dst, starts, run = job.target, (0,), nbytes_of(chunk.shape, itemsize)
     else:
         dst = job.target[piece.dst.slices()]
         starts, run = region_runs(layout, itemsize, piece.src)
@@ -551,14 +320,14 @@ def _plan_raw(job: TensorRead, piece: ReadPiece, src: RawChunk, dtype: torch.dty
         return [Piece(0, _direct(ReadInto(at + o, mv[o : o + wave]), c))
                 for o, c in zip(cuts, checks, strict=True)]
     if check is True:
-        check = _checker(job.entry.key, chunk, src.file, True, piece.whole_chunk)
+        check = checker(job.entry.key, chunk, src.file, True, piece.whole_chunk)
     return [_plan_copied(job, piece, dtype, itemsize, max_gap, check or None, copier, layout, dst,
                          starts, run, src.offset)]
 
 
 def _direct(read: ReadInto, check: Callable[[memoryview], None] | None,
-            ) -> Callable[[_FileWork, memoryview], None]:
-    def direct(work: _FileWork, _: memoryview) -> None:
+            ) -> Callable[[FileWork, memoryview], None]:
+    def direct(work: FileWork, _: memoryview) -> None:
         work.reads.append(read)
         if check is not None:
             work.after.append(lambda: check(read.dest))
@@ -573,10 +342,10 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
                  offset: int) -> Piece:
     """A piece read into scratch, then checked and copied into ``dst`` (or by ``copier``)."""
 
-    def place(work: _FileWork, buf: memoryview) -> None:
+    def place(work: FileWork, buf: memoryview) -> None:
         """Check ``buf`` and copy it into ``dst``; a ring part's device copy is started first
         and runs while the CPU checks the slot (a failed check still fails the load)."""
-        region = _typed(buf, dtype, piece.src.shape)
+        region = typed(buf, dtype, piece.src.shape)
         if copier is not None:
             work.pending.append(copier(dst, region))
         if check is not None:
@@ -585,7 +354,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
             dst.copy_(region)
 
     if len(starts) == 1:
-        def compact(work: _FileWork, buf: memoryview) -> None:
+        def compact(work: FileWork, buf: memoryview) -> None:
             work.reads.append(ReadInto(offset + int(starts[0]), buf))
             work.after.append(lambda: place(work, buf))
 
@@ -593,12 +362,12 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
     span = int(starts[-1]) + run - int(starts[0])
     gaps = span - run * len(starts)
     if copier is None and gaps <= max_gap * (len(starts) - 1):
-        def spanned(work: _FileWork, buf: memoryview) -> None:
+        def spanned(work: FileWork, buf: memoryview) -> None:
             # one read of the whole span, then one strided copy out of it
             work.reads.append(ReadInto(offset + int(starts[0]), buf))
 
             def place() -> None:
-                flat = _typed(buf, dtype, (span // itemsize,))
+                flat = typed(buf, dtype, (span // itemsize,))
                 region = flat.as_strided(piece.src.shape, c_strides(layout))
                 if check is not None:  # a padded chunk read whole: check its compact bytes
                     region = region.contiguous()
@@ -609,7 +378,7 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
 
         return Piece(span, spanned)
 
-    def runs(work: _FileWork, buf: memoryview) -> None:
+    def runs(work: FileWork, buf: memoryview) -> None:
         # far-apart runs: read each into its slot of a compact buffer
         for i, s in enumerate(starts.tolist()):
             work.reads.append(ReadInto(offset + s, buf[i * run : (i + 1) * run]))
@@ -618,31 +387,3 @@ def _plan_copied(job: TensorRead, piece: ReadPiece, dtype: torch.dtype, itemsize
     return Piece(run * len(starts), runs)
 
 
-async def _run_encoded(store: Store, job: TensorRead, piece: ReadPiece, src: EncodedChunk,
-                       verify: bool) -> None:
-    try:
-        if src.start is None or src.end is None:
-            data = await store.get(src.file)
-        else:
-            data = await store.get_range(src.file, src.start, src.end)
-    except FileNotFoundError as e:
-        raise _damaged(src.file, [job.entry.key], f"the data file is missing ({e})") from None
-    chunk = piece.chunk
-    dt = from_name(job.entry.dtype, job.entry.key)
-    check = _checker(job.entry.key, chunk, src.file, verify, True)
-
-    def place() -> None:
-        raw = src.decode(data)
-        want = _nbytes(chunk.shape, dt.itemsize)
-        if memoryview(raw).nbytes != want:
-            raise IntegrityError(
-                f"key {job.entry.key!r}: chunk at {list(chunk.offsets)} in {src.file} decodes "
-                f"to {memoryview(raw).nbytes} bytes, expected {want}"
-            )
-        buf = memoryview(raw if isinstance(raw, bytearray) else bytearray(raw))
-        if check is not None:
-            check(buf)
-        full = _typed(buf, dt.torch, chunk.shape)
-        job.target[piece.dst.slices()].copy_(full[piece.src.slices()])
-
-    await asyncio.to_thread(place)

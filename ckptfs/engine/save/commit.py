@@ -1,8 +1,8 @@
 """Save, phase 3 of 3: commit. The coordinator builds the index, writes the backend's final
-files, and creates the index create-if-absent (as the save's hooks make it, engine/hooks.py): from then on the
-checkpoint exists.
+files, and creates the index create-if-absent (as the save's hooks make it,
+engine/save/hooks.py): from then on the checkpoint exists.
 
-Before the write phase, ``claim_target`` takes the save lock (engine/lock.py: one save at a time
+Before the write phase, ``claim_target`` takes the save lock (engine/save/lock.py: one save at a time
 per root) and refuses a committed (or foreign) checkpoint at the URL unless ``overwrite``; when
 overwriting it un-commits the old index first (``keep_index``: the save does it itself,
 ``uncommit``, once what must come before is done: the hooks' ``before_write``), and
@@ -28,11 +28,11 @@ import torch
 
 from ckptfs._version import __version__
 from ckptfs.dist import Comm
-from ckptfs.engine.hooks import SaveHook
 from ckptfs.engine.index_io import read_index
-from ckptfs.engine.lock import LockInfo, Renewal, acquire, release
-from ckptfs.engine.stage import StagedSave
-from ckptfs.engine.write import Written, WrittenRank, file_sums, write_files
+from ckptfs.engine.save.hooks import SaveHook
+from ckptfs.engine.save.lock import LockInfo, Renewal, acquire, release
+from ckptfs.engine.save.stage import StagedSave
+from ckptfs.engine.save.write import Written, WrittenRank, file_sums, write_files
 from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
 from ckptfs.io import run_sync
 from ckptfs.io.store import Store

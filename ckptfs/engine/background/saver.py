@@ -7,7 +7,7 @@ if any, is done; makes the Comm on the saver's own background lane; stages in a 
 ``staged`` and ``done`` futures) -> later ``saver.wait_idle()`` (what a synchronous save does
 first) or ``saver.close()`` (every rank: waits, frees the buffers and the lane's groups).
 
-``ckptfs.async_save`` uses the per-process default saver (engine/defaults.py); each
+``ckptfs.async_save`` uses the per-process default saver (engine/background/defaults.py); each
 ``CheckpointManager`` has its own unless one is passed. Two savers run their saves at once, each
 on a gloo group of its own (``lane``), so their collectives never interleave.
 
@@ -32,12 +32,12 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from ckptfs.dist import BACKGROUND, Comm, ProcessGroup, destroy_background_groups
-from ckptfs.engine.buffers import BufferAllocator, BufferPool, CachingAllocator
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.memory.buffers import BufferAllocator, BufferPool, CachingAllocator
+from ckptfs.engine.memory.overflow import Overflow, bounded
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.overflow import Overflow, bounded
-from ckptfs.engine.pipeline import SaveRequest, SaveResult, finish_staged, stage_phase
-from ckptfs.engine.stage import StagedSave, release, staging_allocator
+from ckptfs.engine.save.pipeline import SaveRequest, SaveResult, finish_staged, stage_phase
+from ckptfs.engine.save.stage import StagedSave, release, staging_allocator
 from ckptfs.io import run_sync
 from ckptfs.io.local_store import lower_priority
 from ckptfs.layout.backend import Backend
@@ -148,7 +148,7 @@ class BackgroundSaver:
               ) -> tuple[Future[None], Future[SaveResult]]:
         """Start one background save of ``state_dict`` as ``request`` says (every rank calls
         this in the same order): waits for the save in flight, connects the lane's group, then
-        in a thread runs the pipeline's stage phase (engine/pipeline.py) into copies
+        in a thread runs the pipeline's stage phase (engine/save/pipeline.py) into copies
         (``staged`` resolves), lowers the thread's priority, runs ``before(comm)``, the
         pipeline's ``finish_staged`` (``finish``: here or in a writer process) and
         ``after(result, comm)`` (``done`` resolves with its result). ``before`` and ``after``
@@ -187,7 +187,7 @@ class BackgroundSaver:
 
     def bounded(self, options: SaveOptions, be: Backend) -> Overflow | None:
         """The overflow of a save under ``options.host_memory_limit`` (None: no bound; a saver
-        of another kind streams it otherwise: engine/shared_ring.py)."""
+        of another kind streams it otherwise: engine/memory/shared_ring.py)."""
         return bounded(options, be)
 
     def lower_priority(self, nice: int) -> None:
@@ -197,7 +197,7 @@ class BackgroundSaver:
     def finish(self, request: SaveRequest, staged: StagedSave, comm: Comm,
                give_back: Callable[[], None]) -> SaveResult:
         """Run the pipeline's ``finish_staged`` once staged: here, in the save's thread (a
-        saver of another kind runs it elsewhere: engine/writer_process.py)."""
+        saver of another kind runs it elsewhere: engine/background/writer_process.py)."""
         return finish_staged(request, staged, comm, give_back)
 
     def launch(self, job: Callable[[Callable[[], None], Staged], T]

@@ -1,4 +1,4 @@
-"""Staging buffers in shared memory, for the writer process (engine/writer_process.py).
+"""Staging buffers in shared memory, for the writer process (engine/background/writer_process.py).
 
 ``SharedArena`` is a ``BufferAllocator`` whose buffers are carved out of files in
 ``/dev/shm`` that the training process creates and owns. A writer process maps each file once
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptfs.engine.buffers import BufferAllocator
+from ckptfs.engine.memory.buffers import BufferAllocator
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ckptfs-"

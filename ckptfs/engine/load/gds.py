@@ -3,7 +3,7 @@
 Used when ``LoadOptions.gds`` is set and it can work: the store is a local filesystem, ``kvikio``
 (the kvikio-cu12 / kvikio-cu13 package) imports, and the load runs with ``verify=False`` (the
 crc32c check needs the bytes on the host, which is what GDS avoids). Otherwise ``gds_reader``
-warns once, naming the reason, and the load goes through the pinned ring (engine/ring.py).
+warns once, naming the reason, and the load goes through the pinned ring (engine/memory/ring.py).
 Only regions that are one byte run in the file and contiguous in the target are read directly;
 the rest also go through the ring. Without the GDS driver kvikio runs in its compatibility mode
 (POSIX reads through its own bounce buffers), which can be slower than the ring: the docs'

@@ -2,24 +2,24 @@
 
 A save is a ``SaveRequest`` (where and how: the URL, the backend, the options, the hooks) and a
 state dict (what: it never leaves the caller's process). Its named phases, in order, each
-followed by the hooks' ``phase_done`` (engine/hooks.py gives every hook point and its order):
+followed by the hooks' ``phase_done`` (engine/save/hooks.py gives every hook point and its order):
 
-1. **stage** (``stage_phase``; engine/stage.py): describe, agree on a plan, take this rank's
+1. **stage** (``stage_phase``; engine/save/stage.py): describe, agree on a plan, take this rank's
    chunk bytes; the hooks' ``before_stage`` and ``after_stage`` around it.
-2. **claim** (``finish_staged``; engine/commit.py): open the store on every rank, take the save
+2. **claim** (``finish_staged``; engine/save/commit.py): open the store on every rank, take the save
    lock and check the target, remove a killed save's files (``clear_dead``), the hooks'
    ``before_write`` (early where a checkpoint is replaced or the store cannot test bytes while
    writing), then un-commit a replaced index.
-3. **write** (engine/write.py): the layout files, then every rank's data files, with the hooks'
+3. **write** (engine/save/write.py): the layout files, then every rank's data files, with the hooks'
    block tests and ``during_write`` / ``after_write``; through a node-local folder first and
    copied to the URL where ``local_root`` says so.
-4. **commit** (engine/commit.py): the coordinator builds the index, the hooks' ``before_commit``,
+4. **commit** (engine/save/commit.py): the coordinator builds the index, the hooks' ``before_commit``,
    final files, the index create-if-absent.
 
 ``run_save`` runs them all in the caller's thread (``ckptfs.save``); an asynchronous save stages
-in the caller's process (engine/background.py) and runs ``finish_staged`` (phases 2 to 4), the
+in the caller's process (engine/background/saver.py) and runs ``finish_staged`` (phases 2 to 4), the
 writer process's named entry point, in a thread or in the writer process
-(engine/writer_process.py): both share this code as DCP's ``save`` and ``async_save`` share
+(engine/background/writer_process.py): both share this code as DCP's ``save`` and ``async_save`` share
 ``_save_state_dict``. Composers whose ranks write apart from a ckptfs plan (the DCP plug-in,
 ``convert``) run the write and commit phases through ``write_chunks`` and ``commit_written``.
 """
@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ckptfs.dist import Comm, CommStats, ProcessGroup
-from ckptfs.engine.buffers import BufferPool, HostAllocator
-from ckptfs.engine.commit import Claim, build_index, claimed, commit, commit_index, uncommit
-from ckptfs.engine.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.hooks import SaveHook, phase
+from ckptfs.engine.memory.buffers import BufferPool, HostAllocator
+from ckptfs.engine.memory.device_parts import DeviceParts, cuda_device_parts
+from ckptfs.engine.memory.overflow import bounded
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.overflow import bounded
-from ckptfs.engine.stage import (
+from ckptfs.engine.save.commit import Claim, build_index, claimed, commit, commit_index, uncommit
+from ckptfs.engine.save.hooks import SaveHook, phase
+from ckptfs.engine.save.stage import (
     IndexContent,
     StagedSave,
     has_cuda,
@@ -50,7 +50,7 @@ from ckptfs.engine.stage import (
     stage,
     staging_allocator,
 )
-from ckptfs.engine.write import Written, WrittenRank, file_sums, write, write_files, write_rank
+from ckptfs.engine.save.write import Written, WrittenRank, file_sums, write, write_files, write_rank
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
@@ -89,7 +89,7 @@ class SaveRequest:
     options: SaveOptions = field(default_factory=SaveOptions)  #: the save's options
     overwrite: bool = False  #: replace a committed checkpoint at the target
     progress: bool = False  #: rank 0 shows the bytes written
-    hooks: tuple[SaveHook, ...] = ()  #: the features plugged in (engine/hooks.py), in order
+    hooks: tuple[SaveHook, ...] = ()  #: the features plugged in (engine/save/hooks.py), in order
     folder: str | None = None  #: the save's folder under the URL (a manager's step)
     clear_dead: bool = False  #: under the claim, a killed save's files in the target go first
     #: written to this node-local folder first (fsync off), copied to the URL before the commit

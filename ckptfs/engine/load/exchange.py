@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptfs.dist import Comm
-from ckptfs.engine.read import TensorRead
+from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.planning.exchange_plan import ExchangePlan, Unit, plan_exchange

@@ -21,7 +21,7 @@ or non-CPU data). ``copy_chunk`` is the one place a chunk is copied into a stagi
 data by ``copies.copy_all`` (large tensors in pieces over a few threads), CUDA
 data by a ``DeviceToHost`` (pinned buffers: ``staging_allocator``), all copies
 queued on a side stream and waited for once (a synchronous save into a backend that streams
-chunks copies none of its CUDA data here: engine/device_parts.py). Each rank also checksums the
+chunks copies none of its CUDA data here: engine/memory/device_parts.py). Each rank also checksums the
 slices of plain tensors that another rank writes, so the coordinator can tell replicas that
 differ (commit.py): with ``copy=True`` here, before the caller changes its tensors; with
 ``copy=False`` the slices are handed to the write phase, which checksums them while this rank's
@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 from ckptfs.dist import Comm
-from ckptfs.engine.buffers import BufferAllocator, BufferPool, Lease, allocator_for
-from ckptfs.engine.copies import PIECE, copy_all, copy_threads
-from ckptfs.engine.device_parts import DeviceParts
-from ckptfs.engine.overflow import Overflow
-from ckptfs.engine.ring import SideStreams
+from ckptfs.engine.memory.buffers import BufferAllocator, BufferPool, Lease, allocator_for
+from ckptfs.engine.memory.copies import PIECE, copy_all, copy_threads
+from ckptfs.engine.memory.device_parts import DeviceParts
+from ckptfs.engine.memory.overflow import Overflow
+from ckptfs.engine.memory.ring import SideStreams
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -128,7 +128,7 @@ class StagedSave:
     replicas: tuple[tuple[str, Box, torch.Tensor], ...] = ()
     cached: bool = False  #: the plan came from the plan cache
     content: IndexContent | None = None  #: the coordinator's; None on the other ranks
-    #: each hook's note (engine/hooks.py), in the order of the save's hooks
+    #: each hook's note (engine/save/hooks.py), in the order of the save's hooks
     notes: tuple[Any, ...] = ()
 
     @property
@@ -151,7 +151,7 @@ class Agreement:
 class Taking(Enum):
     """How ``_take`` takes the bytes of one chunk."""
 
-    STREAMED = "streamed"  #: streamed off its device while written (engine/device_parts.py)
+    STREAMED = "streamed"  #: streamed off its device while written (engine/memory/device_parts.py)
     VIEW = "view"  #: the caller's CPU, contiguous bytes as they are (``copy=False``)
     EMPTY = "empty"  #: a copy of no bytes: a new empty tensor
     COPIED = "copied"  #: copied into a buffer leased from the pool
@@ -211,13 +211,13 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     called as soon as this rank has taken its bytes, before the ranks agree on the outcome (an
     asynchronous save resolves its ``staged`` future there). ``threads``: the threads copying
     CPU data (``SaveOptions.copy_threads``), ``copy_piece`` the bytes of one piece of a large
-    copy (``SaveOptions.copy_piece``; engine/copies.py). The garbage collector is paused
+    copy (``SaveOptions.copy_piece``; engine/memory/copies.py). The garbage collector is paused
     meanwhile: a state of many small tensors makes many small acyclic objects (layout/nogc.py).
     ``device`` (a synchronous save, ``copy=False``): the chunks it accepts are not copied but
-    streamed off their device while they are written (engine/device_parts.py). ``overflow``
+    streamed off their device while they are written (engine/memory/device_parts.py). ``overflow``
     (``copy=True`` under ``SaveOptions.host_memory_limit``): the chunks beyond its bound are
     streamed through its ring while written, and ``on_copied`` waits for their last byte
-    (engine/overflow.py). ``on_queued(events)``: called once the CPU copies are done and the
+    (engine/memory/overflow.py). ``on_queued(events)``: called once the CPU copies are done and the
     CUDA copies queued, with a CUDA event recorded after them on each side stream (not called
     when nothing is copied from CUDA)."""
     if min_slice is None:

@@ -4,7 +4,7 @@ Instead of copying the whole state into host memory before writing (a full, pinn
 each CUDA chunk becomes a ``DeviceChunk``, a ``StreamedPart`` (io/streamed.py) that the store
 pulls while it writes the file: the chunk is cut in C order into pieces of one ring slot
 (``geometry.c_order_cuts``), each piece is copied into a free slot of a ring of pinned buffers
-by a ``Copier`` (engine/ring.py: a ``non_blocking`` copy on a side stream and its event), the
+by a ``Copier`` (engine/memory/ring.py: a ``non_blocking`` copy on a side stream and its event), the
 copies of the next pieces are started while the store writes the current one, and the crc32c
 of each piece is computed in the slot before it is written. Pinned memory held = the ring
 (``SaveOptions.ring_bytes``), whatever the state's size.
@@ -29,7 +29,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from ckptfs.engine.ring import Completion, Copier, CudaEvents, SideStreams, pinned_slot_bytes
+from ckptfs.engine.memory.ring import Completion, Copier, CudaEvents, SideStreams, pinned_slot_bytes
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import combine, crc_of
@@ -197,7 +197,7 @@ def cuda_device_parts(has_cuda: bool, *, ring_bytes: int, slots: int) -> DeviceP
     (``has_cuda``); None otherwise (a CPU save never pins)."""
     if not has_cuda or not torch.cuda.is_available():
         return None
-    from ckptfs.engine.buffers import PinnedAllocator
+    from ckptfs.engine.memory.buffers import PinnedAllocator
 
     d2h = CudaD2H()
     return DeviceParts(SlotPool(slots, pinned_slot_bytes(ring_bytes, slots),

@@ -12,9 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from ckptfs.engine.buffers import BufferPool
+from ckptfs.engine.load.run import execute_reads
+from ckptfs.engine.load.schedule import TensorRead
+from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
-from ckptfs.engine.read import TensorRead, execute_reads
 from ckptfs.errors import CkptfsError
 from ckptfs.io.store import Store
 from ckptfs.layout.boxes import Box

@@ -1,9 +1,9 @@
-"""The overflow of a bounded save (engine/overflow.py) when a writer process writes it.
+"""The overflow of a bounded save (engine/memory/overflow.py) when a writer process writes it.
 
 Under ``SaveOptions.host_memory_limit`` the chunks beyond the bound are copied out of the
 caller's tensors only while their files are written. With ``writer="process"`` the caller's
 tensors are in the training process and the files are written by the writer, so the copies
-cross processes through a ring of shared-memory slots (engine/shm.py) that the training
+cross processes through a ring of shared-memory slots (engine/memory/shm.py) that the training
 process owns and the writer maps:
 
 - training process: ``SharedOverflow`` takes the overflowing chunks while staging (each a
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptfs.engine.device_parts import DeviceChunk, SlotPool
-from ckptfs.engine.overflow import RING_SHARE, Overflow
-from ckptfs.engine.ring import Completion
+from ckptfs.engine.memory.device_parts import DeviceChunk, SlotPool
+from ckptfs.engine.memory.overflow import RING_SHARE, Overflow
+from ckptfs.engine.memory.ring import Completion
 from ckptfs.errors import StorageError
 from ckptfs.io.streamed import StreamedPart
 from ckptfs.layout.boxes import Box

@@ -11,7 +11,7 @@ a file's CRC reuses its chunks' CRCs (``checksum.combine``) instead of reading t
 ``throttle_uploads=K`` at most K ranks of a node write at once. A failure anywhere raises on
 every rank (one small ``all_min`` when none failed); the outcomes (index entries, file sizes and
 checksums, replica checksums) are gathered on the coordinator only, which alone needs them for
-the index. A hook of the save (engine/hooks.py) may test each block of a chunk before its
+the index. A hook of the save (engine/save/hooks.py) may test each block of a chunk before its
 crc32c (``block_tests``), search the chunks no test covers while the files are written
 (``during_write``) and refuse what it found (``after_write``): a refusal anywhere removes the
 files on every rank.
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ckptfs.dist import Comm, run_throttled
-from ckptfs.engine.checked_parts import CheckedPart, address, checked_files
-from ckptfs.engine.hooks import BlockTest, SaveHook, WriteOutcome, overrides
+from ckptfs.engine.save.checked_parts import CheckedPart, address, checked_files
+from ckptfs.engine.save.hooks import BlockTest, SaveHook, WriteOutcome, overrides
+from ckptfs.engine.save.stage import StagedSave, replica_sums
 from ckptfs.engine.small_files import group_small
-from ckptfs.engine.stage import StagedSave, replica_sums
 from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
 from ckptfs.io.loop import submit
@@ -97,7 +97,7 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
           progress: bool = False, throttle_uploads: int | None = None,
           hooks: Sequence[SaveHook] = ()) -> Written:
     """Write the layout files (coordinator), then every rank's data files (collective), with
-    the write-phase calls of ``hooks`` (engine/hooks.py: block tests, the search while the
+    the write-phase calls of ``hooks`` (engine/save/hooks.py: block tests, the search while the
     files are written); a save a hook refuses removes what it wrote and raises the hook's
     ``refusal`` on every rank."""
     prep: list[FileWrite] = []
@@ -157,7 +157,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     """This rank's files, and on the coordinator the backend's ``layout`` files beside them;
     checksums are computed here while the I/O threads write, or, for a
     store that writes streamed parts in place, by its writer threads slice by slice as they
-    write each chunk (engine/checked_parts.py), with the block tests of ``hooks`` (the search
+    write each chunk (engine/save/checked_parts.py), with the block tests of ``hooks`` (the search
     for NaN and infinity); the chunks no block test runs on go to the hooks' ``during_write``
     meanwhile."""
     notes = staged.notes or (None,) * len(hooks)
@@ -177,7 +177,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     writing = submit(_beside(write_files(store, layout, False), write_files(store, files, progress)))
     # each view's part checksummed as it is written (None: checksummed here)
     parts = [checked.get(address(data)) if checked else None for _, data in views]
-    try:  # streamed chunks (engine/device_parts.py) are checksummed as they are written
+    try:  # streamed chunks (engine/memory/device_parts.py) are checksummed as they are written
         crcs = [(c, data, crc_of(data, yielding=True))
                 for (c, data), part in zip(views, parts, strict=True) if part is None]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)

@@ -1,0 +1,2 @@
+"""The save: one pipeline (plan, stage, write, commit) with hook points, its phases, the
+health checks and the save lock."""
