@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ckptfs
 from ckptfs.dist import Comm
-from ckptfs.engine.background.saver import defaults
+from ckptfs.engine.background import defaults
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
 from ckptfs.testing.ranks import run_ranks

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptfs
-from ckptfs.engine.background.saver import defaults, writer_process
+from ckptfs.engine.background import defaults, writer_process
 from ckptfs.engine.memory.shm import PREFIX, SHM_DIR
 from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
 from ckptfs.layout.registry import register_backend
@@ -166,7 +166,7 @@ def test_close_stops_the_writer_and_frees_shared_memory(outcomes):
 
 TRAINER = textwrap.dedent("""
     import sys, time, torch, ckptfs
-    from ckptfs.engine.background.saver import defaults
+    from ckptfs.engine.background import defaults
     from tests.test_writer_process import SlowWrite
     from ckptfs.layout.registry import register_backend
     register_backend(SlowWrite.name, 1, SlowWrite, replace=True)
