@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import dcp_plugin
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_every_phase(tmp_path):
     out = tmp_path / "result.json"
     got = dcp_plugin.main(["--gb", "0.002", "--runs", "1", "--dir", str(tmp_path / "ck"),

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import bench.health as health_bench
 from bench.health import main
 
 
+@pytest.mark.slow
 def test_tiny_health_bench_writes_its_results(tmp_path):
     out = tmp_path / "health.json"
     assert main(["--gb", "0.004", "--tensor-mb", "1", "--reps", "1", "--dir", str(tmp_path),

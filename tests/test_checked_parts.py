@@ -227,6 +227,7 @@ FOUND = {"big": (1, 1), "wide": (0, 1), "small": (1, 0)}
 
 
 @pytest.mark.parametrize("writer", [None, "thread", "process"])
+@pytest.mark.slow
 def test_large_chunks_are_searched_for_nan_while_written(tmp_path, monkeypatch, writer):
     """check_finite on a fresh local target: the large chunks are searched slice by slice in
     the writer threads (``save``, ``async_save`` and its writer process alike), only the small

@@ -95,6 +95,7 @@ def test_exit_codes(ckpt, capsys, tmp_path):
     assert cli(capsys, "verify", ckpt, "-q")[0] == EXIT_PROBLEMS
 
 
+@pytest.mark.slow
 def test_progress_in_a_log_is_one_summary_line(ckpt, tmp_path):
     """stderr is a pipe here, as in a CI log: no bar frames, one line with bytes, seconds, GB/s."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

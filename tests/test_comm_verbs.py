@@ -66,26 +66,32 @@ def outcomes(tmp_path_factory):
     return [json.load(open(os.path.join(root, f"rank{r}.json"))) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_run_everywhere_returns_each_ranks_own_result(outcomes):
     assert [o["everywhere"] for o in outcomes] == [["ok", 0], ["ok", 10]]
 
 
+@pytest.mark.slow
 def test_shared_results_reach_only_the_coordinator(outcomes):
     assert [o["to coordinator"] for o in outcomes] == [["ok", [0, [100, 101]]], ["ok", [1, None]]]
 
 
+@pytest.mark.slow
 def test_shared_results_reach_every_rank(outcomes):
     assert [o["to all"] for o in outcomes] == [["ok", [0, ["0", "1"]]], ["ok", [1, ["0", "1"]]]]
 
 
+@pytest.mark.slow
 def test_the_coordinators_result_reaches_every_rank(outcomes):
     assert [o["coordinator shares"] for o in outcomes] == [["ok", "from 0"]] * 2
 
 
+@pytest.mark.slow
 def test_only_the_verdict_travels_when_the_coordinator_keeps_its_result(outcomes):
     assert [o["coordinator keeps"] for o in outcomes] == [["ok", "from 0"], ["ok", None]]
 
 
+@pytest.mark.slow
 def test_settle_answers_its_questions_by_name_on_every_rank(outcomes):
     want = {"yes": True, "split": False, "same": True, "differs": False, "big": True}
     assert [o["questions"] for o in outcomes] == [["ok", want]] * 2
@@ -94,6 +100,7 @@ def test_settle_answers_its_questions_by_name_on_every_rank(outcomes):
 @pytest.mark.parametrize(("case", "step", "culprit"), [
     ("everywhere fails", "step g", 1), ("all fails", "step h", 0), ("gather fails", "step i", 1),
     ("coordinator fails", "step j", 0), ("settle fails", "step k", 1)])
+@pytest.mark.slow
 def test_a_failure_raises_on_every_rank_naming_rank_and_step(outcomes, case, step, culprit):
     own = outcomes[culprit][case]
     other = outcomes[1 - culprit][case]
@@ -103,5 +110,6 @@ def test_a_failure_raises_on_every_rank_naming_rank_and_step(outcomes, case, ste
     assert f"rank {culprit}: ValueError: rank {culprit} refuses" in other[1]
 
 
+@pytest.mark.slow
 def test_the_ranks_stay_in_step_after_failures(outcomes):
     assert [o["after"] for o in outcomes] == [["ok", "still in step"]] * 2

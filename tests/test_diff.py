@@ -91,6 +91,7 @@ def assert_one_change(k: ckptfs.KeyDiff) -> None:
     assert k.max_abs_diff == pytest.approx(float((base + DELTA) - base), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_one_changed_element_across_layouts_and_world_sizes(ckpts):
     report = ckptfs.diff(ckpts / "st2", ckpts / "zarr3")
     x = only_x(report)
@@ -102,12 +103,14 @@ def test_one_changed_element_across_layouts_and_world_sizes(ckpts):
     assert same.equal and same.differences == ()
 
 
+@pytest.mark.slow
 def test_equal_from_checksums_without_reading(ckpts):
     report = ckptfs.diff(ckpts / "st2", ckpts / "st2-same")
     assert report.equal and report.bytes_read == 0
     assert only_x(report).from_checksums
 
 
+@pytest.mark.slow
 def test_same_layout_reads_only_the_differing_chunk(ckpts):
     report = ckptfs.diff(ckpts / "st2", ckpts / "st2-changed")
     x = only_x(report)
@@ -216,6 +219,7 @@ MEASURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_streamed_diff_stays_within_its_memory_bound(ckpts):
     """Peak resident memory of a streamed diff (different layouts: zarr-2 on 2 ranks, zarr-3 on
     3) in a fresh process, against ``DiffReport.memory_bound``. glibc's mmap threshold is fixed

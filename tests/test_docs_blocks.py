@@ -81,6 +81,7 @@ def s3_env(request):
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file}:{b.line}" for b in BLOCKS])
+@pytest.mark.slow
 def test_block_runs(block, tmp_path, request):
     if block.mode == "skip":
         pytest.skip("marked skip: its runnable twin is named on the page")

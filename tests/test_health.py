@@ -146,6 +146,7 @@ def spawned(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_nan_and_inf_in_one_shard_refuse_the_save_on_every_rank(spawned, world):
     for rank in range(world):
         out = json.loads((spawned / f"out-{world}-{rank}.json").read_text())
@@ -164,6 +165,7 @@ def test_nan_and_inf_in_one_shard_refuse_the_save_on_every_rank(spawned, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.slow
 def test_fingerprints_equal_float64_reference_over_the_global_tensor(spawned, tmp_path, world):
     full = full_state()
     if world == 1:

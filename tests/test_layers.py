@@ -12,6 +12,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 import ckptfs
 
 RANK = {"_version": 0, "runtime": 0, "io": 0, "layout": 1, "dist": 2, "planning": 3, "state": 4, "engine": 5,
@@ -90,6 +92,7 @@ def test_tools_are_exported_lazily():
         assert getattr(ckptfs, name).__module__ == module
 
 
+@pytest.mark.slow
 def test_import_leaves_the_heavy_modules_alone():
     """``import ckptfs`` imports neither DTensor's module (with the symbolic-shapes code it pulls
     in) nor the object-store clients: every spawned rank, writer process and command pays for
@@ -134,6 +137,7 @@ def test_no_two_modules_import_each_other():
     assert not cycles, cycles
 
 
+@pytest.mark.slow
 def test_the_drop_ins_keep_their_public_names_and_load_on_first_use():
     """``ckptfs.dcp``, ``ckptfs.lightning``, ``ckptfs.megatron`` and ``ckptfs.torchtitan`` are
     the modules of ckptfs/integrations/ (one module object under either name, submodules too);

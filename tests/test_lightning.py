@@ -41,6 +41,7 @@ def finish(*runs: subprocess.Popen) -> list[tuple[int, str]]:
     return got
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_last_bit_exact(tmp_path):
     # the unbroken run and the killed one are independent: they run side by side
     (full, err), (killed, _) = finish(train("full", tmp_path / "full", tmp_path / "full.pt"),
@@ -79,6 +80,7 @@ def test_killed_run_resumes_from_last_bit_exact(tmp_path):
     assert set(state["optimizer_states"][0]["state"]) == {0, 1}  # int keys stay ints
 
 
+@pytest.mark.slow
 def test_without_lightning_the_import_names_the_extra():
     code = ("import sys; sys.modules['lightning'] = None\n"
             "try:\n    import ckptfs.lightning\n"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from tests.test_layers import ROOT
 from tools_dev.mutate import MUTANTS, check
 
@@ -27,6 +29,7 @@ def test_a_mutant_whose_text_moved_is_reported_stale():
     assert "occurs 1 times" not in stale[1] and "occurs 0 times" not in stale[1]
 
 
+@pytest.mark.slow
 def test_the_check_command_runs_no_tests_and_says_how_many_apply():
     out = subprocess.run([sys.executable, "-m", "tools_dev.mutate", "--check"], cwd=CHECKOUT,
                          capture_output=True, text=True, timeout=120)

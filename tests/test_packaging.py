@@ -67,6 +67,7 @@ print(json.dumps({"errors": errors, "loaded": loaded}))
 """
 
 
+@pytest.mark.slow
 def test_import_save_load_without_the_optional_dependencies(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, str(tmp_path)], capture_output=True,
@@ -112,6 +113,7 @@ def built_wheel(tmp_path_factory):
     return wheel, log
 
 
+@pytest.mark.slow
 def test_wheel_from_a_clean_clone_builds_without_warnings_and_passes_checks(built_wheel):
     wheel, log = built_wheel
     assert wheel_check.build_warnings(log) == []
@@ -119,6 +121,7 @@ def test_wheel_from_a_clean_clone_builds_without_warnings_and_passes_checks(buil
     assert "PASSED" in out, out
 
 
+@pytest.mark.slow
 def test_wheel_metadata_requires_only_the_core(built_wheel):
     wheel, _ = built_wheel
     with zipfile.ZipFile(wheel) as zf:
@@ -136,6 +139,7 @@ def test_wheel_metadata_requires_only_the_core(built_wheel):
     assert not any(n.startswith(("tests/", "bench/", "tools_dev/")) for n in names)
 
 
+@pytest.mark.slow
 def test_wheel_runs_the_quick_start_without_the_optional_dependencies(built_wheel, tmp_path):
     """The wheel's files alone (unpacked, ahead of the checkout) with the optional modules blocked."""
     wheel, _ = built_wheel

@@ -68,6 +68,7 @@ def test_save_and_load_through_a_demo_url(tmp_path):
     assert torch.equal(target["w"], sd["w"]) and target["step"] == 7
 
 
+@pytest.mark.slow
 def test_the_plugin_is_imported_only_when_its_protocol_is_opened(tmp_path):
     code = ("import sys, torch, ckptfs, ckptfs.io\n"
             "assert 'demo' in ckptfs.io.store_protocols()\n"

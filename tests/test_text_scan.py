@@ -89,11 +89,13 @@ def test_the_scan_leaves_ordinary_text_alone():
         assert scan(line) == [], line
 
 
+@pytest.mark.slow
 def test_the_scan_covers_the_projects_text():
     scanned = {p.relative_to(ROOT).parts[0] for p in tracked_text_files()}
     assert set(COVERED) <= scanned, sorted(set(COVERED) - scanned)
 
 
+@pytest.mark.slow
 def test_tracked_text_speaks_of_the_software_only():
     hits = []
     for path in tracked_text_files():
