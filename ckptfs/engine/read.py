@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ckptfs.engine.bases import with_bases
 from ckptfs.engine.buffers import BufferPool, Lease
 from ckptfs.engine.gds import DirectReads, gds_reader
 from ckptfs.engine.options import LoadOptions
@@ -174,13 +175,23 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     Reads into contiguous CPU targets need no scratch; the others lease it from ``pool``, or
     from ``ring`` for the targets it accepts (``direct`` may read some of those in place).
     ``verify`` checks the crc32c of every chunk read whole. A missing or short data file is an
-    IntegrityError naming the file and the keys read from it.
+    IntegrityError naming the file and the keys read from it. Chunks stored in a base
+    checkpoint (references, engine/bases.py) are read from it by the same reads and checks.
     """
-    sources = await backend.chunk_sources(
-        [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
-    schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
-                              budget=pool.budget.limit, ring=ring, direct=direct, wave=wave)
-    await run_schedule(store, schedule, pool=pool, verify=verify, ring=ring, direct=direct)
+    bases = await with_bases(store, [job.pieces for job in jobs])
+    if bases is not None:
+        store, pieces = bases
+        jobs = [TensorRead(job.entry, job.target, tuple(ps))
+                for job, ps in zip(jobs, pieces, strict=True)]
+    try:
+        sources = await backend.chunk_sources(
+            [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
+        schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
+                                  budget=pool.budget.limit, ring=ring, direct=direct, wave=wave)
+        await run_schedule(store, schedule, pool=pool, verify=verify, ring=ring, direct=direct)
+    finally:
+        if bases is not None:
+            await store.close()  # the base stores it opened
     return schedule.needed
 
 
