@@ -215,3 +215,77 @@ def test_the_schema_takes_a_delta_index_and_refuses_broken_references(tmp_path):
     no_bases = {k: v for k, v in doc.items() if k != "bases"}
     for bad in (no_hash, no_feature, packed_too, no_bases):
         assert not check.is_valid(bad)
+
+
+# -- the golden pair (index 1.2) and the tools ---------------------------------------------------
+
+def test_the_golden_delta_loads_forever_and_references_its_base():
+    from ckptfs.testing.conformance.cases import differences
+    from ckptfs.testing.conformance.golden import decode, manifest_problems
+    from ckptfs.testing.conformance.golden_index import delta_reference, golden_index_dir
+
+    g = golden_index_dir(2)
+    assert manifest_problems(g) == []
+    expected = decode(json.loads((g / "expected.json").read_text(encoding="utf-8"))["state"])
+    assert differences(expected, delta_reference()) == []
+    assert differences(ckptfs.load_keys(g / "checkpoint"), expected) == []
+    index = ckptfs.load_metadata(g / "checkpoint")
+    assert index.bases == ("../base",) and index.format_minor_version == 2
+    written = [k for k, t in index.tensors.items() for c in t.chunks if c.base is None]
+    assert sorted(written) == ["keys/layers.0.weight", "sharded/rows"]
+    assert ckptfs.load_metadata(g / "base").references is False
+
+
+def test_the_golden_delta_reads_with_the_spec_reader():
+    from ckptfs.testing.conformance.golden_index import delta_reference, golden_index_dir
+    from tests import spec_reader
+
+    root = golden_index_dir(2) / "checkpoint"
+    idx = spec_reader.audit_index((root / ckptfs.INDEX_FILE).read_bytes())
+    data = spec_reader.audit_data(str(root), idx)
+    rows = delta_reference()["sharded"]["rows"]
+    assert data["sharded/rows"] == rows.numpy().tobytes()
+
+
+def test_verify_follows_references_and_checks_the_bytes_they_name(tmp_path):
+    base, delta, _ = _saved_pair(tmp_path)
+    report = ckptfs.verify(delta)
+    assert report.ok, report.problems
+    assert report.chunks_checksummed == report.chunks == 3
+    c = _chunks(base, "frozen")[0]
+    with open(base / c["file"], "r+b") as f:
+        f.seek(c["byte_offset"] + 3)
+        f.write(b"\x01\x02")
+    report = ckptfs.verify(delta)
+    assert [(p.kind, p.key) for p in report.problems] == [("checksum", "frozen")]
+    assert report.problems[0].file == f"../step_1/{c['file']}"
+    os.remove(base / c["file"])
+    report = ckptfs.verify(delta)
+    assert [p.kind for p in report.problems] == ["missing-file"]
+    assert "base '../step_1'" in report.problems[0].message
+
+
+def test_inspect_shows_bytes_written_and_referenced(tmp_path):
+    from ckptfs.tools.describe import describe, render
+
+    _, delta, _ = _saved_pair(tmp_path)
+    doc = describe(str(delta), ckptfs.load_metadata(delta), False)
+    refs = doc["references"]
+    assert refs["written_bytes"] == 8 * 8 * 4
+    assert refs["referenced_bytes"] == 64 * 32 * 2 + 40 * 4 and refs["referenced_chunks"] == 2
+    assert refs["bases"] == {"../step_1": 64 * 32 * 2 + 40 * 4}
+    assert "referenced in base(s) ../step_1" in render(doc)
+    plain = describe("p", ckptfs.load_metadata(tmp_path / "step_1"), False)
+    assert "references" not in plain
+
+
+def test_convert_materializes_a_self_contained_copy(tmp_path):
+    base, delta, state = _saved_pair(tmp_path)
+    ckptfs.convert(delta, tmp_path / "copy", backend="safetensors_chunks")
+    idx = _index(tmp_path / "copy")
+    assert "bases" not in idx and "chunk_refs" not in idx["required_features"]
+    for p in base.rglob("*"):
+        if p.is_file():
+            p.unlink()
+    out = ckptfs.load_keys(tmp_path / "copy")
+    assert all(torch.equal(out[k], state[k]) for k in ("frozen", "adapter", "table"))
