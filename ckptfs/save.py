@@ -83,6 +83,15 @@ def health_hooks(opts: SaveOptions) -> tuple[SaveHook, ...]:
     return (HealthHook(opts.check_finite, opts.stats),) if opts.check_finite or opts.stats else ()
 
 
+def delta_hooks(opts: SaveOptions, url: str, backend: Backend,
+                storage_options: Mapping[str, Any] | None) -> tuple[SaveHook, ...]:
+    """The pipeline's hook of ``opts.base`` and ``opts.hashes`` (engine/delta.py) for a save
+    to ``url``."""
+    if opts.base is None and not opts.hashes:
+        return ()
+    return (DeltaHook(url, opts.base, (backend.name, backend.version), storage_options),)
+
+
 def save_request(url: str, backend: str, backend_version: int | None,
                  backend_options: Mapping[str, Any] | None,
                  storage_options: Mapping[str, Any] | None, store_options: StoreOptions | None,
@@ -99,8 +108,6 @@ def save_request(url: str, backend: str, backend_version: int | None,
     with public_errors(url):
         be = make_backend(backend, backend_version, backend_options)
     nice = opts.background_nice if caller == "async_save" else 0
-    delta: tuple[SaveHook, ...] = ()
-    if opts.base is not None or opts.hashes:
-        delta = (DeltaHook(url, opts.base, (be.name, be.version), storage_options),)
     return SaveRequest(url, be, storage_options, store_options, opts, overwrite, progress,
-                       health_hooks(opts) + delta, nice=nice, started=started)
+                       health_hooks(opts) + delta_hooks(opts, url, be, storage_options),
+                       nice=nice, started=started)

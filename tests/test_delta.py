@@ -289,3 +289,58 @@ def test_convert_materializes_a_self_contained_copy(tmp_path):
             p.unlink()
     out = ckptfs.load_keys(tmp_path / "copy")
     assert all(torch.equal(out[k], state[k]) for k in ("frozen", "adapter", "table"))
+
+
+# -- retention never deletes a step a kept step references --------------------------------------
+
+def test_manager_retention_keeps_the_base_of_a_kept_delta(tmp_path):
+    from ckptfs.manager.steps import step_dir
+
+    url = str(tmp_path / "run")
+    mgr = ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(
+        retention=ckptfs.Retention(keep_last=2),
+        preemption=ckptfs.PreemptionPolicy(signals=())))
+    try:
+        state = _state()
+        ckptfs.save(state, f"{url}/{step_dir(1)}", options=ckptfs.SaveOptions(hashes=True))
+        state["adapter"] += 1.0
+        ckptfs.save(state, f"{url}/{step_dir(2)}", base=f"{url}/{step_dir(1)}")
+        mgr.save_sync(3, state)  # keeps 2 and 3; 2 references 1: 1 stays
+        assert mgr.steps() == [1, 2, 3]
+        out = ckptfs.load_keys(f"{url}/{step_dir(2)}")
+        assert torch.equal(out["frozen"], state["frozen"])
+        mgr.save_sync(4, state)  # keeps 3 and 4: neither references 1 or 2
+        assert mgr.steps() == [3, 4]
+    finally:
+        mgr.close()
+
+
+def test_manager_steps_saved_on_a_fixed_base_keep_it_through_retention(tmp_path):
+    from ckptfs.manager.steps import step_dir
+
+    url = str(tmp_path / "run")
+    state = _state()
+
+    def manager(save: ckptfs.SaveOptions) -> ckptfs.CheckpointManager:
+        return ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(
+            retention=ckptfs.Retention(keep_last=1), save=save,
+            preemption=ckptfs.PreemptionPolicy(signals=())))
+
+    first = manager(ckptfs.SaveOptions(hashes=True))
+    try:
+        first.save_sync(1, state)  # the frozen base, with hashes
+    finally:
+        first.close()
+    assert all("hash" in c for c in _chunks(Path(url) / step_dir(1), "frozen"))
+    later = manager(ckptfs.SaveOptions(base=f"{url}/{step_dir(1)}"))
+    try:
+        for step in (2, 3):
+            state["adapter"] += 1.0
+            later.save_sync(step, state)
+        assert later.steps() == [1, 3]  # 3 is kept and references 1; 2 went
+    finally:
+        later.close()
+    assert _chunks(Path(url) / step_dir(3), "frozen")[0]["base"] == 0
+    assert _index(Path(url) / step_dir(3))["bases"] == [{"url": f"../{step_dir(1)}"}]
+    out = ckptfs.load_keys(Path(url) / step_dir(3))
+    assert torch.equal(out["adapter"], state["adapter"]) and torch.equal(out["frozen"], state["frozen"])
