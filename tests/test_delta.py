@@ -344,3 +344,18 @@ def test_manager_steps_saved_on_a_fixed_base_keep_it_through_retention(tmp_path)
     assert _index(Path(url) / step_dir(3))["bases"] == [{"url": f"../{step_dir(1)}"}]
     out = ckptfs.load_keys(Path(url) / step_dir(3))
     assert torch.equal(out["adapter"], state["adapter"]) and torch.equal(out["frozen"], state["frozen"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_an_asynchronous_delta_save_references_as_a_synchronous_one(tmp_path, writer):
+    state = _state()
+    ckptfs.save(state, tmp_path / "b", options=ckptfs.SaveOptions(hashes=True))
+    state["adapter"][0, 0] += 1.0
+    h = ckptfs.async_save(state, tmp_path / "d", writer=writer,
+                          options=ckptfs.SaveOptions(base=str(tmp_path / "b")))
+    h.result()
+    ckptfs.close()
+    assert "base" in _chunks(tmp_path / "d", "frozen")[0]
+    assert "base" not in _chunks(tmp_path / "d", "adapter")[0]
+    assert torch.equal(ckptfs.load_keys(tmp_path / "d")["adapter"], state["adapter"])

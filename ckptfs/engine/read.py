@@ -179,8 +179,9 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
     checkpoint (references, engine/bases.py) are read from it by the same reads and checks.
     """
     bases = await with_bases(store, [job.pieces for job in jobs])
-    if bases is not None:
+    if bases is not None:  # GPUDirect reads go to the checkpoint's own store: not used here
         store, pieces = bases
+        direct = None
         jobs = [TensorRead(job.entry, job.target, tuple(ps))
                 for job, ps in zip(jobs, pieces, strict=True)]
     try:
