@@ -359,3 +359,17 @@ def test_an_asynchronous_delta_save_references_as_a_synchronous_one(tmp_path, wr
     assert "base" in _chunks(tmp_path / "d", "frozen")[0]
     assert "base" not in _chunks(tmp_path / "d", "adapter")[0]
     assert torch.equal(ckptfs.load_keys(tmp_path / "d")["adapter"], state["adapter"])
+
+
+def test_an_index_of_many_hashed_chunks_is_written_with_chunk_objects():
+    from ckptfs.layout.index import PACK_MIN_CHUNKS, ChunkEntry, TensorEntry
+
+    n = PACK_MIN_CHUNKS
+    chunks = tuple(ChunkEntry((i,), (1,), "data/f.safetensors", 8 + 4 * i, 4, "crc32c:00000000",
+                              hash="xxh3-128:" + "0" * 32) for i in range(n))
+    index = Index("safetensors_chunks", 1, {"x": TensorEntry("x", "float32", (n,), chunks)},
+                  files={"data/f.safetensors": 8 + 4 * n},
+                  file_checksums={"data/f.safetensors": "crc32c:00000000"})
+    doc = json.loads(index.dumps()[:-1].rsplit(b', "index_checksum"', 1)[0] + b"}")
+    assert "file_table" not in doc and "packed_chunks" not in doc["required_features"]
+    assert Index.loads(index.dumps()).tensors["x"].chunks == chunks

@@ -353,6 +353,8 @@ class Index:
         with ``order``, containers, values and tensors are listed in that order too. An index
         of ``PACK_MIN_CHUNKS`` chunks or more is packed (§2.3)."""
         packed = self.packed
+        if packed and self.minor_version_used >= HASHES_MINOR_VERSION:
+            raise ValueError("a packed index cannot hold content hashes or references (§2.5)")
         features = list(self.required_features)
         if packed and PACKED_CHUNKS not in features:
             features.append(PACKED_CHUNKS)
