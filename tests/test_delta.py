@@ -373,3 +373,11 @@ def test_an_index_of_many_hashed_chunks_is_written_with_chunk_objects():
     doc = json.loads(index.dumps()[:-1].rsplit(b', "index_checksum"', 1)[0] + b"}")
     assert "file_table" not in doc and "packed_chunks" not in doc["required_features"]
     assert Index.loads(index.dumps()).tensors["x"].chunks == chunks
+
+
+def test_a_save_naming_itself_as_its_base_is_refused_and_the_checkpoint_kept(tmp_path):
+    state = _state()
+    ckptfs.save(state, tmp_path / "c", options=ckptfs.SaveOptions(hashes=True))
+    with pytest.raises(ckptfs.ConfigError, match="names itself as its base"):
+        ckptfs.save(state, tmp_path / "c", base=tmp_path / "c", overwrite=True)
+    assert torch.equal(ckptfs.load_keys(tmp_path / "c")["frozen"], state["frozen"])

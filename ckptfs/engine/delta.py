@@ -30,7 +30,7 @@ from ckptfs.engine.hooks import SaveHook, WriteOutcome
 from ckptfs.engine.index_io import read_index
 from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
-from ckptfs.io.base_urls import relative_url, resolve_url
+from ckptfs.io.base_urls import relative_url, resolve_url, split_url
 from ckptfs.io.open import open_store
 from ckptfs.layout.backend import ChunkData
 from ckptfs.layout.content_hash import content_hash
@@ -72,6 +72,9 @@ class DeltaHook(SaveHook):
             raise ConfigError(f"a delta save on {self.base!r} needs backend "
                               f"{RAW_BACKEND[0]}-{RAW_BACKEND[1]}, not "
                               f"{self.backend[0]}-{self.backend[1]}")
+        if split_url(self.base) == split_url(self.url):
+            raise ConfigError(f"a delta save to {self.url!r} names itself as its base: a "
+                              f"checkpoint cannot reference the files it replaces")
         base = self._base_index()
         where = relative_url(self.base, self.url)
         refs = {}
