@@ -381,3 +381,13 @@ def test_a_save_naming_itself_as_its_base_is_refused_and_the_checkpoint_kept(tmp
     with pytest.raises(ckptfs.ConfigError, match="names itself as its base"):
         ckptfs.save(state, tmp_path / "c", base=tmp_path / "c", overwrite=True)
     assert torch.equal(ckptfs.load_keys(tmp_path / "c")["frozen"], state["frozen"])
+
+
+def test_diff_of_a_delta_and_its_base_reads_only_the_rewritten_chunks(tmp_path):
+    base, delta, _ = _saved_pair(tmp_path)
+    report = ckptfs.diff(delta, base)
+    by_key = {k.key: k for k in report.keys}
+    assert by_key["frozen"].status == "equal" and by_key["frozen"].from_checksums
+    assert by_key["table"].status == "equal"
+    assert by_key["adapter"].status == "differs" and by_key["adapter"].differing == 1
+    assert report.bytes_read == 2 * 8 * 8 * 4  # the adapter, from both sides; nothing else
