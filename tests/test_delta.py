@@ -62,8 +62,9 @@ def test_a_delta_references_unchanged_chunks_and_rewrites_changed_ones(tmp_path)
     assert out["step"] == 2
     target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
               for k, v in state.items()}
-    ckptfs.load(target, delta)
+    result = ckptfs.load(target, delta)
     assert torch.equal(target["frozen"].view(torch.int16), state["frozen"].view(torch.int16))
+    assert result.bytes_read == result.bytes_needed  # the bases' reads count too
 
 
 def test_a_default_save_records_no_hash_and_a_hashless_base_is_never_referenced(tmp_path):

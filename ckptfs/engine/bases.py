@@ -53,6 +53,8 @@ async def with_bases(store: Store, pieces: Sequence[Sequence[ReadPiece]]
         return None
     opened = await gather_all(*(open_store(resolve_url(store.url, u), None, store.options)
                                 for u in urls))
+    for s in opened:  # a base's reads count as the load's (``LoadResult.bytes_read``)
+        s.stats = store.stats
     by_url = dict(zip(urls, opened, strict=True))
     routes: dict[str, tuple[Store, str]] = {}
     out: list[list[ReadPiece]] = []
