@@ -6,8 +6,6 @@ whose one false match in about 4 billion would be a silent wrong load."""
 
 from __future__ import annotations
 
-import xxhash
-
 from ckptfs.io.store import Buffer
 
 PREFIX = "xxh3-128:"
@@ -15,4 +13,6 @@ PREFIX = "xxh3-128:"
 
 def content_hash(data: Buffer) -> str:
     """``"xxh3-128:<32 lowercase hex>"`` of ``data``'s bytes."""
+    import xxhash  # on first use: only saves and checks that hash import it
+
     return PREFIX + xxhash.xxh3_128_hexdigest(data)
