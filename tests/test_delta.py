@@ -392,3 +392,19 @@ def test_diff_of_a_delta_and_its_base_reads_only_the_rewritten_chunks(tmp_path):
     assert by_key["table"].status == "equal"
     assert by_key["adapter"].status == "differs" and by_key["adapter"].differing == 1
     assert report.bytes_read == 2 * 8 * 8 * 4  # the adapter, from both sides; nothing else
+
+
+@pytest.mark.slow
+def test_a_delta_on_s3_references_its_base_in_the_same_bucket(s3):
+    base, delta = f"{s3.url}/run/step_1", f"{s3.url}/run/step_2"
+    state = _state()
+    ckptfs.save(state, base, storage_options=s3.options, options=ckptfs.SaveOptions(hashes=True))
+    state["adapter"][0, 0] += 1.0
+    ckptfs.save(state, delta, storage_options=s3.options, base=base)
+    index = ckptfs.load_metadata(delta, storage_options=s3.options)
+    assert index.bases == ("../step_1",)
+    assert [k for k, t in index.tensors.items() for c in t.chunks if c.base is None] == ["adapter"]
+    out = ckptfs.load_keys(delta, storage_options=s3.options)
+    assert all(torch.equal(out[k], state[k]) for k in ("frozen", "adapter", "table"))
+    report = ckptfs.verify(delta, storage_options=s3.options)
+    assert report.ok and report.chunks_checksummed == 3, report.problems

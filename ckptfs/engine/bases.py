@@ -38,6 +38,12 @@ class BasesStore(WrapperStore):
         await gather_all(*(s.close() for s in self.opened))
 
 
+async def _open(store: Store, url: str) -> Store:
+    """The base at ``url``: through ``store``'s client where it serves that place (the same
+    bucket: its credentials and endpoint), else opened with ``store``'s options."""
+    return store.sibling(url) or await open_store(url, None, store.options)
+
+
 def referenced(chunk: ChunkEntry) -> str | None:
     """The path ``with_bases`` reads a reference under (None: not a reference)."""
     return None if chunk.base is None or chunk.file is None else f"{chunk.base}/{chunk.file}"
@@ -46,13 +52,11 @@ def referenced(chunk: ChunkEntry) -> str | None:
 async def with_bases(store: Store, pieces: Sequence[Sequence[ReadPiece]]
                      ) -> tuple[Store, list[list[ReadPiece]]] | None:
     """``store`` and ``pieces`` made to read the references among them from their bases
-    (None: no reference). Bases are opened with ``store``'s options, relative URLs resolved
-    against ``store.url``."""
+    (None: no reference). Relative URLs are resolved against ``store.url``."""
     urls = sorted({c.base for ps in pieces for p in ps if (c := p.chunk).base is not None})
     if not urls:
         return None
-    opened = await gather_all(*(open_store(resolve_url(store.url, u), None, store.options)
-                                for u in urls))
+    opened = await gather_all(*(_open(store, resolve_url(store.url, u)) for u in urls))
     for s in opened:  # a base's reads count as the load's (``LoadResult.bytes_read``)
         s.stats = store.stats
     by_url = dict(zip(urls, opened, strict=True))

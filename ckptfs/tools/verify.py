@@ -395,7 +395,8 @@ def _base_files(store: Store, index: Index, problems: list[Problem]) -> set[str]
 
     async def sizes() -> list[int | None]:
         async def one(base: str, file: str) -> int | None:
-            s = await open_store(resolve_url(store.url, base), None, store.options)
+            url = resolve_url(store.url, base)
+            s = store.sibling(url) or await open_store(url, None, store.options)
             try:
                 return await s.size(file)
             except FileNotFoundError:
