@@ -121,7 +121,7 @@ crash-trials: $(STAMP)
 MEGATRON_VENV ?= .venv-megatron
 MEGATRON015_VENV ?= .venv-megatron015
 CKPTFS_DEPS := numpy fsspec s3fs obstore safetensors "zarr>=3.1.3" "numcodecs>=0.16" google-crc32c isal \
-	ml_dtypes tqdm
+	ml_dtypes tqdm xxhash
 
 $(MEGATRON_VENV)/.installed:
 	$(PY) -m venv $(MEGATRON_VENV)
@@ -135,7 +135,7 @@ $(MEGATRON015_VENV)/.installed:
 	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH)
 	$(MEGATRON015_VENV)/bin/pip install -q --no-deps --ignore-requires-python megatron-core==0.15.3
 	$(MEGATRON015_VENV)/bin/pip install -q $(TORCH) triton psutil packaging "numpy<2" "zarr<3" tensorstore \
-		google-crc32c tqdm
+		google-crc32c tqdm xxhash
 	touch $@
 
 megatron-venvs: $(MEGATRON_VENV)/.installed $(MEGATRON015_VENV)/.installed

@@ -30,13 +30,13 @@ import tempfile
 import time
 import warnings
 
+import ckptfs.dcp
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import ckptfs.dcp
 from bench.worker import drop_caches
 from ckptfs.testing.ranks import run_ranks
 

@@ -31,11 +31,10 @@ import ckptfs
 from bench.worker import drop_caches
 
 try:
+    import ckptfs.megatron
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
-    import ckptfs.megatron
 except (ImportError, ckptfs.ConfigError):  # run in the Megatron venv (make bench-megatron)
     dc = None
 

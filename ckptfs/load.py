@@ -125,7 +125,7 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
         ex = xchg.plan_load(comm, plan.reads, options.exchange_bytes)
         reads = ex.reads
     source = store
-    if cached is not None:
+    if cached is not None and not index.references:  # a delta's bases are read where they are
         from ckptfs.engine.load.pre_download import fill_cache
 
         source = fill_cache(comm, store, cached, files_of(reads))

@@ -4,6 +4,7 @@ commits the index. ``SaveResult`` is the pipeline's."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ from ckptfs.dist import ProcessGroup
 from ckptfs.engine.background.defaults import wait_default_idle
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
+from ckptfs.engine.save.delta import DeltaHook
 from ckptfs.engine.save.health import HealthHook
 from ckptfs.engine.save.hooks import SaveHook
 from ckptfs.engine.save.pipeline import SaveRequest, SaveResult, run_save
@@ -42,7 +44,8 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
          store_options: StoreOptions | None = None, overwrite: bool = False,
          progress: bool = False, options: SaveOptions | None = None,
          check_finite: bool | None = None, stats: bool | None = None,
-         host_memory_limit: int | None = None) -> SaveResult:
+         host_memory_limit: int | None = None, base: str | os.PathLike | None = None
+         ) -> SaveResult:
     """Save a (sharded) state dict to ``url``; every rank of ``process_group`` calls this.
 
     Each stored chunk is written by exactly one rank (replicas once). The index is written last,
@@ -60,9 +63,13 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
     records every tensor's fingerprint (docs/health.md). ``host_memory_limit`` (bytes; a
     shortcut of ``options.asynchronous.host_memory_limit``): the most host memory the save's
     copies hold (the chunks it cannot write in place: not CPU, or not C-contiguous); the copies
-    beyond it stream through a ring within it while the files are written.
+    beyond it stream through a ring within it while the files are written. ``base`` (a
+    shortcut of ``options.base``): a delta save: the chunks whose content equals the base
+    checkpoint's are recorded as references to it, not written (docs/guide/delta.md).
     """
     url = os.fspath(url)
+    if base is not None:
+        options = dataclasses.replace(options or SaveOptions(), base=os.fspath(base))
     request = save_request(url, backend, backend_version, backend_options, storage_options,
                            store_options, overwrite, progress, options,
                            check_finite=check_finite, stats=stats,
@@ -72,8 +79,17 @@ def save(state_dict: Mapping[str, Any], url: str | os.PathLike, *,
 
 
 def health_hooks(opts: SaveOptions) -> tuple[SaveHook, ...]:
-    """The pipeline's hooks of ``opts.health`` (engine/health.py)."""
+    """The pipeline's hooks of ``opts.health`` (engine/save/health.py)."""
     return (HealthHook(opts.check_finite, opts.stats),) if opts.check_finite or opts.stats else ()
+
+
+def delta_hooks(opts: SaveOptions, url: str, backend: Backend,
+                storage_options: Mapping[str, Any] | None) -> tuple[SaveHook, ...]:
+    """The pipeline's hook of ``opts.base`` and ``opts.hashes`` (engine/save/delta.py) for a save
+    to ``url``."""
+    if opts.base is None and not opts.hashes:
+        return ()
+    return (DeltaHook(url, opts.base, (backend.name, backend.version), storage_options),)
 
 
 def save_request(url: str, backend: str, backend_version: int | None,
@@ -93,4 +109,5 @@ def save_request(url: str, backend: str, backend_version: int | None,
         be = make_backend(backend, backend_version, backend_options)
     nice = opts.background_nice if caller == "async_save" else 0
     return SaveRequest(url, be, storage_options, store_options, opts, overwrite, progress,
-                       health_hooks(opts), nice=nice, started=started)
+                       health_hooks(opts) + delta_hooks(opts, url, be, storage_options),
+                       nice=nice, started=started)

@@ -19,13 +19,12 @@ from __future__ import annotations
 import os
 import sys
 
+import ckptfs.lightning
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
-
-import ckptfs.lightning
 
 EPOCHS = 4
 

@@ -3,8 +3,9 @@
 It imports nothing from ckptfs: JSON, keys, the tree, values, order, chunk placement and the
 bytes of the built-in backends are decoded here from the rules of formats/README.md,
 safetensors_chunks-1.md, torch_dist-1.md, zarr-2.md and zarr-3.md, with the libraries the spec
-names (google-crc32c for §6, numcodecs for zarr's codecs). ``audit_index`` checks an index's
-bytes; ``audit_data`` also reads every chunk of a local checkpoint and checks where it is, what
+names (google-crc32c for §6, xxhash for §2.5, numcodecs for zarr's codecs). ``audit_index``
+checks an index's bytes; ``audit_data`` also reads every chunk of a local checkpoint (a
+reference's from its base, §2.5) and checks where it is, what
 the backend's metadata says about it and its crc32c; ``read_tree`` rebuilds the state dict.
 Every function returns or raises ``SpecError`` with what is wrong and where, so that spec and code
 cannot drift apart unnoticed (tests/spec_audit.py runs it on every index the test suite writes).
@@ -23,6 +24,7 @@ from typing import Any
 import google_crc32c
 import numcodecs
 import numpy as np
+import xxhash
 
 
 class SpecError(AssertionError):
@@ -222,9 +224,14 @@ def audit_index(data: bytes) -> Index:
     if not _is_int(d.get("format_version")) or d["format_version"] != 1:
         raise SpecError(f"format_version {d.get('format_version')!r}: this reader knows 1")
     feats = _opt(d, "required_features", list, "index") or []
-    if [f for f in feats if f != "packed_chunks"] or len(set(feats)) != len(feats):
-        raise SpecError(f"required_features {feats!r}: version 1 defines only packed_chunks")
-    norm = _unpacked(d) if feats else d
+    if [f for f in feats if f not in ("packed_chunks", "chunk_refs")] \
+            or len(set(feats)) != len(feats):
+        raise SpecError(f"required_features {feats!r}: version 1 defines only packed_chunks "
+                        f"and chunk_refs")
+    if "packed_chunks" in feats and "chunk_refs" in feats:
+        raise SpecError("§2.5: chunk_refs is never packed")
+    norm = _unpacked(d) if "packed_chunks" in feats else d
+    bases = _bases(d, "chunk_refs" in feats)
     be = d.get("backend")
     if not isinstance(be, dict) or not isinstance(be.get("name"), str) or not _is_int(be.get("version")):
         raise SpecError(f"backend {be!r} lacks a string name and an integer version")
@@ -281,8 +288,24 @@ def audit_index(data: bytes) -> Index:
     for k, v in values.items():
         _value(v, k)
     for k, t in tensors.items():
-        _tensor(k, t, files)
+        _tensor(k, t, files, bases)
     return Index(d, paths, norm)
+
+
+def _bases(d: dict, refs: bool) -> list[str]:
+    """§2.5: the ``bases`` table, present exactly with ``chunk_refs``: objects with a ``url``."""
+    if not refs:
+        if "bases" in d:
+            raise SpecError("bases without the required feature chunk_refs")
+        return []
+    table = d.get("bases")
+    if not isinstance(table, list) or not all(
+            isinstance(b, dict) and isinstance(b.get("url"), str) and b["url"] for b in table):
+        raise SpecError(f"bases {table!r} is not a list of {{url}} objects")
+    urls = [b["url"] for b in table]
+    if len(set(urls)) != len(urls):
+        raise SpecError("bases lists a url twice")
+    return urls
 
 
 def _unpacked(d: dict) -> dict:
@@ -348,7 +371,7 @@ def _value(v: Any, key: str) -> Any:
     return v
 
 
-def _tensor(key: str, t: Any, files: dict[str, int]) -> None:
+def _tensor(key: str, t: Any, files: dict[str, int], bases: list[str]) -> None:
     """§2.1: dtype, shape, and chunks that tile the tensor exactly once."""
     where = f"tensors[{key!r}]"
     if not isinstance(t, dict) or t.get("dtype") not in DTYPES:
@@ -371,7 +394,16 @@ def _tensor(key: str, t: Any, files: dict[str, int]) -> None:
         covered += math.prod(shp)
         boxes.append((off, shp))
         f = c.get("file")
-        if f is not None:
+        if "hash" in c and not (isinstance(c["hash"], str)
+                                and re.fullmatch(r"xxh3-128:[0-9a-f]{32}", c["hash"])):
+            raise SpecError(f"{cw}.hash = {c['hash']!r}")
+        if "base" in c:  # §2.5: the file and range are the base's
+            if not (_is_int(c["base"]) and 0 <= c["base"] < len(bases)) or not all(
+                    n in c for n in ("file", "byte_offset", "byte_length", "checksum", "hash")):
+                raise SpecError(f"{cw}: reference {c!r} lacks a base of bases or a member")
+            check_path(f, f"{cw}.file")
+            f = None
+        elif f is not None:
             check_path(f, f"{cw}.file")
             if f not in files:
                 raise SpecError(f"{cw}.file {f!r} is not listed in files")
@@ -397,7 +429,7 @@ def _tensor(key: str, t: Any, files: dict[str, int]) -> None:
 
 
 _TOP = ["format", "format_version", "required_features", "backend", "writer", "order", "containers",
-        "values", "tensors", "files", "file_table", "per_rank", "backend_files", "file_checksums",
+        "values", "bases", "tensors", "files", "file_table", "per_rank", "backend_files", "file_checksums",
         "index_checksum"]
 
 
@@ -516,7 +548,7 @@ def audit_data(root: str, index: Index) -> dict[str, bytes]:
         whole = np.zeros((*shape, itemsize), dtype=np.uint8)
         r.tensor(key, t)
         for i, c in enumerate(t["chunks"]):
-            raw = r.chunk(key, t, c, itemsize)
+            raw = r.chunk(key, t, c, itemsize) if "base" not in c else _referenced(root, d, c, itemsize)
             where = f"tensors[{key!r}].chunks[{i}] in {c.get('file')}"
             if len(raw) != math.prod(c["shape"]) * itemsize:
                 raise SpecError(f"{where}: {len(raw)} bytes, expected {math.prod(c['shape']) * itemsize}")
@@ -534,6 +566,19 @@ def audit_data(root: str, index: Index) -> dict[str, bytes]:
         if crc32c(_read(root, p)) != c:
             raise SpecError(f"file_checksums[{p!r}] = {c}, the file gives {crc32c(_read(root, p))}")
     return out
+
+
+def _referenced(root: str, d: dict, c: dict, itemsize: int) -> bytes:
+    """§2.5: a reference's bytes, read from the base's file (its URL relative to ``root``),
+    checked against the recorded xxh3-128 hash (the CRC-32C is checked as for any chunk)."""
+    base = os.path.normpath(os.path.join(root, d["bases"][c["base"]]["url"]))
+    nbytes = math.prod(c["shape"]) * itemsize
+    if c["byte_length"] != nbytes:
+        raise SpecError(f"reference {c!r}: byte_length is not {nbytes}")
+    raw = _read(base, c["file"], c["byte_offset"], nbytes)
+    if "xxh3-128:" + xxhash.xxh3_128_hexdigest(raw) != c["hash"]:
+        raise SpecError(f"reference {c!r}: the base's bytes do not give its hash")
+    return raw
 
 
 class _Backend:

@@ -18,6 +18,7 @@ import json
 import os
 from typing import IO
 
+import ckptfs.dcp
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,7 +29,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import ckptfs
-import ckptfs.dcp
 from ckptfs.testing.ranks import run_ranks
 
 KINDS = ("dcp", "ckptfs")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 
+import ckptfs.dcp
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from ckptfs.dcp.items import OPAQUE
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -22,8 +24,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptfs
-import ckptfs.dcp
-from ckptfs.dcp.items import OPAQUE
 from ckptfs.testing.ranks import run_ranks
 from tests.s3_fixtures import BUCKET, reset_bucket, s3_options
 

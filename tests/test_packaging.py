@@ -23,7 +23,7 @@ import pytest
 from tools_dev import wheel_check
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"torch", "numpy", "fsspec", "google-crc32c", "crc32c", "isal", "tqdm"}
+CORE = {"torch", "numpy", "fsspec", "google-crc32c", "crc32c", "isal", "tqdm", "xxhash"}
 EXTRAS = {"s3": {"s3fs"}, "obstore": {"obstore"}, "zarr": {"zarr", "numcodecs", "ml-dtypes"}}
 
 BLOCKER = """

@@ -126,6 +126,11 @@ class SaveOptions:
     asynchronous: AsyncOptions = field(default_factory=AsyncOptions)
     #: the checks and fingerprints of the saved values
     health: HealthOptions = field(default_factory=HealthOptions)
+    #: a delta save (docs/guide/delta.md): the URL of an earlier checkpoint whose chunks of
+    #: equal content hash are recorded as references instead of written; implies ``hashes``
+    base: str | None = None
+    #: record each chunk's xxh3-128 content hash, so that the checkpoint can be a base
+    hashes: bool = False
 
     def __post_init__(self) -> None:
         _groups("SaveOptions", self, dist=DistOptions, asynchronous=AsyncOptions,
@@ -137,6 +142,9 @@ class SaveOptions:
                 or not 0 <= self.background_nice <= 19):
             raise ConfigError(f"SaveOptions.background_nice must be an int 0-19, got "
                               f"{self.background_nice!r}")
+        if self.base is not None and not isinstance(self.base, str):
+            raise ConfigError(f"SaveOptions.base must be a checkpoint URL (str), got "
+                              f"{self.base!r}")
 
     # read-through views of the groups' fields, for the engine
     collective_timeout = property(lambda self: self.dist.collective_timeout)

@@ -19,6 +19,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
 from ckptfs.errors import StorageError
+from ckptfs.io.base_urls import split_url
 from ckptfs.io.options import StoreOptions
 from ckptfs.io.parts import joined, total_bytes, views
 from ckptfs.io.retry import http_status, retrying
@@ -50,6 +51,7 @@ class FsspecStore(Store):
             fs = AsyncFileSystemWrapper(fs, asynchronous=True)
         self.fs: AsyncFileSystem = fs
         self.root = root.rstrip("/")
+        self._borrowed = False  #: a ``sibling``: the client is another store's, never closed here
 
     def _p(self, path: str) -> str:
         inside_root(path, self.url)
@@ -166,7 +168,19 @@ class FsspecStore(Store):
 
         await gather_all(*(one(p) for p in paths))
 
+    def sibling(self, url: str) -> FsspecStore | None:
+        """The same filesystem client at ``url`` when ``url`` is in this store's place (the
+        same protocol and bucket)."""
+        here, there = split_url(self.url), split_url(url)
+        if not here[0] or here[0] != there[0]:
+            return None
+        out = FsspecStore(self.fs, f"{there[0].split('://', 1)[1]}{there[1]}", url, self.options)
+        out.streaming, out._borrowed = self.streaming, True
+        return out
+
     async def close(self) -> None:
+        if self._borrowed:
+            return
         client = getattr(self.fs, "_s3", None)  # s3fs: the aiobotocore client owns the sessions
         if client is not None:
             self.fs._s3 = None

@@ -244,6 +244,13 @@ class Store(ABC):
     async def delete(self, paths: Sequence[str]) -> None:
         """Remove files; missing ones are ignored."""
 
+    def sibling(self, url: str) -> Store | None:
+        """A store for the checkpoint root ``url`` served by this store's client (its session,
+        credentials and endpoint), or None where the store cannot (another place, another kind
+        of store: open ``url`` then). Closing it leaves this store's client open. How a delta
+        checkpoint reads a base in the same bucket (engine/load/bases.py)."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release sessions and connections. Closing twice is harmless; a store is not used
         after it is closed."""

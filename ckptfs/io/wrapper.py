@@ -148,6 +148,9 @@ class WrapperStore(Store):
         for store, _, routed in self._grouped(list(paths)):
             await store.delete(routed)
 
+    def sibling(self, url: str) -> Store | None:
+        return self.route("")[0].sibling(url)
+
     async def close(self) -> None:
         """Nothing to release: ``base`` belongs to whoever opened it."""
 

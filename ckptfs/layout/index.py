@@ -34,11 +34,17 @@ FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
 #: the newest minor version of format version 1 this reader knows (formats/README.md §7): a
 #: minor version only adds optional members, so an index of any minor version is read
-FORMAT_MINOR_VERSION = STATS_MINOR_VERSION
+FORMAT_MINOR_VERSION = 2
+#: the minor version of chunk content hashes and references (formats/README.md §2.5)
+HASHES_MINOR_VERSION = 2
 #: the required feature of an index whose chunks are packed rows (formats/README.md §2.3)
 PACKED_CHUNKS = "packed_chunks"
+#: the required feature of an index with chunks stored in a base checkpoint (§2.5)
+CHUNK_REFS = "chunk_refs"
 #: Required features this reader implements (formats/README.md §Compatibility).
-KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS})
+KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS, CHUNK_REFS})
+#: a chunk's content hash (§2.5): "xxh3-128:" and 32 lowercase hex digits
+HASH_PATTERN = re.compile(r"xxh3-128:[0-9a-f]{32}")
 #: an index with at least this many chunks is written packed (§2.3); smaller ones stay readable
 #: by readers without the feature
 PACK_MIN_CHUNKS = 4096
@@ -69,8 +75,13 @@ class ChunkEntry:
     byte_length: int | None = None  #: number of stored bytes (after encoding, if any)
     checksum: str | None = None  #: "crc32c:<8 hex>" of the chunk's raw C-order bytes
     extra: Mapping[str, Json] = field(default_factory=dict)  #: backend-specific fields
+    #: "xxh3-128:<32 hex>" of the chunk's raw C-order bytes (§2.5); None when not recorded
+    hash: str | None = None
+    #: a reference (§2.5): the URL of the base checkpoint holding the chunk, relative to this
+    #: checkpoint's root (or absolute); ``file`` and the byte range are then the base's
+    base: str | None = None
 
-    def to_dict(self) -> dict[str, Json]:
+    def to_dict(self, base_ids: Mapping[str, int] | None = None) -> dict[str, Json]:
         d: dict[str, Json] = {"offsets": list(self.offsets), "shape": list(self.shape)}
         for name in ("file", "byte_offset", "byte_length", "checksum"):
             v = getattr(self, name)
@@ -78,6 +89,10 @@ class ChunkEntry:
                 d[name] = v
         if self.extra:
             d["extra"] = dict(self.extra)
+        if self.hash is not None:
+            d["hash"] = self.hash
+        if self.base is not None:
+            d["base"] = (base_ids or {})[self.base]
         return d
 
     def to_row(self, file_ids: Mapping[str, int]) -> list[Json]:
@@ -142,7 +157,9 @@ class ChunkEntry:
                    length, None if crc is None else _CRC + crc, extra)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Json], where: str) -> ChunkEntry:
+    def from_dict(cls, d: Mapping[str, Json], where: str,
+                  bases: Sequence[str] = ()) -> ChunkEntry:
+        """``bases``: the index's base URLs (§2.5), which a reference's ``base`` numbers."""
         offsets, shape = _int_tuple(d, "offsets", where), _int_tuple(d, "shape", where)
         if len(offsets) != len(shape):
             raise MalformedIndexError(f"{where}: 'offsets' and 'shape' differ in length")
@@ -157,6 +174,8 @@ class ChunkEntry:
             byte_length=_size(d, "byte_length", where),
             checksum=_opt(d, "checksum", str, where),
             extra=_opt(d, "extra", dict, where) or {},
+            hash=_hash(d, where),
+            base=_base(d, bases, where),
         )
 
 
@@ -176,11 +195,11 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def to_dict(self) -> dict[str, Json]:
+    def to_dict(self, base_ids: Mapping[str, int] | None = None) -> dict[str, Json]:
         d: dict[str, Json] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
-            "chunks": [c.to_dict() for c in self.chunks],
+            "chunks": [c.to_dict(base_ids) for c in self.chunks],
         }
         if self.extra:
             d["extra"] = dict(self.extra)
@@ -203,8 +222,9 @@ class TensorEntry:
 
     @classmethod
     def from_dict(cls, key: str, d: Mapping[str, Json],
-                  files: list[str] | None = None) -> TensorEntry:
-        """``files``: the file table of a packed index (chunks are rows, §2.3)."""
+                  files: list[str] | None = None, bases: Sequence[str] = ()) -> TensorEntry:
+        """``files``: the file table of a packed index (chunks are rows, §2.3); ``bases``: the
+        base URLs of an index with references (§2.5)."""
         if files is not None and type(d) is dict:  # the common case, checked in one expression
             chunks, shape, dtype, extra = d.get("chunks"), d.get("shape"), d.get("dtype"), \
                 d.get("extra", {})
@@ -226,7 +246,7 @@ class TensorEntry:
         dtype = _req(d, "dtype", str, where)
         from_name(dtype, key)  # one of the names of §5
         if files is None:
-            parsed = tuple(ChunkEntry.from_dict(c, f"{where}.chunks[{i}]")
+            parsed = tuple(ChunkEntry.from_dict(c, f"{where}.chunks[{i}]", bases)
                            for i, c in enumerate(chunks))
         else:
             parsed = tuple(ChunkEntry.from_row(c, files, _chunk_at(where, i))
@@ -282,8 +302,26 @@ class Index:
 
     @property
     def minor_version_used(self) -> int:
-        """The lowest minor version whose members this index holds (fingerprints: 1)."""
+        """The lowest minor version whose members this index holds (fingerprints: 1, content
+        hashes and references: 2)."""
+        if any(c.hash is not None or c.base is not None for c in self.chunks()):
+            return HASHES_MINOR_VERSION
         return STATS_MINOR_VERSION if any(t.stats is not None for t in self.tensors.values()) else 0
+
+    def chunks(self) -> Iterable[ChunkEntry]:
+        """Every chunk entry of every tensor."""
+        return (c for t in self.tensors.values() for c in t.chunks)
+
+    @property
+    def bases(self) -> tuple[str, ...]:
+        """The base checkpoints the index's references name (§2.5), in order of first use:
+        the ``bases`` table it is written with."""
+        return tuple(dict.fromkeys(c.base for c in self.chunks() if c.base is not None))
+
+    @property
+    def references(self) -> bool:
+        """Whether some chunk is stored in a base checkpoint (required feature ``chunk_refs``)."""
+        return any(c.base is not None for c in self.chunks())
 
     @property
     def all_files(self) -> dict[str, int]:
@@ -304,17 +342,26 @@ class Index:
     @property
     def packed(self) -> bool:
         """Written with packed chunk rows (§2.3): large indexes, or one read packed."""
-        return PACKED_CHUNKS in self.required_features or \
-            packs(sum(len(t.chunks) for t in self.tensors.values()))
+        if PACKED_CHUNKS in self.required_features:
+            return True
+        # chunks with hashes or references are written as objects (§2.5)
+        return packs(sum(len(t.chunks) for t in self.tensors.values())) and \
+            self.minor_version_used < HASHES_MINOR_VERSION
 
     def to_dict(self) -> dict[str, Json]:
         """The JSON object, members in the order ckptfs writes them (formats/README.md §2.2);
         with ``order``, containers, values and tensors are listed in that order too. An index
         of ``PACK_MIN_CHUNKS`` chunks or more is packed (§2.3)."""
         packed = self.packed
+        if packed and self.minor_version_used >= HASHES_MINOR_VERSION:
+            raise ValueError("a packed index cannot hold content hashes or references (§2.5)")
         features = list(self.required_features)
         if packed and PACKED_CHUNKS not in features:
             features.append(PACKED_CHUNKS)
+        bases = self.bases
+        if bases and CHUNK_REFS not in features:
+            features.append(CHUNK_REFS)
+        base_ids = {u: i for i, u in enumerate(bases)}
         file_ids: dict[str, int] = {}
         if packed:
             table = sorted(set(self.files) | {c.file for t in self.tensors.values()
@@ -340,7 +387,9 @@ class Index:
             d["order"] = list(self.order)
         d["containers"] = _in_order(self.containers, self.order)
         d["values"] = _in_order(self.values, self.order)
-        d["tensors"] = {k: t.to_packed(file_ids) if packed else t.to_dict()
+        if bases:
+            d["bases"] = [{"url": u} for u in bases]
+        d["tensors"] = {k: t.to_packed(file_ids) if packed else t.to_dict(base_ids)
                         for k, t in _in_order(self.tensors, self.order).items()}
         if packed:  # the files once, their common directory once (§2.3)
             prefix = _common_dir(list(file_ids))
@@ -381,12 +430,14 @@ class Index:
         order = _opt(d, "order", list, source)
         known = {"format", "format_version", "format_minor_version", "required_features",
                  "backend", "writer", "order", "containers", "values", "tensors", "files",
-                 "per_rank", "file_table", "backend_files", "file_checksums", "index_checksum"}
+                 "per_rank", "file_table", "backend_files", "file_checksums", "index_checksum",
+                 "bases"}
         per_rank = _opt(d, "per_rank", list, source) or []
         if not all(isinstance(k, str) and k in containers for k in per_rank):
             raise MalformedIndexError(f"{source}: field 'per_rank' must list container keys: "
                                       f"{per_rank!r}")
-        entries = {k: TensorEntry.from_dict(k, t, table)
+        bases = _bases(d, features, source)
+        entries = {k: TensorEntry.from_dict(k, t, table, bases)
                    for k, t in tensors.items()}
         _check_ranges(entries, {**files, **backend_files}, source)
         return cls(
@@ -458,7 +509,7 @@ def _check_ranges(tensors: Mapping[str, TensorEntry], sizes: Mapping[str, int], 
     """Every chunk's byte range lies inside its file's recorded size (formats/README.md §2.1)."""
     for key, t in tensors.items():
         for i, c in enumerate(t.chunks):
-            size = sizes.get(c.file) if c.file is not None else None
+            size = sizes.get(c.file) if c.file is not None and c.base is None else None
             if size is None or c.byte_offset is None or c.byte_length is None:
                 continue
             if c.byte_offset + c.byte_length > size:
@@ -775,3 +826,49 @@ def _short(v: Any) -> str:
 def _chunk_at(where: str, i: int) -> Callable[[], str]:
     """Where chunk ``i`` of ``where`` is, for messages: made only when an error needs it."""
     return lambda: f"{where}.chunks[{i}]"
+
+
+# -- content hashes and references (formats/README.md §2.5) -------------------------------------
+
+def _hash(d: Mapping[str, Json], where: str) -> str | None:
+    """A chunk's optional ``hash``: "xxh3-128:" and 32 lowercase hex digits."""
+    v = _opt(d, "hash", str, where)
+    if v is not None and not HASH_PATTERN.fullmatch(v):
+        raise MalformedIndexError(f"{where}: hash is {_short(v)}, not 'xxh3-128:' and 32 "
+                                  f"lowercase hex digits")
+    return v
+
+
+def _base(d: Mapping[str, Json], bases: Sequence[str], where: str) -> str | None:
+    """A reference's base URL (its ``base`` numbers the index's ``bases``); a reference names
+    its file, byte range, CRC-32C and hash (§2.5)."""
+    n = _opt(d, "base", int, where)
+    if n is None:
+        return None
+    if not 0 <= n < len(bases):
+        raise MalformedIndexError(f"{where}: base {n} is not a position of 'bases' "
+                                  f"({len(bases)} base(s))")
+    for name in ("file", "byte_offset", "byte_length", "checksum", "hash"):
+        if name not in d:
+            raise MalformedIndexError(f"{where}: a reference to base {bases[n]!r} lacks {name!r}")
+    return bases[n]
+
+
+def _bases(d: Mapping[str, Json], features: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """The ``bases`` table: present exactly with the required feature ``chunk_refs``."""
+    if CHUNK_REFS not in features:
+        if "bases" in d:
+            raise MalformedIndexError(f"{source}: 'bases' without the required feature "
+                                      f"'chunk_refs' (formats/README.md §2.5)")
+        return ()
+    if PACKED_CHUNKS in features:
+        raise MalformedIndexError(f"{source}: 'chunk_refs' with 'packed_chunks': references are "
+                                  f"chunk objects (formats/README.md §2.5)")
+    table = _req(d, "bases", list, source)
+    out: list[str] = []
+    for i, b in enumerate(table):
+        url = _req(b, "url", str, f"{source}: bases[{i}]")
+        if not url or url in out:
+            raise MalformedIndexError(f"{source}: bases[{i}].url {url!r} is empty or listed twice")
+        out.append(url)
+    return tuple(out)

@@ -47,10 +47,10 @@ from ckptfs.manager.preemption import Preemption
 from ckptfs.manager.promote import promote
 from ckptfs.manager.recover import Choice, choose, restore_local
 from ckptfs.manager.replicas import clear_local, drop_local, read_record, share_local
-from ckptfs.manager.steps import Listing, parse_step, read_listing, step_dir
+from ckptfs.manager.steps import Listing, parse_step, read_listing, referenced_steps, step_dir
 from ckptfs.manager.tier import RestoreResult, restore_tiered
 from ckptfs.options import moved_keywords
-from ckptfs.save import SaveResult, health_hooks, make_backend
+from ckptfs.save import SaveResult, delta_hooks, health_hooks, make_backend
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class CheckpointManager:
                             if policy.signals else None)
         self._preempt_step: int | None = None
         self._last: AsyncSave | None = None
+        #: step folder -> the base URLs its index names (``_unreferenced``)
+        self._bases: dict[str, tuple[str, ...]] = {}
         self._store: Store | None = None  # the URL's store, opened once, shared by every step
         self._store_lock = threading.Lock()
         self.last_restore: RestoreResult | None = None  #: what this rank's last restore read
@@ -235,6 +237,7 @@ class CheckpointManager:
         url, local = self._url(name), self._local(name)
         with public_errors(url):
             Comm(self.process_group)
+        self._bases.pop(name, None)  # a replaced step may name other bases
 
         preempt = self._preempt_step is not None and step == self._preempt_step
         restorable: Future[SaveResult] = Future()
@@ -267,7 +270,8 @@ class CheckpointManager:
         save's files cleared, written through the local tier if any, committed."""
         opts = self.save_options
         return SaveRequest(self.url, self._backend, self.storage_options, self.store_options,
-                           opts, force, self.progress and local is None, self._hooks(),
+                           opts, force, self.progress and local is None,
+                           self._hooks(self._url(name)),
                            folder=name, clear_dead=True, local_root=local,
                            nice=opts.background_nice, started=started, opener=self._root)
 
@@ -277,11 +281,12 @@ class CheckpointManager:
         assert self.local_dir is not None
         root = os.path.join(self.local_dir, step_dir(step))
         return SaveRequest(root, self._backend, None, local_options(self.store_options),
-                           self.save_options, hooks=self._hooks(), claim=False,
+                           self.save_options, hooks=self._hooks(root), claim=False,
                            started=started)
 
-    def _hooks(self) -> tuple[SaveHook, ...]:
-        return health_hooks(self.save_options)
+    def _hooks(self, url: str) -> tuple[SaveHook, ...]:
+        return health_hooks(self.save_options) + delta_hooks(
+            self.save_options, url, self._backend, self.storage_options)
 
     def _retained(self, result: SaveResult, comm: Comm) -> SaveResult:
         """After a step's commit: retention (``_retain``)."""
@@ -301,6 +306,23 @@ class CheckpointManager:
             self.close()
             raise SystemExit(128 + signum)
 
+    def _unreferenced(self, listing: Listing, drop: list[int]) -> list[int]:
+        """``drop`` but the steps a kept step references (delta checkpoints, formats/README.md
+        §2.5): a step is deleted only when no kept step needs its files. Each kept step's
+        ``bases`` are read from its index once (an index never changes once committed)."""
+        if not drop:
+            return drop
+        kept = [s for s in listing.committed if s not in drop]
+
+        def bases_of(step: int) -> tuple[str, ...]:
+            name = listing.dirs[step]
+            if name not in self._bases:
+                self._bases[name] = run_sync(read_index(self._at(name))).bases
+            return self._bases[name]
+
+        needed = referenced_steps(kept, listing.dirs, self.url, bases_of)
+        return [s for s in drop if s not in needed]
+
     def _retain(self, comm: Comm) -> None:
         """After a commit (collective over ``comm``): delete what retention lets go and dead
         saves' leftovers older than the newest committed step, never one whose lock is still
@@ -309,7 +331,7 @@ class CheckpointManager:
         committed either way."""
         def coordinator() -> list[int]:
             listing = self._listing()
-            drop = self.retention.to_delete(listing.committed)
+            drop = self._unreferenced(listing, self.retention.to_delete(listing.committed))
             latest = listing.committed[-1] if listing.committed else -1
             dead = [s for s in sorted(listing.present)
                     if s not in listing.committed and s < latest and not _saving(self._at(listing.dirs[s]))]

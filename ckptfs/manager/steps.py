@@ -9,10 +9,11 @@ A step is committed when ``step-<N>/index.json`` exists.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptfs.errors import ConfigError
+from ckptfs.io.base_urls import resolve_url, split_url
 from ckptfs.layout.index import INDEX_FILE
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -78,3 +79,23 @@ class Retention:
         if self.keep_every is not None:
             keep |= {s for s in ordered if s % self.keep_every == 0}
         return [s for s in ordered if s not in keep]
+
+
+def referenced_steps(kept: Iterable[int], dirs: Mapping[int, str], url: str,
+                     bases_of: Callable[[int], Sequence[str]]) -> set[int]:
+    """The steps whose files a kept step needs (formats/README.md §2.5): every step folder
+    under ``url`` named by the ``bases`` (``bases_of(step)``, from its index) of a kept step
+    or of a step so needed, transitively. Retention never deletes one of them."""
+    folders = {split_url(f"{url}/{d}"): s for s, d in dirs.items()}
+    needed: set[int] = set()
+    todo = list(kept)
+    seen = set(todo)
+    while todo:
+        step = todo.pop()
+        for base in bases_of(step):
+            s = folders.get(split_url(resolve_url(f"{url}/{dirs[step]}", base)))
+            if s is not None and s not in seen:
+                needed.add(s)
+                seen.add(s)
+                todo.append(s)
+    return needed

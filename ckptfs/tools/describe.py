@@ -1,5 +1,6 @@
-"""What ``ckptfs inspect`` shows: a checkpoint's versions, writer, totals, tensors and values,
-from the index alone (no tensor data is read)."""
+"""What ``ckptfs inspect`` shows: a checkpoint's versions, writer, totals (for a delta checkpoint
+the chunk bytes written and those referenced in its bases), tensors and values, from the index
+alone (no tensor data is read)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,30 @@ def _bytes(e: TensorEntry) -> int:
         return 0
 
 
+def _references(index: Index) -> dict[str, Any] | None:
+    """A delta checkpoint's chunk bytes written here vs referenced in its bases (§2.5), from
+    the index alone; None for a checkpoint without references."""
+    if not index.references:
+        return None
+    written = referenced = chunks = 0
+    by_base: dict[str, int] = {}
+    for c in index.chunks():
+        n = c.byte_length or 0
+        if c.base is None:
+            written += n
+        else:
+            referenced, chunks = referenced + n, chunks + 1
+            by_base[c.base] = by_base.get(c.base, 0) + n
+    return {"written_bytes": written, "referenced_bytes": referenced,
+            "referenced_chunks": chunks, "bases": by_base}
+
+
 def describe(url: str, index: Index, foreign: bool, pattern: str | None = None) -> dict[str, Any]:
     """The JSON document of ``ckptfs inspect --json``. Values keep the index's JSON encoding
     (non-finite floats as ``{"$float": "nan"}``)."""
     tensors = [e for k, e in index.tensors.items() if matches(k, pattern)]
     values = {k: v for k, v in index.values.items() if matches(k, pattern)}
-    return {
+    doc = {
         "url": url,
         "format_version": index.format_version,
         "backend": {"name": index.backend, "version": index.backend_version,
@@ -49,6 +68,10 @@ def describe(url: str, index: Index, foreign: bool, pattern: str | None = None) 
                      "chunks": len(e.chunks)} for e in tensors],
         "values": values,
     }
+    refs = _references(index)
+    if refs is not None:  # a delta checkpoint (§2.5): bytes written vs referenced
+        doc["references"] = refs
+    return doc
 
 
 def human(n: int) -> str:
@@ -74,6 +97,12 @@ def render(doc: dict[str, Any]) -> str:
     lines.append(f"totals      {tot['tensors']} tensors ({human(tot['tensor_bytes'])}), "
                  f"{tot['values']} values, {tot['chunks']} chunks, {tot['files']} files "
                  f"({human(tot['file_bytes'])})")
+    refs = doc.get("references")
+    if refs:
+        bases = ", ".join(f"{u} ({human(n)})" for u, n in refs["bases"].items())
+        lines.append(f"delta       {human(refs['written_bytes'])} of chunks written, "
+                     f"{human(refs['referenced_bytes'])} in {refs['referenced_chunks']} chunks "
+                     f"referenced in base(s) {bases}")
     sel = doc["selected"]
     if sel["pattern"] is not None:
         lines.append(f"selected    {sel['tensors']} tensors, {sel['values']} values matching "

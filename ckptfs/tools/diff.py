@@ -8,7 +8,10 @@ indexes allow:
 
 1. **From checksums.** When both sides store the tensor as the same chunk boxes and every chunk
    has a checksum, equal checksums decide "equal" without reading a byte; only the chunks
-   whose checksums differ are read (from both sides) and compared.
+   whose checksums differ are read (from both sides) and compared. Where both sides record
+   content hashes (formats/README.md §2.5: a delta checkpoint and its base), the 128-bit
+   hashes decide instead of the CRC-32C: a delta's referenced chunks are equal to the base's
+   without a byte read.
 2. **Streaming.** Otherwise the tensor is cut into C-order pieces of at most half of
    ``buffer_bytes`` and both sides are read through the read engine (any backend, any
    layout, local or object store) in batches of such pieces, A's and B's at once, the next
@@ -246,8 +249,9 @@ def _kind(ea: TensorEntry | None, eb: TensorEntry | None) -> dict[str, Any]:
 def _boxes_to_read(ea: TensorEntry, eb: TensorEntry) -> tuple[list[Box], bool]:
     """(the boxes to compare, whether checksums decided the rest): the chunks whose checksums
     differ when both sides have the same chunk boxes, all checksummed; else the whole tensor."""
-    sums_a = {(c.offsets, c.shape): c.checksum for c in ea.chunks}
-    sums_b = {(c.offsets, c.shape): c.checksum for c in eb.chunks}
+    hashes = all(c.hash is not None for c in (*ea.chunks, *eb.chunks))
+    sums_a = {(c.offsets, c.shape): c.hash if hashes else c.checksum for c in ea.chunks}
+    sums_b = {(c.offsets, c.shape): c.hash if hashes else c.checksum for c in eb.chunks}
     if sums_a.keys() != sums_b.keys() or None in sums_a.values() or None in sums_b.values():
         return [Box((0,) * len(ea.shape), ea.shape)], False
     return [Box(o, s) for (o, s), crc in sorted(sums_a.items()) if sums_b[(o, s)] != crc], True

@@ -26,16 +26,26 @@ import numpy as np
 
 import ckptfs.layout
 from ckptfs.engine.errors import public_errors
+from ckptfs.engine.load.bases import referenced
 from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError
 from ckptfs.io import StoreOptions, open_store, run_sync
+from ckptfs.io.base_urls import resolve_url
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.checksum import checksum, crc_of, extend, render
+from ckptfs.layout.content_hash import content_hash
 from ckptfs.layout.dtypes import from_name
-from ckptfs.layout.index import INDEX_FILE, LOCK_FILE, Index, TensorEntry, sealed_checksum
+from ckptfs.layout.index import (
+    INDEX_FILE,
+    LOCK_FILE,
+    ChunkEntry,
+    Index,
+    TensorEntry,
+    sealed_checksum,
+)
 from ckptfs.layout.registry import get_backend
 from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.options import REMOVED, moved_keywords
@@ -174,7 +184,7 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
     else:
         _extra_files(store, problems, skipped)
     chunks = sum(len(t.chunks) for t in index.tensors.values())
-    missing = _files(store, index, problems)
+    missing = _files(store, index, problems) | _base_files(store, index, problems)
     for entry in index.tensors.values():
         _tiling(entry, problems, skipped)
     summed = unsummed = 0
@@ -301,7 +311,8 @@ def _raw_chunks(index: Index) -> dict[str, list[_RawChunk]]:
         except CkptfsError:
             continue
         for c in entry.chunks:
-            if c.file is None or c.byte_offset is None or c.checksum is None:
+            if c.file is None or c.byte_offset is None or c.checksum is None \
+                    or c.base is not None:
                 continue
             if c.byte_length != int(np.prod(c.shape, dtype=np.int64)) * itemsize:
                 continue
@@ -362,9 +373,49 @@ def _all_files(index: Index) -> dict[str, int | None]:
     files: dict[str, int | None] = dict(index.all_files)
     for t in index.tensors.values():
         for c in t.chunks:
-            if c.file is not None:
+            if c.file is not None and c.base is None:  # a reference's file is its base's
                 files.setdefault(c.file, None)
     return files
+
+
+def _base_files(store: Store, index: Index, problems: list[Problem]) -> set[str]:
+    """Check that every file a reference names is in its base checkpoint (formats/README.md
+    §2.5) and holds the named range; returns the missing ones, as ``referenced`` names them."""
+    ranges: dict[str, tuple[str, str, int, set[str]]] = {}  # path -> (base, file, end, keys)
+    for t in index.tensors.values():
+        for c in t.chunks:
+            path = referenced(c)
+            if path is None or c.base is None or c.file is None:
+                continue
+            end = (c.byte_offset or 0) + (c.byte_length or 0)
+            base, file, last, keys = ranges.get(path, (c.base, c.file, 0, set()))
+            ranges[path] = (base, file, max(last, end), keys | {t.key})
+    if not ranges:
+        return set()
+
+    async def sizes() -> list[int | None]:
+        async def one(base: str, file: str) -> int | None:
+            url = resolve_url(store.url, base)
+            s = store.sibling(url) or await open_store(url, None, store.options)
+            try:
+                return await s.size(file)
+            except FileNotFoundError:
+                return None
+            finally:
+                await s.close()
+        return await gather_all(*(one(b, f) for b, f, _, _ in ranges.values()))
+
+    missing = set()
+    for (path, (base, _, end, keys)), got in zip(ranges.items(), run_sync(sizes()), strict=True):
+        shown = ", ".join(map(repr, sorted(keys)[:5])) + (" ..." if len(keys) > 5 else "")
+        if got is None:
+            missing.add(path)
+            problems.append(Problem("missing-file", f"a file of base {base!r} is missing "
+                                    f"(referenced by {shown})", file=path))
+        elif got < end:
+            problems.append(Problem("file-size", f"{got} bytes, the references of {shown} "
+                                    f"read up to byte {end} of base {base!r}", file=path))
+    return missing
 
 
 def _files(store: Store, index: Index, problems: list[Problem]) -> set[str]:
@@ -463,7 +514,8 @@ def _chunks(source: Source, missing: set[str], problems: list[Problem], buffer_b
             problems.append(Problem("dtype", str(e), entry.key))
             continue
         for c in entry.chunks:
-            if c.file in missing or not Box(c.offsets, c.shape).in_bounds(entry.shape):
+            if (referenced(c) or c.file) in missing \
+                    or not Box(c.offsets, c.shape).in_bounds(entry.shape):
                 continue
             if (entry.key, tuple(c.offsets)) in checked:
                 continue
@@ -502,7 +554,16 @@ def _check_batch(source: Source, batch: list[Region], buffer_bytes: int,
         have = checksum(tensor_bytes(data))
         if have != want:
             problems.append(Problem("checksum", f"crc32c is {have}, the index says {want}",
-                                    r.entry.key, r.box.offsets, r.chunk.file if r.chunk else None))
+                                    r.entry.key, r.box.offsets, _where(r.chunk)))
+        elif r.chunk and r.chunk.hash and content_hash(tensor_bytes(data)) != r.chunk.hash:
+            problems.append(Problem("checksum", f"the content hash differs from the index's "
+                                    f"{r.chunk.hash}", r.entry.key, r.box.offsets,
+                                    _where(r.chunk)))
         else:
             matched += 1
     return matched, unsummed
+
+
+def _where(chunk: ChunkEntry | None) -> str | None:
+    """The file a chunk's problem names: a reference's as ``base/file``."""
+    return None if chunk is None else referenced(chunk) or chunk.file

@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 
+import ckptfs.megatron
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing as dc
@@ -28,7 +29,6 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from ranks import cpu_only_cuda, spawn
 
 import ckptfs
-import ckptfs.megatron
 
 LAYERS, SHAPE, EMB = 4, (4, 6), 5
 KEY, EMB_KEY = "decoder.layers.mlp.weight", "embedding.weight"

@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 
+import ckptfs.megatron
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing as dc
@@ -28,7 +29,6 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from ranks import cpu_only_cuda, spawn
 
 import ckptfs
-import ckptfs.megatron
 
 NEW = not ckptfs.megatron._REGISTRY  # megatron-core >= 0.19
 #: name -> (global shape, tensor-parallel axis or None when replicated, prepended axes)

@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 
+import ckptfs.megatron
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing as dc
@@ -27,7 +28,6 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from ranks import spawn
 
 import ckptfs
-import ckptfs.megatron
 
 NEW = not ckptfs.megatron._REGISTRY  # megatron-core >= 0.19
 KEY, LAYERS, SHAPE = "decoder.layers.mlp.weight", 4, (6, 8)

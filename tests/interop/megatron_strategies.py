@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 
+import ckptfs.megatron
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing as dc
@@ -30,7 +31,6 @@ from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
 from ranks import cpu_only_cuda, spawn
 
 import ckptfs
-import ckptfs.megatron
 
 NEW = not ckptfs.megatron._REGISTRY  # megatron-core >= 0.19
 ROWS = {1: [(0, 8)], 2: [(0, 4), (4, 8)], 3: [(0, 3), (3, 5), (5, 8)]}

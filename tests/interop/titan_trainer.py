@@ -84,10 +84,9 @@ def cpu_shims() -> None:
 def worker(out: str, data: str) -> None:
     """One rank of a torchtitan training run (under torchrun)."""
     cpu_shims()
+    import ckptfs.torchtitan
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
     from torchtitan.tools.logging import init_logger
-
-    import ckptfs.torchtitan
 
     init_logger()  # each step's loss in the run's log
     cfg = llama3_debugmodel()

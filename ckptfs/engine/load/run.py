@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 
+from ckptfs.engine.load.bases import with_bases
 from ckptfs.engine.load.gds import DirectReads, gds_reader
 from ckptfs.engine.load.schedule import (
     NO_SCRATCH,
@@ -96,11 +97,23 @@ async def execute_reads(store: Store, backend: Backend, jobs: Sequence[TensorRea
 async def _execute_once(store: Store, backend: Backend, jobs: Sequence[TensorRead], *,
                         pool: BufferPool, verify: bool, ring: Ring | None,
                         direct: DirectReads | None, wave: int) -> int:
-    sources = await backend.chunk_sources(
-        [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
-    schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
-                              budget=pool.budget.limit, ring=ring, direct=direct, wave=wave)
-    await run_schedule(store, schedule, pool=pool, verify=verify, ring=ring, direct=direct)
+    """One run of every read. Chunks stored in a base checkpoint (references,
+    engine/load/bases.py) are read from it by the same reads and checks."""
+    bases = await with_bases(store, [job.pieces for job in jobs])
+    if bases is not None:  # GPUDirect reads go to the checkpoint's own store: not used here
+        store, pieces = bases
+        direct = None
+        jobs = [TensorRead(job.entry, job.target, tuple(ps))
+                for job, ps in zip(jobs, pieces, strict=True)]
+    try:
+        sources = await backend.chunk_sources(
+            [(job.entry, p.chunk) for job in jobs for p in job.pieces], store)
+        schedule = schedule_reads(jobs, sources, max_gap=store.options.max_gap, verify=verify,
+                                  budget=pool.budget.limit, ring=ring, direct=direct, wave=wave)
+        await run_schedule(store, schedule, pool=pool, verify=verify, ring=ring, direct=direct)
+    finally:
+        if bases is not None:
+            await store.close()  # the base stores it opened
     return schedule.needed
 
 

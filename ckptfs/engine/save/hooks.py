@@ -66,9 +66,9 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
        one test (or None) per chunk this rank writes from host memory, in order; a store that
        writes in place runs each on every block of its chunk right before the block's crc32c
        (engine/save/checked_parts.py). ``chunk_reference(chunk, note) -> ChunkEntry | None``: local,
-       for each chunk before it is laid out, only for a hook that overrides it (designed for
-       chunks recorded as a reference to an earlier checkpoint; a reference is refused until
-       the format records them).
+       for each chunk before it is laid out, only for a hook that overrides it: an entry
+       recorded instead of writing the chunk, a reference to a base checkpoint
+       (formats/README.md §2.5; engine/save/delta.py), or None to write it.
     4) ``during_write(untested, note) -> note``: local, while the I/O threads write this rank's
        files: ``untested`` the host chunks no block test runs on (the GIL is mostly free).
     5) ``after_write(suspect, note) -> WriteOutcome``: local, once this rank's files are

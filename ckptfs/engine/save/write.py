@@ -161,12 +161,13 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     for NaN and infinity); the chunks no block test runs on go to the hooks' ``during_write``
     meanwhile."""
     notes = staged.notes or (None,) * len(hooks)
-    keys = {c.key for c in staged.chunks}
-    _no_references(staged.chunks, hooks, notes)
-    job = RankWriteJob(staged.rank, staged.world_size, save_id, staged.chunks,
-                       _Some(staged.plans, keys))
+    refs = _references(staged.chunks, hooks, notes)
+    chunks = tuple(c for c in staged.chunks if _chunk_id(c) not in refs) if refs \
+        else staged.chunks
+    keys = {c.key for c in chunks}
+    job = RankWriteJob(staged.rank, staged.world_size, save_id, chunks, _Some(staged.plans, keys))
     rw = backend.write_rank(job)
-    views = [(c, tensor_bytes(c.data)) for c in staged.chunks if c.source is None]
+    views = [(c, tensor_bytes(c.data)) for c in chunks if c.source is None]
     files = rw.files
     checked: dict[tuple[int, int], CheckedPart] = {}
     if store.streams_in_place:  # not a store that would copy the views (remote uploads)
@@ -197,12 +198,12 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     outcomes = [h.after_write(suspect, n) for h, n in zip(hooks, notes, strict=True)]
     sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
     sums.update(((c.key, c.box.offsets, c.box.shape), render(_streamed_crc(c.source)))
-                for c in staged.chunks if c.source is not None)
+                for c in chunks if c.source is not None)
     whole = file_sums(files, memo((data, crc) for _, data, crc in crcs))
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
-                    for key, e in rw.chunks)
+                    for key, e in rw.chunks) + tuple((k[0], e) for k, e in refs.items())
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
                        {p: crc for p, (_, crc) in whole.items()}, replicas,
                        *_outcomes(outcomes))
@@ -233,18 +234,32 @@ def _any_of(tests: list[BlockTest]) -> BlockTest | None:
     return lambda block: any(t(block) for t in tests)
 
 
-def _no_references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook],
-                   notes: Sequence[Any]) -> None:
-    """Ask the hooks that may record a chunk as a reference (``SaveHook.chunk_reference``):
-    the format records no reference yet, so a hook that names one is refused."""
+def _chunk_id(c: ChunkData) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    return c.key, c.box.offsets, c.box.shape
+
+
+def _references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook], notes: Sequence[Any]
+                ) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkEntry]:
+    """The chunks the hooks record as references to a base checkpoint instead of writing them
+    (``SaveHook.chunk_reference``; formats/README.md §2.5), by (key, offsets, shape): the first
+    hook that names one wins. A reference must be a whole chunk of the same box, naming its
+    base, file, byte range, CRC-32C and content hash."""
+    out: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkEntry] = {}
     for h, n in zip(hooks, notes, strict=True):
         if not overrides(h, "chunk_reference"):
             continue
         for c in chunks:
-            if h.chunk_reference(c, n) is not None:
+            e = h.chunk_reference(c, n) if _chunk_id(c) not in out else None
+            if e is None:
+                continue
+            if (not isinstance(e, ChunkEntry) or e.base is None or e.file is None
+                    or e.checksum is None or e.hash is None or e.byte_offset is None
+                    or (e.offsets, e.shape) != (c.box.offsets, c.box.shape)):
                 raise ConfigError(f"key {c.key!r}: {type(h).__name__} records chunk "
-                                  f"{c.box.offsets} as a reference to another checkpoint, which "
-                                  f"this format version does not record")
+                                  f"{c.box.offsets} as a reference that is not a whole chunk "
+                                  f"naming its base, file, byte range, checksum and hash: {e!r}")
+            out[_chunk_id(c)] = e
+    return out
 
 
 async def _beside(*writes: Awaitable[None]) -> None:
@@ -279,8 +294,7 @@ class _Some(Mapping[str, TensorPlan]):
 
 def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:
     """``e`` with the engine's checksum, unless the backend set one (sub-chunk entries)."""
-    return ChunkEntry(e.offsets, e.shape, e.file, e.byte_offset, e.byte_length,
-                      value if e.checksum is None else e.checksum, e.extra)
+    return dataclasses.replace(e, checksum=value if e.checksum is None else e.checksum)
 
 
 def _small(f: FileWrite) -> bool:

@@ -4,8 +4,12 @@ A backend's golden directory (golden.py) pins its data layout; an index minor ve
 README.md §7) adds optional index members whatever the backend, so its golden directory holds one
 checkpoint that uses them. ``golden/index-1.1/`` is the golden state (golden.golden_rank_state)
 saved by GOLDEN_WORLD ranks with the default backend and ``stats=True`` (fingerprints, §2.4),
-with ``expected.json`` (the state, as golden.py encodes it) and ``SHA256SUMS``. Like every golden
-directory it is written once and never again:
+with ``expected.json`` (the state, as golden.py encodes it) and ``SHA256SUMS``.
+``golden/index-1.2/`` holds two checkpoints (§2.5): ``base/``, the golden state saved with
+content hashes, and ``checkpoint/``, a delta on it (``base="../base"``) of ``delta_reference``:
+the golden state with one element of a sharded tensor (rank 1's slice), a replicated tensor and a
+value changed, everything else referenced in ``base/``; ``expected.json`` is the delta's state.
+Like every golden directory they are written once and never again:
 
     python -m ckptfs.testing.conformance.golden_index
 """
@@ -17,6 +21,9 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import torch
 
 import ckptfs
 from ckptfs.testing.conformance.cases import differences
@@ -25,6 +32,7 @@ from ckptfs.testing.conformance.golden import (
     EXPECTED,
     GOLDEN_ROOT,
     GOLDEN_SEED,
+    GOLDEN_SHARDS,
     GOLDEN_WORLD,
     MANIFEST,
     encode,
@@ -36,7 +44,38 @@ from ckptfs.testing.conformance.golden import (
 from ckptfs.testing.ranks import run_ranks
 
 #: minor version -> its golden directory's name
-INDEX_GOLDEN = {1: "index-1.1"}
+INDEX_GOLDEN = {1: "index-1.1", 2: "index-1.2"}
+#: the base checkpoint of ``index-1.2``'s delta, beside its ``checkpoint/``
+BASE = "base"
+
+
+def delta_reference() -> dict[str, Any]:
+    """The whole state of ``index-1.2``'s delta checkpoint: the golden state, changed a little."""
+    state = golden_reference()
+    state["sharded"]["rows"][5, 0] += 1.0  # row 5: rank 1's slice; rank 0's stays referenced
+    state["keys"]["layers.0.weight"] = torch.full((2,), 2.0)  # replicated: one writer
+    state["values"]["step"] = 1235
+    return state
+
+
+def delta_rank_state(rank: int) -> dict[str, Any]:
+    """What rank ``rank`` holds of ``delta_reference`` (sharded as golden_rank_state)."""
+    state = delta_reference()
+    for path, boxes in GOLDEN_SHARDS.items():
+        node = state
+        for c in path[:-1]:
+            node = node[c]
+        full = node[path[-1]]
+        offsets, shape = boxes[rank]
+        sl = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
+        node[path[-1]] = ckptfs.ShardedTensor(full[sl].clone(), tuple(full.shape), offsets)
+    return state
+
+
+def _save_delta_ranks(rank: int, world: int, root: str) -> None:
+    assert world == GOLDEN_WORLD
+    ckptfs.save(golden_rank_state(rank), f"{root}/{BASE}", options=ckptfs.SaveOptions(hashes=True))
+    ckptfs.save(delta_rank_state(rank), f"{root}/{CHECKPOINT}", base=f"{root}/{BASE}")
 
 
 def golden_index_dir(minor: int, root: Path = GOLDEN_ROOT) -> Path:
@@ -56,13 +95,19 @@ def make_index_golden(minor: int, root: Path = GOLDEN_ROOT, log=print) -> bool:
         return False
     with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as tmp:
         d = Path(tmp) / target.name
-        run_ranks(GOLDEN_WORLD, _save_ranks, str(d / CHECKPOINT))
+        if minor == 1:
+            run_ranks(GOLDEN_WORLD, _save_ranks, str(d / CHECKPOINT))
+        else:
+            run_ranks(GOLDEN_WORLD, _save_delta_ranks, str(d))
+        want = golden_reference() if minor == 1 else delta_reference()
         doc = {"index": f"1.{minor}", "backend": "safetensors_chunks", "version": 1,
-               "world_size": GOLDEN_WORLD, "seed": GOLDEN_SEED, "stats": True,
-               "state": encode(golden_reference())}
+               "world_size": GOLDEN_WORLD, "seed": GOLDEN_SEED, "stats": minor == 1,
+               "state": encode(want)}
+        if minor == 2:
+            doc["base"] = BASE
         (d / EXPECTED).write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n",
                                   encoding="utf-8")
-        diffs = differences(ckptfs.load_keys(d / CHECKPOINT), golden_reference())
+        diffs = differences(ckptfs.load_keys(d / CHECKPOINT), want)
         if diffs:
             raise RuntimeError(f"the new golden checkpoint does not load to its expected values: "
                                f"{diffs[:5]}")
@@ -75,4 +120,5 @@ def make_index_golden(minor: int, root: Path = GOLDEN_ROOT, log=print) -> bool:
 
 if __name__ == "__main__":
     make_index_golden(1)
+    make_index_golden(2)
     sys.exit(0)

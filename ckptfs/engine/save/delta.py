@@ -1,0 +1,144 @@
+"""Delta saves (formats/README.md §2.5): chunks whose bytes equal a chunk of a base checkpoint
+are recorded as references to it instead of being written.
+
+``DeltaHook`` is a ``SaveHook`` (engine/save/hooks.py). Once the chunks are staged
+(``after_stage``) each rank hashes its chunks (xxh3-128, layout/content_hash.py) and, with a
+base, reads the base's index and compares: a chunk is referenced only when the base holds a
+chunk of the same key, dtype, global shape and box whose recorded hash equals the chunk's
+hash (a chunk of the base without a hash is never referenced; neither is one of another
+backend, nor a chunk streamed from a device, which is written and not hashed). The write
+phase asks ``chunk_reference`` for each chunk and writes only the others (engine/save/write.py);
+``before_commit`` records every written chunk's hash in the index, so that the checkpoint can
+be the base of the next delta save.
+
+What "equal" means: equal 128-bit content hashes. Two different chunks share one with
+probability about 2^-128 for data no adversary chose; a tensor replaced by a new tensor of
+the same values is therefore referenced (its bytes are the same). A base changed after the
+fact is caught on load by the reference's CRC-32C, copied from the base's entry at save time
+(engine/load/bases.py reads references through the ranged-read engine, which checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptfs.dist import Comm
+from ckptfs.engine.index_io import read_index
+from ckptfs.engine.save.hooks import SaveHook, WriteOutcome
+from ckptfs.errors import ConfigError
+from ckptfs.io import run_sync
+from ckptfs.io.base_urls import relative_url, resolve_url, split_url
+from ckptfs.io.open import open_store
+from ckptfs.layout.backend import ChunkData
+from ckptfs.layout.content_hash import content_hash
+from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+from ckptfs.layout.tensor_bytes import tensor_bytes
+
+#: the backend whose chunks are raw byte ranges a reference can name (both sides of a delta)
+RAW_BACKEND = ("safetensors_chunks", 1)
+
+ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  #: key, offsets, shape
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaNote:
+    """What ``after_stage`` found on this rank: each host chunk's hash and the references."""
+
+    hashes: Mapping[ChunkId, str] = field(default_factory=dict)
+    refs: Mapping[ChunkId, ChunkEntry] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeltaHook(SaveHook):
+    """Record every chunk's content hash; with ``base`` (a checkpoint URL, opened like any),
+    reference the chunks the base holds with equal hashes. ``url``: this save's root, against
+    which a base in the same place is recorded as a relative URL; ``backend``: this save's
+    (name, version); ``storage_options`` open the base."""
+
+    url: str
+    base: str | None = None
+    backend: tuple[str, int] = RAW_BACKEND
+    storage_options: Mapping[str, Any] | None = None
+
+    def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
+                    tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> DeltaNote:
+        hashes = {_id(c): content_hash(tensor_bytes(c.data)) for c in chunks if c.source is None}
+        if self.base is None:
+            return DeltaNote(hashes)
+        if self.backend != RAW_BACKEND:
+            raise ConfigError(f"a delta save on {self.base!r} needs backend "
+                              f"{RAW_BACKEND[0]}-{RAW_BACKEND[1]}, not "
+                              f"{self.backend[0]}-{self.backend[1]}")
+        if split_url(self.base) == split_url(self.url):
+            raise ConfigError(f"a delta save to {self.url!r} names itself as its base: a "
+                              f"checkpoint cannot reference the files it replaces")
+        base = self._base_index()
+        where = relative_url(self.base, self.url)
+        refs = {}
+        for c in chunks:
+            h = hashes.get(_id(c))
+            e = base.tensors.get(c.key)
+            ref = _match(c, h, e, where, self.url) if h is not None and e is not None else None
+            if ref is not None:
+                refs[_id(c)] = ref
+        return DeltaNote(hashes, refs)
+
+    def _base_index(self) -> Index:
+        async def read() -> Index:
+            store = await open_store(self.base or "", self.storage_options)
+            try:
+                return await read_index(store)
+            finally:
+                await store.close()
+
+        index = run_sync(read())
+        if (index.backend, index.backend_version) != RAW_BACKEND:
+            raise ConfigError(f"base {self.base!r} is a {index.backend}-{index.backend_version} "
+                              f"checkpoint; a delta save references only "
+                              f"{RAW_BACKEND[0]}-{RAW_BACKEND[1]} chunks")
+        return index
+
+    def chunk_reference(self, chunk: ChunkData, note: DeltaNote) -> ChunkEntry | None:
+        return note.refs.get(_id(chunk))
+
+    def after_write(self, suspect: Sequence[ChunkData], note: DeltaNote) -> WriteOutcome:
+        return WriteOutcome(note, part=dict(note.hashes))
+
+    def before_commit(self, index: Index, parts: Sequence[Any], note: Any) -> Index:
+        hashes: dict[ChunkId, str] = {}
+        for part in parts:
+            hashes.update(part or {})
+        tensors = {k: _hashed(k, t, hashes) for k, t in index.tensors.items()}
+        return dataclasses.replace(index, tensors=tensors)
+
+
+def _id(c: ChunkData) -> ChunkId:
+    return c.key, c.box.offsets, c.box.shape
+
+
+def _hashed(key: str, t: TensorEntry, hashes: Mapping[ChunkId, str]) -> TensorEntry:
+    """``t`` with each chunk's hash (a chunk that has one keeps it: a reference's)."""
+    chunks = tuple(c if c.hash is not None or (key, c.offsets, c.shape) not in hashes
+                   else dataclasses.replace(c, hash=hashes[(key, c.offsets, c.shape)])
+                   for c in t.chunks)
+    return dataclasses.replace(t, chunks=chunks)
+
+
+def _match(c: ChunkData, digest: str, e: TensorEntry, base: str, root: str) -> ChunkEntry | None:
+    """A reference to the base's chunk of ``c``'s box in tensor ``e`` of the base (recorded
+    at ``base`` from ``root``), when its dtype, global shape and hash equal ``c``'s."""
+    if e.dtype != c.dtype.name or e.shape != c.global_shape:
+        return None
+    for b in e.chunks:
+        if b.offsets != c.box.offsets or b.shape != c.box.shape:
+            continue
+        if b.hash != digest or b.checksum is None or b.file is None or b.byte_offset is None:
+            return None
+        # the base's own reference names its base relative to the base: seen from here
+        where = base if b.base is None else relative_url(resolve_url(resolve_url(root, base),
+                                                                     b.base), root)
+        return dataclasses.replace(b, base=where)
+    return None
