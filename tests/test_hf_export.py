@@ -29,18 +29,13 @@ from ckptfs.io import open_store, run_sync
 from ckptfs.testing.ranks import run_ranks
 from ckptfs.tools.export_dir import PARTIAL
 from ckptfs.tools.unshard import assign_files
+from tests.test_hf import tiny_llama
 
 transformers = pytest.importorskip("transformers")  # the `test` extra
 
 CHUNK = 16_000  #: bytes per file: the tiny Llama's fp32 weights (90 kB) make 7 files
 
 
-def tiny_llama(seed: int = 0):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def sharded_llama():

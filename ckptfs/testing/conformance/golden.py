@@ -104,7 +104,12 @@ GOLDEN_SHARDS: dict[tuple, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]] 
 
 def golden_rank_state(rank: int) -> dict[str, Any]:
     """What rank ``rank`` of the GOLDEN_WORLD saving ranks holds."""
-    state = golden_reference()
+    return rank_part(golden_reference(), rank)
+
+
+def rank_part(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``state`` (the golden state's structure) with each tensor of ``GOLDEN_SHARDS`` replaced
+    by rank ``rank``'s ``ShardedTensor`` of it."""
     for path, boxes in GOLDEN_SHARDS.items():
         node = state
         for c in path[:-1]:

@@ -32,7 +32,6 @@ from ckptfs.testing.conformance.golden import (
     EXPECTED,
     GOLDEN_ROOT,
     GOLDEN_SEED,
-    GOLDEN_SHARDS,
     GOLDEN_WORLD,
     MANIFEST,
     encode,
@@ -40,6 +39,7 @@ from ckptfs.testing.conformance.golden import (
     golden_reference,
     manifest_problems,
     manifest_text,
+    rank_part,
 )
 from ckptfs.testing.ranks import run_ranks
 
@@ -60,16 +60,7 @@ def delta_reference() -> dict[str, Any]:
 
 def delta_rank_state(rank: int) -> dict[str, Any]:
     """What rank ``rank`` holds of ``delta_reference`` (sharded as golden_rank_state)."""
-    state = delta_reference()
-    for path, boxes in GOLDEN_SHARDS.items():
-        node = state
-        for c in path[:-1]:
-            node = node[c]
-        full = node[path[-1]]
-        offsets, shape = boxes[rank]
-        sl = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
-        node[path[-1]] = ckptfs.ShardedTensor(full[sl].clone(), tuple(full.shape), offsets)
-    return state
+    return rank_part(delta_reference(), rank)
 
 
 def _save_delta_ranks(rank: int, world: int, root: str) -> None:
