@@ -70,6 +70,16 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: 
         raise
 
 
+def _spawned_entry(rank: int, *args: Any) -> None:
+    """``_entry`` in a process spawned for one call: once the rank's work and teardown are
+    done, the process ends without the interpreter's finalization, where a native thread torch
+    leaves behind can abort it (std::terminate) at random."""
+    _entry(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _failures(errdir: str) -> str:
     msgs = []
     for name in sorted(os.listdir(errdir)):
@@ -90,7 +100,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, env: Mapping[str, 
         _ACTIVE[-1].run(world, fn, *args, env=env, threads=threads, timeout=timeout)
         return
     with tempfile.TemporaryDirectory(prefix="ckptfs-ranks-") as errdir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, errdir, dict(env or {}),
+        ctx = mp.start_processes(_spawned_entry, args=(world, free_port(), fn, args, errdir, dict(env or {}),
                                                threads),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = None if timeout is None else time.monotonic() + timeout
