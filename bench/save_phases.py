@@ -125,14 +125,11 @@ def _timed(fn: Any, name: str, trace: Trace) -> Any:
 def ckptfs_points() -> list[tuple[Any, str, str]]:
     """(owner, attribute, phase) of every function timed in a ckptfs save."""
     import ckptfs.engine.save.commit as commit
+    import ckptfs.engine.save.pipeline as save  # where the phases are composed
     import ckptfs.engine.save.stage as stage
     import ckptfs.engine.save.write as write
     import ckptfs.io.local_store as local
 
-    try:  # where the phases are composed (the save pipeline; older code: the save module)
-        import ckptfs.engine.save.pipeline as save
-    except ImportError:
-        save = sys.modules["ckptfs.save"]  # (``ckptfs.save`` is also the function)
     return [
         (save, "stage", "stage"),
         (stage, "_describe_and_agree", "stage: describe + agree"),

@@ -30,6 +30,7 @@ from ckptfs.testing.ranks import run_ranks
 from ckptfs.tools.export_dir import PARTIAL
 from ckptfs.tools.unshard import assign_files
 from tests.test_hf import tiny_llama
+from tests.test_tools import _put
 
 transformers = pytest.importorskip("transformers")  # the `test` extra
 
@@ -300,9 +301,3 @@ def test_exports_to_s3_and_fp8_reads_from_s3(checkpoint, s3, tmp_path):
     assert res.bytes_read == 100 * 260 + 4 * 2 * 3  # rows 200..299: tiles 1 and 2 of scales
 
 
-async def _put(s3, path: str, data: bytes) -> None:
-    store = await open_store(s3.url, s3.options)
-    try:
-        await store.put(path, [data])
-    finally:
-        await store.close()
