@@ -86,7 +86,11 @@ def health_hooks(opts: SaveOptions) -> tuple[SaveHook, ...]:
 def delta_hooks(opts: SaveOptions, url: str, backend: Backend,
                 storage_options: Mapping[str, Any] | None) -> tuple[SaveHook, ...]:
     """The pipeline's hook of ``opts.base`` and ``opts.hashes`` (engine/save/delta.py) for a save
-    to ``url``."""
+    to ``url``. ``opts.delta`` is a manager's (it picks each step's base): refused here."""
+    if opts.delta:
+        raise ConfigError(f"{url}: SaveOptions(delta=True) makes each step of a "
+                          f"CheckpointManager a delta on the step before it; a single save "
+                          f"names its base (base=URL)")
     if opts.base is None and not opts.hashes:
         return ()
     return (DeltaHook(url, opts.base, (backend.name, backend.version), storage_options),)

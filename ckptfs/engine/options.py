@@ -131,6 +131,9 @@ class SaveOptions:
     base: str | None = None
     #: record each chunk's xxh3-128 content hash, so that the checkpoint can be a base
     hashes: bool = False
+    #: a ``CheckpointManager``'s saves: each step a delta on the newest step committed at its
+    #: URL before it (docs/guide/delta.md); implies ``hashes``. A single save names its ``base``
+    delta: bool = False
 
     def __post_init__(self) -> None:
         _groups("SaveOptions", self, dist=DistOptions, asynchronous=AsyncOptions,
@@ -145,6 +148,13 @@ class SaveOptions:
         if self.base is not None and not isinstance(self.base, str):
             raise ConfigError(f"SaveOptions.base must be a checkpoint URL (str), got "
                               f"{self.base!r}")
+        for name in ("hashes", "delta"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SaveOptions.{name} must be a bool, got "
+                                  f"{getattr(self, name)!r}")
+        if self.delta and self.base is not None:
+            raise ConfigError(f"SaveOptions: delta=True bases each step on the one before it; "
+                              f"base={self.base!r} names a fixed base: give one of them")
 
     # read-through views of the groups' fields, for the engine
     collective_timeout = property(lambda self: self.dist.collective_timeout)

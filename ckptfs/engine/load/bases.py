@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ckptfs.io.base_urls import resolve_url
 from ckptfs.io.open import open_store
-from ckptfs.io.store import Store
+from ckptfs.io.store import IOStats, Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.io.wrapper import WrapperStore
 from ckptfs.layout.index import ChunkEntry
@@ -44,6 +44,15 @@ async def _open(store: Store, url: str) -> Store:
     return store.sibling(url) or await open_store(url, None, store.options)
 
 
+def _counted(store: Store) -> IOStats:
+    """The counters a base's reads add to: ``store``'s, or where those are sums of two
+    stores' (a restore's ``RoutedStore``), the counters of the store that serves the root (the
+    URL's: a base is read where the checkpoint is committed)."""
+    while not isinstance(store.stats, IOStats) and isinstance(store, WrapperStore):
+        store = store.route("")[0]
+    return store.stats
+
+
 def referenced(chunk: ChunkEntry) -> str | None:
     """The path ``with_bases`` reads a reference under (None: not a reference)."""
     return None if chunk.base is None or chunk.file is None else f"{chunk.base}/{chunk.file}"
@@ -57,8 +66,9 @@ async def with_bases(store: Store, pieces: Sequence[Sequence[ReadPiece]]
     if not urls:
         return None
     opened = await gather_all(*(_open(store, resolve_url(store.url, u)) for u in urls))
+    counted = _counted(store)
     for s in opened:  # a base's reads count as the load's (``LoadResult.bytes_read``)
-        s.stats = store.stats
+        s.stats = counted
     by_url = dict(zip(urls, opened, strict=True))
     routes: dict[str, tuple[Store, str]] = {}
     out: list[list[ReadPiece]] = []
