@@ -6,7 +6,6 @@ of a referenced checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 
 import ckptfs
 from ckptfs.manager.steps import step_dir
-from ckptfs.testing.ranks import run_ranks
 
 
 def _index(path: Path) -> dict:
