@@ -197,3 +197,73 @@ def test_delete_of_a_manager_step_a_kept_delta_step_references_is_refused(tmp_pa
     result = ckptfs.clean(url / step_dir(1))  # a committed base: its files are all listed
     assert result.removed == () and _equal(ckptfs.load_keys(url / step_dir(2)), state)
 
+
+
+# -- reuse_hashes: the hashes of tensors unchanged since the last save -------------------------
+
+
+def _counting(monkeypatch) -> list[int]:
+    from ckptfs.engine.save import delta
+
+    calls = [0]
+    real = delta.content_hash
+
+    def counted(data):
+        calls[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(delta, "content_hash", counted)
+    return calls
+
+
+def test_reuse_hashes_skips_hashing_unchanged_tensors_and_sees_in_place_changes(tmp_path,
+                                                                               monkeypatch):
+    from ckptfs.engine.save.hash_memo import default_memo
+
+    calls = _counting(monkeypatch)
+    state = _state()
+    opts = ckptfs.SaveOptions(hashes=True, reuse_hashes=True)
+    ckptfs.save(state, tmp_path / "s1", options=opts)
+    assert calls[0] == 3 and len(default_memo()) >= 3
+    state["adapter"][0, 0] += 1.0  # in place: its version counter moves
+    state["slow"] = state["slow"].clone()  # a new tensor object of equal values
+    ckptfs.save(state, tmp_path / "s2", base=tmp_path / "s1", options=opts)
+    assert calls[0] == 3 + 2  # adapter and slow hashed again, frozen not
+    idx = _index(tmp_path / "s2")
+    assert [k for k, t in idx["tensors"].items() if "base" in t["chunks"][0]] == ["frozen", "slow"]
+    assert _chunk(tmp_path / "s2", "frozen")["hash"] == _chunk(tmp_path / "s1", "frozen")["hash"]
+    with torch.no_grad():
+        state["frozen"].mul_(1)  # same values, but an in-place op: hashed again, still equal
+    ckptfs.save(state, tmp_path / "s3", base=tmp_path / "s2", options=opts)
+    assert calls[0] == 5 + 1 and "base" in _chunk(tmp_path / "s3", "frozen")
+    assert _equal(ckptfs.load_keys(tmp_path / "s3"), state)
+
+
+def test_reuse_hashes_does_not_see_writes_through_data_as_documented(tmp_path, monkeypatch):
+    from tests import spec_audit
+
+    # the delta saved with the memo holds the documented wrong bytes: not for the audit
+    monkeypatch.setenv(spec_audit.ENV, "off")
+    state = _state()
+    for reuse in (False, True):
+        opts = ckptfs.SaveOptions(hashes=True, reuse_hashes=reuse)
+        ckptfs.save(state, tmp_path / f"a{reuse}", options=opts)
+        state["adapter"].data[0, 0] += 1.0  # bypasses the version counter
+        ckptfs.save(state, tmp_path / f"b{reuse}", base=tmp_path / f"a{reuse}", options=opts)
+        got = ckptfs.load_keys(tmp_path / f"b{reuse}")["adapter"]
+        # without the memo the change is found; with it the old bytes are referenced
+        assert torch.equal(got, state["adapter"]) is not reuse
+
+
+def test_a_manager_with_reuse_hashes_keeps_a_memo_of_its_own(tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    state = _state()
+    mgr = ckptfs.CheckpointManager(str(tmp_path / "run"), ckptfs.ManagerOptions(
+        save=ckptfs.SaveOptions(delta=True, reuse_hashes=True),
+        preemption=ckptfs.PreemptionPolicy(signals=())))
+    with mgr:
+        for step in (1, 2, 3):
+            state["adapter"] += 1.0
+            mgr.save_sync(step, state)
+    assert calls[0] == 3 + 1 + 1 and len(mgr._memo) == 3
+    assert _equal(ckptfs.load_keys(tmp_path / "run" / step_dir(3)), state)

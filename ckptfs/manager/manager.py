@@ -33,6 +33,7 @@ from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.save.commit import claimed
 from ckptfs.engine.save.delta import RAW_BACKEND
+from ckptfs.engine.save.hash_memo import HashMemo
 from ckptfs.engine.save.hooks import SaveHook
 from ckptfs.engine.save.lock import read_lock
 from ckptfs.engine.save.pipeline import SaveRequest, clear_dead, local_options
@@ -139,6 +140,8 @@ class CheckpointManager:
         self._last: AsyncSave | None = None
         #: step folder -> the base URLs its index names (``_unreferenced``)
         self._bases: dict[str, tuple[str, ...]] = {}
+        #: ``SaveOptions(reuse_hashes=True)``: its steps' hashes of unchanged tensors
+        self._memo = HashMemo()
         self._store: Store | None = None  # the URL's store, opened once, shared by every step
         self._store_lock = threading.Lock()
         self.last_restore: RestoreResult | None = None  #: what this rank's last restore read
@@ -297,7 +300,8 @@ class CheckpointManager:
         opts = self.save_options
         if opts.delta:
             opts = replace(opts, delta=False, hashes=True, base=base)
-        return health_hooks(opts) + delta_hooks(opts, url, self._backend, self.storage_options)
+        return health_hooks(opts) + delta_hooks(opts, url, self._backend, self.storage_options,
+                                                self._memo)
 
     def _delta_base(self, step: int) -> str | None:
         """With ``SaveOptions(delta=True)``: the URL of the newest step committed at the URL
