@@ -23,6 +23,7 @@ Results: bench/results/delta-<time>.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -87,10 +88,12 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_save(state: dict[str, Any], root: str, reps: int) -> dict[str, Any]:
-    """Delta save / changed tensors alone / fsync floor, alternating (see the module doc)."""
+def bench_save(state: dict[str, Any], root: str, reps: int, reuse: bool) -> dict[str, Any]:
+    """Delta save / changed tensors alone / fsync floor, alternating (see the module doc);
+    ``reuse``: the delta saves reuse the hashes of unchanged tensors (``reuse_hashes``)."""
     base = os.path.join(root, "base")
-    ckptfs.save(state, base, options=ckptfs.SaveOptions(hashes=True))
+    opts = ckptfs.SaveOptions(hashes=True, reuse_hashes=reuse)
+    ckptfs.save(state, base, options=opts)
     changed = changed_of(state)
     rows: dict[str, list[float]] = {"delta": [], "changed_alone": [], "fsync_floor": []}
     written: list[int] = []
@@ -98,9 +101,10 @@ def bench_save(state: dict[str, Any], root: str, reps: int) -> dict[str, Any]:
         train_step(state)
         d, c = os.path.join(root, f"delta-{i}"), os.path.join(root, f"changed-{i}")
         floor = os.path.join(root, f"floor-{i}.bin")
-        order = [("delta", lambda: ckptfs.save(state, d, base=base)),
-                 ("changed_alone", lambda: ckptfs.save(changed, c)),
-                 ("fsync_floor", lambda: write_fsync(floor, list(changed.values())))]
+        order: list[tuple[str, Callable[[], Any]]] = [
+            ("delta", functools.partial(ckptfs.save, state, d, base=base, options=opts)),
+            ("changed_alone", functools.partial(ckptfs.save, changed, c)),
+            ("fsync_floor", functools.partial(write_fsync, floor, list(changed.values())))]
         for name, fn in order if i % 2 == 0 else order[::-1]:
             os.sync()
             rows[name].append(timed(fn))
@@ -109,7 +113,7 @@ def bench_save(state: dict[str, Any], root: str, reps: int) -> dict[str, Any]:
             shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
     med = {k: statistics.median(v) for k, v in rows.items()}
     changed_bytes = nbytes(changed)
-    return {"seconds": rows, "median": med, "changed_bytes": changed_bytes,
+    return {"seconds": rows, "median": med, "changed_bytes": changed_bytes, "reuse_hashes": reuse,
             "frozen_bytes": nbytes(state) - changed_bytes, "delta_written": written,
             "written_x_changed": max(written) / changed_bytes,
             "time_x_changed_alone": med["delta"] / med["changed_alone"],
@@ -137,14 +141,14 @@ def bench_load(state: dict[str, Any], delta: str, root: str, reps: int) -> dict[
             "time_x_self_contained": med["delta"] / med["self_contained"]}
 
 
-def bench_manager(mb: float, tensor_mb: int, trainable: float, steps: int,
-                  root: str) -> dict[str, Any]:
+def bench_manager(mb: float, tensor_mb: int, trainable: float, steps: int, root: str,
+                  reuse: bool) -> dict[str, Any]:
     """``steps`` delta manager saves, keep_last=3: the bytes on disk against the bound."""
     state = make_state(mb, tensor_mb, trainable)
     url = os.path.join(root, "run")
     t0 = time.perf_counter()
     with ckptfs.CheckpointManager(url, ckptfs.ManagerOptions(
-            retention=ckptfs.Retention(keep_last=3), save=ckptfs.SaveOptions(delta=True),
+            retention=ckptfs.Retention(keep_last=3), save=ckptfs.SaveOptions(delta=True, reuse_hashes=reuse),
             preemption=ckptfs.PreemptionPolicy(signals=()))) as mgr:
         for step in range(1, steps + 1):
             train_step(state)
@@ -167,7 +171,8 @@ def report(r: dict[str, Any]) -> None:
     s, ld, m = r.get("save"), r.get("load"), r.get("manager")
     if s:
         med = s["median"]
-        print(f"save: changed {s['changed_bytes'] / MiB:.1f} MiB of "
+        print(f"save{' (reuse_hashes)' if s['reuse_hashes'] else ''}: changed "
+              f"{s['changed_bytes'] / MiB:.1f} MiB of "
               f"{(s['changed_bytes'] + s['frozen_bytes']) / MiB:.1f} MiB; delta wrote "
               f"{s['written_x_changed']:.4f}x the changed bytes; delta {med['delta']:.3f} s, "
               f"changed alone {med['changed_alone']:.3f} s, fsync floor {med['fsync_floor']:.3f} s:"
@@ -193,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="runs of each case (medians)")
     ap.add_argument("--steps", type=int, default=50, help="manager saves")
     ap.add_argument("--manager-mb", type=float, default=128, help="frozen MiB of the manager run")
+    ap.add_argument("--reuse-hashes", action="store_true",
+                    help="SaveOptions(reuse_hashes=True): unchanged tensors are not hashed again")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results file (default bench/results/delta-*.json)")
     args = ap.parse_args(argv)
@@ -202,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                               "date": time.strftime("%Y-%m-%d")}
     try:
         state = make_state(args.mb, args.tensor_mb, args.trainable)
-        result["save"] = bench_save(state, root, args.reps)
+        result["save"] = bench_save(state, root, args.reps, args.reuse_hashes)
         result["load"] = bench_load(state, result["save"].pop("delta"), root, args.reps)
         del state
         result["manager"] = bench_manager(args.manager_mb, args.tensor_mb, args.trainable,
-                                          args.steps, root)
+                                          args.steps, root, args.reuse_hashes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["load_average_after"] = os.getloadavg()

@@ -267,3 +267,48 @@ def test_a_manager_with_reuse_hashes_keeps_a_memo_of_its_own(tmp_path, monkeypat
             mgr.save_sync(step, state)
     assert calls[0] == 3 + 1 + 1 and len(mgr._memo) == 3
     assert _equal(ckptfs.load_keys(tmp_path / "run" / step_dir(3)), state)
+
+
+# -- object stores: a base in another bucket -------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["fsspec", "obstore"])
+def test_a_delta_on_a_base_in_another_bucket_reads_it_with_the_deltas_options(s3, client):
+    import boto3
+
+    s3_client = boto3.client("s3", endpoint_url=s3.direct, region_name="us-east-1")
+    s3_client.create_bucket(Bucket="frozen")
+    so = ckptfs.StoreOptions(client=client)
+    base, delta = "s3://frozen/model", f"{s3.url}/run/step_2"
+    state = _state()
+    ckptfs.save(state, base, storage_options=s3.options, store_options=so,
+                options=ckptfs.SaveOptions(hashes=True))
+    state["adapter"] += 1.0
+    ckptfs.save(state, delta, storage_options=s3.options, store_options=so, base=base)
+    index = ckptfs.load_metadata(delta, storage_options=s3.options, store_options=so)
+    assert index.bases == (base,)  # another bucket: recorded as given
+    assert _equal(ckptfs.load_keys(delta, storage_options=s3.options, store_options=so), state)
+    report = ckptfs.verify(delta, storage_options=s3.options, store_options=so)
+    assert report.ok, report.problems
+    # a base these options cannot reach (here: its bucket is gone) is named, never misread
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket="frozen")["Contents"]]
+    s3_client.delete_objects(Bucket="frozen", Delete={"Objects": [{"Key": k} for k in keys]})
+    s3_client.delete_bucket(Bucket="frozen")
+    with pytest.raises(ckptfs.CkptfsError, match="frozen"):
+        ckptfs.load_keys(delta, storage_options=s3.options, store_options=so)
+
+
+@pytest.mark.slow
+def test_a_delta_in_the_same_bucket_through_obstore(s3):
+    so = ckptfs.StoreOptions(client="obstore")
+    base, delta = f"{s3.url}/run/step_1", f"{s3.url}/run/step_2"
+    state = _state()
+    ckptfs.save(state, base, storage_options=s3.options, store_options=so,
+                options=ckptfs.SaveOptions(hashes=True))
+    state["adapter"] += 1.0
+    ckptfs.save(state, delta, storage_options=s3.options, store_options=so, base=base)
+    assert ckptfs.load_metadata(delta, storage_options=s3.options).bases == ("../step_1",)
+    assert _equal(ckptfs.load_keys(delta, storage_options=s3.options, store_options=so), state)
+    with pytest.raises(ckptfs.ReferencedCheckpointError, match="step_2"):
+        ckptfs.delete(base, storage_options=s3.options, store_options=so)

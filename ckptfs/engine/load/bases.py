@@ -11,10 +11,11 @@ the engine's IntegrityError naming the keys and that path, a changed one fails i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ckptfs.io.base_urls import resolve_url
-from ckptfs.io.open import open_store
+from ckptfs.io.open import open_store, split_protocol
 from ckptfs.io.store import IOStats, Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.io.wrapper import WrapperStore
@@ -40,8 +41,19 @@ class BasesStore(WrapperStore):
 
 async def _open(store: Store, url: str) -> Store:
     """The base at ``url``: through ``store``'s client where it serves that place (the same
-    bucket: its credentials and endpoint), else opened with ``store``'s options."""
-    return store.sibling(url) or await open_store(url, None, store.options)
+    bucket: its credentials and endpoint), else opened with ``store``'s options (``StoreOptions``)
+    and, for a URL of the same protocol (another bucket), its ``storage_options``."""
+    return store.sibling(url) or await open_store(url, client_options(store, url), store.options)
+
+
+def client_options(store: Store, url: str) -> Mapping[str, Any] | None:
+    """The ``storage_options`` ``store`` was opened with (through its wrappers) when ``url``
+    has its protocol; None for another protocol (those options are for another client)."""
+    if split_protocol(url)[0] != split_protocol(store.url)[0]:
+        return None
+    while not store.storage_options and isinstance(store, WrapperStore):
+        store = store.route("")[0]
+    return store.storage_options or None
 
 
 def _counted(store: Store) -> IOStats:
