@@ -6,6 +6,7 @@ of a referenced checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import ckptfs
 from ckptfs.manager.steps import step_dir
+from ckptfs.testing.ranks import run_ranks
 
 
 def _index(path: Path) -> dict:
@@ -312,3 +314,53 @@ def test_a_delta_in_the_same_bucket_through_obstore(s3):
     assert _equal(ckptfs.load_keys(delta, storage_options=s3.options, store_options=so), state)
     with pytest.raises(ckptfs.ReferencedCheckpointError, match="step_2"):
         ckptfs.delete(base, storage_options=s3.options, store_options=so)
+
+
+# -- ranks: the base is agreed, the steps reshard ----------------------------------------------
+
+_ROWS = 12
+
+
+def _full(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    out = {"frozen": torch.randn(_ROWS, 16, generator=g), "moving": torch.randn(_ROWS, 4, generator=g)}
+    out["moving"] += step
+    return out
+
+
+def _sharded(world: int, rank: int, full: dict[str, torch.Tensor]) -> dict:
+    per = -(-_ROWS // world)
+    lo, hi = min(rank * per, _ROWS), min(rank * per + per, _ROWS)
+    return {k: ckptfs.ShardedTensor(v[lo:hi].clone(), tuple(v.shape), (lo, 0)) for k, v in full.items()}
+
+
+def _save_steps(rank: int, world: int, url: str) -> None:
+    options = ckptfs.ManagerOptions(retention=ckptfs.Retention(keep_last=2),
+                                    save=ckptfs.SaveOptions(delta=True, reuse_hashes=True),
+                                    preemption=ckptfs.PreemptionPolicy(signals=()))
+    with ckptfs.CheckpointManager(url, options) as mgr:
+        state = _sharded(world, rank, _full(0))
+        for step in (1, 2, 3):
+            state["moving"].local_tensor.copy_(_sharded(world, rank, _full(step))["moving"].local_tensor)
+            mgr.save_sync(step, state)
+
+
+def _restore_three(rank: int, world: int, url: str) -> None:
+    options = ckptfs.ManagerOptions(preemption=ckptfs.PreemptionPolicy(signals=()))
+    target = _sharded(world, rank, {k: torch.zeros_like(v) for k, v in _full(0).items()})
+    with ckptfs.CheckpointManager(url, options) as mgr:
+        assert mgr.restore(target) == 3
+    want = _sharded(world, rank, _full(3))
+    for k, v in want.items():
+        assert torch.equal(target[k].local_tensor, v.local_tensor), (rank, k)
+
+
+@pytest.mark.slow
+def test_two_ranks_save_delta_steps_that_three_ranks_restore(tmp_path):
+    url = str(tmp_path / "run")
+    run_ranks(2, _save_steps, url)
+    assert sorted(os.listdir(url)) == [step_dir(1), step_dir(2), step_dir(3)]  # 1: frozen bytes
+    frozen = _index(Path(url) / step_dir(3))["tensors"]["frozen"]["chunks"]
+    assert len(frozen) == 2 and all("base" in c for c in frozen)
+    assert _index(Path(url) / step_dir(3))["bases"] == [{"url": f"../{step_dir(1)}"}]
+    run_ranks(3, _restore_three, url)
