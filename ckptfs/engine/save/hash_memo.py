@@ -49,7 +49,7 @@ class Signature:
 
 
 def signature(t: torch.Tensor) -> Signature:
-    return Signature(t._version, t.data_ptr(), t.storage_offset(), tuple(t.shape),
+    return Signature(t._version, t.data_ptr(), int(t.storage_offset()), tuple(t.shape),
                      tuple(t.stride()), t.dtype, t.device)
 
 
