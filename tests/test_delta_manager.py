@@ -364,3 +364,20 @@ def test_two_ranks_save_delta_steps_that_three_ranks_restore(tmp_path):
     assert len(frozen) == 2 and all("base" in c for c in frozen)
     assert _index(Path(url) / step_dir(3))["bases"] == [{"url": f"../{step_dir(1)}"}]
     run_ranks(3, _restore_three, url)
+
+
+def test_a_step_after_one_of_another_backend_is_whole(tmp_path):
+    url = tmp_path / "run"
+    state = _state()
+    zarr = ckptfs.CheckpointManager(str(url), ckptfs.ManagerOptions(
+        preemption=ckptfs.PreemptionPolicy(signals=())), backend="zarr")
+    with zarr:
+        zarr.save_sync(1, state)
+    state["adapter"] += 1.0
+    with _manager(url) as mgr:
+        mgr.save_sync(2, state)
+        state["adapter"] += 1.0
+        mgr.save_sync(3, state)
+    assert "bases" not in _index(url / step_dir(2))  # whole: step 1 is no raw layout
+    assert _index(url / step_dir(3))["bases"] == [{"url": f"../{step_dir(2)}"}]
+    assert _equal(ckptfs.load_keys(url / step_dir(3)), state)

@@ -305,9 +305,10 @@ class CheckpointManager:
 
     def _delta_base(self, step: int) -> str | None:
         """With ``SaveOptions(delta=True)``: the URL of the newest step committed at the URL
-        before ``step`` (None: none, or delta off), as the coordinator lists it once this
-        manager's save in flight is done (collective over ``process_group``). Retention keeps
-        it while a kept step references it (``_unreferenced``)."""
+        before ``step`` (None: none, one of another backend, or delta off), as the coordinator
+        lists it once this manager's save in flight is done (collective over
+        ``process_group``). Retention keeps it while a kept step references it
+        (``_unreferenced``)."""
         if not self.save_options.delta:
             return None
         if self._last is not None:
@@ -316,7 +317,13 @@ class CheckpointManager:
         def newest() -> str | None:
             listing = self._listing()
             earlier = [s for s in listing.committed if s < step]
-            return self._url(listing.dirs[earlier[-1]]) if earlier else None
+            if not earlier:
+                return None
+            name = listing.dirs[earlier[-1]]
+            index = run_sync(read_index(self._at(name)))
+            self._bases.setdefault(name, index.bases)
+            # a step of another layout (saved before the backend changed) is no base: whole
+            return self._url(name) if (index.backend, index.backend_version) == RAW_BACKEND else None
 
         with public_errors(self.url):
             comm = Comm(self.process_group, timeout=self.save_options.collective_timeout)
