@@ -381,3 +381,30 @@ def test_a_step_after_one_of_another_backend_is_whole(tmp_path):
     assert "bases" not in _index(url / step_dir(2))  # whole: step 1 is no raw layout
     assert _index(url / step_dir(3))["bases"] == [{"url": f"../{step_dir(2)}"}]
     assert _equal(ckptfs.load_keys(url / step_dir(3)), state)
+
+
+def test_a_promoted_preemption_step_is_whole_and_the_next_step_references_it(tmp_path):
+    import signal
+
+    url, local = tmp_path / "run", tmp_path / "node"
+    policy = ckptfs.PreemptionPolicy(signals=(signal.SIGUSR1,), exit=False, persist=True)
+    mgr = ckptfs.CheckpointManager(str(url), ckptfs.ManagerOptions(
+        save_interval_steps=10**6, preemption=policy, save=ckptfs.SaveOptions(delta=True),
+        tiers=ckptfs.TierOptions(local_dir=str(local), local_interval_steps=10**6, replicas=0)))
+    state = _state()
+    with mgr:
+        mgr.save_sync(1, state)  # a persistent step (the first: whole)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        step = 2
+        while not mgr.should_save(step):
+            step += 1
+        state["adapter"] += 1.0
+        mgr.save(step, state).result()  # a local step, then persisted at the URL
+        assert mgr.preempted and mgr.steps() == [1, step]
+        promoted = _index(url / step_dir(step))
+        assert "bases" not in promoted  # a local step references nothing: it carries its bytes
+        assert _equal(ckptfs.load_keys(url / step_dir(step)), state)
+        state["adapter"] += 1.0
+        mgr.save_sync(step + 1, state)
+    assert _index(url / step_dir(step + 1))["bases"] == [{"url": f"../{step_dir(step)}"}]
+    assert _equal(ckptfs.load_keys(url / step_dir(step + 1)), state)
