@@ -21,7 +21,7 @@ TEST_DIST := --dist loadgroup --no-loadscope-reorder
 COMPILE := $(BIN)/python -m compileall -q -j 0 ckptfs tests bench examples tools_dev > /dev/null
 
 .PHONY: venv demo test test-fast lint docs wheel-check bench bench-async bench-perf bench-venvs mutate \
-	fuzz soak clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials test-diff-large \
+	fuzz soak clean interop interop-strategies bench-megatron megatron-venvs megatron-fixtures crash-trials chaos test-diff-large \
 	test-two-node test-extended titan-trainer
 
 $(BIN)/python:
@@ -113,6 +113,13 @@ test-diff-large: $(STAMP)
 CRASH_TRIALS ?= 40
 crash-trials: $(STAMP)
 	$(BIN)/python -m tests.crash_trials --trials $(CRASH_TRIALS)
+
+# Delta steps SIGKILLed at random moments of the manager's save and retention
+# (tests/delta_chaos.py; make test runs a few cycles in tests/test_delta_chaos.py): local
+# files and moto S3, CHAOS_CYCLES cycles each
+CHAOS_CYCLES ?= 30
+chaos: $(STAMP)
+	$(BIN)/python -m tests.delta_chaos --cycles $(CHAOS_CYCLES)
 
 # Megatron-Core interop (tests/interop/megatron_live.py), outside `make test`: two venvs of their
 # own (megatron-core pins numpy/zarr differently from ckptfs). megatron-core 0.19.2 needs Python

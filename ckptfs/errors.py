@@ -15,6 +15,11 @@ class CheckpointExistsError(CkptfsError, FileExistsError):
     """A committed checkpoint already exists and overwrite was not requested."""
 
 
+class ReferencedCheckpointError(CkptfsError):
+    """A checkpoint to delete is the base of another (a delta checkpoint references its files);
+    nothing was deleted. The message names the referencing checkpoints."""
+
+
 class SaveInProgressError(CheckpointExistsError):
     """Another save to the same URL holds its lock (it runs now, or died within the lease)."""
 

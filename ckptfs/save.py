@@ -15,6 +15,7 @@ from ckptfs.engine.background.defaults import wait_default_idle
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.save.delta import DeltaHook
+from ckptfs.engine.save.hash_memo import HashMemo, default_memo
 from ckptfs.engine.save.health import HealthHook
 from ckptfs.engine.save.hooks import SaveHook
 from ckptfs.engine.save.pipeline import SaveRequest, SaveResult, run_save
@@ -84,12 +85,20 @@ def health_hooks(opts: SaveOptions) -> tuple[SaveHook, ...]:
 
 
 def delta_hooks(opts: SaveOptions, url: str, backend: Backend,
-                storage_options: Mapping[str, Any] | None) -> tuple[SaveHook, ...]:
+                storage_options: Mapping[str, Any] | None,
+                memo: HashMemo | None = None) -> tuple[SaveHook, ...]:
     """The pipeline's hook of ``opts.base`` and ``opts.hashes`` (engine/save/delta.py) for a save
-    to ``url``."""
+    to ``url``. ``opts.delta`` is a manager's (it picks each step's base): refused here."""
+    if opts.delta:
+        raise ConfigError(f"{url}: SaveOptions(delta=True) makes each step of a "
+                          f"CheckpointManager a delta on the step before it; a single save "
+                          f"names its base (base=URL)")
     if opts.base is None and not opts.hashes:
         return ()
-    return (DeltaHook(url, opts.base, (backend.name, backend.version), storage_options),)
+    if opts.reuse_hashes and memo is None:
+        memo = default_memo()
+    return (DeltaHook(url, opts.base, (backend.name, backend.version), storage_options,
+                      memo if opts.reuse_hashes else None),)
 
 
 def save_request(url: str, backend: str, backend_version: int | None,

@@ -52,6 +52,10 @@ def _gpu_tune() -> Smoke:
 
 
 SMOKES = {
+    "delta": Smoke(("--mb", "4", "--tensor-mb", "1", "--reps", "1", "--steps", "5",
+                    "--manager-mb", "2", "--reuse-hashes", "--dir", "{tmp}"),
+                   ("save (reuse_hashes): changed", "load (", "manager: 5 steps, kept [1, 3, 4, 5]"),
+                   "delta-*.json"),
     "scale": Smoke(("--quick", "--variants", "zero1"),
                    ("| world | variant | chunks (ckptfs / DCP) |", "| 64 | zero1 |", "| 256 | zero1 |",
                     "| 256 | zero1 -> other |", "growth per stored chunk"), "scale-*.json"),

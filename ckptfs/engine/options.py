@@ -131,6 +131,14 @@ class SaveOptions:
     base: str | None = None
     #: record each chunk's xxh3-128 content hash, so that the checkpoint can be a base
     hashes: bool = False
+    #: a ``CheckpointManager``'s saves: each step a delta on the newest step committed at its
+    #: URL before it (docs/guide/delta.md); implies ``hashes``. A single save names its ``base``
+    delta: bool = False
+    #: with ``hashes``/``base``/``delta``: a tensor that is the same object as at an earlier
+    #: save in this process, with the same data pointer, layout and version counter, reuses
+    #: the hashes then computed instead of hashing again. Writes that bypass torch's version
+    #: counter (``.data``, numpy views, raw pointers) are not seen: docs/guide/delta.md
+    reuse_hashes: bool = False
 
     def __post_init__(self) -> None:
         _groups("SaveOptions", self, dist=DistOptions, asynchronous=AsyncOptions,
@@ -145,6 +153,13 @@ class SaveOptions:
         if self.base is not None and not isinstance(self.base, str):
             raise ConfigError(f"SaveOptions.base must be a checkpoint URL (str), got "
                               f"{self.base!r}")
+        for name in ("hashes", "delta", "reuse_hashes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SaveOptions.{name} must be a bool, got "
+                                  f"{getattr(self, name)!r}")
+        if self.delta and self.base is not None:
+            raise ConfigError(f"SaveOptions: delta=True bases each step on the one before it; "
+                              f"base={self.base!r} names a fixed base: give one of them")
 
     # read-through views of the groups' fields, for the engine
     collective_timeout = property(lambda self: self.dist.collective_timeout)

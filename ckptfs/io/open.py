@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from ckptfs.io.options import StoreOptions
@@ -30,4 +31,7 @@ async def open_store(url: str | os.PathLike, storage_options: Mapping[str, Any] 
     proto, rest = split_protocol(url)
     request = StoreRequest(url, proto, rest, dict(storage_options or {}),
                            options or StoreOptions(), nice)
-    return await RUNTIME.get(STORES).open(request)
+    store = await RUNTIME.get(STORES).open(request)
+    if request.storage_options and not store.storage_options:
+        store.storage_options = MappingProxyType(dict(request.storage_options))
+    return store

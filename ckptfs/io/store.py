@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Self
+from types import MappingProxyType, TracebackType
+from typing import Any, Self
 
 from ckptfs.errors import MalformedIndexError, ReadOnlyStoreError
 from ckptfs.io.budget import ByteBudget
@@ -73,6 +73,10 @@ class Store(ABC):
     and ``read_only``; callers ask them instead of testing the store's class.
     ``ckptfs.testing.store_tests.StoreTests`` checks an implementation against this contract.
     """
+
+    #: the client options it was opened with (``open_store``'s ``storage_options``): how a base
+    #: checkpoint of the same kind elsewhere is opened (engine/load/bases.py)
+    storage_options: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self, url: str, options: StoreOptions | None = None) -> None:
         self.url = url

@@ -32,6 +32,8 @@ from ckptfs.engine.background.writer_process import new_saver
 from ckptfs.engine.errors import public_errors
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.save.commit import claimed
+from ckptfs.engine.save.delta import RAW_BACKEND
+from ckptfs.engine.save.hash_memo import HashMemo
 from ckptfs.engine.save.hooks import SaveHook
 from ckptfs.engine.save.lock import read_lock
 from ckptfs.engine.save.pipeline import SaveRequest, clear_dead, local_options
@@ -127,6 +129,10 @@ class CheckpointManager:
         with public_errors(self.url):
             Comm(process_group)  # refuses a group without torch.distributed
             self._backend = make_backend(backend, backend_version, backend_options)
+        if opts.save.delta and (self._backend.name, self._backend.version) != RAW_BACKEND:
+            raise ConfigError(f"CheckpointManager({self.url!r}): SaveOptions(delta=True) needs "
+                              f"backend {RAW_BACKEND[0]}-{RAW_BACKEND[1]} (a reference names a "
+                              f"raw byte range), not {self._backend.name}-{self._backend.version}")
         policy = self.preemption
         self._preemption = (Preemption(policy.signals, process_group, policy.timeout)
                             if policy.signals else None)
@@ -134,6 +140,8 @@ class CheckpointManager:
         self._last: AsyncSave | None = None
         #: step folder -> the base URLs its index names (``_unreferenced``)
         self._bases: dict[str, tuple[str, ...]] = {}
+        #: ``SaveOptions(reuse_hashes=True)``: its steps' hashes of unchanged tensors
+        self._memo = HashMemo()
         self._store: Store | None = None  # the URL's store, opened once, shared by every step
         self._store_lock = threading.Lock()
         self.last_restore: RestoreResult | None = None  #: what this rank's last restore read
@@ -251,8 +259,8 @@ class CheckpointManager:
                                   restorable)
                 if not local_step else functools.partial(_after_local, self, step, nodes))
         else:
-            request, before = self._request(name, local, force, started), None
-            after = self._retained
+            request = self._request(name, local, force, started, self._delta_base(step))
+            before, after = None, self._retained
         staged, done = self.saver.start(state_dict, request, process_group=self.process_group,
                                         before=before, after=after)
         staged.exception()  # the caller's tensors are free again once staged (never raises)
@@ -264,14 +272,15 @@ class CheckpointManager:
             self._preempted()
         return handle
 
-    def _request(self, name: str, local: str | None, force: bool,
-                 started: float) -> SaveRequest:
+    def _request(self, name: str, local: str | None, force: bool, started: float,
+                 base: str | None = None) -> SaveRequest:
         """The pipeline's request of a step's save at the URL: its folder claimed, a dead
-        save's files cleared, written through the local tier if any, committed."""
+        save's files cleared, written through the local tier if any, committed (``base``: the
+        step it is a delta on, ``_delta_base``)."""
         opts = self.save_options
         return SaveRequest(self.url, self._backend, self.storage_options, self.store_options,
                            opts, force, self.progress and local is None,
-                           self._hooks(self._url(name)),
+                           self._hooks(self._url(name), base),
                            folder=name, clear_dead=True, local_root=local,
                            nice=opts.background_nice, started=started, opener=self._root)
 
@@ -284,9 +293,42 @@ class CheckpointManager:
                            self.save_options, hooks=self._hooks(root), claim=False,
                            started=started)
 
-    def _hooks(self, url: str) -> tuple[SaveHook, ...]:
-        return health_hooks(self.save_options) + delta_hooks(
-            self.save_options, url, self._backend, self.storage_options)
+    def _hooks(self, url: str, base: str | None = None) -> tuple[SaveHook, ...]:
+        """The save hooks of a step at ``url``; with ``SaveOptions(delta=True)`` the step
+        records hashes and, given a ``base``, is a delta on it (a local step gets none: it
+        references nothing, docs/guide/delta.md)."""
+        opts = self.save_options
+        if opts.delta:
+            opts = replace(opts, delta=False, hashes=True, base=base)
+        return health_hooks(opts) + delta_hooks(opts, url, self._backend, self.storage_options,
+                                                self._memo)
+
+    def _delta_base(self, step: int) -> str | None:
+        """With ``SaveOptions(delta=True)``: the URL of the newest step committed at the URL
+        before ``step`` (None: none, one of another backend, or delta off), as the coordinator
+        lists it once this manager's save in flight is done (collective over
+        ``process_group``). Retention keeps it while a kept step references it
+        (``_unreferenced``)."""
+        if not self.save_options.delta:
+            return None
+        if self._last is not None:
+            self._last.done.exception()  # the step before is committed (or failed) first
+
+        def newest() -> str | None:
+            listing = self._listing()
+            earlier = [s for s in listing.committed if s < step]
+            if not earlier:
+                return None
+            name = listing.dirs[earlier[-1]]
+            index = run_sync(read_index(self._at(name)))
+            self._bases.setdefault(name, index.bases)
+            # a step of another layout (saved before the backend changed) is no base: whole
+            return self._url(name) if (index.backend, index.backend_version) == RAW_BACKEND else None
+
+        with public_errors(self.url):
+            comm = Comm(self.process_group, timeout=self.save_options.collective_timeout)
+            return comm.run_on_coordinator(f"save: choosing the base of step {step} at "
+                                           f"{self.url}", newest)
 
     def _retained(self, result: SaveResult, comm: Comm) -> SaveResult:
         """After a step's commit: retention (``_retain``)."""

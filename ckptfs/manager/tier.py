@@ -16,7 +16,9 @@ and reads once through a ``RoutedStore``: those files locally, the rest from the
 engine checks every chunk it reads whole against its crc32c as it lands; a chunk read only in
 part (another layout) is checked whole first. If the read fails anywhere, the local copies are
 checked chunk by chunk, and those at fault are read again from the URL in a second fill (the
-failure is raised when no local copy is at fault).
+failure is raised when no local copy is at fault). A delta step's references (formats/README.md
+§2.5) are read from their bases at the URL, never from the tier: the bytes a restore reads
+locally are the step's own files.
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def chunks_read(reads: Iterable[TensorRead]) -> tuple[dict[str, list[Chunk]], di
     read: dict[str, list[Chunk]] = defaultdict(list)
     for r in reads:
         for p in r.pieces:
-            if p.chunk.file is None:
-                continue
+            if p.chunk.file is None or p.chunk.base is not None:
+                continue  # a reference: read from its base at the URL (docs/guide/delta.md)
             at = (r.entry.key, p.chunk.offsets)
             if at not in whole:
                 read[p.chunk.file].append((r.entry, p.chunk))

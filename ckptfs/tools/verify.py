@@ -26,7 +26,7 @@ import numpy as np
 
 import ckptfs.layout
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.load.bases import referenced
+from ckptfs.engine.load.bases import client_options, referenced
 from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError
@@ -414,7 +414,8 @@ def _base_files(store: Store, index: Index, problems: list[Problem]) -> set[str]
     async def sizes() -> list[int | None]:
         async def one(base: str, file: str) -> int | None:
             url = resolve_url(store.url, base)
-            s = store.sibling(url) or await open_store(url, None, store.options)
+            s = store.sibling(url) or await open_store(url, client_options(store, url),
+                                                       store.options)
             try:
                 return await s.size(file)
             except FileNotFoundError:

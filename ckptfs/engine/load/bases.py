@@ -11,11 +11,12 @@ the engine's IntegrityError naming the keys and that path, a changed one fails i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ckptfs.io.base_urls import resolve_url
-from ckptfs.io.open import open_store
-from ckptfs.io.store import Store
+from ckptfs.io.open import open_store, split_protocol
+from ckptfs.io.store import IOStats, Store
 from ckptfs.io.tasks import gather_all
 from ckptfs.io.wrapper import WrapperStore
 from ckptfs.layout.index import ChunkEntry
@@ -40,8 +41,28 @@ class BasesStore(WrapperStore):
 
 async def _open(store: Store, url: str) -> Store:
     """The base at ``url``: through ``store``'s client where it serves that place (the same
-    bucket: its credentials and endpoint), else opened with ``store``'s options."""
-    return store.sibling(url) or await open_store(url, None, store.options)
+    bucket: its credentials and endpoint), else opened with ``store``'s options (``StoreOptions``)
+    and, for a URL of the same protocol (another bucket), its ``storage_options``."""
+    return store.sibling(url) or await open_store(url, client_options(store, url), store.options)
+
+
+def client_options(store: Store, url: str) -> Mapping[str, Any] | None:
+    """The ``storage_options`` ``store`` was opened with (through its wrappers) when ``url``
+    has its protocol; None for another protocol (those options are for another client)."""
+    if split_protocol(url)[0] != split_protocol(store.url)[0]:
+        return None
+    while not store.storage_options and isinstance(store, WrapperStore):
+        store = store.route("")[0]
+    return store.storage_options or None
+
+
+def _counted(store: Store) -> IOStats:
+    """The counters a base's reads add to: ``store``'s, or where those are sums of two
+    stores' (a restore's ``RoutedStore``), the counters of the store that serves the root (the
+    URL's: a base is read where the checkpoint is committed)."""
+    while not isinstance(store.stats, IOStats) and isinstance(store, WrapperStore):
+        store = store.route("")[0]
+    return store.stats
 
 
 def referenced(chunk: ChunkEntry) -> str | None:
@@ -57,8 +78,9 @@ async def with_bases(store: Store, pieces: Sequence[Sequence[ReadPiece]]
     if not urls:
         return None
     opened = await gather_all(*(_open(store, resolve_url(store.url, u)) for u in urls))
+    counted = _counted(store)
     for s in opened:  # a base's reads count as the load's (``LoadResult.bytes_read``)
-        s.stats = store.stats
+        s.stats = counted
     by_url = dict(zip(urls, opened, strict=True))
     routes: dict[str, tuple[Store, str]] = {}
     out: list[list[ReadPiece]] = []

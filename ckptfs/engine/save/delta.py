@@ -27,6 +27,7 @@ from typing import Any
 
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.save.hash_memo import ChunkId, HashMemo, Sources
 from ckptfs.engine.save.hooks import SaveHook, WriteOutcome
 from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
@@ -39,8 +40,6 @@ from ckptfs.layout.tensor_bytes import tensor_bytes
 
 #: the backend whose chunks are raw byte ranges a reference can name (both sides of a delta)
 RAW_BACKEND = ("safetensors_chunks", 1)
-
-ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  #: key, offsets, shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +61,16 @@ class DeltaHook(SaveHook):
     base: str | None = None
     backend: tuple[str, int] = RAW_BACKEND
     storage_options: Mapping[str, Any] | None = None
+    #: ``SaveOptions(reuse_hashes=True)``: the hashes of tensors unchanged since an earlier
+    #: save in this process are taken from it, not computed (engine/save/hash_memo.py)
+    memo: HashMemo | None = field(default=None, compare=False)
+
+    def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> Sources | None:
+        return None if self.memo is None else self.memo.sources(state_dict, rank)
 
     def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
                     tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> DeltaNote:
-        hashes = {_id(c): content_hash(tensor_bytes(c.data)) for c in chunks if c.source is None}
+        hashes = self._hashes(chunks, note if isinstance(note, Sources) else None)
         if self.base is None:
             return DeltaNote(hashes)
         if self.backend != RAW_BACKEND:
@@ -85,6 +90,19 @@ class DeltaHook(SaveHook):
             if ref is not None:
                 refs[_id(c)] = ref
         return DeltaNote(hashes, refs)
+
+    def _hashes(self, chunks: Sequence[ChunkData], sources: Sources | None) -> dict[ChunkId, str]:
+        """Each host chunk's content hash: from the memo where its tensor is unchanged since
+        the save that hashed it, else computed (and then recorded in the memo)."""
+        out = {}
+        for c in chunks:
+            if c.source is None:
+                cid = _id(c)
+                known = None if self.memo is None or sources is None else self.memo.get(cid, sources)
+                out[cid] = known or content_hash(tensor_bytes(c.data))
+        if self.memo is not None and sources is not None:
+            self.memo.record(out, sources)
+        return out
 
     def _base_index(self) -> Index:
         async def read() -> Index:
