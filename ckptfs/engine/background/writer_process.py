@@ -584,11 +584,7 @@ class RemoteComm(Comm):
         self._device = torch.device("cpu")
         self.rank, self.size = rank, size
         self._mail = mail
-        self._members = members
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        return self._members
+        self.is_coordinator, self.members = rank == 0, members
 
     @property
     def device(self) -> torch.device:
