@@ -620,6 +620,11 @@ class RemoteComm(Comm):
         got = self._call("gather", _encode(obj), what, entries=entries)
         return None if got is None else [pickle.loads(b) for b in got]
 
+    def settle_gather(self, what: str, err: BaseException | None, obj: Any, *,
+                      all_true: Any = None, entries: bool = False) -> tuple[dict[str, bool], Any]:
+        # the training process runs each collective it is asked for: the settle, then the gather
+        return self.settle(what, err, all_true=all_true), self.gather(obj, what, entries=entries)
+
     def broadcast(self, obj: Any, what: str = "a broadcast", *, src: int = 0) -> Any:
         if self.size == 1:
             return obj
