@@ -17,9 +17,9 @@ Every numeric value of a suite's results JSON (records, config, host and report 
 case. For each case and commit: the values over the rounds, their median and their spread
 ((max - min) / median); the new commit's median over the old one's, and whether the two
 differ by more than the larger spread (``beyond_spread``: a difference the run-to-run noise
-of this run does not explain). Written to ``bench/results/compare-<stamp>.json`` with the load
-average before and after. Run it on a quiet machine: the ratios are only as good as the
-spreads beside them.
+of this run does not explain; None with fewer than 2 rounds). Written to
+``bench/results/compare-<stamp>.json`` with the load average before and after. Run it on a
+quiet machine: the ratios are only as good as the spreads beside them.
 """
 
 from __future__ import annotations
@@ -99,9 +99,20 @@ def numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
             yield from numbers(v, f"{path}.{k}" if path else str(k))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            yield from numbers(v, f"{path}[{i}]")
+            yield from numbers(v, f"{path}[{_label(v, i)}]")
     elif isinstance(obj, int | float) and not isinstance(obj, bool):
         yield path, float(obj)
+
+
+def _label(item: Any, i: int) -> str:
+    """A list item's name: its short text fields and its world (a case of ``bench.perf``, a row
+    of ``bench.python_bound``), so that the same case of two commits is compared even where
+    their lists differ; else its index."""
+    if not isinstance(item, dict):
+        return str(i)
+    parts = [f"{k}={v}" for k, v in item.items()
+             if (isinstance(v, str) and len(v) <= 40) or k == "world"]
+    return ",".join(parts) or str(i)
 
 
 def _stats(values: list[float]) -> dict[str, Any]:
@@ -127,8 +138,11 @@ def compare(runs: dict[str, dict[str, list[Path]]]) -> dict[str, dict[str, Any]]
             old, new = _stats(sides["old"]), _stats(sides["new"])
             ratio = new["median"] / old["median"] if old["median"] else None
             gap = abs(new["median"] - old["median"]) / abs(old["median"]) if old["median"] else 0.0
+            # one value a side has no spread: nothing to judge against
+            enough = min(len(sides["old"]), len(sides["new"])) >= 2
             cases[case] = {"old": old, "new": new, "new_over_old": ratio,
-                           "beyond_spread": gap > max(old["spread"], new["spread"])}
+                           "beyond_spread": (gap > max(old["spread"], new["spread"])
+                                             if enough else None)}
         out[suite] = cases
     return out
 
@@ -188,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                  "python": platform.python_version(), "loadavg_before": load_before,
                  "loadavg_after": os.getloadavg()},
         "wall_seconds": time.perf_counter() - t0, "cases": result, "log_tails": logs}, indent=1))
-    beyond = {s: [c for c, v in cases.items() if v["beyond_spread"]] for s, cases in result.items()}
+    beyond = {s: [c for c, v in cases.items() if v["beyond_spread"]]
+              for s, cases in result.items()}
     for s, cases in result.items():
         print(f"{s}: {len(cases)} cases, {len(beyond[s])} differ beyond the spread")
     print(f"results: {out}")
