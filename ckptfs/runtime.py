@@ -45,9 +45,10 @@ class Resource(Generic[T]):
     #: ``close()`` closes it but keeps it: the value is usable again after its close (the
     #: default savers: the thread saver stays the default)
     reusable: bool = False
-    #: whether a held value is still usable (an event loop someone closed is not); a value that
-    #: is not is made anew by ``get``
-    alive: Callable[[T], bool] | None = None
+    #: the name of the value's own method that says whether someone closed it (an event
+    #: loop's ``is_closed``); a closed value is made anew by ``get``. A method of the value,
+    #: not a callback: ``get`` never calls back into the module that owns the resource
+    closed: str | None = None
 
 
 class Runtime:
@@ -61,7 +62,8 @@ class Runtime:
         """The value of ``resource``, made now if this runtime holds none."""
         with self._lock:
             if resource not in self._values or (
-                    resource.alive is not None and not resource.alive(self._values[resource])):
+                    resource.closed is not None
+                    and getattr(self._values[resource], resource.closed)()):
                 self._values[resource] = resource.make()
             return cast(T, self._values[resource])
 

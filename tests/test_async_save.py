@@ -495,13 +495,13 @@ def test_background_writes_run_at_background_nice(tmp_path, monkeypatch):
 
     monkeypatch.setattr(local_store, "_write_all", spy)
     sums: list[int] = []
-    real_crc = write_engine.crc_of
+    real_crcs = write_engine.crcs_of
 
-    def crc_spy(data, **kw):
+    def crcs_spy(buffers, **kw):
         sums.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return real_crc(data, **kw)
+        return real_crcs(buffers, **kw)
 
-    monkeypatch.setattr(write_engine, "crc_of", crc_spy)
+    monkeypatch.setattr(write_engine, "crcs_of", crcs_spy)
     sd = {"w": torch.randn(256, 64), "b": torch.arange(10.0)}
     base = os.getpriority(os.PRIO_PROCESS, 0)
     cfg = ckptfs.SaveOptions(background_nice=min(19, base + 7))

@@ -53,10 +53,22 @@ def cases(rank: int, world: int, root: str) -> None:
         "settle fails": _outcome(lambda: comm.settle(
             "step k", ValueError("rank 1 refuses") if rank == 1 else None,
             all_true={"yes": True})),
+        "settle and gather": _outcome(lambda: _settle_gather(comm, rank)),
+        "settle and gather fails": _outcome(lambda: comm.settle_gather(
+            "step m", ValueError("rank 0 refuses") if rank == 0 else None, "x" * (rank + 1))),
         "after": _outcome(lambda: comm.run_everywhere("step l", lambda: "still in step")),
     }
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+
+
+def _settle_gather(comm: Comm, rank: int) -> list:
+    """``settle_gather``'s answers and gathered objects (ranks' objects of different sizes),
+    and the collectives it took."""
+    before = comm.stats.collectives
+    said, got = comm.settle_gather("step n", None, {"r": rank, "pad": "x" * 100 * rank},
+                                   all_true={"yes": True, "split": rank == 1}, entries=True)
+    return [said, got, comm.stats.collectives - before, comm.stats.entry_bytes > 0]
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +109,20 @@ def test_settle_answers_its_questions_by_name_on_every_rank(outcomes):
     assert [o["questions"] for o in outcomes] == [["ok", want]] * 2
 
 
+@pytest.mark.slow
+def test_settle_gather_answers_and_gathers_in_two_collectives(outcomes):
+    """The settle's all_min also agrees on the frames' width: one all_min and one gather,
+    where ``settle`` then ``gather`` take three."""
+    said = {"yes": True, "split": False}
+    assert outcomes[0]["settle and gather"] == [
+        "ok", [said, [{"r": 0, "pad": ""}, {"r": 1, "pad": "x" * 100}], 2, True]]
+    assert outcomes[1]["settle and gather"] == ["ok", [said, None, 2, True]]
+
+
 @pytest.mark.parametrize(("case", "step", "culprit"), [
     ("everywhere fails", "step g", 1), ("all fails", "step h", 0), ("gather fails", "step i", 1),
-    ("coordinator fails", "step j", 0), ("settle fails", "step k", 1)])
+    ("coordinator fails", "step j", 0), ("settle fails", "step k", 1),
+    ("settle and gather fails", "step m", 0)])
 @pytest.mark.slow
 def test_a_failure_raises_on_every_rank_naming_rank_and_step(outcomes, case, step, culprit):
     own = outcomes[culprit][case]

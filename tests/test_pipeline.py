@@ -172,9 +172,17 @@ def test_the_writer_process_imports_nothing_above_the_engine(tmp_path):
 
 def _module_entries(fn, *, io_loop: bool = False, one: dict[str, str] | None = None,
                     ) -> dict[str, int]:
-    """How many times each ckptfs module is entered while ``fn()`` runs: a call of a function
-    defined in one of its source files from another module (generator resumes and generated
-    dataclass methods not counted), in every thread started meanwhile (sys.setprofile,
+    """How many times each ckptfs module is entered while ``fn()`` runs.
+
+    One entry is a call of a function defined in a module's source file (generated dataclass
+    methods not counted; a generator or coroutine on its first call only, never on a resume)
+    whose caller is another module. The caller is the nearest frame of ckptfs (or of the test)
+    down the stack: a call the standard library or another package makes on ckptfs's behalf
+    (``json`` calling an index's ``object_pairs_hook``, ``asyncio.run_coroutine_threadsafe``
+    calling the I/O loop's ``call_soon_threadsafe``, ``contextlib`` entering a ``with``) belongs
+    to the ckptfs frame that made it, so a module calling itself through a library is not
+    entered. A call with no ckptfs frame under it (a thread's or the event loop's work handed
+    over) is an entry. Counted in every thread started meanwhile (sys.setprofile,
     threading.setprofile); with ``io_loop`` also in the running I/O loop's thread and the
     worker threads of a fresh default executor of that loop. ``one``: modules counted as one
     (module -> name), calls between them not counted."""
@@ -186,6 +194,15 @@ def _module_entries(fn, *, io_loop: bool = False, one: dict[str, str] | None = N
     resumed: set[int] = set()
     one = one or {}
 
+    def owner(frame) -> str:
+        """The module of the nearest ckptfs (or test) frame from ``frame`` down ('' if none)."""
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if name.partition(".")[0] in ("ckptfs", "tests"):
+                return one.get(name, name)
+            frame = frame.f_back
+        return ""
+
     def profile(frame, event, arg):
         code = frame.f_code
         if event != "call" or "ckptfs" not in code.co_filename or code.co_filename[0] == "<":
@@ -195,8 +212,7 @@ def _module_entries(fn, *, io_loop: bool = False, one: dict[str, str] | None = N
                 return
             resumed.add(id(frame))
         module = frame.f_globals.get("__name__", "")
-        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
-        if one.get(module, module) != one.get(caller, caller):
+        if one.get(module, module) != owner(frame.f_back):
             counts[one.get(module, module)] += 1
 
     threading.setprofile(profile)
@@ -234,14 +250,33 @@ def _profile_io_loop(profile) -> None:
     assert done.wait(60)
 
 
-def test_a_save_enters_each_engine_and_api_module_at_most_eight_times(tmp_path):
+#: modules a small save still enters more than 8 times (their bound): the collectives of a
+#: save (open, claim, stage's agreement and take, prepare, outcomes, commit, the Comm and its
+#: stats) and the runtime's lookups (the I/O loop on each of its 6 trips, the backend
+#: registry, the plan cache, the default savers)
+SAVE_ABOVE_EIGHT = {"ckptfs.dist.comm": 9, "ckptfs.runtime": 9}
+
+
+def _above_eight(counts: dict[str, int], known: dict[str, int]) -> dict[str, int]:
+    """The modules of ``counts`` entered more than 8 times, or more than their ``known``
+    bound."""
+    return {m: n for m, n in counts.items() if n > max(8, known.get(m, 0))}
+
+
+def test_a_save_enters_each_module_at_most_eight_times(tmp_path):
     """Following a small state dict through ``ckptfs.save`` (after a first save: imports and
-    the plan cache warm): no module of the engine or the API is entered more than 8 times
-    (docs/architecture.md, the save pipeline; the runtime's collectives and I/O loop are
-    entered once per collective and per I/O step)."""
+    the plan cache warm), in the caller's thread and every thread started meanwhile: no ckptfs
+    module, of any layer, is entered more than 8 times (``_module_entries`` says how entries
+    are counted), but the two of ``SAVE_ABOVE_EIGHT``, within their bound. Per-tensor work is
+    handed to the lower modules in one call per rank, so a bigger state dict enters them no
+    more often."""
     state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
     ckptfs.save(state, tmp_path / "warm")
     counts = _module_entries(lambda: ckptfs.save(state, tmp_path / "c"))
-    ours = {m: n for m, n in counts.items() if layer(m) >= 5 and m != "ckptfs.errors"}
-    assert "ckptfs.engine.save.pipeline" in ours and "ckptfs.engine.save.write" in ours
-    assert {m: n for m, n in ours.items() if n > 8} == {}
+    assert "ckptfs.engine.save.pipeline" in counts and "ckptfs.engine.save.write" in counts
+    assert _above_eight(counts, SAVE_ABOVE_EIGHT) == {}, counts
+    more = {**state, **{f"t{i}": torch.full((16,), float(i)) for i in range(12)}}
+    ckptfs.save(more, tmp_path / "warm-more")
+    bigger = _module_entries(lambda: ckptfs.save(more, tmp_path / "more"))
+    for m in ("ckptfs.state.shards", "ckptfs.layout.checksum", "ckptfs.layout.backend"):
+        assert bigger.get(m, 0) == counts.get(m, 0), (m, bigger, counts)

@@ -107,14 +107,25 @@ def test_many_small_files_are_read_in_groups(tmp_path, tensors, groups):
         assert torch.equal(t, sd[k])
 
 
+#: modules a small load still enters more than 8 times (their bound, counted in the I/O loop's
+#: threads too): per-tensor and per-chunk calls of the value helpers (boxes, dtypes, keys,
+#: checksums), the store's base-class helpers its subclass calls in the worker threads, and
+#: the I/O loop's trips
+LOAD_ABOVE_EIGHT = {"ckptfs.layout.boxes": 30, "ckptfs.layout.dtypes": 15,
+                    "ckptfs.io.store": 14, "ckptfs.layout.checksum": 12,
+                    "ckptfs.layout.keys": 10, "ckptfs.io.loop": 9}
+
+
 @pytest.mark.parametrize("resharded", [False, True], ids=["same-shapes", "resharded"])
 def test_a_load_enters_the_read_module_at_most_six_times(tmp_path, resharded):
     """Following a small state dict through ``ckptfs.load`` (after a first load: imports warm),
-    in the caller's thread, the I/O loop's and the worker threads: the read module (the
-    schedule and its run, counted as one: calls between them are not entries) is entered at
-    most 6 times (docs/architecture.md); the schedule decides alone (no callbacks from the
-    layers below into it) and a lone file or stream is awaited in place."""
-    from tests.test_pipeline import _module_entries
+    in the caller's thread, the I/O loop's and the worker threads (tests/test_pipeline.py's
+    ``_module_entries`` says how entries are counted): the read module (the schedule and its
+    run, counted as one: calls between them are not entries) is entered at most 6 times
+    (docs/architecture.md); the schedule decides alone (no callbacks from the layers below into
+    it) and a lone file or stream is awaited in place. No other module is entered more than 8
+    times, but those of ``LOAD_ABOVE_EIGHT``, within their bound."""
+    from tests.test_pipeline import _above_eight, _module_entries
 
     state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
     ckptfs.save(state, tmp_path / "c")
@@ -129,5 +140,6 @@ def test_a_load_enters_the_read_module_at_most_six_times(tmp_path, resharded):
     read = {"ckptfs.engine.load.schedule": "read", "ckptfs.engine.load.run": "read"}
     counts = _module_entries(lambda: ckptfs.load(sd, tmp_path / "c"), io_loop=True, one=read)
     assert 1 <= counts.get("read", 0) <= 6, counts
+    assert _above_eight(counts, LOAD_ABOVE_EIGHT) == {}, counts
     got = sd["w"].local_tensor if resharded else sd["w"]
     assert torch.equal(got, state["w"][16:48] if resharded else state["w"])

@@ -54,14 +54,23 @@ def test_a_failing_close_does_not_keep_the_others_open():
     assert closed == ["ok"] and rt.names() == []
 
 
-def test_a_dead_value_is_made_anew_and_swapped_restores():
+class _Closable:
+    def __init__(self, mine: int = 0) -> None:
+        self.shut, self.mine = False, mine
+
+    def is_shut(self) -> bool:
+        return self.shut
+
+
+def test_a_closed_value_is_made_anew_and_swapped_restores():
     rt = Runtime()
-    r = Resource("flag", lambda: {"alive": True}, alive=lambda v: v["alive"])
+    r = Resource("flag", _Closable, closed="is_shut")
     v = rt.get(r)
-    v["alive"] = False
-    assert rt.get(r) is not v and rt.get(r)["alive"]
+    assert rt.get(r) is v
+    v.shut = True
+    assert rt.get(r) is not v and not rt.get(r).shut
     held = rt.get(r)
-    with rt.swapped(r, {"alive": True, "mine": 1}) as mine:
+    with rt.swapped(r, _Closable(1)) as mine:
         assert rt.get(r) is mine
     assert rt.get(r) is held
     other = Resource("other", dict)

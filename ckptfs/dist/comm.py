@@ -101,6 +101,17 @@ class Comm:
             if group is not None:
                 raise ConfigError("process_group given but torch.distributed is not initialised")
             self.rank, self.size = 0, 1
+        self._settled()
+
+    def _settled(self) -> None:
+        """The values every phase reads, fixed once the group is known (plain attributes: a
+        save reads them per tensor)."""
+        #: rank 0 of the group: the one that plans, gathers and commits
+        self.is_coordinator = self.rank == 0
+        #: the group's ranks as global ranks (what identifies the group across Comm objects)
+        self.members: tuple[int, ...] = (
+            (0,) if not self.distributed else tuple(range(self.size)) if self._callers is None
+            else tuple(dist.get_process_group_ranks(self._callers)))
 
     @contextmanager
     def _guard(self, what: str) -> Iterator[None]:
@@ -111,19 +122,6 @@ class Comm:
             if self.group is not None and self.group is not self._callers:
                 drop(self.group)
             raise translate(e, what, self.timeout) from e
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The group's ranks as global ranks (what identifies the group across Comm objects)."""
-        if not self.distributed:
-            return (0,)
-        if self._callers is None:
-            return tuple(range(self.size))
-        return tuple(dist.get_process_group_ranks(self._callers))
 
     @property
     def device(self) -> torch.device:
@@ -205,10 +203,14 @@ class Comm:
         ``device``, width)."""
         raw = _encode(obj)
         width = -self.all_min([-(len(raw) + 8)], what)[0]
+        return self._frame(raw, width), width
+
+    def _frame(self, raw: bytes, width: int) -> torch.Tensor:
+        """``raw`` behind its 8-byte length, padded to ``width`` bytes, on ``device``."""
         buf = bytearray(width)
         buf[:8] = len(raw).to_bytes(8, "little")
         buf[8:8 + len(raw)] = raw
-        return torch.frombuffer(buf, dtype=torch.uint8).to(self.device), width
+        return torch.frombuffer(buf, dtype=torch.uint8).to(self.device)
 
     @staticmethod
     def _decode(part: torch.Tensor) -> Any:
@@ -234,6 +236,10 @@ class Comm:
         if self.size == 1:
             return [obj]
         buf, width = self._framed(obj, what)
+        return self._gather_framed(buf, width, what, entries)
+
+    def _gather_framed(self, buf: torch.Tensor, width: int, what: str,
+                       entries: bool) -> list[Any] | None:
         parts = ([torch.empty(width, dtype=torch.uint8, device=self.device)
                   for _ in range(self.size)] if self.is_coordinator else None)
         with self._guard(what):
@@ -286,6 +292,28 @@ class Comm:
         rest = mins[len(true):]
         out.update((k, rest[2 * i] == -rest[2 * i + 1]) for i, k in enumerate(equal))
         return out
+
+    def settle_gather(self, what: str, err: BaseException | None, obj: T, *,
+                      all_true: Mapping[str, bool] | None = None, entries: bool = False
+                      ) -> tuple[dict[str, bool], list[T] | None]:
+        """``settle(what, err, all_true=...)`` then ``gather(obj)`` in one call, and in two
+        collectives instead of three: the settle's ``all_min`` also agrees on the width of the
+        gathered frames. Returns (the answers, every rank's ``obj`` on the coordinator, None
+        elsewhere). A rank whose ``obj`` cannot be pickled fails the settle."""
+        true = dict(all_true or {})
+        if self.size == 1:
+            return self.settle(what, err, all_true=true), [obj]
+        raw = b""
+        if err is None:
+            try:
+                raw = _encode(obj)
+            except Exception as e:
+                err = e
+        mins = self._settle_min(what, err, [*(int(bool(v)) for v in true.values()),
+                                            -(len(raw) + 8)])
+        width = -mins[len(true)]
+        answers = {k: m == 1 for k, m in zip(true, mins)}
+        return answers, self._gather_framed(self._frame(raw, width), width, what, entries)
 
     def _settle_min(self, what: str, err: BaseException | None, values: Sequence[int]) -> list[int]:
         """``settle`` and ``all_min(values)`` in one collective (``values`` of a failed rank are

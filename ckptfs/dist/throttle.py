@@ -24,15 +24,19 @@ def upload_rounds(layout: NodeLayout, limit: int) -> tuple[int, ...]:
     return tuple(lr // limit for lr in layout.local_rank)
 
 
-def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T]) -> T:
+def run_throttled(limit: int | None, comm: Comm, fn: Callable[[], T], *,
+                  agreed: bool = False) -> T:
     """Run ``fn`` (this rank's uploads) in this rank's round; collective over ``comm``.
 
     Every rank calls this with its own ``limit``; the smallest one given wins, and when no rank
-    gives one (all None) ``fn`` runs at once after one small ``all_min``.
+    gives one (all None) ``fn`` runs at once after one small ``all_min``. ``agreed``: ``limit``
+    is already the group's (the smallest given, the same on every rank; the save's write phase
+    shares the limits in the collective that prepares its layout): no ``all_min``.
     """
     none = 1 << 62
     what = "save: planning throttled upload rounds"
-    k = comm.all_min([none if limit is None else limit], what)[0]
+    k = (none if limit is None else limit) if agreed else \
+        comm.all_min([none if limit is None else limit], what)[0]
     if k == none:
         return fn()
     seen = comm.all_gather(node_id(), what)

@@ -67,7 +67,7 @@ def _start_loop() -> IOLoop:
 #: leaves it running: stores the caller opened (a manager's) are bound to it. A forked child
 #: starts its own.
 LOOP: Resource[asyncio.AbstractEventLoop] = Resource(
-    "the I/O loop", _start_loop, alive=lambda loop: not loop.is_closed())
+    "the I/O loop", _start_loop, closed="is_closed")
 
 
 def get_loop() -> asyncio.AbstractEventLoop:

@@ -57,6 +57,11 @@ class ChunkData:
         return self.source if self.source is not None else tensor_bytes(self.data)
 
 
+def chunk_parts(chunks: Sequence[ChunkData]) -> list[Part]:
+    """``ChunkData.part`` of each of ``chunks`` (a backend laying out a file's chunks)."""
+    return [c.part() for c in chunks]
+
+
 @dataclass(frozen=True, slots=True)
 class RankWriteJob:
     """The chunks one rank writes, with the plans of their tensors."""

@@ -86,6 +86,17 @@ def render(crc: int) -> str:
     return f"{ALGORITHM}:{crc:08x}"
 
 
+def rendered(crcs: Iterable[int]) -> list[str]:
+    """``render`` of each of ``crcs`` (a rank's chunk checksums in one call)."""
+    return [render(crc) for crc in crcs]
+
+
+def crcs_of(buffers: Iterable[bytes | bytearray | memoryview | np.ndarray], *,
+            yielding: bool = False) -> list[int]:
+    """``crc_of`` of each of ``buffers``, in order (a rank's chunks in one call)."""
+    return [crc_of(b, yielding=yielding) for b in buffers]
+
+
 def crc_of(data: bytes | bytearray | memoryview | np.ndarray, *, yielding: bool = False) -> int:
     """The CRC of ``data``.
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 from ckptfs.errors import MalformedIndexError, UnsupportedValueError
 from ckptfs.layout.keys import Path, check_unicode, child_key, decode_key, encode_key
 from ckptfs.layout.values import component_order, encode_value
-from ckptfs.state.shards import is_plain_tensor, is_tensor_like
+from ckptfs.state.shards import TENSOR_LIKE, is_plain_tensor
 
 Json = Any
 
@@ -77,7 +77,7 @@ def _walk(obj: Any, path: Path, key: str | None, flat: FlatState, rank: int | No
         flat.order.append(key)
         _walk(obj.value, (*path, rank), child_key(key, rank), flat, rank, True)
         return
-    if is_tensor_like(obj):
+    if isinstance(obj, TENSOR_LIKE):
         assert key is not None
         if private and not is_plain_tensor(obj):
             raise UnsupportedValueError(f"key {key!r}: PerRank holds plain tensors and values, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeGuard, cast
 
@@ -61,8 +61,12 @@ class LocalShard:
     replica_id: int  #: distinct among ranks holding the same box
 
 
+#: the types a state dict's tensors are (an ``isinstance`` test per leaf, no call)
+TENSOR_LIKE = (torch.Tensor, ShardedTensor)
+
+
 def is_tensor_like(obj: object) -> bool:
-    return isinstance(obj, torch.Tensor | ShardedTensor)
+    return isinstance(obj, TENSOR_LIKE)
 
 
 def is_plain_tensor(obj: object) -> bool:
@@ -172,3 +176,17 @@ def tensor_layout(shard: LocalShard, obj: torch.Tensor | ShardedTensor, rank: in
                     return Layout(dtype, shape, mesh=i, placements=placements)
         return Layout(dtype, shape, box=shard.box, replica_id=shard.replica_id)
     return Layout(dtype, shape)
+
+
+def described_shards(tensors: Mapping[str, torch.Tensor | ShardedTensor], rank: int,
+                     meshes: MeshTable, private: Container[str] = ()
+                     ) -> list[tuple[str, LocalShard, Layout | None]]:
+    """(key, ``local_shard``, ``tensor_layout``) of each tensor this rank holds, in key order
+    (one call for a save's description); ``private`` keys get no layout (None)."""
+    out = []
+    for key in sorted(tensors):
+        obj = tensors[key]
+        s = local_shard(key, obj, rank)
+        if s is not None:
+            out.append((key, s, None if key in private else tensor_layout(s, obj, rank, meshes)))
+    return out

@@ -584,11 +584,7 @@ class RemoteComm(Comm):
         self._device = torch.device("cpu")
         self.rank, self.size = rank, size
         self._mail = mail
-        self._members = members
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        return self._members
+        self.is_coordinator, self.members = rank == 0, members
 
     @property
     def device(self) -> torch.device:
@@ -623,6 +619,11 @@ class RemoteComm(Comm):
             return [obj]
         got = self._call("gather", _encode(obj), what, entries=entries)
         return None if got is None else [pickle.loads(b) for b in got]
+
+    def settle_gather(self, what: str, err: BaseException | None, obj: Any, *,
+                      all_true: Any = None, entries: bool = False) -> tuple[dict[str, bool], Any]:
+        # the training process runs each collective it is asked for: the settle, then the gather
+        return self.settle(what, err, all_true=all_true), self.gather(obj, what, entries=entries)
 
     def broadcast(self, obj: Any, what: str = "a broadcast", *, src: int = 0) -> Any:
         if self.size == 1:

@@ -56,13 +56,16 @@ class Claim:
 
 
 def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
-                 keep_index: bool = False) -> Claim:
-    """Collective: take the save lock and check the target (see ``_claim``)."""
+                 keep_index: bool = False, renewals: list[Renewal] | None = None) -> Claim:
+    """Collective: take the save lock and check the target (see ``_claim``); with
+    ``renewals``, the coordinator starts the lock's renewal in the same step (one trip to the
+    I/O loop) and appends it there."""
     return comm.run_on_coordinator("save: checking the target", lambda: run_sync(
-        _claim(store, overwrite, backend, keep_index)))
+        _claim(store, overwrite, backend, keep_index, renewals)))
 
 
-async def _claim(store: Store, overwrite: bool, backend: Backend, keep_index: bool = False) -> Claim:
+async def _claim(store: Store, overwrite: bool, backend: Backend, keep_index: bool = False,
+                 renewals: list[Renewal] | None = None) -> Claim:
     save_id = uuid.uuid4().hex[:12]
     lock = LockInfo.new(save_id, f"{backend.name}-{backend.version}")
     await acquire(store, lock)  # from here no other save writes to this root
@@ -71,6 +74,8 @@ async def _claim(store: Store, overwrite: bool, backend: Backend, keep_index: bo
         if committed and not keep_index:
             await store.delete([INDEX_FILE])  # un-commit first: a crash now leaves no stale index
             committed = False
+        if renewals is not None:
+            renewals.append(await Renewal.begin(store, lock))
         return Claim(replacing, save_id, lock, committed)
     except BaseException:
         await release(store)
@@ -123,8 +128,15 @@ def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
     coordinator renews it while the body runs and, if the body fails on it, stops renewing and
     gives it back (``abandon``); a committed save has released it (``commit_index``).
     ``keep_index``: a replaced index is left for the body to un-commit (``uncommit``)."""
-    claim = claim_target(store, comm, overwrite, backend, keep_index=keep_index)
-    renewal = Renewal(store, claim.lock) if comm.is_coordinator else None
+    renewals: list[Renewal] = []
+    try:
+        claim = claim_target(store, comm, overwrite, backend, keep_index=keep_index,
+                             renewals=renewals)
+    except BaseException:  # the claim's collective failed after the coordinator's claim
+        for r in renewals:
+            r.stop()
+        raise
+    renewal = renewals[0] if renewals else None
     failed = False
     try:
         yield claim

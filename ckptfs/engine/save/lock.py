@@ -125,6 +125,14 @@ class Renewal:
         self._stop: asyncio.Event | None = None
         self._task = run_sync(self._start(store, info))
 
+    @classmethod
+    async def begin(cls, store: Store, info: LockInfo) -> Renewal:
+        """A renewal started from a coroutine on the I/O loop (the claim's own step)."""
+        self = cls.__new__(cls)
+        self._stop = None
+        self._task = await self._start(store, info)
+        return self
+
     async def _start(self, store: Store, info: LockInfo) -> asyncio.Task[None]:
         self._stop = asyncio.Event()
         return asyncio.get_running_loop().create_task(self._run(store, info, self._stop))

@@ -64,7 +64,7 @@ from ckptfs.planning.layouts import Description
 from ckptfs.planning.plan_cache import CachedPlan, PlanCache, plan_cache
 from ckptfs.planning.save_plan import SavePlan, agree_layouts
 from ckptfs.state.flatten import flatten, merge_order
-from ckptfs.state.shards import LocalShard, MeshTable, local_shard, tensor_layout
+from ckptfs.state.shards import LocalShard, MeshTable, described_shards
 
 Json = Any
 
@@ -174,16 +174,12 @@ def describe(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
     shards: dict[str, LocalShard] = {}
     own: dict[str, LocalShard] = {}
     layouts = []
-    for key in sorted(flat.tensors):
-        obj = flat.tensors[key]
-        s = local_shard(key, obj, comm.rank)
-        if s is None:
-            continue
-        if key in flat.private:
+    for key, s, layout in described_shards(flat.tensors, comm.rank, meshes, flat.private):
+        if layout is None:
             own[key] = s
         else:
             shards[key] = s
-            layouts.append((key, tensor_layout(s, obj, comm.rank, meshes)))
+            layouts.append((key, layout))
     # what shapes the plan besides the layouts: the backend and the slicing threshold
     desc = Description(tuple(layouts), tuple(meshes.specs))
     digest = _digest(desc.digest(), comm.size, backend.name, backend.version,

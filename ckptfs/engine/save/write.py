@@ -41,7 +41,7 @@ from ckptfs.io.streamed import StreamedPart
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.backend import Backend, ChunkData, FileWrite, RankWriteJob
 from ckptfs.layout.boxes import Box
-from ckptfs.layout.checksum import crc_of, crc_of_parts, memo, render
+from ckptfs.layout.checksum import crc_of_parts, crcs_of, memo, render, rendered
 from ckptfs.layout.index import ChunkEntry
 from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import TensorPlan
@@ -106,24 +106,29 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
         with paused_gc():  # zarr: a metadata document per array (layout/nogc.py)
             prep.extend(backend.prepare(staged.plans))
 
-    comm.run_on_coordinator("save: preparing the layout", prepare)
+    # one collective: the layout prepared (coordinator), every rank's upload limit shared
+    _, limits = comm.run_everywhere(
+        "save: preparing the layout", lambda: prepare() if comm.is_coordinator else None,
+        lambda _: throttle_uploads, to="all")
+    limit = min((k for k in limits if k is not None), default=None)
     what = "save: writing data"
     err: BaseException | None = None
     mine: WrittenRank | None = None
     try:
-        mine = run_throttled(throttle_uploads, comm, lambda: write_rank(
-            staged, backend, store, save_id, progress and comm.is_coordinator, hooks, prep))
+        mine = run_throttled(limit, comm, lambda: write_rank(
+            staged, backend, store, save_id, progress and comm.is_coordinator, hooks, prep),
+            agreed=True)
     except Exception as e:
         err = e
     clean = not (mine and mine.refused)
-    if not comm.settle(what, err, all_true={"finite": clean})["finite"]:
-        assert mine is not None
-        refuse(mine, [f.path for f in prep], store, comm, hooks)
-    assert mine is not None
     # the hooks' notes stay on the rank (the coordinator's own serve its ``before_commit``)
-    ranks = comm.gather(dataclasses.replace(mine, notes=()) if mine.notes else mine, what,
-                        entries=True)
-    return Written(tuple(f.path for f in prep), mine, None if ranks is None else tuple(ranks),
+    sent = None if mine is None else dataclasses.replace(mine, notes=()) if mine.notes else mine
+    said, ranks = comm.settle_gather(what, err, sent, all_true={"finite": clean}, entries=True)
+    assert mine is not None  # settled: every rank wrote (sent its outcome)
+    if not said["finite"]:
+        refuse(mine, [f.path for f in prep], store, comm, hooks)
+    return Written(tuple(f.path for f in prep), mine,
+                   None if ranks is None else tuple(r for r in ranks if r is not None),
                    file_sums(prep))
 
 
@@ -179,8 +184,9 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     # each view's part checksummed as it is written (None: checksummed here)
     parts = [checked.get(address(data)) if checked else None for _, data in views]
     try:  # streamed chunks (engine/memory/device_parts.py) are checksummed as they are written
-        crcs = [(c, data, crc_of(data, yielding=True))
-                for (c, data), part in zip(views, parts, strict=True) if part is None]
+        fresh = [(c, data) for (c, data), part in zip(views, parts, strict=True) if part is None]
+        crcs = [(c, data, crc) for (c, data), crc
+                in zip(fresh, crcs_of([data for _, data in fresh], yielding=True), strict=True)]
         replicas = staged.replica_sums + replica_sums(staged.replicas, yielding=True)
         if hooks:
             untested = [c for (c, _), part in zip(views, parts, strict=True)
@@ -196,9 +202,12 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
              for (c, data), part in zip(views, parts, strict=True) if part is not None]
     suspect = [c for (c, _), part in zip(views, parts, strict=True) if part and part.suspect]
     outcomes = [h.after_write(suspect, n) for h, n in zip(hooks, notes, strict=True)]
-    sums = {(c.key, c.box.offsets, c.box.shape): render(crc) for c, _, crc in crcs}
-    sums.update(((c.key, c.box.offsets, c.box.shape), render(_streamed_crc(c.source)))
-                for c in chunks if c.source is not None)
+    streamed = [c for c in chunks if c.source is not None]
+    # the streamed chunks' after the others (the same corner: theirs wins)
+    sums = dict(zip([(c.key, c.box.offsets, c.box.shape) for c, _, _ in crcs]
+                    + [(c.key, c.box.offsets, c.box.shape) for c in streamed],
+                    rendered([crc for _, _, crc in crcs]
+                             + [_streamed_crc(c.source) for c in streamed]), strict=True))
     whole = file_sums(files, memo((data, crc) for _, data, crc in crcs))
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)

@@ -20,6 +20,7 @@ from ckptfs.layout.backend import (
     RankWrite,
     RankWriteJob,
     RawChunk,
+    chunk_parts,
     data_file_name,
 )
 from ckptfs.layout.dtypes import from_name
@@ -85,8 +86,8 @@ class SafetensorsChunksBackend(Backend):
         raw += b" " * (-len(raw) % 8)
         base = 8 + len(raw)
         parts: list[Any] = [struct.pack("<Q", len(raw)), raw]
+        parts += chunk_parts(ordered)
         for c, (start, n) in zip(ordered, spans, strict=True):
-            parts.append(c.part())
             entries.append((c.key, ChunkEntry(
                 offsets=c.box.offsets, shape=c.box.shape, file=path,
                 byte_offset=base + start, byte_length=n,
