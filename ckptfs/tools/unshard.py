@@ -246,7 +246,7 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, 
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
     name in ``out`` once complete (export_dir.py)."""
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
-    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify)
+    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify, ahead=True)
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
     total = 0
     try:
