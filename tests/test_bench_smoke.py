@@ -102,7 +102,7 @@ SMOKES = {
                          ("1 rank(s), page cache warm, DCP:", "crc: whole files", "io: fsync",
                           "page cache warm: ckptfs / fsync floor = "),
                          "save_phases.json"),
-    "hf_export": Smoke(("--mb", "4", "--tensor-mb", "1", "--files", "2", "--dir", "{tmp}/hf"),
+    "hf_export": Smoke(("--mb", "4", "--tensor-mb", "1", "--files", "2", "--reps", "1", "--dir", "{tmp}/hf"),
                        ("| ckptfs unshard | 2 |", "| ckptfs export_hf | 2 |", "| dcp consolidate | 2 |",
                         "from 1 and 2 ranks and both routes: True; same tensors as DCP's: True"),
                        "hf_export-*.json"),

@@ -136,6 +136,9 @@ def _world(rank: int, world: int, root: str) -> None:
             ckptfs.export_hf(odd, f"{root}/bad-2")
     ckptfs.unshard(f"{root}/ckpt", f"{root}/ckpt-{world}", format="hf", strategy="chunks",
                    chunk_size=CHUNK, keys=["model"])
+    one = ckptfs.unshard(f"{root}/ckpt", f"{root}/one-{world}", format="hf", strategy="one_file",
+                         keys=["model"])  # one file, every rank writing its part
+    assert one.files == ("model.safetensors",) and one.ranks == world
 
 
 def files(d: Path) -> dict[str, bytes]:
@@ -158,6 +161,9 @@ def test_live_and_checkpoint_exports_and_fp8_reads_on_1_2_and_3_ranks(tmp_path):
     one = ckptfs.unshard(tmp_path / "ckpt", tmp_path / "ckpt-1", format="hf", strategy="chunks",
                          chunk_size=CHUNK, keys=["model"])
     assert one.ranks == 1 and len(one.files) == 7 + 1
+    single = ckptfs.unshard(tmp_path / "ckpt", tmp_path / "one-1", format="hf", keys=["model"])
+    assert files(tmp_path / "one-2") == files(tmp_path / "one-3") == files(tmp_path / "one-1")
+    assert single.bytes_written == (tmp_path / "one-1" / "model.safetensors").stat().st_size
     want = tiny_llama().state_dict()
     ref = files(tmp_path / "ckpt-1")
     for d in ("ckpt-2", "ckpt-3", "live-fp32-2", "live-fp32-3"):  # the same bytes, any route
@@ -167,7 +173,18 @@ def test_live_and_checkpoint_exports_and_fp8_reads_on_1_2_and_3_ranks(tmp_path):
     assert len(set(index["weight_map"].values())) == 3  # bf16: half the bytes
     same_weights(tmp_path / "ckpt-2", want, torch.float32)
     same_weights(tmp_path / "live-bf16-3", want, torch.bfloat16)
+    same_weights(tmp_path / "one-3", want, torch.float32)
     assert not any((tmp_path / d / PARTIAL).exists() for d in ("ckpt-2", "live-bf16-2"))
+
+
+def test_a_shared_file_is_cut_in_contiguous_runs_balanced_by_bytes():
+    from ckptfs.tools.unshard import share_ranges
+
+    assert share_ranges([10] * 6, 3) == [0, 0, 1, 1, 2, 2]
+    assert share_ranges([50, 10, 10, 10, 10, 10], 2) == [0, 1, 1, 1, 1, 1]
+    assert share_ranges([100, 1, 1], 3) == [1, 2, 2]  # the middle byte decides
+    assert share_ranges([5, 5], 4) == [1, 3]
+    assert share_ranges([0, 0], 2) == [0, 0]
 
 
 def test_files_go_to_ranks_balanced_by_bytes():

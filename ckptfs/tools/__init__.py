@@ -5,7 +5,8 @@
 - ``unshard``: whole tensors into safetensors, ``torch.save`` or Hugging Face files (``ckptfs.unshard``),
   spread over every rank in a process group.
 - ``hf_export``: Hugging Face files from a running job's sharded state (``ckptfs.export_hf``).
-- ``hf_fp8``: FP8 block-quantized Hugging Face weights dequantised on read (``ckptfs.load_hf_fp8``).
+- ``hf_fp8``, ``hf_mxfp4``: FP8 block-quantized and MXFP4 Hugging Face weights dequantised on
+  read (``ckptfs.load_hf_quantized``, also ``load_hf_fp8``).
 - ``export_dir``: an export's destination, a local directory or an object-store prefix.
 - ``torch_save``: a checkpoint to one ``torch.save`` file and back (``ckptfs.to_torch_save``,
   ``ckptfs.from_torch_save``: DCP's ``dcp_to_torch_save`` / ``torch_save_to_dcp``).

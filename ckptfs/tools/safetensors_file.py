@@ -85,3 +85,42 @@ class SafetensorsWriter:
                                  f"never written, first {self.order[self._next].name!r}")
         finally:
             self._f.close()
+
+
+def create_sized(path: str | os.PathLike, header: bytes, size: int) -> None:
+    """A file of ``size`` bytes starting with ``header``, for ``SafetensorsPart`` writers to
+    fill (the rest reads as zeros until they do)."""
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+
+
+class SafetensorsPart:
+    """Some tensors of a safetensors file that several writers fill at once: ``create_sized``
+    made the file (header and full size) first; ``write(name, tensor)`` puts a tensor's bytes
+    at its place, in any order; then ``close``. A tensor the layout does not have, or of
+    another dtype or shape, raises ValueError naming it."""
+
+    def __init__(self, path: str | os.PathLike, specs: Sequence[TensorSpec],
+                 metadata: Mapping[str, str] | None = None) -> None:
+        header, order = layout(specs, metadata)
+        self._places: dict[str, tuple[TensorSpec, int]] = {}
+        pos = len(header)
+        for s in order:
+            self._places[s.name] = (s, pos)
+            pos += s.nbytes
+        self._fd = os.open(path, os.O_WRONLY)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        spec, pos = self._places.get(name, (None, 0))
+        if spec is None or t.dtype != spec.dtype.torch or tuple(t.shape) != spec.shape:
+            want = "nothing" if spec is None else f"{spec.dtype.name} {list(spec.shape)}"
+            raise ValueError(f"safetensors part: {name!r} is {t.dtype} {list(t.shape)}, the "
+                             f"file's layout has {want} for it")
+        view = tensor_bytes(t.contiguous())
+        while view.nbytes:
+            n = os.pwrite(self._fd, view, pos)
+            view, pos = view[n:], pos + n
+
+    def close(self) -> None:
+        os.close(self._fd)

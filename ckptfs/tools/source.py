@@ -3,6 +3,7 @@ streamed in bounded batches through the read engine."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from ckptfs.engine.memory.buffers import BufferPool
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import StoreOptions, open_store, run_sync
+from ckptfs.io.loop import submit
 from ckptfs.io.progress import ByteProgress, NoProgress
 from ckptfs.io.progress import progress_bar as _progress_bar
 from ckptfs.io.store import Store
@@ -136,13 +138,38 @@ class Region:
 
 
 def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int = DEFAULT_BUFFER,
-                 verify: bool = True,
-                 on_batch: Callable[[int], None] | None = None) -> Iterator[tuple[Region, torch.Tensor]]:
+                 verify: bool = True, on_batch: Callable[[int], None] | None = None,
+                 ahead: bool = False) -> Iterator[tuple[Region, torch.Tensor]]:
     """Each region's data as a new C-contiguous tensor, in order. Regions are read in batches
     of at most ``buffer_bytes`` (a larger region alone), so at most one batch is held here;
-    the caller drops each tensor once it is written. ``on_batch(bytes)`` reports progress."""
-    for batch in batches(regions, buffer_bytes):
-        yield from _read_batch(source, batch, verify, on_batch)
+    the caller drops each tensor once it is written. ``on_batch(bytes)`` reports progress.
+
+    With ``ahead`` the next batch is read while the caller works on the current one (an
+    export writes a file while the next tensors arrive): batches of at most half of
+    ``buffer_bytes``, and a batch is read ahead only when it and the current one fit
+    ``buffer_bytes`` together (a larger region is still held alone)."""
+    budget = max(1, buffer_bytes // 2) if ahead else buffer_bytes
+    pending: _Started | None = None
+    try:
+        for batch in batches(regions, budget):
+            if pending is not None and (not ahead or pending.nbytes + _nbytes(batch) > buffer_bytes):
+                yield from _finish_batch(pending, on_batch)
+                pending = None
+            previous, pending = pending, _start_batch(source, batch, verify)
+            if previous is not None:
+                yield from _finish_batch(previous, on_batch)
+        if pending is not None:
+            yield from _finish_batch(pending, on_batch)
+            pending = None
+    finally:
+        if pending is not None:  # the consumer stopped early: no read left running into tensors
+            concurrent.futures.wait([pending.done])
+            if not pending.done.cancelled():
+                pending.done.exception()  # retrieved: the consumer's own error is the one raised
+
+
+def _nbytes(batch: list[Region]) -> int:
+    return sum(r.nbytes for r in batch)
 
 
 def batches(regions: Iterable[Region], budget: int) -> Iterator[list[Region]]:
@@ -160,14 +187,33 @@ def batches(regions: Iterable[Region], budget: int) -> Iterator[list[Region]]:
         yield batch
 
 
-def _read_batch(source: Source, batch: list[Region], verify: bool,
-                on_batch: Callable[[int], None] | None) -> Iterator[tuple[Region, torch.Tensor]]:
+@dataclass(frozen=True)
+class _Started:
+    """A batch whose reads run on the I/O loop: its regions, their tensors, the reads' end."""
+
+    regions: list[Region]
+    tensors: list[torch.Tensor]
+    done: concurrent.futures.Future[int]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.regions)
+
+
+def _start_batch(source: Source, batch: list[Region], verify: bool) -> _Started:
     out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch) for r in batch]
     jobs = [TensorRead(r.entry, t, region_pieces(r)) for r, t in zip(batch, out, strict=True) if t.numel()]
-    run_sync(execute_reads(source.store, source.backend, jobs, pool=source.pool, verify=verify))
+    return _Started(batch, out, submit(execute_reads(source.store, source.backend, jobs,
+                                                     pool=source.pool, verify=verify)))
+
+
+def _finish_batch(started: _Started, on_batch: Callable[[int], None] | None
+                  ) -> Iterator[tuple[Region, torch.Tensor]]:
+    started.done.result()
+    out = started.tensors
     if on_batch is not None:
         on_batch(sum(t.nbytes for t in out))
-    for i, r in enumerate(batch):
+    for i, r in enumerate(started.regions):
         t, out[i] = out[i], None  # type: ignore[call-overload]
         yield r, t
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -42,7 +43,13 @@ from ckptfs.layout.values import decode_value
 from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.state.flatten import unflatten
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
-from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
+from ckptfs.tools.safetensors_file import (
+    SafetensorsPart,
+    SafetensorsWriter,
+    TensorSpec,
+    create_sized,
+    layout,
+)
 from ckptfs.tools.source import (
     DEFAULT_BUFFER,
     Region,
@@ -101,8 +108,11 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
     In an initialised process group the call is collective: every rank of ``process_group``
     (default: the whole job) calls it with the same arguments, the files are assigned to the
     ranks balanced by bytes, each rank writes its files whole, and the hf index is written once,
-    after every file. Which file holds which tensor depends on the checkpoint and the arguments
-    only, so the files are the same bytes whatever the number of ranks."""
+    after every file. A single safetensors file (``one_file``, or ``chunks`` making one file)
+    written to a local directory is shared instead: every rank writes its byte range of it
+    (a contiguous run of its tensors, balanced by bytes). Which file holds which tensor depends
+    on the checkpoint and the arguments only, so the files are the same bytes whatever the
+    number of ranks."""
     t0 = time.perf_counter()
     _check_args(format, strategy, chunk_size, resume)
     comm = Comm(process_group)
@@ -113,17 +123,23 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
         plans = _plan(src, sel, format, strategy, chunk_size)
         indexed = format == "hf" and strategy != "one_file"
         names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
-        done = comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
-            names, format == "hf", overwrite, resume, _expected(src, sel, plans, format)))
-        owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
-        mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
+        expected = _expected(src, sel, plans, format)
+        shared = _shared_file(plans, format, out, comm.size)
+        done = comm.run_on_coordinator(f"preparing {out}", lambda: _prepare(
+            out, names, format == "hf", overwrite, resume, expected, shared))
         label = f"ckptfs unshard {src.url}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
-        _, counts = comm.run_everywhere(
-            f"writing the files of {out}",
-            lambda: _write(src, sel, mine, out, format, buffer_bytes, verify, progress, label, comm.rank),
-            lambda n: n, to="all")
-        written = sum(counts) + comm.run_on_coordinator(
-            f"finishing {out}", lambda: out.finish(_hf_index(src, sel, plans) if indexed else None))
+        if shared is not None:
+            todo = [] if shared.name in done else _share(src, shared, comm.rank, comm.size)
+            work = partial(_write_share, src, sel, shared, todo, out, format, buffer_bytes, verify,
+                           progress, label, comm.rank)
+        else:
+            owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
+            mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
+            work = partial(_write, src, sel, mine, out, format, buffer_bytes, verify, progress,
+                           label, comm.rank)
+        _, counts = comm.run_everywhere(f"writing the files of {out}", work, lambda n: n, to="all")
+        written = sum(counts) + comm.run_on_coordinator(f"finishing {out}", lambda: _finish(
+            out, shared, expected, done, _hf_index(src, sel, plans) if indexed else None))
     seconds = time.perf_counter() - t0
     if progress and comm.is_coordinator:
         print(summary(f"ckptfs unshard {src.url} -> {out} ({comm.size} rank(s))", written, seconds),
@@ -144,6 +160,77 @@ def assign_files(sizes: Sequence[int], ranks: int) -> list[int]:
         owner[i] = r
         load[r] += sizes[i]
     return owner
+
+
+def _shared_file(plans: list[_FilePlan], format: str, out: ExportDir, ranks: int) -> _FilePlan | None:
+    """The one safetensors file every rank writes a part of; None where each file has one
+    writer (several files, torch files, one rank, or an object store: an object is uploaded
+    whole by one rank)."""
+    one = len(plans) == 1 and format != "torch" and ranks > 1 and out.store is None
+    return plans[0] if one else None
+
+
+def share_ranges(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that writes each of consecutive items of ``sizes`` bytes: contiguous runs,
+    balanced by bytes (an item goes to the rank whose share holds its middle byte)."""
+    total = sum(sizes) or 1
+    owner = []
+    pos = 0
+    for n in sizes:
+        owner.append(min(ranks - 1, (2 * pos + n) * ranks // (2 * total)))
+        pos += n
+    return owner
+
+
+def _share(src: Source, plan: _FilePlan, rank: int, ranks: int) -> list[str]:
+    """This rank's tensors of the shared file, in the file's data order."""
+    owner = share_ranges([nbytes(src.index.tensors[k]) for k in plan.tensors], ranks)
+    return [k for k, r in zip(plan.tensors, owner, strict=True) if r == rank]
+
+
+def _prepare(out: ExportDir, names: list[str], hf: bool, overwrite: bool, resume: bool,
+             expected: dict[str, tuple[int, bytes]], shared: _FilePlan | None) -> set[str]:
+    """The coordinator's claim of ``out``; then the shared file, if any, is made at its full
+    size with its header, for every rank to write its part into."""
+    done = out.claim(names, hf, overwrite, resume, expected)
+    if shared is not None and shared.name not in done:
+        size, header = expected[shared.name]
+        create_sized(out.partial(shared.name), header, size)
+    return done
+
+
+def _finish(out: ExportDir, shared: _FilePlan | None, expected: dict[str, tuple[int, bytes]],
+            done: set[str], index: bytes | None) -> int:
+    """The coordinator, after every rank wrote: the shared file takes its name (its header
+    counted here), then the index."""
+    header = 0
+    if shared is not None and shared.name not in done:
+        out.publish(shared.name)
+        header = len(expected[shared.name][1])
+    return header + out.finish(index)
+
+
+def _write_share(src: Source, sel: Selection, plan: _FilePlan, keys: list[str], out: ExportDir,
+                 format: str, buffer_bytes: int, verify: bool, progress: bool, label: str,
+                 rank: int) -> int:
+    """Write the tensors ``keys`` of the shared file into their places in it."""
+    if not keys:
+        return 0
+    regions = [Region.whole(src.index.tensors[k]) for k in keys]
+    bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
+    part = SafetensorsPart(out.partial(plan.name), _specs(src, sel, plan.tensors), _metadata(format))
+    total = 0
+    try:
+        for region, data in read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
+                                         ahead=True):
+            part.write(sel.relative(region.entry.key), data)
+            bar.update(data.nbytes)
+            total += data.nbytes
+            del data
+    finally:
+        part.close()
+        bar.close(done=False)
+    return total
 
 
 def _plan_bytes(src: Source, plan: _FilePlan) -> int:
@@ -246,7 +333,7 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, 
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
     name in ``out`` once complete (export_dir.py)."""
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
-    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify)
+    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify, ahead=True)
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
     total = 0
     try:

@@ -14,7 +14,7 @@ GROUPS = [
     ("Saving and loading", ("save", "async_save", "load", "load_keys", "load_metadata", "delete", "close",
                             "save_model_and_optim_state", "async_save_model_and_optim_state",
                             "load_model_and_optim_state")),
-    ("Tools", ("verify", "clean", "convert", "unshard", "export_hf", "load_hf_fp8")),
+    ("Tools", ("verify", "clean", "convert", "unshard", "export_hf", "load_hf_quantized", "load_hf_fp8")),
     ("Backends", ("available_backends", "get_backend", "register_backend", "register_zarr_dtypes")),
 ]
 

@@ -1,0 +1,92 @@
+"""Tools' tensor streams reading ahead (``read_regions(..., ahead=True)``, what ``unshard``
+uses): the same tensors as reading in turn; the next batch is read while the caller holds the
+current one, never more than ``buffer_bytes`` held together (a larger tensor alone); a caller
+that stops early or fails leaves no read running."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptfs
+import ckptfs.tools.source as source
+from ckptfs.tools.source import Region, open_checkpoint, read_regions
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(n // 4, generator=g) for i, n in
+             enumerate([MB, MB, 3 * MB, MB, MB, MB, 5 * MB, MB])}
+    ckptfs.save(state, tmp_path / "c")
+    return tmp_path / "c", state
+
+
+def _events(monkeypatch) -> list[tuple[str, int]]:
+    """Record when a batch's reads start and when its tensors are handed over."""
+    events: list[tuple[str, int]] = []
+    start, finish = source._start_batch, source._finish_batch
+
+    def started(src, batch, verify):
+        events.append(("start", sum(r.nbytes for r in batch)))
+        return start(src, batch, verify)
+
+    def finished(s, on_batch):
+        events.append(("hand", s.nbytes))
+        yield from finish(s, on_batch)
+        events.append(("done", s.nbytes))
+
+    monkeypatch.setattr(source, "_start_batch", started)
+    monkeypatch.setattr(source, "_finish_batch", finished)
+    return events
+
+
+def _most_held(events: list[tuple[str, int]]) -> int:
+    held = peak = 0
+    for what, n in events:
+        held += n if what == "start" else -n if what == "done" else 0
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_reading_ahead_gives_the_same_tensors_within_the_buffer(ckpt, monkeypatch, ahead):
+    path, state = ckpt
+    events = _events(monkeypatch)
+    with open_checkpoint(path, None, None) as src:
+        regions = [Region.whole(src.index.tensors[k]) for k in state]
+        got = {r.entry.key: t for r, t in read_regions(src, regions, buffer_bytes=4 * MB, ahead=ahead)}
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    # 4 MiB: in turn, at most one batch of 4 MiB or the 5 MiB tensor; ahead, batches of 2 MiB,
+    # two at once, and the 3 and 5 MiB tensors alone
+    assert _most_held(events) == 5 * MB
+    waiting = [0]  # batches started and not yet handed over, after each event
+    for what, _ in events:
+        waiting.append(waiting[-1] + (what == "start") - (what == "hand"))
+    assert max(waiting) == (2 if ahead else 1)  # ahead: the next read runs during the handing
+    sizes = [n for what, n in events if what == "start"]
+    assert sizes == ([2 * MB, 3 * MB, 2 * MB, 1 * MB, 5 * MB, 1 * MB] if ahead
+                     else [2 * MB, 4 * MB, 2 * MB, 5 * MB, 1 * MB])
+
+
+def test_a_caller_stopping_early_leaves_no_read_running(ckpt, monkeypatch):
+    path, state = ckpt
+    futures = []
+    start = source._start_batch
+
+    def started(src, batch, verify):
+        s = start(src, batch, verify)
+        futures.append(s.done)
+        return s
+
+    monkeypatch.setattr(source, "_start_batch", started)
+    with open_checkpoint(path, None, None) as src:
+        regions = [Region.whole(src.index.tensors[k]) for k in state]
+        stream = read_regions(src, regions, buffer_bytes=2 * MB, ahead=True)
+        with pytest.raises(RuntimeError, match="writer failed"):
+            for _region, _ in stream:
+                raise RuntimeError("writer failed")
+        stream.close()
+        assert len(futures) == 2 and all(f.done() for f in futures)  # the one ahead waited for
