@@ -99,12 +99,11 @@ def assert_nothing_committed(url: Path) -> None:
         ckptfs.load_metadata(url)
 
 
-@pytest.mark.parametrize("skip", [0, 1])
-def test_eio_writing_a_data_file_fails_the_save_and_loses_nothing(eio_lib, tmp_path, skip):
-    """The first (or the second) write to a data file fails with EIO."""
+def test_eio_writing_a_data_file_fails_the_save_and_loses_nothing(eio_lib, tmp_path):
+    """The second write to a data file fails with EIO (the first went through)."""
     prev, url = tmp_path / "prev", tmp_path / "new"
     ckptfs.save(state(0), prev)
-    out = under_eio(eio_lib, "save", url, f"{url}/data/", "write", skip)
+    out = under_eio(eio_lib, "save", url, f"{url}/data/", "write", skip=1)
     assert_refused_naming(out, url, f"{url}/data/")
     assert_nothing_committed(url)
     assert same(ckptfs.load_keys(prev), state(0))
