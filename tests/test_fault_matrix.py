@@ -115,7 +115,8 @@ def op_save(c: Cell) -> tuple[Callable[[], None], Callable[[bool], None]]:
 
 
 def op_async_save(c: Cell, writer: str = "thread") -> tuple[Callable[[], None], Callable[[bool], None]]:
-    c.save(state(0), f"{c.base}/prev")
+    # the previous checkpoint by the same writer: a writer process starts before the clock does
+    ckptfs.async_save(state(0), f"{c.base}/prev", writer=writer, **c.kw).result(timeout=CELL_SECONDS)
 
     def run() -> None:
         ckptfs.async_save(state(1), f"{c.base}/new", writer=writer, **c.kw).result(timeout=CELL_SECONDS)
@@ -235,9 +236,14 @@ def _ranks(c: Cell, world: int, url: str, save: bool) -> None:
             raise getattr(ckptfs, err["type"], ckptfs.CkptfsError)(err["message"])
 
 
+def _noop(rank: int, world: int) -> None:
+    pass
+
+
 def op_reshard(c: Cell) -> tuple[Callable[[], None], Callable[[bool], None]]:
     """Saved on 2 ranks and loaded on 3, both under faults."""
     url = f"{c.base}/sharded"
+    run_ranks(3, _noop)  # the kept ranks start before the clock does
 
     def run() -> None:
         _ranks(c, 2, url, save=True)
@@ -352,6 +358,26 @@ def test_soak_reduced(s3, moto_server):
     report = soak(10, 0.10, seed=1, proxy=s3.proxy, endpoint=moto_server)
     assert report["faults_injected"] > 0 and report["retries"] > 0, report
     assert report["wrong_loads"] == 0 and report["lost_committed"] == 0, report
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_storage_error_in_the_writer_process_is_raised_as_it_is(s3, engine):
+    """Every data upload refused (403) during ``async_save(writer="process")``: the save raises
+    the writer's AccessDeniedError naming the URL (once: a WriterError claiming the writer
+    stopped answering, and a writer killed and started again); the next save through the same
+    writer commits."""
+    c = Cell(s3, engine, f"writer-denied-{engine}")
+    s3.proxy.reset()
+    s3.proxy.configure(script=[{"method": "PUT", "path": "/data/", "fault": "deny", "times": 1000}])
+    with pytest.raises(ckptfs.AccessDeniedError) as e:
+        ckptfs.async_save(state(1), f"{c.base}/denied", writer="process", **c.kw).result(
+            timeout=CELL_SECONDS)
+    assert f"{c.base}/denied" in str(e.value), str(e.value)
+    s3.proxy.reset()
+    c.uncommitted(f"{c.base}/denied")
+    ckptfs.async_save(state(2), f"{c.base}/after", writer="process", **c.kw).result(
+        timeout=CELL_SECONDS)
+    c.loads(f"{c.base}/after", state(2))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
