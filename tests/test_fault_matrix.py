@@ -317,12 +317,26 @@ def judge_cell(target: Any, store: str, engine: str, fault: str, op: str) -> Non
         assert f"{engine}-{fault}-{op}" in str(error)
 
 
-@pytest.mark.parametrize("engine, fault, op", _cells(), ids=["-".join(c) for c in _cells()])
+#: the cells whose outcome is a known limit, explained on the reliability page: a resharded load
+#: reads part of a chunk, and a chunk's CRC-32C covers the whole chunk, so a byte changed on the
+#: wire inside such a read is not noticed (a load of whole chunks reads them again)
+PARTIAL_READ = pytest.mark.xfail(
+    reason="a read of part of a chunk cannot check the chunk's CRC-32C: a byte changed on the "
+           "wire goes unnoticed (docs/guide/errors.md)", strict=False)
+
+
+def _params(turn: int = 0) -> list:
+    return [pytest.param(*c, id="-".join(c),
+                         marks=[PARTIAL_READ] if c[1:] == ("corrupt", "reshard") else [])
+            for c in _cells(turn)]
+
+
+@pytest.mark.parametrize("engine, fault, op", _params())
 def test_fault_matrix(s3, engine, fault, op):
     judge_cell(s3, "s3", engine, fault, op)
 
 
-@pytest.mark.parametrize("engine, fault, op", _cells(turn=1), ids=["-".join(c) for c in _cells(turn=1)])
+@pytest.mark.parametrize("engine, fault, op", _params(turn=1))
 def test_fault_matrix_gcs(gcs, engine, fault, op):
     judge_cell(gcs, "gcs", engine, fault, op)
 
