@@ -130,3 +130,20 @@ def test_two_writers_one_url(gcs, engine):
     loser = results[1 - winners[0]]
     assert isinstance(loser, ckptfs.CheckpointExistsError), repr(loser)
     assert same(ckptfs.load_keys(url, **k), state(10 + winners[0]))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_403_is_access_denied_naming_the_url(gcs, engine):
+    """Every upload refused with 403 (gcsfs raises a plain OSError "Forbidden", obstore its
+    PermissionDeniedError): AccessDeniedError naming the checkpoint, not retried, nothing
+    committed."""
+    k = kw(gcs, engine)
+    url = f"{gcs.url}/denied"
+    gcs.proxy.configure(deny=["/upload/", f"/{gcs.bucket}/"])
+    with pytest.raises(ckptfs.AccessDeniedError, match="denied"):
+        ckptfs.save(state(1), url, **k)
+    denied = [r for r in gcs.proxy.log() if r.fault == "deny"]
+    gcs.proxy.reset()
+    assert len(denied) <= 2, [(r.method, r.path) for r in denied]  # not retried
+    with pytest.raises(ckptfs.CheckpointNotFoundError):
+        ckptfs.load_metadata(url, **k)

@@ -201,8 +201,14 @@ class FsspecStore(Store):
         self.stats.retries += 1
 
     async def _retry(self, op: Callable[[], Awaitable[T]], path: str) -> T:
-        return await retrying(op, self.full_path(path), self.options.retry_policy,
-                              on_retry=self._count_retry)
+        try:
+            return await retrying(op, self.full_path(path), self.options.retry_policy,
+                                  on_retry=self._count_retry)
+        except OSError as e:
+            if type(e) is OSError and str(e).startswith("Forbidden"):  # gcsfs's 403
+                first = str(e).splitlines()[0][:300]
+                raise PermissionError(f"{self.full_path(path)}: access denied ({first})") from e
+            raise
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], path: str, *args, **kwargs):
         try:
