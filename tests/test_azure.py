@@ -1,11 +1,13 @@
-"""ckptfs on Azure Blob Storage through obstore, against Azurite (the Azure Storage emulator,
-from npm) started by the test on a free loopback port; skipped with the reason where
-``azurite-blob`` is not installed. The container is made with the Azure SDK
-(azure-storage-blob); ckptfs never creates buckets or containers.
+"""ckptfs on Azure Blob Storage with both clients, obstore (``client="obstore"``) and adlfs
+through fsspec (``client="fsspec"``), against Azurite (the Azure Storage emulator, from npm)
+started by the test on a free loopback port; skipped with the reason where ``azurite-blob`` is
+not installed. The container is made with the Azure SDK (azure-storage-blob); ckptfs never
+creates buckets or containers.
 
 Round trips (every tensor and value exact), a partial load (ranged reads), the atomic commit
 (Azure's create-if-absent is ``If-None-Match: *`` on the PUT, answered 409; obstore raises
-AlreadyExistsError, ckptfs CheckpointExistsError) and two writers saving to one URL at once.
+AlreadyExistsError, adlfs FileExistsError, ckptfs CheckpointExistsError; a second create of one
+object is refused by the store itself) and two writers saving to one URL at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import pytest
 import torch
 
 import ckptfs
+from ckptfs.io.loop import run_sync
+from ckptfs.io.open import open_store
 
 pytestmark = pytest.mark.slow  # starts Azurite
 
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.slow  # starts Azurite
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 CONTAINER = "ckpt"
+ENGINES = ("obstore", "fsspec")
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +76,16 @@ def azurite():
             proc.wait(timeout=30)
 
 
-def opts(endpoint: str) -> dict:
-    return {"storage_options": {"account_name": ACCOUNT, "account_key": KEY,
-                                "endpoint": endpoint, "client_options": {"allow_http": True}},
-            "store_options": ckptfs.StoreOptions(client="obstore", retry_delay=0.01)}
+def opts(endpoint: str, engine: str = "obstore") -> dict:
+    if engine == "obstore":
+        so = {"account_name": ACCOUNT, "account_key": KEY, "endpoint": endpoint,
+              "client_options": {"allow_http": True}}
+    else:  # adlfs: the Azure SDK's connection string names the emulator's endpoint
+        pytest.importorskip("adlfs", reason="adlfs is the fsspec client of az://")
+        so = {"connection_string": f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};"
+                                   f"AccountKey={KEY};BlobEndpoint={endpoint};"}
+    return {"storage_options": so,
+            "store_options": ckptfs.StoreOptions(client=engine, retry_delay=0.01)}
 
 
 def state(seed: int) -> dict:
@@ -91,10 +102,11 @@ def same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("backend", ["safetensors_chunks", "torch_dist", "zarr"])
-def test_round_trip_and_ranged_read(azurite, backend):
-    kw = opts(azurite)
-    url = f"az://{CONTAINER}/rt/{backend}"
+def test_round_trip_and_ranged_read(azurite, backend, engine):
+    kw = opts(azurite, engine)
+    url = f"az://{CONTAINER}/rt/{engine}/{backend}"
     ckptfs.save(state(1), url, backend=backend, **kw)
     assert same(ckptfs.load_keys(url, **kw), state(1))
     tgt = {"w": torch.empty(256, 64), "b": torch.empty(9, dtype=torch.bfloat16),
@@ -106,24 +118,50 @@ def test_round_trip_and_ranged_read(azurite, backend):
     assert ckptfs.verify(url, **kw).ok
 
 
-def test_commit_is_create_if_absent(azurite):
-    """A second save without overwrite is refused and the first stays; overwrite replaces it."""
-    kw = opts(azurite)
-    url = f"az://{CONTAINER}/commit"
+@pytest.mark.parametrize("engine", ENGINES)
+def test_create_if_absent_is_the_stores(azurite, engine):
+    """The store's own create-if-absent: a second create of one object is refused with
+    FileExistsError naming it, and the first bytes stay."""
+    kw = opts(azurite, engine)
+
+    async def twice():
+        store = await open_store(f"az://{CONTAINER}/create/{engine}", kw["storage_options"],
+                                 kw["store_options"])
+        try:
+            await store.put_if_absent("marker", b"first")
+            with pytest.raises(FileExistsError, match="marker"):
+                await store.put_if_absent("marker", b"second")
+            return bytes(await store.get("marker"))
+        finally:
+            await store.close()
+
+    assert run_sync(twice()) == b"first"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_commit_is_create_if_absent(azurite, engine):
+    """A second save without overwrite is refused and the first stays; overwrite replaces it;
+    delete removes it."""
+    kw = opts(azurite, engine)
+    url = f"az://{CONTAINER}/commit/{engine}"
     ckptfs.save(state(1), url, **kw)
     with pytest.raises(ckptfs.CheckpointExistsError, match="commit"):
         ckptfs.save(state(2), url, **kw)
     assert same(ckptfs.load_keys(url, **kw), state(1))
     ckptfs.save(state(2), url, overwrite=True, **kw)
     assert same(ckptfs.load_keys(url, **kw), state(2))
+    ckptfs.delete(url, **kw)
+    with pytest.raises(ckptfs.CheckpointNotFoundError):
+        ckptfs.load_metadata(url, **kw)
 
 
-def test_two_writers_one_url(azurite):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_writers_one_url(azurite, engine):
     """Two saves to one URL at once: exactly one commits, the other is refused with
     CheckpointExistsError (SaveInProgressError while the first holds the lock), and the
     committed one loads exact."""
-    kw = opts(azurite)
-    url = f"az://{CONTAINER}/race"
+    kw = opts(azurite, engine)
+    url = f"az://{CONTAINER}/race/{engine}"
     results: dict[int, BaseException | None] = {}
     gate = threading.Barrier(2)
 

@@ -5,6 +5,7 @@ never hang, the pre-download cache, StoreOptions and obstore option translation.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from types import SimpleNamespace
@@ -47,7 +48,9 @@ def test_transient_and_permanent_errors_are_told_apart():
                  GenericError("Generic S3 error: request failed, status: 503 Service Unavailable"),
                  GenericError("Generic S3 error: error sending request: connection closed"),
                  FlexibleChecksumError(error_msg="Expected checksum zqQvMQ== did not match "
-                                                 "calculated checksum: AAAAAA==")]
+                                                 "calculated checksum: AAAAAA=="),
+                 # gcsfs parses every answer's JSON body: one that does not parse was damaged
+                 json.JSONDecodeError("Invalid control character at", '{"a":"\x01"}', 6)]
     permanent = [client_error(403, "AccessDenied"), client_error(404, "NoSuchKey"),
                  FileNotFoundError("x"), PermissionError("x"), FileExistsError("x"),
                  ValueError("x"), NotFoundError("x"),

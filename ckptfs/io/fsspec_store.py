@@ -10,6 +10,7 @@ part).
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -179,20 +180,35 @@ class FsspecStore(Store):
         return out
 
     async def close(self) -> None:
+        """Close the client's HTTP sessions (made on this loop; the filesystem's own finalizer
+        would only run at exit, when the loop may be gone)."""
         if self._borrowed:
             return
         client = getattr(self.fs, "_s3", None)  # s3fs: the aiobotocore client owns the sessions
         if client is not None:
             self.fs._s3 = None
             await client.close()
+        session = getattr(self.fs, "_session", None)  # gcsfs: one aiohttp session
+        if session is not None and not getattr(session, "closed", True):
+            await session.close()
+        service = getattr(self.fs, "service_client", None)  # adlfs: the Azure SDK's client
+        if service is not None and hasattr(service, "close"):
+            await service.close()
+            _detach_finalizers(self.fs)  # they would close it again at exit, on a closed loop
 
     # -- helpers -----------------------------------------------------------------------------
     def _count_retry(self, _: BaseException) -> None:
         self.stats.retries += 1
 
     async def _retry(self, op: Callable[[], Awaitable[T]], path: str) -> T:
-        return await retrying(op, self.full_path(path), self.options.retry_policy,
-                              on_retry=self._count_retry)
+        try:
+            return await retrying(op, self.full_path(path), self.options.retry_policy,
+                                  on_retry=self._count_retry)
+        except OSError as e:
+            if type(e) is OSError and str(e).startswith("Forbidden"):  # gcsfs's 403
+                first = str(e).splitlines()[0][:300]
+                raise PermissionError(f"{self.full_path(path)}: access denied ({first})") from e
+            raise
 
     async def _call(self, fn: Callable[..., Awaitable[Any]], path: str, *args, **kwargs):
         try:
@@ -203,6 +219,14 @@ class FsspecStore(Store):
             raise PermissionError(f"{self.full_path(path)}: access denied ({e})") from e
 
 
+def _detach_finalizers(obj: object) -> None:
+    """Drop the ``weakref.finalize`` callbacks registered for ``obj`` (its clients are closed)."""
+    for f in list(getattr(weakref.finalize, "_registry", {})):
+        info = f.peek()
+        if info is not None and info[0] is obj:
+            f.detach()
+
+
 async def open_request(request: StoreRequest) -> FsspecStore:
     """The fsspec route: an FsspecStore on fsspec's filesystem of ``request.protocol``
     (asynchronous where the filesystem is), ``storage_options`` passed to it."""
@@ -211,6 +235,9 @@ async def open_request(request: StoreRequest) -> FsspecStore:
     if getattr(cls, "async_impl", False):
         opts.setdefault("asynchronous", True)
         opts.setdefault("skip_instance_cache", True)
+        # the loop that owns the client's sessions: the filesystem's own sync calls and
+        # finalizers (adlfs, gcsfs close their clients at exit) then run where they belong
+        opts.setdefault("loop", asyncio.get_running_loop())
     fs = cls(**opts)
     root = cls._strip_protocol(request.url)
     if hasattr(fs, "set_session"):

@@ -64,7 +64,7 @@ class LocalStore(Store):
 
     async def get_range(self, path: str, start: int, end: int) -> Buffer:
         def work() -> bytes:
-            with self._open_read(path) as f:
+            with _naming(self.full_path(path)), self._open_read(path) as f:
                 return os.pread(f.fileno(), end - start, start)
 
         async with self.semaphore:
@@ -74,7 +74,7 @@ class LocalStore(Store):
 
     async def get(self, path: str) -> Buffer:
         def work() -> bytes:
-            with self._open_read(path) as f:
+            with _naming(self.full_path(path)), self._open_read(path) as f:
                 return f.read()
 
         async with self.semaphore:
@@ -97,7 +97,7 @@ class LocalStore(Store):
         full = self.full_path(path)
 
         def work(offset: int, bufs: list[memoryview]) -> int:
-            with self._open_read(path) as f:
+            with _naming(full), self._open_read(path) as f:
                 if self._direct and not _cached(f.fileno(), offset, sum(b.nbytes for b in bufs)):
                     got = self._read_direct(path, bufs, offset, full)
                     if got is not None:
@@ -116,7 +116,7 @@ class LocalStore(Store):
         self.stats.add_read(sum(got), ngroups)
         if overlapping:
             def rest() -> int:
-                with self._open_read(path) as f:
+                with _naming(full), self._open_read(path) as f:
                     return _read_overlapping(f.fileno(), overlapping)
 
             fut = asyncio.ensure_future(asyncio.to_thread(rest))
@@ -146,7 +146,7 @@ class LocalStore(Store):
             for path, reads in items:
                 try:
                     ngroups, tasks, overlapping = self._tasks(reads)
-                    with self._open_read(path) as f:
+                    with _naming(self.full_path(path)), self._open_read(path) as f:
                         for offset, bufs in tasks:
                             nbytes += _preadv_all(f.fileno(), bufs, offset, self.full_path(path))
                         nbytes += _read_overlapping(f.fileno(), overlapping)
@@ -561,7 +561,8 @@ def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
 
 @contextmanager
 def _naming(full: str) -> Iterator[None]:
-    """Re-raise an OSError without a file name (ENOSPC, EIO from a write) naming ``full``."""
+    """Re-raise an OSError without a file name (ENOSPC, EIO from a write or a read) naming
+    ``full``."""
     try:
         yield
     except OSError as e:

@@ -1,6 +1,7 @@
 """Retries of transient storage errors: exponential backoff with full jitter, bounded.
 
-Transient: HTTP 5xx, 408/429, throttling (SlowDown), connection resets and drops, timeouts.
+Transient: HTTP 5xx, 408/429, throttling (SlowDown), connection resets and drops, timeouts, an
+answer's JSON body that does not parse.
 Permanent (fail at once): 403, 404, existing objects on create, bad requests. The object-store
 engines' own retry loops are turned down to one attempt so that this layer is the one place
 where retries happen (and can be tested).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import http.client
+import json
 import random
 import re
 import socket
@@ -82,9 +84,11 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def _network_types() -> tuple[type[BaseException], ...]:
+    # a JSON answer that does not parse (gcsfs reads every answer of GCS's JSON API) was
+    # damaged on the way: inside a store request no other JSON is parsed
     types: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError,
                                          socket.timeout, http.client.IncompleteRead,
-                                         http.client.RemoteDisconnected]
+                                         http.client.RemoteDisconnected, json.JSONDecodeError]
     try:
         import aiohttp
 

@@ -222,9 +222,17 @@ class Store(ABC):
     async def holds(self, path: str, data: bytes) -> bool:
         """True if ``path`` exists with exactly ``data``: tells a retried create whose first
         attempt landed (answer lost) from a real conflict (an index names its save's unique
-        files, so equal bytes mean this save wrote it)."""
+        files, so equal bytes mean this save wrote it). Bytes of the right length that differ
+        are read again, twice at most: a body damaged on the way (a client that checks no
+        checksum of what it downloads, as gcsfs) must not pass for another save's."""
         try:
-            return bytes(await self.get(path)) == data
+            for _ in range(3):
+                got = bytes(await self.get(path))
+                if got == data:
+                    return True
+                if len(got) != len(data):
+                    return False
+            return False
         except FileNotFoundError:
             return False
 

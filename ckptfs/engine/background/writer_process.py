@@ -357,6 +357,9 @@ class ProcessSaver(BackgroundSaver):
         try:
             writer.conn.send(("job", buf.getvalue(), meta))
             return self._serve(writer, comm, give_back, fed)
+        except _JobFailed as f:  # the writer is sound; the save failed (a storage error too)
+            self._table = None
+            raise f.error from None
         except BaseException as e:
             self._table = None  # the writer may not hold the table last sent
             if not isinstance(e, (WriterError, OSError)):
@@ -427,7 +430,7 @@ class ProcessSaver(BackgroundSaver):
                     result = dataclasses.replace(result, comm=comm.stats.snapshot())
                 return result
             else:  # "failed"
-                raise unpack_error(msg[1])
+                raise _JobFailed(unpack_error(msg[1]))
 
     def _writer_ready(self) -> _Writer:
         w = self._writer
@@ -751,6 +754,15 @@ def _with_plans(staged: StagedSave, kept: dict[int, Any], token: int) -> StagedS
 
 def _send_failure(mail: Mailbox, e: BaseException) -> None:
     mail.send(("failed", pack_error(e)))
+
+
+class _JobFailed(Exception):
+    """The writer's job raised ``error`` (the writer itself answers on): told apart from a
+    lost pipe, which is an OSError too, as a storage error is."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def pack_error(e: BaseException) -> tuple[Any, str, dict[str, Any]]:

@@ -166,21 +166,120 @@ class Pipeline:
             return (data, struct.pack("<I", crc))
         return (_bytes_view(last.encode(buf)),)
 
-    def decode(self, data: Buffer, out: bytearray | None = None) -> Buffer:
+    def decode(self, data: Buffer, out: bytearray | None = None, limit: int | None = None) -> Buffer:
         """Decode one stored chunk to its raw bytes, into ``out`` when given and the codec can
-        (raises the codec's own error on corruption)."""
+        (raises the codec's own error on corruption). No stage may yield more than ``limit``
+        bytes (default: ``len(out)``), nor an earlier stage more than ``INNER_FACTOR`` times
+        that: a chunk that expands beyond its declared shape raises ``DecodeLimitError``
+        before its bytes are allocated (``bounded_decode``)."""
         buf: Any = data
         last = len(self.codecs) - 1
+        final = limit if limit is not None else (len(out) if out is not None else None)
         for i, c in enumerate(reversed(self.codecs)):
+            bound = None if final is None else (final if i == last else final * INNER_FACTOR + 4096)
             if i == last and out is not None:
-                got = c.decode(buf, out=out)
+                got = bounded_decode(c, buf, bound, out)
                 if got is out or (isinstance(got, np.ndarray)
                                   and np.shares_memory(got, np.frombuffer(out, dtype=np.uint8))):
                     return out
                 buf = got
             else:
-                buf = c.decode(buf)
+                buf = bounded_decode(c, buf, bound)
         return _bytes_view(buf)
+
+
+class DecodeLimitError(ValueError):
+    """A stored chunk decodes (or declares it decodes) to more bytes than its shape holds."""
+
+
+#: how much larger than the chunk's raw bytes an intermediate stage may be (a filter such as
+#: ``astype`` stores the values in a wider type: at most 16 bytes an item for 1)
+INNER_FACTOR = 16
+#: the codecs whose streams are inflated here, a bounded piece at a time
+_STREAMED = frozenset({"zlib", "gzip", "bz2", "lzma"})
+#: the most memory an lzma stream's decoder may take (its dictionary; xz's presets use <= 64 MiB)
+LZMA_MEMLIMIT = 96 << 20
+
+
+def bounded_decode(codec: Codec, buf: Any, limit: int | None, out: bytearray | None = None) -> Any:
+    """``codec.decode(buf, out)``, never allocating more than about ``limit`` bytes: the
+    streamed compressors inflate at most ``limit + 1`` bytes; blosc, lz4 and zstd have the size
+    they declare checked first (zstd also needs one: without it only ``out`` bounds it)."""
+    if limit is None:
+        return codec.decode(buf) if out is None else codec.decode(buf, out=out)
+    cid = getattr(codec, "codec_id", "")
+    if cid in _STREAMED:
+        raw = _inflate(codec, buf, limit)
+        if out is None:
+            return raw
+        if len(raw) != len(out):
+            raise DecodeLimitError(f"{cid} stream decodes to {len(raw)} bytes, expected {len(out)}")
+        out[:] = raw
+        return out
+    declared = _declared_size(cid, buf)
+    if declared is not None and declared > limit:
+        raise DecodeLimitError(f"{cid} stream declares {declared} bytes, more than the {limit} "
+                               f"its chunk can hold")
+    if declared is None and cid == "zstd" and out is None:
+        raise DecodeLimitError("zstd frame declares no content size (needed to bound it here)")
+    return codec.decode(buf) if out is None else codec.decode(buf, out=out)
+
+
+def _inflate(codec: Codec, buf: Any, limit: int) -> bytes:
+    """Decompress a zlib, gzip, bz2 or lzma stream (concatenated members too), refusing more
+    than ``limit`` bytes of output."""
+    import bz2
+    import lzma
+    import zlib
+
+    cid = codec.codec_id
+    data, pieces, total = memoryview(buf).cast("B"), [], 0
+
+    def fresh() -> Any:
+        if cid == "zlib":
+            return zlib.decompressobj()
+        if cid == "gzip":
+            return zlib.decompressobj(wbits=31)
+        if cid == "bz2":
+            return bz2.BZ2Decompressor()
+        fmt = codec.format
+        if fmt == lzma.FORMAT_RAW:
+            return lzma.LZMADecompressor(format=fmt, filters=codec.filters)
+        # the dictionary a stream asks for is allocated too: bounded like the output
+        return lzma.LZMADecompressor(format=fmt, memlimit=max(LZMA_MEMLIMIT, 2 * limit))
+
+    while True:
+        d = fresh()
+        piece = d.decompress(data, limit + 1 - total)
+        total += len(piece)
+        pieces.append(piece)
+        if total > limit:
+            raise DecodeLimitError(f"{cid} stream decodes to more than the {limit} bytes its "
+                                   f"chunk can hold")
+        if not d.eof:
+            raise ValueError(f"{cid} stream is truncated")
+        data = memoryview(d.unused_data)
+        if not data.nbytes or cid == "zlib":
+            return b"".join(pieces)
+
+
+def _declared_size(cid: str, buf: Any) -> int | None:
+    """The decoded size a blosc, lz4 or zstd stream declares in its header (None: none)."""
+    data = memoryview(buf).cast("B")
+    if cid == "blosc" and data.nbytes >= 16:
+        return int(struct.unpack_from("<I", data, 4)[0])
+    if cid == "lz4" and data.nbytes >= 4:
+        return int(struct.unpack_from("<i", data, 0)[0])
+    if cid == "zstd" and data.nbytes >= 6 and bytes(data[:4]) == b"\x28\xb5\x2f\xfd":
+        fhd = data[4]
+        single, fcs_flag = (fhd >> 5) & 1, fhd >> 6
+        size = (0, 2, 4, 8)[fcs_flag] or (1 if single else 0)
+        at = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+        if not size or data.nbytes < at + size:
+            return None
+        value = int.from_bytes(data[at:at + size], "little")
+        return value + 256 if size == 2 else value
+    return None
 
 
 def _bytes_view(buf: Any) -> memoryview:
