@@ -53,6 +53,8 @@ def cases(rank: int, world: int, root: str) -> None:
         "settle fails": _outcome(lambda: comm.settle(
             "step k", ValueError("rank 1 refuses") if rank == 1 else None,
             all_true={"yes": True})),
+        "all to all": _outcome(lambda: [b.decode() for b in comm.all_to_all_bytes(
+            [f"{rank}>{p};".encode() * (rank + p) for p in range(world)], "step m")]),
         "after": _outcome(lambda: comm.run_everywhere("step l", lambda: "still in step")),
     }
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
@@ -95,6 +97,13 @@ def test_only_the_verdict_travels_when_the_coordinator_keeps_its_result(outcomes
 def test_settle_answers_its_questions_by_name_on_every_rank(outcomes):
     want = {"yes": True, "split": False, "same": True, "differs": False, "big": True}
     assert [o["questions"] for o in outcomes] == [["ok", want]] * 2
+
+
+@pytest.mark.slow
+def test_all_to_all_hands_each_rank_what_each_peer_sent_it(outcomes):
+    # rank 0 sends itself nothing: an empty part travels as one
+    assert [o["all to all"] for o in outcomes] == [
+        ["ok", ["", "1>0;"]], ["ok", ["0>1;", "1>1;1>1;"]]]
 
 
 @pytest.mark.parametrize(("case", "step", "culprit"), [
