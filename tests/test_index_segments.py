@@ -30,9 +30,9 @@ from ckptfs.layout.index import INDEX_FILE
 from ckptfs.testing.ranks import run_ranks
 
 #: several owners among 8 ranks: segments of about this many rows
-ROWS = 16
+ROWS = 4
 SEGMENTED = SaveOptions(index_segments=True, segment_rows=ROWS)
-LAYERS = 24
+LAYERS = 8
 FLAT = 1000  #: elements of the flat (ZeRO-style) optimizer state
 
 
@@ -94,17 +94,41 @@ def check(got: dict, rank: int, world: int) -> None:
     assert torch.equal(got["plain"], ref["plain"]) and got["optim"]["step"] == 9
 
 
+def _gathered(save) -> tuple[int, int, int]:
+    """Run ``save()`` recording what ``Comm.gather`` brings the coordinator: (index entries,
+    segment reports, entry bytes counted)."""
+    from ckptfs.dist import comm as comm_module
+
+    real = comm_module.Comm.gather
+    seen: list = []
+
+    def spy(self, obj, what="a gather", *, entries=False):
+        out = real(self, obj, what, entries=entries)
+        seen.extend(out or ())
+        return out
+
+    comm_module.Comm.gather = spy  # type: ignore[method-assign]
+    try:
+        result = save()
+    finally:
+        comm_module.Comm.gather = real  # type: ignore[method-assign]
+    rows = sum(len(getattr(o, "entries", ())) for o in seen)
+    parts = sum(len(getattr(o, "segments", ())) for o in seen)
+    return rows, parts, result.comm.entry_bytes
+
+
 def save_world(rank: int, world: int, root: str) -> None:
-    """Segmented and whole saves of the same state; each rank records what it sent the
-    coordinator, then loads back in another layout."""
+    """Segmented and whole saves of the same state, recording what the coordinator gathered;
+    then a load back in another layout."""
     sd = state(rank, world, fill=True)
-    seg = ckptfs.save(sd, f"{root}/seg", options=SEGMENTED)
-    whole = ckptfs.save(sd, f"{root}/whole", options=SaveOptions(index_segments=False))
+    seg = _gathered(lambda: ckptfs.save(sd, f"{root}/seg", options=SEGMENTED))
+    whole = _gathered(lambda: ckptfs.save(sd, f"{root}/whole",
+                                          options=SaveOptions(index_segments=False)))
     got = state(rank, world, fill=False, rows=False)
     ckptfs.load(got, f"{root}/seg")
     check(got, rank, world)
-    with open(os.path.join(root, f"sent{rank}.json"), "w") as f:
-        json.dump({"seg": seg.comm.entry_bytes, "whole": whole.comm.entry_bytes}, f)
+    with open(os.path.join(root, f"gathered{rank}.json"), "w") as f:
+        json.dump({"seg": seg, "whole": whole}, f)
 
 
 def load_world(rank: int, world: int, root: str) -> None:
@@ -129,9 +153,10 @@ def test_eight_ranks_write_several_segments_and_the_coordinator_gets_no_entries(
     assert all("chunks" not in t for t in root["tensors"].values())
     owners = {p.rsplit("/", 1)[1] for p in root["segments"]}
     assert len(owners) == len(root["segments"])
-    sent = [json.load(open(os.path.join(saved, f"sent{r}.json"))) for r in range(8)]
-    # what the coordinator gathered: files and segment reports, not the chunk rows
-    assert sent[0]["seg"] * 4 < sent[0]["whole"], sent[0]
+    got = json.load(open(os.path.join(saved, "gathered0.json")))
+    # what the coordinator gathered: files and the owners' reports, not one chunk row
+    assert got["seg"][:2] == [0, len(root["segments"])], got
+    assert got["whole"][0] >= 8 * (LAYERS + 3) and got["whole"][1] == 0, got
     report = ckptfs.verify(f"{saved}/seg")
     assert report.ok, report.problems
 
