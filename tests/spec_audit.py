@@ -116,7 +116,8 @@ def _audit_index(data: bytes) -> str:
 def _audit_save(root: str, saved: Mapping[str, Any] | None) -> str:
     from tests import spec_reader
 
-    idx = spec_reader.audit_index(Path(root, "ckptfs.index.json").read_bytes())
+    idx = spec_reader.audit_index(Path(root, "ckptfs.index.json").read_bytes(),
+                                  spec_reader.local_reader(root))
     if sum(idx.norm.get("files", {}).values()) > MAX_DATA_BYTES:
         return "index only (large)"
     data = spec_reader.audit_data(root, idx)

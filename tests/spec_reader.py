@@ -18,6 +18,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,8 +214,10 @@ def check_seal(data: bytes) -> str | None:
     return got
 
 
-def audit_index(data: bytes) -> Index:
-    """Parse and check an index's bytes against formats/README.md (§6.2, §2.2, §7, §2, §3)."""
+def audit_index(data: bytes, read: Callable[[str, int, int], bytes] | None = None) -> Index:
+    """Parse and check an index's bytes against formats/README.md (§6.2, §2.2, §7, §2, §3).
+    ``read(path, start, length)``: bytes of a file of the checkpoint, for a segmented root
+    (§2.6), whose blocks are read and checked here and become the tensors' chunks."""
     sealed = check_seal(data)
     d = parse_json(data)
     if not isinstance(d, dict):
@@ -224,13 +227,18 @@ def audit_index(data: bytes) -> Index:
     if not _is_int(d.get("format_version")) or d["format_version"] != 1:
         raise SpecError(f"format_version {d.get('format_version')!r}: this reader knows 1")
     feats = _opt(d, "required_features", list, "index") or []
-    if [f for f in feats if f not in ("packed_chunks", "chunk_refs")] \
+    if [f for f in feats if f not in ("packed_chunks", "chunk_refs", "index_segments")] \
             or len(set(feats)) != len(feats):
-        raise SpecError(f"required_features {feats!r}: version 1 defines only packed_chunks "
-                        f"and chunk_refs")
+        raise SpecError(f"required_features {feats!r}: version 1 defines only packed_chunks, "
+                        f"chunk_refs and index_segments")
     if "packed_chunks" in feats and "chunk_refs" in feats:
         raise SpecError("§2.5: chunk_refs is never packed")
-    norm = _unpacked(d) if "packed_chunks" in feats else d
+    if "index_segments" in feats:
+        norm = _segmented(d, "packed_chunks" in feats, read)
+    elif "segments" in d:
+        raise SpecError("segments without the required feature index_segments")
+    else:
+        norm = _unpacked(d) if "packed_chunks" in feats else d
     bases = _bases(d, "chunk_refs" in feats)
     be = d.get("backend")
     if not isinstance(be, dict) or not isinstance(be.get("name"), str) or not _is_int(be.get("version")):
@@ -288,7 +296,8 @@ def audit_index(data: bytes) -> Index:
     for k, v in values.items():
         _value(v, k)
     for k, t in tensors.items():
-        _tensor(k, t, files, bases)
+        if "chunks" in t or "index_segments" not in feats:  # a root read alone has none
+            _tensor(k, t, files, bases)
     return Index(d, paths, norm)
 
 
@@ -306,6 +315,82 @@ def _bases(d: dict, refs: bool) -> list[str]:
     if len(set(urls)) != len(urls):
         raise SpecError("bases lists a url twice")
     return urls
+
+
+def local_reader(root: str | os.PathLike) -> Callable[[str, int, int], bytes]:
+    """``read(path, start, length)`` over the checkpoint in local directory ``root`` (for a
+    segmented index, §2.6)."""
+    def read(path: str, start: int, n: int) -> bytes:
+        return _read(os.fspath(root), path, start, n)
+    return read
+
+
+def _segmented(d: dict, packed: bool, read: Callable[[str, int, int], bytes] | None) -> dict:
+    """§2.6: the root with each tensor's blocks read, checked and replaced by chunk objects
+    (without ``read``: the root alone, its tensors without ``chunks``)."""
+    segs = d.get("segments")
+    if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
+        raise SpecError(f"segments {segs!r} is not a list of paths")
+    files = _unpacked({**d, "tensors": {}})["files"] if packed else (d.get("files") or {})
+    sums = d.get("file_checksums") or {}
+    for p in segs:
+        if p not in files or p not in sums:
+            raise SpecError(f"segment {p!r} is not in files and file_checksums")
+    tensors = {}
+    for k, t in (d.get("tensors") or {}).items():
+        if not isinstance(t, dict) or "chunks" in t or not isinstance(t.get("blocks"), list):
+            raise SpecError(f"tensors[{k!r}]: a segmented root lists blocks, not chunks")
+        chunks: list[dict] = []
+        for i, b in enumerate(t["blocks"]):
+            chunks += _block(k, i, b, segs, files, packed, read)
+        tensors[k] = {n: v for n, v in t.items() if n != "blocks"}
+        if read is not None:
+            tensors[k]["chunks"] = chunks
+    rest = {n: v for n, v in d.items() if n not in ("file_table", "segments", "files")}
+    return {**rest, "tensors": tensors, "files": files}
+
+
+def _block(key: str, i: int, b: Any, segs: list, files: dict, packed: bool,
+           read: Callable[[str, int, int], bytes] | None) -> list[dict]:
+    """One block of a segmented root (§2.6): its bytes checked, its rows as chunk objects."""
+    where = f"tensors[{key!r}].blocks[{i}]"
+    if not (isinstance(b, list) and len(b) == 6 and _is_int(b[0]) and 0 <= b[0] < len(segs)
+            and _is_int(b[1]) and _is_int(b[2]) and isinstance(b[3], str)):
+        raise SpecError(f"{where} = {b!r}")
+    seg, start, n, crc, lo, hi = b
+    lo, hi = _dims(lo, where), _dims(hi, where)
+    if start + n > files[segs[seg]]:
+        raise SpecError(f"{where}: bytes beyond the end of {segs[seg]}")
+    if read is None:
+        return []
+    raw = read(segs[seg], start, n)
+    if crc32c(raw) != "crc32c:" + crc:
+        raise SpecError(f"{where}: crc32c {crc32c(raw)} != {crc}")
+    rows = parse_json(raw)
+    if not isinstance(rows, list):
+        raise SpecError(f"{where}: not a JSON array")
+    out = []
+    for r in rows:
+        if packed:
+            if not (isinstance(r, list) and len(r) in (6, 7)):
+                raise SpecError(f"{where}: packed row {r!r}")
+            c = {"offsets": r[0], "shape": r[1]}
+            for name, v in zip(("file", "byte_offset", "byte_length"), r[2:5]):
+                if v is not None:
+                    c[name] = v
+            if r[5] is not None:
+                c["checksum"] = "crc32c:" + r[5]
+            if len(r) == 7:
+                c["extra"] = r[6]
+            if c.get("file") in segs:
+                raise SpecError(f"{where}: a row's file is a segment")
+        else:
+            c = r
+        off, shp = _dims(c.get("offsets"), where), _dims(c.get("shape"), where)
+        if len(off) != len(lo) or any(o < a or o + s > z for o, s, a, z in zip(off, shp, lo, hi)):
+            raise SpecError(f"{where}: chunk {list(off)} + {list(shp)} lies outside [lo, hi)")
+        out.append(c)
+    return out
 
 
 def _unpacked(d: dict) -> dict:

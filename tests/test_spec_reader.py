@@ -59,7 +59,8 @@ def _same(got, want, where=""):
 
 @pytest.mark.parametrize("root", GOLDEN, ids=[p.parent.name for p in GOLDEN])
 def test_spec_reader_reads_every_golden_checkpoint(root):
-    idx = spec_reader.audit_index((root / "ckptfs.index.json").read_bytes())
+    idx = spec_reader.audit_index((root / "ckptfs.index.json").read_bytes(),
+                                  spec_reader.local_reader(root))
     data = spec_reader.audit_data(str(root), idx)
     tree = spec_reader.read_tree(idx, data)
     _same(tree, _expected(json.loads((root.parent / "expected.json").read_text())["state"]))
@@ -75,7 +76,8 @@ def _saved(tmp_path, **kw) -> Path:
 
 
 def _audit(root: Path):
-    idx = spec_reader.audit_index((root / "ckptfs.index.json").read_bytes())
+    idx = spec_reader.audit_index((root / "ckptfs.index.json").read_bytes(),
+                                  spec_reader.local_reader(root))
     return spec_reader.read_tree(idx, spec_reader.audit_data(str(root), idx))
 
 

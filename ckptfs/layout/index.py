@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from typing import Any
 
 from ckptfs.errors import ConfigError, FormatVersionError, IntegrityError, MalformedIndexError
@@ -23,6 +24,7 @@ from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.dtypes import BY_NAME, from_name
 from ckptfs.layout.keys import check_key
 from ckptfs.layout.nogc import paused_gc
+from ckptfs.layout.segments import SEGMENTS, SEGMENTS_MINOR_VERSION, Block
 from ckptfs.layout.stats import MEMBER as STATS_MEMBER
 from ckptfs.layout.stats import STATS_MINOR_VERSION, TensorStats
 
@@ -34,7 +36,7 @@ FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
 #: the newest minor version of format version 1 this reader knows (formats/README.md §7): a
 #: minor version only adds optional members, so an index of any minor version is read
-FORMAT_MINOR_VERSION = 2
+FORMAT_MINOR_VERSION = 3
 #: the minor version of chunk content hashes and references (formats/README.md §2.5)
 HASHES_MINOR_VERSION = 2
 #: the required feature of an index whose chunks are packed rows (formats/README.md §2.3)
@@ -42,7 +44,7 @@ PACKED_CHUNKS = "packed_chunks"
 #: the required feature of an index with chunks stored in a base checkpoint (§2.5)
 CHUNK_REFS = "chunk_refs"
 #: Required features this reader implements (formats/README.md §Compatibility).
-KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS, CHUNK_REFS})
+KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS, CHUNK_REFS, SEGMENTS})
 #: a chunk's content hash (§2.5): "xxh3-128:" and 32 lowercase hex digits
 HASH_PATTERN = re.compile(r"xxh3-128:[0-9a-f]{32}")
 #: an index with at least this many chunks is written packed (§2.3); smaller ones stay readable
@@ -190,17 +192,24 @@ class TensorEntry:
     extra: Mapping[str, Json] = field(default_factory=dict)
     #: the tensor's fingerprint (formats/README.md §2.4, index 1.1); None when not recorded
     stats: TensorStats | None = None
+    #: a segmented index's blocks of rows (§2.6): ``chunks`` then holds only the rows read so
+    #: far (those of the blocks a reader needed); None: ``chunks`` are all the tensor's
+    blocks: tuple[Block, ...] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def _rows(self, rows: list[Json]) -> tuple[str, list[Json]]:
+        """The member that lists the tensor's chunks: its blocks in a segmented root."""
+        if self.blocks is not None:
+            return "blocks", [b.to_row() for b in self.blocks]
+        return "chunks", rows
+
     def to_dict(self, base_ids: Mapping[str, int] | None = None) -> dict[str, Json]:
-        d: dict[str, Json] = {
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "chunks": [c.to_dict(base_ids) for c in self.chunks],
-        }
+        name, rows = self._rows([c.to_dict(base_ids) for c in self.chunks]
+                                if self.blocks is None else [])
+        d: dict[str, Json] = {"dtype": self.dtype, "shape": list(self.shape), name: rows}
         if self.extra:
             d["extra"] = dict(self.extra)
         if self.stats is not None:
@@ -209,11 +218,9 @@ class TensorEntry:
 
     def to_packed(self, file_ids: Mapping[str, int]) -> dict[str, Json]:
         """``to_dict`` with the chunks as packed rows (§2.3), members in the same order."""
-        d: dict[str, Json] = {
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "chunks": [c.to_row(file_ids) for c in self.chunks],
-        }
+        name, rows = self._rows([c.to_row(file_ids) for c in self.chunks]
+                                if self.blocks is None else [])
+        d: dict[str, Json] = {"dtype": self.dtype, "shape": list(self.shape), name: rows}
         if self.extra:
             d["extra"] = dict(self.extra)
         if self.stats is not None:
@@ -261,6 +268,24 @@ class TensorEntry:
         )
 
 
+def _root_entry(key: str, d: Mapping[str, Json], segments: int) -> TensorEntry:
+    """A tensor entry of a segmented root (§2.6): ``blocks`` instead of ``chunks``."""
+    where = f"tensors[{key!r}]"
+    _object(d, where)
+    if "chunks" in d:
+        raise MalformedIndexError(f"{where}: a segmented index lists 'blocks', not 'chunks' "
+                                  f"(formats/README.md §2.6)")
+    shape = _int_tuple(d, "shape", where)
+    if math.prod(shape) > MAX_DIM:
+        raise MalformedIndexError(f"{where}: shape {list(shape)} has more than 2**62 elements")
+    dtype = _req(d, "dtype", str, where)
+    from_name(dtype, key)
+    blocks = tuple(Block.from_row(b, segments, len(shape), f"{where}.blocks[{i}]")
+                   for i, b in enumerate(_req(d, "blocks", list, where)))
+    return TensorEntry(key, dtype, shape, (), _opt(d, "extra", dict, where) or {},
+                       _stats(d, key), blocks)
+
+
 def _stats(d: Mapping[str, Json], key: str) -> TensorStats | None:
     """A tensor entry's optional fingerprint (formats/README.md §2.4)."""
     if STATS_MEMBER not in d:
@@ -299,11 +324,34 @@ class Index:
     #: the minor version the index was read with (§7; absent: 0); ``dumps`` writes the lowest
     #: one whose members the index uses
     format_minor_version: int = 0
+    #: a segmented index (§2.6): the paths of its segment files (in ``files`` too, with their
+    #: sizes and checksums); None: the index holds every chunk itself
+    segments: tuple[str, ...] | None = None
+    #: a segmented index's ``bases`` table (§2.5), kept since its chunks may not all be read
+    base_urls: tuple[str, ...] = ()
+
+    @property
+    def segmented(self) -> bool:
+        """Whether the chunk rows live in segment files (§2.6), the tensors listing blocks."""
+        return self.segments is not None
+
+    def with_rows(self, rows: Mapping[str, Sequence[ChunkEntry]]) -> Index:
+        """This segmented index with the chunks of the keys of ``rows`` filled in (the rows of
+        the blocks read for them); the other tensors keep what they held."""
+        tensors = dict(self.tensors)
+        for key, chunks in rows.items():
+            t = tensors[key]
+            tensors[key] = TensorEntry(t.key, t.dtype, t.shape,
+                                       tuple(sorted(chunks, key=lambda c: c.offsets)),
+                                       t.extra, t.stats, t.blocks)
+        return _replace(self, tensors=tensors)
 
     @property
     def minor_version_used(self) -> int:
         """The lowest minor version whose members this index holds (fingerprints: 1, content
-        hashes and references: 2)."""
+        hashes and references: 2, segments: 3)."""
+        if self.segmented:
+            return SEGMENTS_MINOR_VERSION
         if any(c.hash is not None or c.base is not None for c in self.chunks()):
             return HASHES_MINOR_VERSION
         return STATS_MINOR_VERSION if any(t.stats is not None for t in self.tensors.values()) else 0
@@ -316,11 +364,15 @@ class Index:
     def bases(self) -> tuple[str, ...]:
         """The base checkpoints the index's references name (§2.5), in order of first use:
         the ``bases`` table it is written with."""
+        if self.segmented:
+            return self.base_urls
         return tuple(dict.fromkeys(c.base for c in self.chunks() if c.base is not None))
 
     @property
     def references(self) -> bool:
         """Whether some chunk is stored in a base checkpoint (required feature ``chunk_refs``)."""
+        if self.segmented:
+            return bool(self.base_urls)
         return any(c.base is not None for c in self.chunks())
 
     @property
@@ -336,31 +388,40 @@ class Index:
 
     @property
     def total_bytes(self) -> int:
-        """Sum of the stored data file sizes."""
-        return sum(self.files.values())
+        """Sum of the stored data file sizes (segment files are index, not data)."""
+        segments = set(self.segments or ())
+        return sum(n for p, n in self.files.items() if p not in segments)
 
     @property
     def packed(self) -> bool:
         """Written with packed chunk rows (§2.3): large indexes, or one read packed."""
         if PACKED_CHUNKS in self.required_features:
             return True
+        if self.segmented:  # its writer chose (§2.6)
+            return False
         # chunks with hashes or references are written as objects (§2.5)
         return packs(sum(len(t.chunks) for t in self.tensors.values())) and \
             self.minor_version_used < HASHES_MINOR_VERSION
+
+    def _features(self, packed: bool) -> list[str]:
+        """The required features this index is written with (§7 rule 3)."""
+        if packed and (self.base_urls if self.segmented
+                       else self.minor_version_used >= HASHES_MINOR_VERSION):
+            raise ValueError("a packed index cannot hold content hashes or references (§2.5)")
+        features = list(self.required_features)
+        for needed, name in ((packed, PACKED_CHUNKS), (bool(self.bases), CHUNK_REFS),
+                             (self.segmented, SEGMENTS)):
+            if needed and name not in features:
+                features.append(name)
+        return features
 
     def to_dict(self) -> dict[str, Json]:
         """The JSON object, members in the order ckptfs writes them (formats/README.md §2.2);
         with ``order``, containers, values and tensors are listed in that order too. An index
         of ``PACK_MIN_CHUNKS`` chunks or more is packed (§2.3)."""
         packed = self.packed
-        if packed and self.minor_version_used >= HASHES_MINOR_VERSION:
-            raise ValueError("a packed index cannot hold content hashes or references (§2.5)")
-        features = list(self.required_features)
-        if packed and PACKED_CHUNKS not in features:
-            features.append(PACKED_CHUNKS)
+        features = self._features(packed)
         bases = self.bases
-        if bases and CHUNK_REFS not in features:
-            features.append(CHUNK_REFS)
         base_ids = {u: i for i, u in enumerate(bases)}
         file_ids: dict[str, int] = {}
         if packed:
@@ -391,6 +452,8 @@ class Index:
             d["bases"] = [{"url": u} for u in bases]
         d["tensors"] = {k: t.to_packed(file_ids) if packed else t.to_dict(base_ids)
                         for k, t in _in_order(self.tensors, self.order).items()}
+        if self.segments is not None:
+            d["segments"] = list(self.segments)
         if packed:  # the files once, their common directory once (§2.3)
             prefix = _common_dir(list(file_ids))
             d["file_table"] = {"prefix": prefix, "files": [[f[len(prefix):], self.files.get(f)]
@@ -431,15 +494,18 @@ class Index:
         known = {"format", "format_version", "format_minor_version", "required_features",
                  "backend", "writer", "order", "containers", "values", "tensors", "files",
                  "per_rank", "file_table", "backend_files", "file_checksums", "index_checksum",
-                 "bases"}
+                 "bases", "segments"}
         per_rank = _opt(d, "per_rank", list, source) or []
         if not all(isinstance(k, str) and k in containers for k in per_rank):
             raise MalformedIndexError(f"{source}: field 'per_rank' must list container keys: "
                                       f"{per_rank!r}")
         bases = _bases(d, features, source)
-        entries = {k: TensorEntry.from_dict(k, t, table, bases)
-                   for k, t in tensors.items()}
-        _check_ranges(entries, {**files, **backend_files}, source)
+        segments = _segments(d, features, files, sums, source)
+        if segments is None:
+            entries = {k: TensorEntry.from_dict(k, t, table, bases) for k, t in tensors.items()}
+            _check_ranges(entries, {**files, **backend_files}, source)
+        else:
+            entries = {k: _root_entry(k, t, len(segments)) for k, t in tensors.items()}
         return cls(
             backend=_req(be, "name", str, f"{source}: backend"),
             backend_version=_req(be, "version", int, f"{source}: backend"),
@@ -458,6 +524,8 @@ class Index:
             file_checksums=sums,
             index_checksum=own,
             format_minor_version=_minor(d, source),
+            segments=segments,
+            base_urls=bases if segments is not None else (),
         )
 
     @classmethod
@@ -871,4 +939,29 @@ def _bases(d: Mapping[str, Json], features: tuple[str, ...], source: str) -> tup
         if not url or url in out:
             raise MalformedIndexError(f"{source}: bases[{i}].url {url!r} is empty or listed twice")
         out.append(url)
+    return tuple(out)
+
+
+# -- index segments (formats/README.md §2.6) -----------------------------------------------------
+
+def _segments(d: Mapping[str, Json], features: tuple[str, ...], files: Mapping[str, int],
+              sums: Mapping[str, str], source: str) -> tuple[str, ...] | None:
+    """The ``segments`` of a segmented root: present exactly with the required feature
+    ``index_segments``; each a path of ``files`` with a checksum in ``file_checksums``."""
+    if SEGMENTS not in features:
+        if "segments" in d:
+            raise MalformedIndexError(f"{source}: 'segments' without the required feature "
+                                      f"'index_segments' (formats/README.md §2.6)")
+        return None
+    out = _req(d, "segments", list, source)
+    for i, path in enumerate(out):
+        where = f"{source}: segments[{i}]"
+        if not isinstance(path, str):
+            raise MalformedIndexError(f"{where} is {_short(path)}, not a path")
+        check_relative_path(path, where)
+        if path not in files or path not in sums:
+            raise MalformedIndexError(f"{where}: {path!r} must be listed in the data files with "
+                                      f"its size and in 'file_checksums' (formats/README.md §2.6)")
+    if len(set(out)) != len(out):
+        raise MalformedIndexError(f"{source}: 'segments' lists a path twice")
     return tuple(out)

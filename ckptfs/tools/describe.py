@@ -71,6 +71,8 @@ def describe(url: str, index: Index, foreign: bool, pattern: str | None = None) 
     refs = _references(index)
     if refs is not None:  # a delta checkpoint (§2.5): bytes written vs referenced
         doc["references"] = refs
+    if index.segments is not None:  # a segmented index (§2.6): its segment files
+        doc["segments"] = {p: index.files.get(p) for p in index.segments}
     return doc
 
 
@@ -103,6 +105,10 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"delta       {human(refs['written_bytes'])} of chunks written, "
                      f"{human(refs['referenced_bytes'])} in {refs['referenced_chunks']} chunks "
                      f"referenced in base(s) {bases}")
+    segs = doc.get("segments")
+    if segs:
+        lines.append(f"index       segmented: {len(segs)} segment files "
+                     f"({human(sum(n or 0 for n in segs.values()))}) beside the root")
     sel = doc["selected"]
     if sel["pattern"] is not None:
         lines.append(f"selected    {sel['tensors']} tensors, {sel['values']} values matching "

@@ -68,6 +68,7 @@ KINDS: dict[str, str] = {
     "checksum": "a chunk's bytes do not match its crc32c",
     "index-checksum": "the index's bytes do not match its own checksum (damaged or edited)",
     "file-checksum": "a file's bytes do not match the crc32c the index records for it",
+    "segment": "an index segment or one of its blocks fails its checks (formats/README.md §2.6)",
     "extra-file": "a file under the root is not part of the checkpoint (a leftover)",
     "interrupted": "no committed checkpoint, but the files of a save that did not finish",
 }
@@ -183,6 +184,8 @@ def _verify(url: str, store: Store, checksums: bool, buffer_bytes: int, progress
         _schema(json.dumps(index.to_dict()).encode(), problems, skipped, sniffed=True)
     else:
         _extra_files(store, problems, skipped)
+    if index.segmented:
+        index = _segment_rows(store, index, problems)
     chunks = sum(len(t.chunks) for t in index.tensors.values())
     missing = _files(store, index, problems) | _base_files(store, index, problems)
     for entry in index.tensors.values():
@@ -366,6 +369,21 @@ def _schema(raw: bytes, problems: list[Problem], skipped: list[str], sniffed: bo
         key = path[1] if len(path) > 1 and path[0] in ("tensors", "values") else None
         problems.append(Problem("schema", f"{what}at {path}: {e.message}", key=key,
                                 file=None if sniffed else INDEX_FILE))
+
+
+def _segment_rows(store: Store, root: Index, problems: list[Problem]) -> Index:
+    """A segmented root's rows (formats/README.md §2.6): every segment read whole and every
+    block checked against the root; what fails is a problem naming the segment (and the key),
+    and its tensors are then left with the rows that could be read."""
+    from ckptfs.engine.index_io import read_all_rows
+
+    failed: list[tuple[str, str | None, CkptfsError]] = []
+    index = run_sync(read_all_rows(store, root, failed))
+    for path, key, e in failed:
+        if isinstance(e, CheckpointNotFoundError):
+            continue  # the missing file is reported with the others
+        problems.append(Problem("segment", f"{type(e).__name__}: {e}", key=key, file=path))
+    return index
 
 
 def _all_files(index: Index) -> dict[str, int | None]:

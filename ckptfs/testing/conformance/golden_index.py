@@ -9,6 +9,9 @@ with ``expected.json`` (the state, as golden.py encodes it) and ``SHA256SUMS``.
 content hashes, and ``checkpoint/``, a delta on it (``base="../base"``) of ``delta_reference``:
 the golden state with one element of a sharded tensor (rank 1's slice), a replicated tensor and a
 value changed, everything else referenced in ``base/``; ``expected.json`` is the delta's state.
+``golden/index-1.3/`` is the golden state saved by GOLDEN_WORLD ranks with its index segmented
+(§2.6): a root and two segment files, cut by the writer's rules (``split_index``) with one
+row per segment as the target, so that each rank's run is its own segment.
 Like every golden directory they are written once and never again:
 
     python -m ckptfs.testing.conformance.golden_index
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 
 import ckptfs
+from ckptfs.layout.index import INDEX_FILE, Index
+from ckptfs.layout.segment_rows import split_index
 from ckptfs.testing.conformance.cases import differences
 from ckptfs.testing.conformance.golden import (
     CHECKPOINT,
@@ -44,7 +49,7 @@ from ckptfs.testing.conformance.golden import (
 from ckptfs.testing.ranks import run_ranks
 
 #: minor version -> its golden directory's name
-INDEX_GOLDEN = {1: "index-1.1", 2: "index-1.2"}
+INDEX_GOLDEN = {1: "index-1.1", 2: "index-1.2", 3: "index-1.3"}
 #: the base checkpoint of ``index-1.2``'s delta, beside its ``checkpoint/``
 BASE = "base"
 
@@ -69,8 +74,25 @@ def _save_delta_ranks(rank: int, world: int, root: str) -> None:
     ckptfs.save(delta_rank_state(rank), f"{root}/{CHECKPOINT}", base=f"{root}/{BASE}")
 
 
+def _segment(root: Path) -> None:
+    """Rewrite the whole index of the checkpoint at ``root`` segmented (§2.6), under the save
+    id of its data files."""
+    index = Index.loads((root / INDEX_FILE).read_bytes())
+    save_id = next(iter(index.files)).split("/")[1]
+    seg_root, files = split_index(index, save_id, rows=1, world=GOLDEN_WORLD)
+    for path, data in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    (root / INDEX_FILE).write_bytes(seg_root.dumps())
+
+
 def golden_index_dir(minor: int, root: Path = GOLDEN_ROOT) -> Path:
     return root / INDEX_GOLDEN[minor]
+
+
+def _save_plain_ranks(rank: int, world: int, url: str) -> None:
+    assert world == GOLDEN_WORLD
+    ckptfs.save(golden_rank_state(rank), url)
 
 
 def _save_ranks(rank: int, world: int, url: str) -> None:
@@ -88,9 +110,12 @@ def make_index_golden(minor: int, root: Path = GOLDEN_ROOT, log=print) -> bool:
         d = Path(tmp) / target.name
         if minor == 1:
             run_ranks(GOLDEN_WORLD, _save_ranks, str(d / CHECKPOINT))
+        elif minor == 3:
+            run_ranks(GOLDEN_WORLD, _save_plain_ranks, str(d / CHECKPOINT))
+            _segment(d / CHECKPOINT)
         else:
             run_ranks(GOLDEN_WORLD, _save_delta_ranks, str(d))
-        want = golden_reference() if minor == 1 else delta_reference()
+        want = delta_reference() if minor == 2 else golden_reference()
         doc = {"index": f"1.{minor}", "backend": "safetensors_chunks", "version": 1,
                "world_size": GOLDEN_WORLD, "seed": GOLDEN_SEED, "stats": minor == 1,
                "state": encode(want)}
@@ -112,4 +137,5 @@ def make_index_golden(minor: int, root: Path = GOLDEN_ROOT, log=print) -> bool:
 if __name__ == "__main__":
     make_index_golden(1)
     make_index_golden(2)
+    make_index_golden(3)
     sys.exit(0)

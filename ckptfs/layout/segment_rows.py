@@ -1,0 +1,196 @@
+"""The rows of a segmented index (formats/README.md §2.6): an owner encodes its tensors' chunk
+rows into a segment file and reports the blocks; the coordinator makes the root from the
+owners' reports; a reader decodes the blocks it read, checked against the root."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ckptfs.errors import IntegrityError, MalformedIndexError
+from ckptfs.layout.checksum import checksum, crc_of
+from ckptfs.layout.index import (
+    HASHES_MINOR_VERSION,
+    PACKED_CHUNKS,
+    ChunkEntry,
+    Index,
+    TensorEntry,
+    check_relative_path,
+    parse_json,
+)
+from ckptfs.layout.segments import (
+    ROWS_PER_BLOCK,
+    SEGMENT_ROWS,
+    SEGMENTS,
+    Block,
+    SegmentFile,
+    SegmentPart,
+    block_order,
+    bounding,
+    partition,
+    segment_path,
+)
+
+
+class _Paths(Mapping[str, str]):
+    """A file's packed-row item in a segment is its path (§2.6), not a file-table position."""
+
+    def __getitem__(self, path: str) -> str:
+        return path
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def encode_segment(rows: Mapping[str, Sequence[ChunkEntry]], path: str, *, packed: bool,
+                   bases: Sequence[str] = (), rows_per_block: int = ROWS_PER_BLOCK
+                   ) -> tuple[bytes, SegmentPart]:
+    """*Writer*: the bytes of the segment file at ``path`` holding ``rows`` (per tensor key, in
+    the order given) and the report its owner sends to the coordinator. ``packed``: rows in
+    the packed form (§2.3, the file by path); otherwise chunk objects (§2.1, §2.5) numbering
+    ``bases``."""
+    out = bytearray()
+    base_ids = {u: i for i, u in enumerate(bases)}
+    paths = _Paths()
+    blocks: list[tuple[str, tuple[Block, ...]]] = []
+    for key, chunks in rows.items():
+        ordered: list[Any] = block_order(chunks)
+        mine = []
+        for i in range(0, len(ordered), rows_per_block):
+            part = ordered[i:i + rows_per_block]
+            doc = [c.to_row(paths) if packed else c.to_dict(base_ids) for c in part]
+            body = json.dumps(doc, ensure_ascii=False, allow_nan=False).encode()
+            lo, hi = bounding(part)
+            mine.append(Block(-1, len(out), len(body), f"{crc_of(body):08x}", lo, hi))
+            out += body
+            out += b"\n"
+        blocks.append((key, tuple(mine)))
+    data = bytes(out)
+    return data, SegmentPart(SegmentFile(path, len(data), checksum(data)), tuple(blocks))
+
+
+def root_of(index: Index, parts: Sequence[SegmentPart], *, packed: bool) -> Index:
+    """*Writer* (coordinator): the segmented root of ``index`` (its tensors without chunks, its
+    data files and their checksums) from the owners' ``parts``, numbered in their order; the
+    segment files join the data files. A tensor no part names has no rows (no elements)."""
+    blocks: dict[str, tuple[Block, ...]] = {}
+    for pos, part in enumerate(parts):
+        for key, bs in part.blocks:
+            if key in blocks or key not in index.tensors:
+                raise ValueError(f"segment {part.file.path}: key {key!r} is in two segments "
+                                 f"or not a tensor of the index")
+            blocks[key] = tuple(b.numbered(pos) for b in bs)
+    tensors = {k: TensorEntry(t.key, t.dtype, t.shape, (), t.extra, t.stats, blocks.get(k, ()))
+               for k, t in index.tensors.items()}
+    features = [f for f in index.required_features if f not in (PACKED_CHUNKS, SEGMENTS)]
+    if packed:
+        features.append(PACKED_CHUNKS)
+    files = dict(sorted({**index.files, **{p.file.path: p.file.size for p in parts}}.items()))
+    sums = {**index.file_checksums, **{p.file.path: p.file.checksum for p in parts}}
+    return replace(index, tensors=tensors, files=files, file_checksums=sums,
+                   required_features=tuple(features), segments=tuple(p.file.path for p in parts),
+                   base_urls=index.bases if not index.segmented else index.base_urls)
+
+
+def decode_block(raw: bytes, block: Block, entry: TensorEntry, root: Index, *,
+                 source: str) -> tuple[ChunkEntry, ...]:
+    """The chunk rows of ``block`` of ``entry`` from its bytes ``raw``, checked: its CRC-32C,
+    the rows' form (packed or objects as the root's features say), paths inside the root and
+    among its data files, byte ranges inside the files, and every chunk inside the block's
+    bounding box and the tensor (a reader skipping the block must miss nothing)."""
+    assert root.segments is not None, "decode_block reads a segmented index's rows"
+    seg = root.segments[block.segment]
+    where = f"{source}: segment {seg}, block [{block.byte_offset}, " \
+            f"{block.byte_offset + block.byte_length}) of tensor {entry.key!r}"
+    got = f"{crc_of(raw):08x}"
+    if len(raw) != block.byte_length or got != block.crc:
+        raise IntegrityError(f"{where}: {len(raw)} bytes with crc32c {got}, the root records "
+                             f"{block.byte_length} bytes with {block.crc}: the segment was "
+                             f"damaged or replaced after it was written")
+    doc = parse_json(raw, where)
+    if not isinstance(doc, list):
+        raise MalformedIndexError(f"{where}: a block must be a JSON array of chunk entries")
+    chunks = tuple(_row(r, root, f"{where}, row {i}") for i, r in enumerate(doc))
+    for i, c in enumerate(chunks):
+        _check_row(c, block, entry, root, f"{where}, row {i}")
+    return chunks
+
+
+def _row(r: Any, root: Index, where: str) -> ChunkEntry:
+    """One row of a block: a packed row (its file a path) or a chunk object."""
+    if PACKED_CHUNKS not in root.required_features:
+        if not isinstance(r, dict):
+            raise MalformedIndexError(f"{where}: a chunk object was expected")
+        return ChunkEntry.from_dict(r, where, root.base_urls)
+    if not isinstance(r, list) or len(r) not in (6, 7):
+        raise MalformedIndexError(f"{where}: a packed chunk must be a list of 6 or 7 items")
+    path = r[2]
+    if path is not None and not isinstance(path, str):
+        raise MalformedIndexError(f"{where}: the file of a segment's packed row is a path, "
+                                  f"got {path!r}")
+    files = [] if path is None else [check_relative_path(path, where)]
+    return ChunkEntry.from_row([*r[:2], None if path is None else 0, *r[3:]], files, where)
+
+
+def _check_row(c: ChunkEntry, block: Block, entry: TensorEntry, root: Index, where: str) -> None:
+    if len(c.offsets) != len(entry.shape):
+        raise MalformedIndexError(f"{where}: {len(c.offsets)} offsets for a tensor of "
+                                  f"{len(entry.shape)} dimensions")
+    ends = [o + n for o, n in zip(c.offsets, c.shape, strict=True)]
+    if any(o < lo or e > hi for o, e, lo, hi in zip(c.offsets, ends, block.lo, block.hi,
+                                                    strict=True)) \
+            or any(e > n for e, n in zip(ends, entry.shape, strict=True)):
+        raise MalformedIndexError(f"{where}: chunk at {list(c.offsets)} of shape "
+                                  f"{list(c.shape)} lies outside the block's box "
+                                  f"[{list(block.lo)}, {list(block.hi)}) or the tensor")
+    if c.file is None or c.base is not None:
+        return
+    size = root.files.get(c.file)
+    if size is None or c.file in (root.segments or ()):
+        raise MalformedIndexError(f"{where}: file {c.file!r} is not a data file of the index")
+    if c.byte_offset is not None and c.byte_length is not None \
+            and c.byte_offset + c.byte_length > size:
+        raise MalformedIndexError(f"{where}: bytes [{c.byte_offset}, "
+                                  f"{c.byte_offset + c.byte_length}) lie beyond the end of "
+                                  f"{c.file} ({size} bytes by the index)")
+
+
+def segment_blocks(root: Index) -> dict[int, list[tuple[str, Block]]]:
+    """Every block of the root by segment position, in byte order: (key, block)."""
+    out: dict[int, list[tuple[str, Block]]] = {}
+    for key, t in root.tensors.items():
+        for b in t.blocks or ():
+            out.setdefault(b.segment, []).append((key, b))
+    for bs in out.values():
+        bs.sort(key=lambda kb: kb[1].byte_offset)
+    return out
+
+
+
+def split_index(index: Index, save_id: str, *, rows: int = SEGMENT_ROWS, world: int = 1,
+                packed: bool | None = None, rows_per_block: int = ROWS_PER_BLOCK
+                ) -> tuple[Index, dict[str, bytes]]:
+    """A whole ``index`` written segmented in one process (what the ranks of a segmented save
+    write between them): the root and the segment files' bytes by path. ``packed``: the rows'
+    form (None: packed unless the index holds content hashes or references, §2.5)."""
+    if index.segmented:
+        raise ValueError("split_index: the index is segmented already")
+    if packed is None:
+        packed = index.minor_version_used < HASHES_MINOR_VERSION
+    keys = [k for k in (index.order or index.tensors) if k in index.tensors]
+    owners = partition([len(index.tensors[k].chunks) for k in keys], world, rows)
+    files: dict[str, bytes] = {}
+    parts = []
+    for o in owners:
+        path = segment_path(save_id, o.pos)
+        data, part = encode_segment({k: index.tensors[k].chunks for k in keys[o.start:o.stop]},
+                                    path, packed=packed, bases=index.bases,
+                                    rows_per_block=rows_per_block)
+        files[path] = data
+        parts.append(part)
+    return root_of(index, parts, packed=packed), files

@@ -1,0 +1,165 @@
+"""Index segments (formats/README.md §2.6): the values a segmented root lists.
+
+A large index is written as a small **root** (``ckptfs.index.json``, the commit point) and
+**segment** files under ``index/<save_id>/``, each written by one rank, holding the chunk rows
+of a run of tensors. The root lists, per tensor, the **blocks** of its rows: where each block
+lies in which segment, its CRC-32C and the bounding box of its chunks, so that a reader reads
+only the blocks overlapping the regions it needs. This module holds those values and the
+writer's rules (which rank writes which tensors, how rows are cut into blocks); encoding and
+decoding the rows is in ``segment_rows.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ckptfs.errors import MalformedIndexError
+from ckptfs.layout.boxes import Box
+
+#: the required feature of a segmented index (formats/README.md §2.6)
+SEGMENTS = "index_segments"
+#: the minor version of format 1 that introduced segments
+SEGMENTS_MINOR_VERSION = 3
+#: *writer*: an index of at least this many chunks is written segmented (below it, whole)
+SEGMENT_MIN_CHUNKS = 65_536
+#: *writer*: the rows a segment file holds at most, unless one tensor has more
+SEGMENT_ROWS = 65_536
+#: *writer*: the rows of a block at most
+ROWS_PER_BLOCK = 64
+#: the directory of a save's segment files: ``index/<save_id>/``
+SEGMENT_DIR = "index"
+_MAX = 2**62
+
+
+class _Chunk(Protocol):
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A run of one tensor's chunk rows in a segment: its byte range, CRC-32C and the
+    bounding box ``[lo, hi)`` of its chunks."""
+
+    segment: int  #: position in the root's ``segments`` (-1: not numbered yet, an owner's part)
+    byte_offset: int
+    byte_length: int
+    crc: str  #: the CRC-32C of the block's bytes, 8 lowercase hex digits
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    def overlaps(self, box: Box) -> bool:
+        """Whether some chunk of the block may overlap ``box`` (an empty box overlaps nothing)."""
+        return all(lo < o + n and o < hi and n > 0
+                   for lo, hi, o, n in zip(self.lo, self.hi, box.offsets, box.shape, strict=True))
+
+    def numbered(self, segment: int) -> Block:
+        return Block(segment, self.byte_offset, self.byte_length, self.crc, self.lo, self.hi)
+
+    def to_row(self) -> list[Any]:
+        return [self.segment, self.byte_offset, self.byte_length, self.crc, list(self.lo),
+                list(self.hi)]
+
+    @classmethod
+    def from_row(cls, row: Any, segments: int, ndim: int, where: str) -> Block:
+        """A root's block row ``[segment, byte_offset, byte_length, crc, lo, hi]``, checked."""
+        if not isinstance(row, list) or len(row) != 6:
+            raise MalformedIndexError(f"{where}: a block must be a list of 6 items")
+        seg, off, length, crc, lo, hi = row
+        for name, v, top in (("segment", seg, segments - 1), ("byte_offset", off, _MAX),
+                             ("byte_length", length, _MAX)):
+            if not _int(v) or not 0 <= v <= top:
+                raise MalformedIndexError(f"{where}: {name} {v!r} is not an int in [0, {top}]")
+        if not isinstance(crc, str) or len(crc) != 8 or crc.strip("0123456789abcdef"):
+            raise MalformedIndexError(f"{where}: crc {crc!r} is not 8 lowercase hex digits")
+        for name, v in (("lo", lo), ("hi", hi)):
+            if (not isinstance(v, list) or len(v) != ndim
+                    or not all(_int(x) and 0 <= x <= _MAX for x in v)):
+                raise MalformedIndexError(f"{where}: {name} must be {ndim} ints in [0, 2**62]")
+        if any(map(operator.gt, lo, hi)):
+            raise MalformedIndexError(f"{where}: lo {lo} lies beyond hi {hi}")
+        return cls(seg, off, length, crc, tuple(lo), tuple(hi))
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFile:
+    """A segment file as its writer reports it: path, size and CRC-32C ("crc32c:...")."""
+
+    path: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPart:
+    """What one segment's owner reports to the coordinator: the file and, per tensor key, the
+    blocks of its rows (``segment`` -1: the coordinator numbers them)."""
+
+    file: SegmentFile
+    blocks: tuple[tuple[str, tuple[Block, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """*Writer*: segment ``pos`` holds the tensors ``keys[start:stop]`` (in index order) and is
+    written by ``rank``."""
+
+    pos: int
+    rank: int
+    start: int
+    stop: int
+
+
+def segment_path(save_id: str, pos: int) -> str:
+    """The path of a save's segment ``pos``: ``index/<save_id>/s00000.json``."""
+    return f"{SEGMENT_DIR}/{save_id}/s{pos:05d}.json"
+
+
+def partition(counts: Sequence[int], world: int, rows: int = SEGMENT_ROWS) -> tuple[Owner, ...]:
+    """*Writer*: the tensors (their chunk counts, in index order) cut into contiguous runs of
+    about ``rows`` rows (a tensor is never split), at most one run per rank; run ``s`` of ``n``
+    is written by rank ``s * world // n`` (spread over the ranks, so over the nodes)."""
+    total = sum(counts)
+    target = max(rows, math.ceil(total / max(world, 1)), 1)
+    runs: list[tuple[int, int]] = []
+    start, held = 0, 0
+    for i, n in enumerate(counts):
+        if held and held + n > target:
+            runs.append((start, i))
+            start, held = i, 0
+        held += n
+    if start < len(counts) or not runs:
+        runs.append((start, len(counts)))
+    return tuple(Owner(s, s * world // len(runs), a, b) for s, (a, b) in enumerate(runs))
+
+
+def block_order(chunks: Sequence[_Chunk]) -> list[_Chunk]:
+    """*Writer*: a tensor's rows in block order: sorted by offsets, taking the dimensions with
+    the fewest distinct offsets first (ties: lower dimension first), so that the blocks cut from
+    the run are narrow along the dimensions readers split (a tensor-parallel column strip is one
+    run)."""
+    if len(chunks) < 2:
+        return list(chunks)
+    ndim = len(chunks[0].offsets)
+    distinct = [len({c.offsets[d] for c in chunks}) for d in range(ndim)]
+    dims = sorted(range(ndim), key=lambda d: (distinct[d], d))
+    return sorted(chunks, key=lambda c: tuple(c.offsets[d] for d in dims))
+
+
+def bounding(chunks: Sequence[_Chunk]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The bounding box ``(lo, hi)`` of ``chunks`` (at least one)."""
+    lo = tuple(map(min, *(c.offsets for c in chunks))) if len(chunks) > 1 else chunks[0].offsets
+    ends = [tuple(map(operator.add, c.offsets, c.shape)) for c in chunks]
+    hi = tuple(map(max, *ends)) if len(ends) > 1 else ends[0]
+    return tuple(lo), tuple(hi)

@@ -1,0 +1,220 @@
+"""Index segments (formats/README.md §2.6): the root, the blocks, partial and whole reads, the
+checks a reader makes, the tools, and the golden segmented checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import ckptfs
+from ckptfs.engine.index_io import read_index, read_root, read_rows
+from ckptfs.io import run_sync
+from ckptfs.io.open import open_store
+from ckptfs.layout import index as index_mod
+from ckptfs.layout.boxes import Box
+from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry
+from ckptfs.layout.segment_rows import split_index
+from ckptfs.layout.segments import Block, block_order, partition
+from ckptfs.testing.conformance.cases import differences
+from ckptfs.testing.conformance.golden import golden_reference, manifest_problems
+from ckptfs.testing.conformance.golden_index import golden_index_dir
+
+ROWS, COLS = 8, 8  # the synthetic tensor's chunk grid
+
+
+def _grid_index() -> Index:
+    """A tensor of 8 x 8 chunks (32 x 8 elements each) in one data file, and a small one."""
+    chunks, off = [], 0
+    for i in range(ROWS):
+        for j in range(COLS):
+            chunks.append(ChunkEntry((32 * i, 8 * j), (32, 8), "data/abc/r0.bin", off, 32 * 8 * 4,
+                                     f"crc32c:{i:04x}{j:04x}"))
+            off += 32 * 8 * 4
+    w = TensorEntry("w", "float32", (32 * ROWS, 8 * COLS), tuple(chunks))
+    b = TensorEntry("b", "int64", (3,), (ChunkEntry((0,), (3,), "data/abc/r0.bin", off, 24,
+                                                    "crc32c:00000001"),))
+    return Index("safetensors_chunks", 1, {"w": w, "b": b}, files={"data/abc/r0.bin": off + 24},
+                 order=("w", "b"), file_checksums={"data/abc/r0.bin": "crc32c:00000000"})
+
+
+def _write(root: Path, index: Index, **split) -> Index:
+    seg_root, files = split_index(index, "abc", **split)
+    for path, data in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    (root / INDEX_FILE).write_bytes(seg_root.dumps())
+    return seg_root
+
+
+def _read(root: Path, fn, *args):
+    async def go():
+        store = await open_store(str(root), None, None)
+        try:
+            result = await fn(store, *args)
+            return result, store.stats.bytes_read, store.stats.read_requests
+        finally:
+            await store.close()
+    return run_sync(go())
+
+
+def test_a_segmented_root_round_trips_and_reads_whole(tmp_path):
+    index = _grid_index()
+    root = _write(tmp_path, index, rows=1, world=2, rows_per_block=8)
+    assert len(root.segments) == 2 and root.segmented and root.minor_version_used == 3
+    raw = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert raw["required_features"] == ["packed_chunks", "index_segments"]
+    assert raw["format_minor_version"] == 3 and "chunks" not in raw["tensors"]["w"]
+    assert len(raw["tensors"]["w"]["blocks"]) == 8
+    back = Index.loads((tmp_path / INDEX_FILE).read_bytes())
+    assert back.segments == root.segments and back.tensors["w"].blocks == root.tensors["w"].blocks
+    assert back.tensors["w"].chunks == ()
+    whole, _, _ = _read(tmp_path, read_index)
+    for k in index.tensors:
+        assert whole.tensors[k].chunks == index.tensors[k].chunks
+
+
+def test_a_partial_read_reads_only_the_blocks_that_overlap(tmp_path):
+    _write(tmp_path, _grid_index(), rows_per_block=8)
+    root, _, _ = _read(tmp_path, read_root)
+    blocks = root.tensors["w"].blocks
+    # equal distinct offsets per dimension: rows first, so a block is a row strip of 8 chunks
+    assert [b.lo for b in blocks] == [(32 * i, 0) for i in range(ROWS)]
+    got, read, requests = _read(tmp_path, read_rows, root, {"w": [Box((40, 0), (10, 64))]})
+    assert read == blocks[1].byte_length and requests == 1
+    assert [c.offsets for c in got.tensors["w"].chunks] == [(32, 8 * j) for j in range(COLS)]
+    assert got.tensors["b"].chunks == ()  # not asked for: not read
+    # two neighbouring strips come in one ranged request
+    got, read, requests = _read(tmp_path, read_rows, root, {"w": [Box((0, 0), (64, 1))]})
+    assert requests == 1 and read == blocks[0].byte_length + 1 + blocks[1].byte_length
+    assert len(got.tensors["w"].chunks) == 16
+
+
+def test_the_block_order_takes_the_dimension_with_fewest_offsets_first():
+    # a row-parallel weight cut into 8 column strips, each strip sliced into 32 row pieces
+    chunks = [ChunkEntry((32 * i, 8 * j), (32, 8)) for i in range(32) for j in range(8)]
+    ordered = block_order(chunks)
+    assert [c.offsets for c in ordered[:32]] == [(32 * i, 0) for i in range(32)]
+    owners = partition([5, 5, 5, 5], world=4, rows=10)
+    assert [(o.start, o.stop, o.rank) for o in owners] == [(0, 2, 0), (2, 4, 2)]
+    assert [(o.start, o.stop) for o in partition([30, 1, 1], world=8, rows=10)] == [(0, 1), (1, 3)]
+
+
+def test_a_reader_without_the_feature_refuses_a_segmented_root(tmp_path, monkeypatch):
+    _write(tmp_path, _grid_index())
+    monkeypatch.setattr(index_mod, "KNOWN_FEATURES",
+                        frozenset({index_mod.PACKED_CHUNKS, index_mod.CHUNK_REFS}))
+    with pytest.raises(ckptfs.FormatVersionError, match=r"\['index_segments'\] are unknown"):
+        ckptfs.load_metadata(tmp_path)
+
+
+def _reseal(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    doc.pop("index_checksum")
+    edit(doc)
+    path.write_bytes(index_mod.seal(json.dumps(doc).encode()))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.pop("segments"), "segments"),
+    (lambda d: d.update(segments=["index/abc/nope.json"]), "must be listed in the data files"),
+    (lambda d: d["tensors"]["b"].update(chunks=[]), "lists 'blocks', not 'chunks'"),
+    (lambda d: d["tensors"]["b"]["blocks"][0].__setitem__(0, 5), "segment 5 is not an int"),
+    (lambda d: d["tensors"]["b"]["blocks"][0].__setitem__(4, [4]), "lo .* lies beyond hi"),
+    (lambda d: d["required_features"].remove("index_segments"), "without the required feature"),
+])
+def test_a_malformed_root_is_refused_naming_the_field(tmp_path, edit, match):
+    _write(tmp_path, _grid_index())
+    _reseal(tmp_path / INDEX_FILE, edit)
+    with pytest.raises(ckptfs.MalformedIndexError, match=match):
+        ckptfs.load_metadata(tmp_path)
+
+
+def test_a_corrupt_or_missing_segment_is_an_error_naming_it(tmp_path):
+    root = _write(tmp_path, _grid_index(), rows=1, world=2, rows_per_block=8)
+    seg = tmp_path / root.segments[0]
+    data = bytearray(seg.read_bytes())
+    data[5] ^= 0x01  # inside the first block of "w"
+    seg.write_bytes(bytes(data))
+    with pytest.raises(ckptfs.IntegrityError, match=r"s00000.json.*damaged"):
+        _read(tmp_path, read_index)
+    with pytest.raises(ckptfs.IntegrityError, match=r"s00000.json, block \[0, .*tensor 'w'"):
+        _read(tmp_path, read_rows, root, {"w": [Box((0, 0), (1, 1))]})
+    # a block the rank does not need is not read, so not checked: the load of "b" goes on
+    got, _, _ = _read(tmp_path, read_rows, root, {"b": [Box((0,), (3,))]})
+    assert len(got.tensors["b"].chunks) == 1
+    report = ckptfs.verify(tmp_path, checksums=False)
+    assert {(p.kind, p.file, p.key) for p in report.problems} >= {
+        ("segment", root.segments[0], "w")}
+    seg.unlink()
+    with pytest.raises(ckptfs.CheckpointNotFoundError, match="index segment .* is missing"):
+        _read(tmp_path, read_index)
+    report = ckptfs.verify(tmp_path, checksums=False)
+    assert ("missing-file", root.segments[0]) in {(p.kind, p.file) for p in report.problems}
+
+
+def test_a_row_outside_its_blocks_box_is_refused(tmp_path):
+    index = _grid_index()
+    root = _write(tmp_path, index, rows_per_block=8)
+    b0 = root.tensors["w"].blocks[0]
+    narrowed = dataclasses.replace(b0, hi=(16, b0.hi[1]))  # the strip holds rows up to 32
+    w = dataclasses.replace(root.tensors["w"], blocks=(narrowed, *root.tensors["w"].blocks[1:]))
+    bad = dataclasses.replace(root, tensors={**root.tensors, "w": w})
+    (tmp_path / INDEX_FILE).write_bytes(bad.dumps())
+    with pytest.raises(ckptfs.MalformedIndexError, match="outside the block's box"):
+        _read(tmp_path, read_index)
+
+
+def test_golden_index_1_3_loads_and_verifies():
+    g = golden_index_dir(3)
+    assert manifest_problems(g) == []
+    assert differences(ckptfs.load_keys(g / "checkpoint"), golden_reference()) == []
+    index = ckptfs.load_metadata(g / "checkpoint")
+    assert index.segmented and len(index.segments) == 2 and index.format_minor_version == 3
+    assert all(t.chunks for t in index.tensors.values() if t.numel)
+    report = ckptfs.verify(g / "checkpoint")
+    assert report.ok, report.problems
+
+
+def test_golden_index_1_3_reads_with_the_spec_reader():
+    from tests import spec_reader
+
+    root = golden_index_dir(3) / "checkpoint"
+
+    alone = spec_reader.audit_index((root / INDEX_FILE).read_bytes())  # the root by itself
+    assert all("chunks" not in t for t in alone.norm["tensors"].values())
+    idx = spec_reader.audit_index((root / INDEX_FILE).read_bytes(), spec_reader.local_reader(root))
+    data = spec_reader.audit_data(str(root), idx)
+    rows = golden_reference()["sharded"]["rows"]
+    assert data["sharded/rows"] == rows.numpy().tobytes()
+
+
+def test_clean_keeps_the_segments_and_removes_a_leftover_one(tmp_path):
+    root = _write(tmp_path, _grid_index(), rows=1, world=2)
+    (tmp_path / "data/abc").mkdir(parents=True)
+    (tmp_path / "data/abc/r0.bin").write_bytes(b"\0" * root.files["data/abc/r0.bin"])
+    stray = tmp_path / "index/dead00000000/s00000.json"
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes(b"[]\n")
+    ckptfs.clean(tmp_path, dry_run=False)
+    assert not stray.exists()
+    assert all((tmp_path / p).exists() for p in root.segments)
+
+
+def test_a_block_overlaps_the_boxes_that_meet_its_bounding_box():
+    b = Block(0, 0, 10, "00000000", (0, 8), (32, 16))
+    assert b.overlaps(Box((31, 15), (5, 5))) and not b.overlaps(Box((32, 0), (1, 100)))
+    assert not b.overlaps(Box((0, 8), (0, 8)))  # an empty box overlaps nothing
+    assert Block(0, 0, 1, "00000000", (), ()).overlaps(Box((), ()))  # 0-d
+
+
+def test_inspect_shows_the_segments():
+    from ckptfs.tools.describe import describe, render
+
+    g = golden_index_dir(3) / "checkpoint"
+    doc = describe(str(g), ckptfs.load_metadata(g), False)
+    assert sorted(doc["segments"]) == sorted(ckptfs.load_metadata(g).segments)
+    assert "segmented: 2 segment files" in render(doc)
+    assert doc["totals"]["chunks"] == 26
