@@ -39,6 +39,7 @@ layers) in seconds (tests/test_bench_smoke.py runs it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -296,7 +297,8 @@ class Saved:
 
 # -- index segments (formats/README.md §2.6) -----------------------------------------------------
 
-def segmented_save(saved: Saved, save_id: str = "0123456789ab") -> tuple[dict, bytes, dict]:
+def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab"
+                   ) -> tuple[dict, bytes, dict]:
     """A segmented save's index work: each owner's segment (the largest owner's timed from the
     rows every rank sends it: checks, order, encoding), the coordinator's root from the owners'
     parts (``build_index`` without rows over every rank's files, ``root_of``, the dump); and
@@ -310,7 +312,7 @@ def segmented_save(saved: Saved, save_id: str = "0123456789ab") -> tuple[dict, b
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
     from ckptfs.layout.index import packs
     from ckptfs.layout.segment_rows import encode_segment, root_of
-    from ckptfs.layout.segments import SEGMENT_ROWS, partition, segment_path
+    from ckptfs.layout.segments import partition, segment_path
 
     backend = SafetensorsChunksBackend()
     keys = sorted(saved.content.tensors)
@@ -321,7 +323,7 @@ def segmented_save(saved: Saved, save_id: str = "0123456789ab") -> tuple[dict, b
     counts = [len(saved.plans[k].chunks) for k in keys]
     total = sum(counts)
     packed = packs(total)
-    owners = partition(counts, saved.world, SEGMENT_ROWS)
+    owners = partition(counts, saved.world, rows)
     plan = SegmentPlan(tuple(keys[o.start] for o in owners), tuple(o.rank for o in owners), packed)
     big = max(owners, key=lambda o: sum(counts[o.start:o.stop]))
     parts, files = [], {}
@@ -332,8 +334,9 @@ def segmented_save(saved: Saved, save_id: str = "0123456789ab") -> tuple[dict, b
             mine = set(keys[o.start:o.stop])
             got = [Outgoing(tuple((k, e) for k, e in r.entries if k in mine)) for r in saved.ranks]
             received = sum(len(pickle.dumps(g)) for g in got if g.entries)
-            owner_s, (data, part) = timed(lambda: encode_segment(segment_rows(
-                plan, o.pos, got, saved.plans, backend.implied_extra), path, packed=packed))
+            owner_s, (data, part) = timed(lambda o=o, got=got, path=path: encode_segment(
+                segment_rows(plan, o.pos, got, saved.plans, backend.implied_extra), path,
+                packed=packed))
             del got
         else:
             data, part = encode_segment({k: by_key[k] for k in keys[o.start:o.stop]}, path,
@@ -592,7 +595,8 @@ def dcp_load(md_raw: bytes, target: dict) -> dict:
     return {"parse_s": t_parse, "plan_s": t_plan, "plan_peak_bytes": mem, "pieces": len(local.items)}
 
 
-def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: bool = True) -> dict:
+def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: int = 0) -> dict:
+    """One world and variant; ``segments``: rows a segment holds (0: no segmented rows)."""
     rank = s.world // 2 + 3  # a non-coordinator of a middle stage
     init_fake(s.world, rank)
     sd = rank_state(s, variant, rank)
@@ -606,7 +610,7 @@ def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: bool = Tru
     out["ckptfs_load"]["bytes_read"] = len(index_raw)
     del index_raw
     if segments:
-        seg, root_raw, files = segmented_save(saved)
+        seg, root_raw, files = segmented_save(saved, segments)
         del saved
         out["seg_save"] = seg
         with tempfile.TemporaryDirectory() as where:
@@ -716,6 +720,99 @@ def segmented_table(results: list[dict], with_dcp: bool) -> str:
     return "\n".join(rows)
 
 
+# -- where segments start to pay: whole or segmented at a chunk count -------------------------
+
+def synthetic_index(n: int, per: int = 64):
+    """A packed whole index of ``n`` chunks: ``n // per`` tensors of ``per`` row chunks each,
+    the chunks of one tensor spread over 8 data files as 8 writers lay them."""
+    from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+
+    rng = random.Random(0)
+    tensors, files = {}, {}
+    for t in range(n // per):
+        key = f"layers/{t // 8}/w{t % 8}"
+        chunks = []
+        for i in range(per):
+            path = f"data/0123456789ab/r{i % 8:05d}-000.safetensors"
+            pos = files.get(path, 0)
+            chunks.append(ChunkEntry((i * 16, 0), (16, 1024), path, pos, 16 * 1024 * 2,
+                                     f"crc32c:{rng.getrandbits(32):08x}"))
+            files[path] = pos + 16 * 1024 * 2
+        tensors[key] = TensorEntry(key, "bfloat16", (per * 16, 1024), tuple(chunks))
+    return Index("safetensors_chunks", 1, tensors, files=files)
+
+
+def threshold(n: int, world: int = 8) -> dict:
+    """Whole against segmented at ``n`` chunks, ``world`` writers: the save's critical path
+    (whole: the coordinator's dump of every row; segmented: the slowest owner's encoding, then
+    the coordinator's root and dump) and one reader's metadata phase when it needs 1/8 of every
+    tensor (whole: parse all, plan; segmented: parse the root, read and decode its blocks from
+    a local folder, plan)."""
+    from ckptfs.engine.index_io import read_rows
+    from ckptfs.io import run_sync
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.layout.boxes import Box
+    from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
+    from ckptfs.layout.segment_rows import encode_segment, root_of
+    from ckptfs.layout.segments import partition, segment_path
+    from ckptfs.planning.load_plan import plan_reads
+
+    index = synthetic_index(n)
+    t_whole, raw = timed(index.dumps)
+    keys = list(index.tensors)
+    owners = partition([len(index.tensors[k].chunks) for k in keys], world)
+    slowest, parts, files = 0.0, [], {}
+    for o in owners:
+        path = segment_path("0123456789ab", o.pos)
+        t, (data, part) = timed(lambda o=o, path=path: encode_segment(
+            {k: index.tensors[k].chunks for k in keys[o.start:o.stop]}, path, packed=True))
+        slowest, files[path] = max(slowest, t), data
+        parts.append(part)
+    bare = dataclasses.replace(index, tensors={k: TensorEntry(k, t.dtype, t.shape, ())
+                                               for k, t in index.tensors.items()})
+    t_root, root_raw = timed(lambda: root_of(bare, parts, packed=True).dumps())
+    wanted = {k: [Box((0, 0), (t.shape[0] // 8, t.shape[1]))] for k, t in index.tensors.items()}
+
+    def plan(ix) -> int:
+        return sum(len(plan_reads(ix.tensors[k], b[0])) for k, b in wanted.items())
+
+    t_read_whole, _ = timed(lambda: plan(Index.loads(raw)))
+    with tempfile.TemporaryDirectory() as where:
+        for path, data in {INDEX_FILE: root_raw, **files}.items():
+            os.makedirs(os.path.dirname(os.path.join(where, path)), exist_ok=True)
+            with open(os.path.join(where, path), "wb") as f:
+                f.write(data)
+        store = LocalStore(where)
+        t_read_seg, _ = timed(lambda: plan(run_sync(read_rows(store, Index.loads(root_raw),
+                                                              wanted))))
+    return {"chunks": n, "segments": len(owners), "whole_save_s": t_whole,
+            "seg_save_s": slowest + t_root, "whole_load_s": t_read_whole,
+            "seg_load_s": t_read_seg, "whole_bytes": len(raw), "root_bytes": len(root_raw)}
+
+
+def threshold_main(counts: list[int], out: str | None) -> int:
+    results = [threshold(n) for n in counts]
+    print("| chunks | segments | save: whole / segmented (s) | one rank's load: whole / "
+          "segmented (s) | index / root KiB |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['chunks']} | {r['segments']} | {r['whole_save_s']:.3f} / "
+              f"{r['seg_save_s']:.3f} | {r['whole_load_s']:.3f} / {r['seg_load_s']:.3f} | "
+              f"{r['whole_bytes'] / 1024:.0f} / {r['root_bytes'] / 1024:.0f} |")
+    _write(results, out, "scale-threshold")
+    return 0
+
+
+def _write(results: list[dict], out: str | None, stem: str) -> None:
+    path = out
+    if path is None:
+        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+        path = os.path.join(os.path.dirname(__file__), "results",
+                            f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"# results: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", default="1024,4096,16384")
@@ -723,6 +820,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-dcp", action="store_true")
     ap.add_argument("--quick", action="store_true", help="TP4 x PP2 x DP 8/32, 4 layers")
     ap.add_argument("--no-segments", action="store_true", help="without the segmented rows")
+    ap.add_argument("--segment-rows", type=int, default=None,
+                    help="rows a segment holds (default SEGMENT_ROWS; --quick: 512)")
+    ap.add_argument("--threshold", default=None,
+                    help="only the whole-or-segmented measure at these chunk counts")
     ap.add_argument("--out", default=None, help="results file (default bench/results/scale-*.json)")
     args = ap.parse_args(argv)
     results = []
@@ -731,24 +832,22 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [Shape(4, 2, dp, layers=4, hidden=256, ffn=512, kv=64, vocab=1024) for dp in (8, 32)]
     else:
         shapes = [Shape(8, 8, w // 64) for w in map(int, args.worlds.split(","))]
+    from ckptfs.layout.segments import SEGMENT_ROWS
+
+    rows = 0 if args.no_segments else (args.segment_rows or (512 if args.quick else SEGMENT_ROWS))
     print(f"# torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.threshold:
+        return threshold_main([int(n) for n in args.threshold.split(",")], args.out)
     for s in shapes:
         for v in variants:
             other = "replicated" if v == "zero1" else "zero1"
             t0 = time.perf_counter()
-            results.append(run(s, v, other, not args.no_dcp, not args.no_segments))
+            results.append(run(s, v, other, not args.no_dcp, rows))
             print(f"# world {s.world} {v}: {time.perf_counter() - t0:.0f} s", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     print(table(results, not args.no_dcp))
-    path = args.out
-    if path is None:
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        path = os.path.join(os.path.dirname(__file__), "results",
-                            f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"# results: {path}")
+    _write(results, args.out, "scale")
     return 0
 
 
