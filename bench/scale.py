@@ -722,9 +722,10 @@ def segmented_table(results: list[dict], with_dcp: bool) -> str:
 
 # -- where segments start to pay: whole or segmented at a chunk count -------------------------
 
-def synthetic_index(n: int, per: int = 64):
-    """A packed whole index of ``n`` chunks: ``n // per`` tensors of ``per`` row chunks each,
-    the chunks of one tensor spread over 8 data files as 8 writers lay them."""
+def synthetic_index(n: int, per: int = 512):
+    """A packed whole index of ``n`` chunks: ``n // per`` tensors of ``per`` row chunks each
+    (ZeRO-style: a tensor's rows cut over its data-parallel writers, 8 blocks of rows), spread
+    over 8 data files."""
     from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 
     rng = random.Random(0)
@@ -745,14 +746,15 @@ def synthetic_index(n: int, per: int = 64):
 def threshold(n: int, world: int = 8) -> dict:
     """Whole against segmented at ``n`` chunks, ``world`` writers: the save's critical path
     (whole: the coordinator's dump of every row; segmented: the slowest owner's encoding, then
-    the coordinator's root and dump) and one reader's metadata phase when it needs 1/8 of every
-    tensor (whole: parse all, plan; segmented: parse the root, read and decode its blocks from
-    a local folder, plan)."""
-    from ckptfs.engine.index_io import read_rows
+    the coordinator's root and dump; neither counts the entries' trip) and one reader's
+    metadata phase when it needs 1/8 of every tensor, from a local folder (whole: read and
+    parse the index, plan; segmented: read and parse the root, read and decode its blocks,
+    plan)."""
+    from ckptfs.engine.index_io import read_root, read_rows
     from ckptfs.io import run_sync
     from ckptfs.io.local_store import LocalStore
     from ckptfs.layout.boxes import Box
-    from ckptfs.layout.index import INDEX_FILE, Index, TensorEntry
+    from ckptfs.layout.index import INDEX_FILE, TensorEntry
     from ckptfs.layout.segment_rows import encode_segment, root_of
     from ckptfs.layout.segments import partition, segment_path
     from ckptfs.planning.load_plan import plan_reads
@@ -776,14 +778,15 @@ def threshold(n: int, world: int = 8) -> dict:
     def plan(ix) -> int:
         return sum(len(plan_reads(ix.tensors[k], b[0])) for k, b in wanted.items())
 
-    t_read_whole, _ = timed(lambda: plan(Index.loads(raw)))
     with tempfile.TemporaryDirectory() as where:
-        for path, data in {INDEX_FILE: root_raw, **files}.items():
+        for path, data in {INDEX_FILE: raw, "seg/" + INDEX_FILE: root_raw,
+                           **{"seg/" + p: d for p, d in files.items()}}.items():
             os.makedirs(os.path.dirname(os.path.join(where, path)), exist_ok=True)
             with open(os.path.join(where, path), "wb") as f:
                 f.write(data)
-        store = LocalStore(where)
-        t_read_seg, _ = timed(lambda: plan(run_sync(read_rows(store, Index.loads(root_raw),
+        whole, seg = LocalStore(where), LocalStore(os.path.join(where, "seg"))
+        t_read_whole, _ = timed(lambda: plan(run_sync(read_root(whole))))
+        t_read_seg, _ = timed(lambda: plan(run_sync(read_rows(seg, run_sync(read_root(seg)),
                                                               wanted))))
     return {"chunks": n, "segments": len(owners), "whole_save_s": t_whole,
             "seg_save_s": slowest + t_root, "whole_load_s": t_read_whole,

@@ -152,6 +152,7 @@ def saved(tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first test of the module's spawned 8-rank save
 def test_eight_ranks_write_several_segments_and_the_coordinator_gets_no_entries(saved):
     root = json.loads(open(os.path.join(saved, "seg", INDEX_FILE)).read())
     assert "index_segments" in root["required_features"]
@@ -168,6 +169,7 @@ def test_eight_ranks_write_several_segments_and_the_coordinator_gets_no_entries(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [3, 5])
 def test_a_segmented_checkpoint_of_eight_ranks_loads_at_another_world(saved, world):
     run_ranks(world, load_world, saved)
