@@ -412,3 +412,15 @@ def test_save_options_check_the_segment_fields():
     with pytest.raises(ConfigError, match="segment_rows"):
         SaveOptions(segment_rows=0)
 
+
+
+def test_fingerprints_of_a_segmented_save_are_in_its_root(tmp_path):
+    sd = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.tensor([1.0, float("inf")])}
+    url = str(tmp_path / "stats")
+    ckptfs.save(sd, url, options=SaveOptions(index_segments=True), stats=True)
+    root = json.loads(open(os.path.join(url, INDEX_FILE)).read())
+    assert "index_segments" in root["required_features"]
+    index = ckptfs.load_metadata(url)
+    a, b = index.tensors["a"].stats, index.tensors["b"].stats
+    assert a is not None and a.count == 12 and a.max == 11.0 and a.min == 0.0
+    assert b is not None and b.inf == 1
