@@ -847,6 +847,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             results.append(run(s, v, other, not args.no_dcp, rows))
             print(f"# world {s.world} {v}: {time.perf_counter() - t0:.0f} s", flush=True)
+            if args.out:  # what is done so far, in case a long run is stopped
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
     print(table(results, not args.no_dcp))

@@ -8,6 +8,7 @@ segmented or whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
@@ -22,7 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import ckptfs
 from ckptfs.engine.index_io import read_root, read_rows
 from ckptfs.engine.options import SaveOptions
-from ckptfs.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from ckptfs.engine.save.hooks import SaveHook
+from ckptfs.errors import CheckpointNotFoundError, CkptfsError, ConfigError, IntegrityError
 from ckptfs.io import open_store, run_sync
 from ckptfs.io.wrapper import WrapperStore
 from ckptfs.layout.boxes import Box
@@ -424,3 +426,22 @@ def test_fingerprints_of_a_segmented_save_are_in_its_root(tmp_path):
     a, b = index.tensors["a"].stats, index.tensors["b"].stats
     assert a is not None and a.count == 12 and a.max == 11.0 and a.min == 0.0
     assert b is not None and b.inf == 1
+
+
+class _RefuseAtCommit(SaveHook):
+    def before_commit(self, index, parts, note):
+        raise CkptfsError("refused at commit")
+
+
+def test_a_failed_commit_removes_the_segments_with_the_data_files(tmp_path):
+    from ckptfs.engine.save.pipeline import run_save
+    from ckptfs.save import save_request
+
+    url = str(tmp_path / "refused")
+    request = save_request(url, "safetensors_chunks", None, None, None, None, False, False,
+                           SEGMENTED, check_finite=None, stats=None, host_memory_limit=None)
+    request = dataclasses.replace(request, hooks=(*request.hooks, _RefuseAtCommit()))
+    with pytest.raises(CkptfsError, match="refused at commit"):
+        run_save({"a": torch.ones(64, 8), "b": torch.zeros(3)}, request, None)
+    left = [os.path.relpath(os.path.join(d, f), url) for d, _, fs in os.walk(url) for f in fs]
+    assert left == [], left  # no data file, no segment, no root, the lock given back
