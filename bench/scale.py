@@ -39,6 +39,7 @@ layers) in seconds (tests/test_bench_smoke.py runs it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -46,6 +47,7 @@ import os
 import pickle
 import random
 import sys
+import tempfile
 import time
 import tracemalloc
 import warnings
@@ -277,8 +279,201 @@ def ckptfs_coordinator(s: Shape, variant: str, save_id: str = "0123456789ab") ->
     backend = SafetensorsChunksBackend()
     t_build, index = timed(partial(index_of, backend, plan.plans, content, written))
     t_dump, raw = timed(index.dumps)
+    del index
     return {"chunks": nchunks, "assemble_s": t_build + t_dump, "index_bytes": len(raw),
-            "packed": index.packed}, raw
+            "packed": len(raw) > 0 and b'"packed_chunks"' in raw[:4096]}, raw, \
+        Saved(plan.plans, content, tuple(ranks), s.world)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What the coordinator's bench built: every rank's outcome of the write, the plans."""
+
+    plans: object
+    content: object
+    ranks: tuple  #: WrittenRank of every rank, with its index entries
+    world: int
+
+
+# -- index segments (formats/README.md §2.6) -----------------------------------------------------
+
+def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab"
+                   ) -> tuple[dict, bytes, dict]:
+    """A segmented save's index work: each owner's segment (the largest owner's timed from the
+    rows every rank sends it: checks, order, encoding), the coordinator's root from the owners'
+    parts (``build_index`` without rows over every rank's files, ``root_of``, the dump); and
+    what a rank sends and an owner and the coordinator receive. (figures, root, segments)."""
+    from collections import defaultdict
+
+    from ckptfs.engine.save.commit import build_index
+    from ckptfs.engine.save.segments import Outgoing, SegmentPlan, segment_rows
+    from ckptfs.engine.save.stage import StagedSave
+    from ckptfs.engine.save.write import Written, WrittenRank
+    from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
+    from ckptfs.layout.index import packs
+    from ckptfs.layout.segment_rows import encode_segment, root_of
+    from ckptfs.layout.segments import partition, segment_path
+
+    backend = SafetensorsChunksBackend()
+    keys = sorted(saved.content.tensors)
+    by_key: dict = defaultdict(list)
+    for r in saved.ranks:
+        for k, e in r.entries:
+            by_key[k].append(e)
+    counts = [len(saved.plans[k].chunks) for k in keys]
+    total = sum(counts)
+    packed = packs(total)
+    owners = partition(counts, saved.world, rows)
+    plan = SegmentPlan(tuple(keys[o.start] for o in owners), tuple(o.rank for o in owners), packed)
+    big = max(owners, key=lambda o: sum(counts[o.start:o.stop]))
+    parts, files = [], {}
+    owner_s = 0.0
+    for o in owners:
+        path = segment_path(save_id, o.pos)
+        if o is big:  # what the owner receives, then its work
+            mine = set(keys[o.start:o.stop])
+            got = [Outgoing(tuple((k, e) for k, e in r.entries if k in mine)) for r in saved.ranks]
+            received = sum(len(pickle.dumps(g)) for g in got if g.entries)
+            owner_s, (data, part) = timed(lambda o=o, got=got, path=path: encode_segment(
+                segment_rows(plan, o.pos, got, saved.plans, backend.implied_extra), path,
+                packed=packed))
+            del got
+        else:
+            data, part = encode_segment({k: by_key[k] for k in keys[o.start:o.stop]}, path,
+                                        packed=packed)
+        files[path] = data
+        parts.append(part)
+    del by_key
+    bare = tuple(WrittenRank((), r.files) for r in saved.ranks)
+    written = Written((), bare[0], bare)
+    staged = StagedSave(0, saved.world, saved.plans, (), leases=(), copied=True,
+                        content=saved.content)
+    t_root, root = timed(lambda: root_of(build_index(backend, staged, written, rows=False),
+                                         parts, packed=packed))
+    t_dump, raw = timed(root.dumps)
+    sent = [len(pickle.dumps(Outgoing(r.entries))) for r in saved.ranks]
+    whole_width = max(len(pickle.dumps(r)) for r in saved.ranks)
+    return {"segments": len(owners), "coord_s": t_root + t_dump, "root_bytes": len(raw),
+            "segment_bytes": sum(map(len, files.values())), "owner_s": owner_s,
+            "owner_rows": sum(counts[big.start:big.stop]), "owner_received": received,
+            "rank_sent_max": max(sent), "rank_sent_median": sorted(sent)[len(sent) // 2],
+            "coord_received": sum(len(pickle.dumps(r)) for r in bare[1:]),
+            "coord_received_whole": whole_width * (saved.world - 1)}, raw, files
+
+
+def segmented_load(root_raw: bytes, files: dict, target: dict, rank: int, where: str) -> dict:
+    """A resharded load's metadata phase on one rank of a segmented checkpoint (in ``where``, a
+    local folder): the root parsed, the rank's blocks read and parsed (a counting store),
+    its targets planned on the partial index."""
+    from ckptfs.engine.index_io import read_rows
+    from ckptfs.engine.load.targets import plan_targets, wanted_boxes
+    from ckptfs.io import run_sync
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.layout.index import INDEX_FILE, Index
+
+    for path, data in {INDEX_FILE: root_raw, **files}.items():
+        os.makedirs(os.path.dirname(os.path.join(where, path)), exist_ok=True)
+        with open(os.path.join(where, path), "wb") as f:
+            f.write(data)
+    store = LocalStore(where)
+    t_parse, root = timed(lambda: Index.loads(root_raw))
+    wanted = wanted_boxes(target, root, rank)
+    before = store.stats.bytes_read
+    t_rows, part = timed(lambda: run_sync(read_rows(store, root, wanted)))
+    got = store.stats.bytes_read - before
+    t_plan, plan = timed(lambda: plan_targets(target, part, rank))
+    return {"parse_s": t_parse, "rows_s": t_rows, "plan_s": t_plan,
+            "metadata_s": t_parse + t_rows + t_plan, "bytes_read": len(root_raw) + got,
+            "rows": sum(len(t.chunks) for t in part.tensors.values()),
+            "pieces": sum(len(r.pieces) for r in plan.reads)}
+
+
+def held(s: Shape, variant: str, rank: int, where: str) -> dict:
+    """In a fresh process: the index data one rank holds after its metadata phase (the root and
+    its rows, tracemalloc), and the peak while reading them."""
+    import subprocess
+
+    code = ("import json, sys; from bench.scale import _held_child; "
+            "print(json.dumps(_held_child(*json.loads(sys.argv[1]))))")
+    arg = json.dumps([[s.tp, s.pp, s.dp, s.layers, s.hidden, s.ffn, s.kv, s.vocab], variant,
+                      rank, where])
+    out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _held_child(shape: list, variant: str, rank: int, where: str) -> dict:
+    from ckptfs.engine.index_io import read_root, read_rows
+    from ckptfs.engine.load.targets import wanted_boxes
+    from ckptfs.io import run_sync
+    from ckptfs.io.local_store import LocalStore
+
+    s = Shape(*shape)
+    init_fake(s.world, rank)
+    target = rank_state(s, variant, rank)
+    store = LocalStore(where)
+    gc.collect()
+    tracemalloc.start()
+    root = run_sync(read_root(store))
+    part = run_sync(read_rows(store, root, wanted_boxes(target, root, rank)))
+    gc.collect()
+    now, top = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del part
+    return {"held_bytes": now, "peak_bytes": top}
+
+
+def rank_boxes(s: Shape, variant: str, rank: int) -> dict:
+    """The regions of every tensor ``rank`` holds in ``variant`` (from the layout, no state)."""
+    from ckptfs.layout.boxes import Box, full_box
+    from ckptfs.planning.layouts import mesh_box
+
+    descs, owners = descriptions(s, variant)
+    stage = owners[rank]
+    mesh = descs[stage].meshes[0]
+    out = {}
+    for key, _, _, shape, pl in tensors(s, variant, stage):
+        b = full_box(shape) if pl is None else mesh_box(shape, mesh, pl, mesh.coordinate(rank))
+        if b.volume:
+            out[key] = [Box(b.offsets, b.shape)]
+    return out
+
+
+def bytes_read_by(root, rank_wanted: dict) -> int:
+    """Segment bytes a rank reads for ``rank_wanted`` (coalesced as ``read_rows`` reads)."""
+    from ckptfs.engine.index_io import GAP_BYTES
+
+    todo: dict = {}
+    for key, boxes in rank_wanted.items():
+        for b in root.tensors[key].blocks or ():
+            if any(b.overlaps(x) for x in boxes):
+                todo.setdefault(b.segment, []).append((b.byte_offset, b.byte_offset + b.byte_length))
+    n = 0
+    for spans in todo.values():
+        spans.sort()
+        lo, hi = spans[0]
+        for a, b in spans[1:]:
+            if a - hi <= GAP_BYTES:
+                hi = max(hi, b)
+            else:
+                n += hi - lo
+                lo, hi = a, b
+        n += hi - lo
+    return n
+
+
+def sum_read(s: Shape, variant: str, root_raw: bytes, sample: int) -> dict:
+    """Index bytes every rank of a resharded load into ``variant`` reads (root + its blocks),
+    summed over ranks: exact over ``sample`` ranks spread over the stages and ranks, scaled
+    to the world (the ranks of a stage read alike but for their position in the mesh)."""
+    from ckptfs.layout.index import Index
+
+    root = Index.loads(root_raw)
+    ranks = sorted({(i * s.world) // sample for i in range(sample)})
+    got = [bytes_read_by(root, rank_boxes(s, variant, r)) for r in ranks]
+    mean = sum(got) / len(got)
+    return {"sampled": len(ranks), "mean_rank_bytes": mean, "max_rank_bytes": max(got),
+            "sum_bytes": (mean + len(root_raw)) * s.world}
 
 
 def dcp_plans(s: Shape, variant: str):
@@ -400,18 +595,31 @@ def dcp_load(md_raw: bytes, target: dict) -> dict:
     return {"parse_s": t_parse, "plan_s": t_plan, "plan_peak_bytes": mem, "pieces": len(local.items)}
 
 
-def run(s: Shape, variant: str, other: str, with_dcp: bool) -> dict:
+def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: int = 0) -> dict:
+    """One world and variant; ``segments``: rows a segment holds (0: no segmented rows)."""
     rank = s.world // 2 + 3  # a non-coordinator of a middle stage
     init_fake(s.world, rank)
     sd = rank_state(s, variant, rank)
     out: dict = {"world": s.world, "variant": variant, "tp": s.tp, "pp": s.pp, "dp": s.dp,
                  "layers": s.layers}
     out["ckptfs_rank"] = ckptfs_rank(s, variant, rank, sd)
-    coord, index_raw = ckptfs_coordinator(s, variant)
+    coord, index_raw, saved = ckptfs_coordinator(s, variant)
     out["ckptfs_coord"] = coord
     target = rank_state(s, other, rank)
     out["ckptfs_load"] = ckptfs_load(index_raw, target, rank)
+    out["ckptfs_load"]["bytes_read"] = len(index_raw)
     del index_raw
+    if segments:
+        seg, root_raw, files = segmented_save(saved, segments)
+        del saved
+        out["seg_save"] = seg
+        with tempfile.TemporaryDirectory() as where:
+            out["seg_load"] = segmented_load(root_raw, files, target, rank, where)
+            out["seg_load"].update(held(s, other, rank, where))
+        del files
+        out["seg_sum"] = sum_read(s, other, root_raw, sample=64 if s.world > 256 else s.world)
+    else:
+        del saved
     if with_dcp:
         plans = dcp_plans(s, variant)
         out["dcp_rank"] = dcp_rank(flat_dcp(sd)[0], plans[rank])
@@ -454,6 +662,8 @@ def table(results: list[dict], with_dcp: bool) -> str:
             d = r["dcp_load"]
             row += f" {d['parse_s']:.2f} | {d['plan_s']:.3f} | {d['pieces']} |"
         rows.append(row)
+    if any("seg_save" in r for r in results):
+        rows += ["", segmented_table(results, with_dcp)]
     rows += ["", "growth per stored chunk, relative to the smallest world:",
              "| world | variant | chunks | ckptfs plan / chunk | assembly / chunk | index bytes / chunk"
              + (" | DCP global / chunk | .metadata bytes / chunk |" if with_dcp else " |"),
@@ -471,12 +681,152 @@ def table(results: list[dict], with_dcp: bool) -> str:
     return "\n".join(rows)
 
 
+def segmented_table(results: list[dict], with_dcp: bool) -> str:
+    """The segmented index beside the whole one: the save's index work, a resharded load's
+    metadata phase on one rank, and the index bytes read over all ranks."""
+    mib = 2**20
+    rows = ["index segments (save: coordinator root + dump, the largest owner's segment; "
+            "load into the other layout, one rank):",
+            "| world | variant | segments | coordinator, whole (s) | coordinator, segmented (s) "
+            "| per chunk vs smallest world | owner segment (s) / rows | rank sends KiB (max) "
+            "| coordinator receives KiB, whole / segmented | root KiB |",
+            "|" + "---|" * 10]
+    base: dict = {}
+    for r in results:
+        g, k = r["seg_save"], r["ckptfs_coord"]
+        per = g["coord_s"] / k["chunks"]
+        b = base.setdefault(r["variant"], per)
+        rows.append(f"| {r['world']} | {r['variant']} | {g['segments']} | {k['assemble_s']:.2f} | "
+                    f"{g['coord_s']:.3f} | {per / b:.2f} | {g['owner_s']:.2f} / "
+                    f"{g['owner_rows']} | {g['rank_sent_max'] / 1024:.1f} | "
+                    f"{g['coord_received_whole'] / 1024:.0f} / {g['coord_received'] / 1024:.0f} | "
+                    f"{g['root_bytes'] / 1024:.0f} |")
+    rows += ["", "| world | load | metadata, whole: parse + plan (s) | segmented: root parse + "
+             "rows + plan (s) | rank reads, whole / segmented MiB (ratio) | held MiB (peak) "
+             "| all ranks read, segmented GiB" + (" | DCP: every rank reads .metadata GiB |"
+                                                 if with_dcp else " |"),
+             "|" + "---|" * (7 + (1 if with_dcp else 0))]
+    for r in results:
+        w, g, a = r["ckptfs_load"], r["seg_load"], r["seg_sum"]
+        row = (f"| {r['world']} | {r['variant']} -> other | {w['parse_s'] + w['plan_s']:.2f} | "
+               f"{g['parse_s']:.3f} + {g['rows_s']:.3f} + {g['plan_s']:.3f} = "
+               f"{g['metadata_s']:.2f} | {w['bytes_read'] / mib:.1f} / "
+               f"{g['bytes_read'] / mib:.2f} (1/{w['bytes_read'] / g['bytes_read']:.0f}) | "
+               f"{g['held_bytes'] / mib:.1f} ({g['peak_bytes'] / mib:.1f}) | "
+               f"{a['sum_bytes'] / 2**30:.2f} |")
+        if with_dcp:
+            row += f" {r['dcp_coord']['metadata_bytes'] * r['world'] / 2**30:.1f} |"
+        rows.append(row)
+    return "\n".join(rows)
+
+
+# -- where segments start to pay: whole or segmented at a chunk count -------------------------
+
+def synthetic_index(n: int, per: int = 512):
+    """A packed whole index of ``n`` chunks: ``n // per`` tensors of ``per`` row chunks each
+    (ZeRO-style: a tensor's rows cut over its data-parallel writers, 8 blocks of rows), spread
+    over 8 data files."""
+    from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
+
+    rng = random.Random(0)
+    tensors, files = {}, {}
+    for t in range(n // per):
+        key = f"layers/{t // 8}/w{t % 8}"
+        chunks = []
+        for i in range(per):
+            path = f"data/0123456789ab/r{i % 8:05d}-000.safetensors"
+            pos = files.get(path, 0)
+            chunks.append(ChunkEntry((i * 16, 0), (16, 1024), path, pos, 16 * 1024 * 2,
+                                     f"crc32c:{rng.getrandbits(32):08x}"))
+            files[path] = pos + 16 * 1024 * 2
+        tensors[key] = TensorEntry(key, "bfloat16", (per * 16, 1024), tuple(chunks))
+    return Index("safetensors_chunks", 1, tensors, files=files)
+
+
+def threshold(n: int, world: int = 8) -> dict:
+    """Whole against segmented at ``n`` chunks, ``world`` writers: the save's critical path
+    (whole: the coordinator's dump of every row; segmented: the slowest owner's encoding, then
+    the coordinator's root and dump; neither counts the entries' trip) and one reader's
+    metadata phase when it needs 1/8 of every tensor, from a local folder (whole: read and
+    parse the index, plan; segmented: read and parse the root, read and decode its blocks,
+    plan)."""
+    from ckptfs.engine.index_io import read_root, read_rows
+    from ckptfs.io import run_sync
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.layout.boxes import Box
+    from ckptfs.layout.index import INDEX_FILE, TensorEntry
+    from ckptfs.layout.segment_rows import encode_segment, root_of
+    from ckptfs.layout.segments import partition, segment_path
+    from ckptfs.planning.load_plan import plan_reads
+
+    index = synthetic_index(n)
+    t_whole, raw = timed(index.dumps)
+    keys = list(index.tensors)
+    owners = partition([len(index.tensors[k].chunks) for k in keys], world)
+    slowest, parts, files = 0.0, [], {}
+    for o in owners:
+        path = segment_path("0123456789ab", o.pos)
+        t, (data, part) = timed(lambda o=o, path=path: encode_segment(
+            {k: index.tensors[k].chunks for k in keys[o.start:o.stop]}, path, packed=True))
+        slowest, files[path] = max(slowest, t), data
+        parts.append(part)
+    bare = dataclasses.replace(index, tensors={k: TensorEntry(k, t.dtype, t.shape, ())
+                                               for k, t in index.tensors.items()})
+    t_root, root_raw = timed(lambda: root_of(bare, parts, packed=True).dumps())
+    wanted = {k: [Box((0, 0), (t.shape[0] // 8, t.shape[1]))] for k, t in index.tensors.items()}
+
+    def plan(ix) -> int:
+        return sum(len(plan_reads(ix.tensors[k], b[0])) for k, b in wanted.items())
+
+    with tempfile.TemporaryDirectory() as where:
+        for path, data in {INDEX_FILE: raw, "seg/" + INDEX_FILE: root_raw,
+                           **{"seg/" + p: d for p, d in files.items()}}.items():
+            os.makedirs(os.path.dirname(os.path.join(where, path)), exist_ok=True)
+            with open(os.path.join(where, path), "wb") as f:
+                f.write(data)
+        whole, seg = LocalStore(where), LocalStore(os.path.join(where, "seg"))
+        t_read_whole, _ = timed(lambda: plan(run_sync(read_root(whole))))
+        t_read_seg, _ = timed(lambda: plan(run_sync(read_rows(seg, run_sync(read_root(seg)),
+                                                              wanted))))
+    return {"chunks": n, "segments": len(owners), "whole_save_s": t_whole,
+            "seg_save_s": slowest + t_root, "whole_load_s": t_read_whole,
+            "seg_load_s": t_read_seg, "whole_bytes": len(raw), "root_bytes": len(root_raw)}
+
+
+def threshold_main(counts: list[int], out: str | None) -> int:
+    results = [threshold(n) for n in counts]
+    print("| chunks | segments | save: whole / segmented (s) | one rank's load: whole / "
+          "segmented (s) | index / root KiB |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['chunks']} | {r['segments']} | {r['whole_save_s']:.3f} / "
+              f"{r['seg_save_s']:.3f} | {r['whole_load_s']:.3f} / {r['seg_load_s']:.3f} | "
+              f"{r['whole_bytes'] / 1024:.0f} / {r['root_bytes'] / 1024:.0f} |")
+    _write(results, out, "scale-threshold")
+    return 0
+
+
+def _write(results: list[dict], out: str | None, stem: str) -> None:
+    path = out
+    if path is None:
+        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
+        path = os.path.join(os.path.dirname(__file__), "results",
+                            f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"# results: {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", default="1024,4096,16384")
     ap.add_argument("--variants", default="replicated,zero1")
     ap.add_argument("--no-dcp", action="store_true")
     ap.add_argument("--quick", action="store_true", help="TP4 x PP2 x DP 8/32, 4 layers")
+    ap.add_argument("--no-segments", action="store_true", help="without the segmented rows")
+    ap.add_argument("--segment-rows", type=int, default=None,
+                    help="rows a segment holds (default SEGMENT_ROWS; --quick: 512)")
+    ap.add_argument("--threshold", default=None,
+                    help="only the whole-or-segmented measure at these chunk counts")
     ap.add_argument("--out", default=None, help="results file (default bench/results/scale-*.json)")
     args = ap.parse_args(argv)
     results = []
@@ -485,24 +835,25 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [Shape(4, 2, dp, layers=4, hidden=256, ffn=512, kv=64, vocab=1024) for dp in (8, 32)]
     else:
         shapes = [Shape(8, 8, w // 64) for w in map(int, args.worlds.split(","))]
+    from ckptfs.layout.segments import SEGMENT_ROWS
+
+    rows = 0 if args.no_segments else (args.segment_rows or (512 if args.quick else SEGMENT_ROWS))
     print(f"# torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.threshold:
+        return threshold_main([int(n) for n in args.threshold.split(",")], args.out)
     for s in shapes:
         for v in variants:
             other = "replicated" if v == "zero1" else "zero1"
             t0 = time.perf_counter()
-            results.append(run(s, v, other, not args.no_dcp))
+            results.append(run(s, v, other, not args.no_dcp, rows))
             print(f"# world {s.world} {v}: {time.perf_counter() - t0:.0f} s", flush=True)
+            if args.out:  # what is done so far, in case a long run is stopped
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
     print(table(results, not args.no_dcp))
-    path = args.out
-    if path is None:
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        path = os.path.join(os.path.dirname(__file__), "results",
-                            f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"# results: {path}")
+    _write(results, args.out, "scale")
     return 0
 
 

@@ -12,11 +12,17 @@ import torch
 
 from ckptfs.dist import Comm, ProcessGroup
 from ckptfs.engine.errors import public_errors
-from ckptfs.engine.index_io import read_index
+from ckptfs.engine.index_io import read_index, read_root, read_rows
 from ckptfs.engine.load import exchange as xchg
 from ckptfs.engine.load.run import read_tensors
 from ckptfs.engine.load.schedule import TensorRead
-from ckptfs.engine.load.targets import TargetPlan, check_allocation, files_of, plan_targets
+from ckptfs.engine.load.targets import (
+    TargetPlan,
+    check_allocation,
+    files_of,
+    plan_targets,
+    wanted_boxes,
+)
 from ckptfs.engine.options import LoadOptions
 from ckptfs.errors import MissingKeysError
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
@@ -87,8 +93,9 @@ def load(state_dict: dict[str, Any], url: str | os.PathLike, *,
                 cached = cached_index(comm, store, url, opts.work_dir)
                 index = cached.index
             else:
+                # a segmented index's root only: each rank reads the rows it needs (fill)
                 index = comm.run_on_coordinator(f"load: reading the index of {url}",
-                                    lambda: run_sync(read_index(store)))
+                                                lambda: run_sync(read_root(store)))
 
             source, bar = load_progress(store, progress and comm.is_coordinator,
                                         f"ckptfs load {url}")
@@ -110,7 +117,13 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
     """Collective: fill ``state_dict`` from the checkpoint ``index`` describes, reading through
     ``store`` (load's second half; the manager's restore reads through a routed store).
     ``exchange``: read each replicated region once and send it to the others; ``cached``: the
-    pre-download cache, filled with the files this rank's reads touch and then read from."""
+    pre-download cache, filled with the files this rank's reads touch and then read from.
+    A segmented ``index`` (a root) gets the rows of the blocks this rank's targets overlap,
+    read by this rank alone (``read_rows``), before it plans."""
+    if index.segmented:
+        root = index
+        index = comm.run_everywhere(f"load from {url}: reading the index rows", lambda: run_sync(
+            read_rows(store, root, wanted_boxes(state_dict, root, comm.rank))))
 
     def match() -> TargetPlan:
         plan = plan_targets(state_dict, index, comm.rank)

@@ -56,6 +56,8 @@ def cases(rank: int, world: int, root: str) -> None:
         "settle and gather": _outcome(lambda: _settle_gather(comm, rank)),
         "settle and gather fails": _outcome(lambda: comm.settle_gather(
             "step m", ValueError("rank 0 refuses") if rank == 0 else None, "x" * (rank + 1))),
+        "all to all": _outcome(lambda: [b.decode() for b in comm.all_to_all_bytes(
+            [f"{rank}>{p};".encode() * (rank + p) for p in range(world)], "step m")]),
         "after": _outcome(lambda: comm.run_everywhere("step l", lambda: "still in step")),
     }
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
@@ -117,6 +119,10 @@ def test_settle_gather_answers_and_gathers_in_two_collectives(outcomes):
     assert outcomes[0]["settle and gather"] == [
         "ok", [said, [{"r": 0, "pad": ""}, {"r": 1, "pad": "x" * 100}], 2, True]]
     assert outcomes[1]["settle and gather"] == ["ok", [said, None, 2, True]]
+def test_all_to_all_hands_each_rank_what_each_peer_sent_it(outcomes):
+    # rank 0 sends itself nothing: an empty part travels as one
+    assert [o["all to all"] for o in outcomes] == [
+        ["ok", ["", "1>0;"]], ["ok", ["0>1;", "1>1;1>1;"]]]
 
 
 @pytest.mark.parametrize(("case", "step", "culprit"), [

@@ -192,6 +192,36 @@ class Comm:
         self.stats.tensor_bytes += sum(t.numel() * t.element_size() for _, t, _, _ in ops)
         self.stats.collectives += 1
 
+    def all_to_all_bytes(self, sends: Sequence[bytes],
+                         what: str = "an all-to-all") -> list[bytes]:
+        """``sends[r]`` to rank ``r``, every rank at once: returns what each rank sent this one
+        (by rank). Two all-to-alls over the group (``all_to_all_single``): first the sizes (8
+        bytes per pair of ranks), then the bytes; a rank moves only what it sends and receives,
+        never another pair's."""
+        if len(sends) != self.size:
+            raise ValueError(f"{what}: {len(sends)} parts for {self.size} ranks")
+        if self.size == 1:
+            return [bytes(sends[0])]
+        sizes = torch.tensor([len(b) for b in sends], dtype=torch.int64, device=self.device)
+        got = torch.empty(self.size, dtype=torch.int64, device=self.device)
+        with self._guard(what):
+            dist.all_to_all_single(got, sizes, group=self.group)
+        self._count_tensor(16 * self.size)
+        counts = got.tolist()
+        out = torch.empty(sum(counts), dtype=torch.uint8, device=self.device)
+        raw = bytearray(b"".join(sends))
+        send = (torch.frombuffer(raw, dtype=torch.uint8) if raw
+                else torch.empty(0, dtype=torch.uint8)).to(self.device)
+        with self._guard(what):
+            dist.all_to_all_single(out, send, counts, [len(b) for b in sends], group=self.group)
+        self._count_tensor(len(raw) + out.numel())
+        flat = out.cpu().numpy().tobytes()
+        parts, pos = [], 0
+        for n in counts:
+            parts.append(flat[pos:pos + n])
+            pos += n
+        return parts
+
     def _count_tensor(self, nbytes: int) -> None:
         self.stats.tensor_bytes += nbytes
         self.stats.collectives += 1

@@ -139,6 +139,14 @@ class SaveOptions:
     #: the hashes then computed instead of hashing again. Writes that bypass torch's version
     #: counter (``.data``, numpy views, raw pointers) are not seen: docs/guide/delta.md
     reuse_hashes: bool = False
+    #: write the index as segments (formats/README.md §2.6): each of a few ranks writes the
+    #: chunk rows of a run of keys into its own segment file, the coordinator a small root that
+    #: lists them, and a load reads only the rows its targets overlap. None: when the save
+    #: plans at least ``layout.segments.SEGMENT_MIN_CHUNKS`` chunks; True: always (a backend
+    #: whose final files are made from every chunk, DCP's ``.metadata``, refuses it)
+    index_segments: bool | None = None
+    #: chunk rows a segment file holds at most, about; None: ``layout.segments.SEGMENT_ROWS``
+    segment_rows: int | None = None
 
     def __post_init__(self) -> None:
         _groups("SaveOptions", self, dist=DistOptions, asynchronous=AsyncOptions,
@@ -150,6 +158,10 @@ class SaveOptions:
                 or not 0 <= self.background_nice <= 19):
             raise ConfigError(f"SaveOptions.background_nice must be an int 0-19, got "
                               f"{self.background_nice!r}")
+        if self.index_segments is not None and not isinstance(self.index_segments, bool):
+            raise ConfigError(f"SaveOptions.index_segments must be a bool or None, got "
+                              f"{self.index_segments!r}")
+        _positive("SaveOptions", "segment_rows", self.segment_rows, optional=True)
         if self.base is not None and not isinstance(self.base, str):
             raise ConfigError(f"SaveOptions.base must be a checkpoint URL (str), got "
                               f"{self.base!r}")

@@ -612,6 +612,11 @@ class RemoteComm(Comm):
             return [bytes(data)]
         return self._call("all_gather_bytes", data, what)
 
+    def all_to_all_bytes(self, sends: Any, what: str = "an all-to-all") -> list[bytes]:
+        if self.size == 1:
+            return [bytes(sends[0])]
+        return self._call("all_to_all_bytes", [bytes(b) for b in sends], what)
+
     def all_gather(self, obj: Any, what: str = "an all-gather") -> list[Any]:
         if self.size == 1:
             return [obj]

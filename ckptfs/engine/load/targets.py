@@ -11,6 +11,7 @@ from typing import Any
 
 from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.errors import MalformedIndexError, MismatchError
+from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name
 from ckptfs.layout.index import Index, TensorEntry
 from ckptfs.layout.keys import Path, encode_key
@@ -37,10 +38,39 @@ def _stringified(path: tuple) -> str:
     return encode_key(tuple(str(c) for c in path))
 
 
+def _source(key: str, paths: Mapping[str, tuple], index: Index) -> str:
+    """The checkpoint's key for target key ``key``: itself, or its int-keyed twin's name."""
+    if key in index.tensors or key in index.values:
+        return key
+    alt = _stringified(paths[key])
+    if alt != key and (alt in index.tensors or alt in index.values):
+        return alt
+    return key
+
+
+@paused_gc()  # many small acyclic objects (layout/nogc.py)
+def wanted_boxes(state_dict: Mapping[str, Any], index: Index, rank: int) -> dict[str, list[Box]]:
+    """The regions of each checkpoint tensor ``state_dict`` (this rank's view) fills: what a
+    rank reads of a segmented index's rows (``read_rows``) before it plans. A target whose
+    dtype or shape differs asks for nothing (``plan_targets`` names it)."""
+    flat = flatten(state_dict, rank)
+    out: dict[str, list[Box]] = {}
+    for key, obj in flat.tensors.items():
+        entry = index.tensors.get(_source(key, flat.paths, index))
+        shard = local_shard(key, obj, rank) if entry is not None else None
+        if (entry is None or shard is None or not shard.box.volume
+                or shard.dtype.name != entry.dtype or shard.global_shape != entry.shape):
+            continue
+        out.setdefault(entry.key, []).append(shard.box)
+    return out
+
+
 @paused_gc()  # many small acyclic objects (layout/nogc.py)
 def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> TargetPlan:
     """Match ``state_dict`` (this rank's view) against ``index``; raises MismatchError naming
-    a key whose shape, dtype or kind (tensor or value) differs."""
+    a key whose shape, dtype or kind (tensor or value) differs. A tensor entry may hold only
+    the chunks overlapping this rank's regions (a segmented index's rows read for them): the
+    chunks must cover each region exactly (``plan_reads``), not the whole tensor."""
     flat = flatten(state_dict, rank)
     reads: list[TensorRead] = []
     replace: list[tuple[Path, Any]] = []
@@ -48,13 +78,10 @@ def plan_targets(state_dict: Mapping[str, Any], index: Index, rank: int) -> Targ
     matched: set[str] = set()  # checkpoint keys used under another (int-keyed) name
 
     def resolve(key: str) -> str:
-        if key in index.tensors or key in index.values:
-            return key
-        alt = _stringified(flat.paths[key])
-        if alt != key and (alt in index.tensors or alt in index.values):
-            matched.add(alt)
-            return alt
-        return key
+        src = _source(key, flat.paths, index)
+        if src != key:
+            matched.add(src)
+        return src
 
     for key, obj in flat.tensors.items():
         src = resolve(key)

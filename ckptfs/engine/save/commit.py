@@ -21,7 +21,7 @@ import platform
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +30,19 @@ from ckptfs._version import __version__
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.save.hooks import SaveHook
-from ckptfs.engine.save.lock import LockInfo, Renewal, acquire, release
+from ckptfs.engine.save.lock import HELD, LockInfo, Renewal, acquire, release
+from ckptfs.engine.save.segments import SegmentPlan, check_replicas
 from ckptfs.engine.save.stage import StagedSave
-from ckptfs.engine.save.write import Written, WrittenRank, file_sums, write_files
-from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError, ShardingError
+from ckptfs.engine.save.write import Written, file_sums, write_files
+from ckptfs.errors import CheckpointExistsError, CheckpointNotFoundError, CkptfsError
 from ckptfs.io import run_sync
 from ckptfs.io.store import Store
 from ckptfs.layout.backend import Backend, FinalFiles
-from ckptfs.layout.boxes import Box
 from ckptfs.layout.index import INDEX_FILE, ChunkEntry, Index, TensorEntry, packs
 from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import TensorPlan
+from ckptfs.layout.segment_rows import root_of
+from ckptfs.layout.segments import SegmentPart
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +55,24 @@ class Claim:
     #: the replaced checkpoint's index is still there (``keep_index``): ``uncommit``
     #: un-commits it before any byte is written
     committed: bool = False
+    #: the index is written as segments, by these owners (engine/save/segments.py); None: whole
+    segments: SegmentPlan | None = None
 
 
 def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
-                 keep_index: bool = False, renewals: list[Renewal] | None = None) -> Claim:
+                 keep_index: bool = False, renewals: list[Renewal] | None = None,
+                 segments: Callable[[], SegmentPlan | None] | None = None) -> Claim:
     """Collective: take the save lock and check the target (see ``_claim``); with
     ``renewals``, the coordinator starts the lock's renewal in the same step (one trip to the
-    I/O loop) and appends it there."""
-    return comm.run_on_coordinator("save: checking the target", lambda: run_sync(
-        _claim(store, overwrite, backend, keep_index, renewals)))
+    I/O loop) and appends it there. ``segments`` (coordinator, before the lock is taken)
+    decides how the index is written, and every rank learns it with the claim."""
+
+    def claim() -> Claim:
+        plan = segments() if segments is not None else None
+        return dataclasses.replace(
+            run_sync(_claim(store, overwrite, backend, keep_index, renewals)), segments=plan)
+
+    return comm.run_on_coordinator("save: checking the target", claim)
 
 
 async def _claim(store: Store, overwrite: bool, backend: Backend, keep_index: bool = False,
@@ -123,7 +134,8 @@ def uncommit(store: Store, comm: Comm, claim: Claim) -> None:
 
 @contextlib.contextmanager
 def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
-            keep_index: bool = False) -> Iterator[Claim]:
+            keep_index: bool = False,
+            segments: Callable[[], SegmentPlan | None] | None = None) -> Iterator[Claim]:
     """Collective: ``claim_target``, then the body (write and commit) with the lock held: the
     coordinator renews it while the body runs and, if the body fails on it, stops renewing and
     gives it back (``abandon``); a committed save has released it (``commit_index``).
@@ -131,19 +143,21 @@ def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
     renewals: list[Renewal] = []
     try:
         claim = claim_target(store, comm, overwrite, backend, keep_index=keep_index,
-                             renewals=renewals)
+                             renewals=renewals, segments=segments)
     except BaseException:  # the claim's collective failed after the coordinator's claim
         for r in renewals:
             r.stop()
         raise
     renewal = renewals[0] if renewals else None
     failed = False
+    held = HELD.set(renewal)
     try:
         yield claim
     except BaseException:
         failed = True
         raise
     finally:
+        HELD.reset(held)
         if renewal is not None:
             renewal.stop()  # first: a stopped renewal never rewrites the released lock
             if failed:
@@ -151,13 +165,20 @@ def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
 
 
 def commit(staged: StagedSave, written: Written, backend: Backend, store: Store, comm: Comm, *,
-           replacing: bool, hooks: Sequence[SaveHook] = ()) -> int:
+           replacing: bool, hooks: Sequence[SaveHook] = (),
+           segments: SegmentPlan | None = None) -> int:
     """Collective: the coordinator commits the index (as the ``before_commit`` of ``hooks``
-    make it); returns the checkpoint's data bytes."""
+    make it; with ``segments``, the root of the segments the owners wrote); returns the
+    checkpoint's data bytes."""
 
     def build_and_commit() -> int:
         with paused_gc():  # many small acyclic objects (layout/nogc.py)
-            index = hooked_index(build_index(backend, staged, written), written, hooks)
+            if segments is None:
+                index = build_index(backend, staged, written)
+            else:
+                index = root_of(build_index(backend, staged, written, rows=False),
+                                segment_parts(segments, written), packed=segments.packed)
+            index = hooked_index(index, written, hooks)
         commit_index(store, backend, index, staged.plans, written.paths() if replacing else None)
         return index.total_bytes
 
@@ -166,10 +187,19 @@ def commit(staged: StagedSave, written: Written, backend: Backend, store: Store,
     except BaseException:
         if comm.is_coordinator:  # nothing committed: the data files are garbage, unless...
             paths = sorted(written.paths())
+            # a path the committed root names verbatim (a packed index's data files are not)
+            probe = (written.segments() or paths)[:1]
             with contextlib.suppress(Exception):  # unsure: keep them (`ckptfs clean` removes)
-                if paths and not run_sync(_index_lists(store, paths[0])):
+                if paths and not run_sync(_index_lists(store, probe[0])):
                     run_sync(store.delete(paths))
         raise
+
+
+def segment_parts(plan: SegmentPlan, written: Written) -> list[SegmentPart]:
+    """The owners' reports, in segment order (coordinator)."""
+    assert written.ranks is not None, "the root is made on the coordinator"
+    taken = [iter(r.segments) for r in written.ranks]
+    return [next(taken[rank]) for rank in plan.ranks]
 
 
 def hooked_index(index: Index, written: Written, hooks: Sequence[SaveHook]) -> Index:
@@ -195,9 +225,11 @@ async def _index_lists(store: Store, path: str) -> bool:
     return json.dumps(path).encode() in raw
 
 
-def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index:
+def build_index(backend: Backend, staged: StagedSave, written: Written, *,
+                rows: bool = True) -> Index:
     """The index of the checkpoint: every rank's entries under the agreed plan (coordinator).
-    Raises ShardingError when a plain tensor's replicas differ (their checksums)."""
+    Raises ShardingError when a plain tensor's replicas differ (their checksums). Without
+    ``rows`` (a segmented save: the owners hold them) its tensors have no chunks."""
     by_key: dict[str, list[ChunkEntry]] = defaultdict(list)
     files: dict[str, int] = {}
     assert written.ranks is not None, "build_index runs on the coordinator"
@@ -214,6 +246,9 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
     # a packed index (§2.3) leaves out the extra members the backend's spec derives
     implied = backend.implied_extra if packs(sum(map(len, by_key.values()))) else frozenset()
     for key, (dtype, shape) in content.tensors.items():
+        if not rows:
+            tensors[key] = TensorEntry(key, dtype, shape, ())
+            continue
         chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
         if implied:
             chunks = tuple(dataclasses.replace(e, extra={k: v for k, v in e.extra.items()
@@ -238,34 +273,6 @@ def build_index(backend: Backend, staged: StagedSave, written: Written) -> Index
                  file_checksums=sums)
 
 
-def check_replicas(ranks: Sequence[WrittenRank]) -> None:
-    """Every rank's checksum of a plain-tensor slice it holds must equal the writer's: a plain
-    tensor is a replica, and one whose copies differ (per-rank RNG state) would otherwise be
-    saved as one rank's copy without a word."""
-    if not any(r.replica_sums for r in ranks):
-        return
-    written: dict[tuple[str, Box], tuple[int, str | None]] = {}
-    for w, r in enumerate(ranks):
-        for key, e in r.entries:
-            written[(key, Box(e.offsets, e.shape))] = (w, e.checksum)
-    differ: dict[tuple[str, Box], list[int]] = defaultdict(list)
-    for rank, r in enumerate(ranks):
-        for key, region, crc in r.replica_sums:
-            # a backend that stores a slice as several entries (zarr v3 inner chunks) has no
-            # entry of the slice's shape: nothing to compare with
-            got = written.get((key, region))
-            if got is not None and got[1] is not None and got[1] != crc:
-                differ[(key, region)].append(rank)
-    if differ:
-        (key, region), who = min(differ.items())
-        w, held = written[(key, region)]
-        raise ShardingError(
-            f"key {key!r}: a plain tensor differs between ranks: region {region} as rank {w} "
-            f"holds it ({held}) differs on rank(s) {', '.join(map(str, who[:8]))}"
-            f"{' ...' if len(who) > 8 else ''}. A plain tensor is a replica that every rank "
-            f"holds alike; save per-rank state (RNG states) with ckptfs.PerRank")
-
-
 def commit_index(store: Store, backend: Backend, index: Index, plans: Mapping[str, TensorPlan],
                  written: set[str] | None) -> None:
     """Backend final files, then the index (create-if-absent). When a checkpoint was replaced
@@ -281,11 +288,11 @@ def commit_index(store: Store, backend: Backend, index: Index, plans: Mapping[st
             index, backend_files={**index.backend_files, **{p: n for p, (n, _) in finals.items()}},
             file_checksums={**index.file_checksums, **{p: crc for p, (_, crc) in finals.items()}})
         body = index.dumps()
-    run_sync(_commit_files(store, final, index, body, written))
+    run_sync(_commit_files(store, final, index, body, written, HELD.get()))
 
 
 async def _commit_files(store: Store, final: FinalFiles, index: Index, body: bytes,
-                        written: set[str] | None) -> None:
+                        written: set[str] | None, renewal: Renewal | None = None) -> None:
     """``commit_index``'s I/O: the final files, the index ``body``, then what was replaced."""
     try:
         await write_files(store, final.files, False)
@@ -300,6 +307,8 @@ async def _commit_files(store: Store, final: FinalFiles, index: Index, body: byt
         with contextlib.suppress(Exception):  # (a DCP .metadata would read as a foreign one)
             await store.delete([f.path for f in final.all()])
         raise
+    if renewal is not None:  # first: a rewrite in flight must not bring the lock back
+        await renewal.halt()
     await release(store)  # committed: the next save may come
     if written is not None:
         keep = written | {f.path for f in final.all()} | set(index.files) | {INDEX_FILE}

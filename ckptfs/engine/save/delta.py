@@ -125,6 +125,11 @@ class DeltaHook(SaveHook):
     def after_write(self, suspect: Sequence[ChunkData], note: DeltaNote) -> WriteOutcome:
         return WriteOutcome(note, part=dict(note.hashes))
 
+    def rank_entries(self, entries: Sequence[tuple[str, ChunkEntry]], note: DeltaNote
+                     ) -> Sequence[tuple[str, ChunkEntry]]:
+        """This rank's entries with the hashes of its chunks (a segmented save's rows)."""
+        return [(k, _hashed_entry(k, e, note.hashes)) for k, e in entries]
+
     def before_commit(self, index: Index, parts: Sequence[Any], note: Any) -> Index:
         hashes: dict[ChunkId, str] = {}
         for part in parts:
@@ -139,10 +144,13 @@ def _id(c: ChunkData) -> ChunkId:
 
 def _hashed(key: str, t: TensorEntry, hashes: Mapping[ChunkId, str]) -> TensorEntry:
     """``t`` with each chunk's hash (a chunk that has one keeps it: a reference's)."""
-    chunks = tuple(c if c.hash is not None or (key, c.offsets, c.shape) not in hashes
-                   else dataclasses.replace(c, hash=hashes[(key, c.offsets, c.shape)])
-                   for c in t.chunks)
-    return dataclasses.replace(t, chunks=chunks)
+    return dataclasses.replace(t, chunks=tuple(_hashed_entry(key, c, hashes) for c in t.chunks))
+
+
+def _hashed_entry(key: str, c: ChunkEntry, hashes: Mapping[ChunkId, str]) -> ChunkEntry:
+    """``c`` with its hash (one that has one keeps it: a reference's)."""
+    h = hashes.get((key, c.offsets, c.shape)) if c.hash is None else None
+    return c if h is None else dataclasses.replace(c, hash=h)
 
 
 def _match(c: ChunkData, digest: str, e: TensorEntry, base: str, root: str) -> ChunkEntry | None:

@@ -76,9 +76,14 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
        collective for all hooks, the one that settles the writes); a refusal removes every
        file of the save and raises ``refusal(found of every rank)`` on every rank.
        A hook may also raise from 1) or 2), on every rank alike.
+       ``rank_entries(entries, note) -> entries``: local, right after 5), only for a hook that
+       overrides it: this rank's index entries ((key, ChunkEntry), ...) as the hook records
+       them (content hashes); a segmented save sends them from here to their segment's owner,
+       so what a hook adds to a chunk row is added here, not in 6).
     6) ``before_commit(index, parts, note) -> Index``: the coordinator only, the index built
-       from every rank's entries (``parts``: every rank's ``WriteOutcome.part``, by rank); the
-       returned index is committed (root fields, per-rank segments, statistics). Composers
+       from every rank's entries (``parts``: every rank's ``WriteOutcome.part``, by rank; a
+       segmented save's index has its tensors' blocks and no chunk rows); the returned index is
+       committed (root fields, per-rank segments, statistics). Composers
        whose ranks write apart from ckptfs's stage (the DCP plug-in, ``convert``) run only
        this point, with every part and the note None.
     7) ``phase_done(phase, seconds)``: every rank, local, after each phase of ``PHASES``
@@ -111,6 +116,10 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
 
     def after_write(self, suspect: Sequence[ChunkData], note: Any) -> WriteOutcome:
         return WriteOutcome(note)
+
+    def rank_entries(self, entries: Sequence[tuple[str, ChunkEntry]], note: Any
+                     ) -> Sequence[tuple[str, ChunkEntry]]:
+        return entries
 
     def before_commit(self, index: Index, parts: Sequence[Any], note: Any) -> Index:
         return index

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import time
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -150,10 +151,17 @@ class Renewal:
                                 time.time())
                 await store.put(LOCK_FILE, [info.dumps()])
 
-    def stop(self) -> None:
-        async def go() -> None:
-            assert self._stop is not None
-            self._stop.set()
-            await self._task
+    async def halt(self) -> None:
+        """Stop renewing (on the I/O loop); returns once no rewrite is in flight."""
+        assert self._stop is not None
+        self._stop.set()
+        await self._task
 
-        run_sync(go())
+    def stop(self) -> None:
+        run_sync(self.halt())
+
+
+#: the renewal of the lock the current ``claimed`` block holds (coordinator): the commit halts
+#: it before it releases the lock, so that no rewrite in flight brings a released lock back
+#: (the next save would find it held). A context variable, set and reset by that block only.
+HELD: ContextVar[Renewal | None] = ContextVar("ckptfs_lock_renewal", default=None)

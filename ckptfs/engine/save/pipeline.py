@@ -13,8 +13,11 @@ followed by the hooks' ``phase_done`` (engine/save/hooks.py gives every hook poi
 3. **write** (engine/save/write.py): the layout files, then every rank's data files, with the hooks'
    block tests and ``during_write`` / ``after_write``; through a node-local folder first and
    copied to the URL where ``local_root`` says so.
-4. **commit** (engine/save/commit.py): the coordinator builds the index, the hooks' ``before_commit``,
-   final files, the index create-if-absent.
+   A segmented index (engine/save/segments.py) adds its exchange step at the end: the ranks
+   send their index entries to the segments' owners, which write the segments.
+4. **commit** (engine/save/commit.py): the coordinator builds the index (a segmented one's
+   root from the owners' reports), the hooks' ``before_commit``, final files, the index
+   create-if-absent.
 
 ``run_save`` runs them all in the caller's thread (``ckptfs.save``); an asynchronous save stages
 in the caller's process (engine/background/saver.py) and runs ``finish_staged`` (phases 2 to 4), the
@@ -27,6 +30,7 @@ writer process's named entry point, in a thread or in the writer process
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 import shutil
 import time
@@ -42,6 +46,7 @@ from ckptfs.engine.memory.overflow import bounded
 from ckptfs.engine.options import SaveOptions
 from ckptfs.engine.save.commit import Claim, build_index, claimed, commit, commit_index, uncommit
 from ckptfs.engine.save.hooks import SaveHook, phase
+from ckptfs.engine.save.segments import SegmentPlan, plan_segments
 from ckptfs.engine.save.stage import (
     IndexContent,
     StagedSave,
@@ -179,16 +184,19 @@ def finish_staged(request: SaveRequest, staged: StagedSave, comm: Comm,
     ``give_back()`` returns the staging buffers early (after a local tier's write)."""
     store = open_agreed(comm, request)
     try:
+        decide = functools.partial(segments_of, request, staged, comm.size)
         if not request.claim:
             t0 = time.perf_counter()
-            save_id = comm.run_on_coordinator("local save: naming the save",
-                                              lambda: secrets.token_hex(6))
+            save_id, segments = comm.run_on_coordinator(
+                "local save: naming the save", lambda: (secrets.token_hex(6), decide()))
             staged = before_write(request.hooks, staged, comm, early=not store.streams_in_place)
             _done(request.hooks, "claim", t0)
-            return _write_and_commit(request, staged, store, comm, (save_id, False), give_back)
+            return _write_and_commit(request, staged, store, comm, (save_id, False, segments),
+                                     give_back)
         target = PrefixedStore(store, request.folder) if request.folder else store
         t0 = time.perf_counter()
-        with claimed(target, comm, request.overwrite, request.backend, keep_index=True) as claim:
+        with claimed(target, comm, request.overwrite, request.backend, keep_index=True,
+                     segments=decide) as claim:
             if request.clear_dead:
                 comm.run_on_coordinator(f"save: clearing a dead save's files at "
                                         f"{request.target_url}",
@@ -199,10 +207,18 @@ def finish_staged(request: SaveRequest, staged: StagedSave, comm: Comm,
             uncommit(target, comm, claim)
             _done(request.hooks, "claim", t0)
             return _write_and_commit(request, staged, target, comm,
-                                     (claim.save_id, claim.replacing), give_back)
+                                     (claim.save_id, claim.replacing, claim.segments), give_back)
     finally:
         if request.opener is None:
             run_sync(store.close())
+
+
+def segments_of(request: SaveRequest, staged: StagedSave, world: int) -> SegmentPlan | None:
+    """How the index is written (coordinator): None whole, else its segments' owners."""
+    content = staged.content
+    assert content is not None, "the coordinator decides"
+    return plan_segments(request.options, request.backend, staged.plans, list(content.tensors),
+                         world)
 
 
 def open_agreed(comm: Comm, request: SaveRequest) -> Store:
@@ -246,21 +262,23 @@ def before_write(hooks: Sequence[SaveHook], staged: StagedSave, comm: Comm, *,
 
 
 def _write_and_commit(request: SaveRequest, staged: StagedSave, target: Store, comm: Comm,
-                      claim: tuple[str, bool], give_back: Callable[[], None]) -> SaveResult:
+                      claim: tuple[str, bool, SegmentPlan | None],
+                      give_back: Callable[[], None]) -> SaveResult:
     """Phases 3 and 4 into ``target`` (open on every rank, claimed: ``claim`` is (the save's
-    id, whether a checkpoint is replaced)), through the local tier where the request names
-    one."""
-    save_id, replacing = claim
+    id, whether a checkpoint is replaced, the index's segments or None)), through the local
+    tier where the request names one."""
+    save_id, replacing, segments = claim
     be, hooks, opts = request.backend, request.hooks, request.options
     t0 = time.perf_counter()
     if request.local_root is None:
         written = write(staged, be, target, comm, save_id, progress=request.progress,
-                        throttle_uploads=opts.throttle_uploads, hooks=hooks)
+                        throttle_uploads=opts.throttle_uploads, hooks=hooks, segments=segments)
     else:
-        written = _write_tiered(request, staged, target, comm, save_id, give_back)
+        written = _write_tiered(request, staged, target, comm, save_id, give_back, segments)
     _done(hooks, "write", t0)
     t0 = time.perf_counter()
-    total = commit(staged, written, be, target, comm, replacing=replacing, hooks=hooks)
+    total = commit(staged, written, be, target, comm, replacing=replacing, hooks=hooks,
+                   segments=segments)
     _done(hooks, "commit", t0)
     files = written.mine.files
     return SaveResult(request.target_url, be.name, be.version, sum(files.values()), total,
@@ -275,16 +293,18 @@ def local_options(store_options: StoreOptions | None) -> StoreOptions:
 
 
 def _write_tiered(request: SaveRequest, staged: StagedSave, remote: Store, comm: Comm,
-                  save_id: str, give_back: Callable[[], None]) -> Written:
+                  save_id: str, give_back: Callable[[], None],
+                  segments: SegmentPlan | None = None) -> Written:
     """Phase 3 through the local tier: the folder emptied (a killed attempt's files, on every
     rank before any rank writes), the files written there, the staging buffers given back,
     then every rank's files copied to ``remote`` (mapped, no heap copy)."""
     root = cast(str, request.local_root)
     local = LocalStore(root, local_options(request.store_options))
     comm.run_everywhere(f"save: clearing {root}", lambda: shutil.rmtree(root, ignore_errors=True))
-    written = write(staged, request.backend, local, comm, save_id, hooks=request.hooks)
+    written = write(staged, request.backend, local, comm, save_id, hooks=request.hooks,
+                    segments=segments)
     give_back()
-    mine = sorted(written.mine.files)
+    mine = sorted({*written.mine.files, *(s.file.path for s in written.mine.segments)})
     if comm.is_coordinator:
         mine = sorted({*mine, *written.prepared})
     comm.run_everywhere(f"save: persisting the local tier to {request.target_url}",

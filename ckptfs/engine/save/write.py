@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.save.checked_parts import CheckedPart, address, checked_files
 from ckptfs.engine.save.hooks import BlockTest, SaveHook, WriteOutcome, overrides
+from ckptfs.engine.save.segments import SegmentPlan, write_segments
 from ckptfs.engine.save.stage import StagedSave, replica_sums
 from ckptfs.engine.small_files import group_small
 from ckptfs.errors import ConfigError
@@ -45,6 +46,7 @@ from ckptfs.layout.checksum import crc_of_parts, crcs_of, memo, render, rendered
 from ckptfs.layout.index import ChunkEntry
 from ckptfs.layout.nogc import paused_gc
 from ckptfs.layout.plan import TensorPlan
+from ckptfs.layout.segments import SegmentPart
 from ckptfs.layout.tensor_bytes import tensor_bytes
 
 #: a file of at most this many bytes is small; at least ``_SMALL_GROUP`` of them are written in
@@ -70,6 +72,8 @@ class WrittenRank:
     #: each hook's part of the index (``WriteOutcome.part``), for its ``before_commit``
     parts: tuple[Any, ...] = ()
     notes: tuple[Any, ...] = ()  #: each hook's note after the write (``WriteOutcome.note``)
+    #: the index segments this rank wrote (a segmented save's owners: engine/save/segments.py)
+    segments: tuple[SegmentPart, ...] = ()
 
     @property
     def refused(self) -> bool:
@@ -90,16 +94,22 @@ class Written:
 
     def paths(self) -> set[str]:
         ranks = self.ranks if self.ranks is not None else (self.mine,)
-        return set(self.prepared) | {p for r in ranks for p in r.files}
+        return set(self.prepared) | {p for r in ranks for p in r.files} | set(self.segments())
+
+    def segments(self) -> list[str]:
+        """The paths of the index segments written (every rank's on the coordinator)."""
+        ranks = self.ranks if self.ranks is not None else (self.mine,)
+        return [s.file.path for r in ranks for s in r.segments]
 
 
 def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_id: str, *,
           progress: bool = False, throttle_uploads: int | None = None,
-          hooks: Sequence[SaveHook] = ()) -> Written:
+          hooks: Sequence[SaveHook] = (), segments: SegmentPlan | None = None) -> Written:
     """Write the layout files (coordinator), then every rank's data files (collective), with
     the write-phase calls of ``hooks`` (engine/save/hooks.py: block tests, the search while the
     files are written); a save a hook refuses removes what it wrote and raises the hook's
-    ``refusal`` on every rank."""
+    ``refusal`` on every rank. With ``segments`` the index entries go to their owners, which
+    write the index segments (engine/save/segments.py), and the coordinator gathers no entry."""
     prep: list[FileWrite] = []
 
     def prepare() -> None:  # on the coordinator: a failure here raises on every rank, never hangs
@@ -121,6 +131,15 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
     except Exception as e:
         err = e
     clean = not (mine and mine.refused)
+    if segments is not None:  # settled first: the rows go to the owners, not to the coordinator
+        if not comm.settle(what, err, all_true={"finite": clean})["finite"]:
+            assert mine is not None
+            refuse(mine, [f.path for f in prep], store, comm, hooks)
+        assert mine is not None
+        parts = write_segments(segments, mine.entries, mine.replica_sums, comm, store, save_id,
+                               staged.plans, backend.implied_extra)
+        mine = dataclasses.replace(mine, entries=(), replica_sums=(), segments=parts)
+        err = None
     # the hooks' notes stay on the rank (the coordinator's own serve its ``before_commit``)
     sent = None if mine is None else dataclasses.replace(mine, notes=()) if mine.notes else mine
     said, ranks = comm.settle_gather(what, err, sent, all_true={"finite": clean}, entries=True)
@@ -213,6 +232,9 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
                     for key, e in rw.chunks) + tuple((k[0], e) for k, e in refs.items())
+    for h, o in zip(hooks, outcomes, strict=True):
+        if overrides(h, "rank_entries"):
+            entries = tuple(h.rank_entries(entries, o.note))
     return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
                        {p: crc for p, (_, crc) in whole.items()}, replicas,
                        *_outcomes(outcomes))
