@@ -193,3 +193,21 @@ def test_a_local_restore_checks_the_copies_as_it_reads_them(tmp_path, monkeypatc
         sd = blank()
         assert mgr.restore(sd) == 1 and torch.equal(sd["w"], sd_at(1)["w"])
         assert str(path) in checked and "local step 2: no intact copy" in mgr.last_restore.reason
+
+
+def test_local_steps_are_whole_when_the_saves_are_segmented(tmp_path):
+    """A node-local step's index is written whole, whatever ``index_segments`` says (a node's
+    recovery plans from the index it holds); the persistent steps are segmented."""
+    opts = ckptfs.ManagerOptions(
+        tiers=ckptfs.TierOptions(local_dir=tmp_path / "local", local_interval_steps=1),
+        save_interval_steps=2, save=ckptfs.SaveOptions(index_segments=True),
+        preemption=ckptfs.PreemptionPolicy(signals=()))
+    with ckptfs.CheckpointManager(tmp_path / "ckpt", opts) as mgr:
+        for step in (1, 2, 3):
+            mgr.save_sync(step, sd_at(step))
+        assert mgr.metadata(2).segmented
+        local = tmp_path / "local" / "step-00000003" / ckptfs.INDEX_FILE
+        assert b"index_segments" not in local.read_bytes()
+        sd = blank()
+        assert mgr.restore(sd) == 3 and mgr.last_restore.source == "local"
+        assert torch.equal(sd["w"], sd_at(3)["w"])

@@ -185,10 +185,11 @@ def finish_staged(request: SaveRequest, staged: StagedSave, comm: Comm,
     store = open_agreed(comm, request)
     try:
         decide = functools.partial(segments_of, request, staged, comm.size)
-        if not request.claim:
+        if not request.claim:  # a node-local step: its index whole, since a node's recovery
+            # plans from the index it holds and another node's segments may be gone with it
             t0 = time.perf_counter()
             save_id, segments = comm.run_on_coordinator(
-                "local save: naming the save", lambda: (secrets.token_hex(6), decide()))
+                "local save: naming the save", lambda: (secrets.token_hex(6), None))
             staged = before_write(request.hooks, staged, comm, early=not store.streams_in_place)
             _done(request.hooks, "claim", t0)
             return _write_and_commit(request, staged, store, comm, (save_id, False, segments),
