@@ -33,6 +33,8 @@ COVERED_ELSEWHERE = {
     "perf_world": ("tests/test_bench_perf.py", "from bench import perf"),  # bench.perf spawns it
     "dcp_plugin": ("tests/test_bench_dcp_plugin.py", "from bench import dcp_plugin"),
     "health": ("tests/test_bench_health.py", "from bench.health import main"),
+    # its arithmetic; a run checks out two commits and runs three benches for each
+    "compare_commits": ("tests/test_bench_compare.py", "bench.compare_commits"),
 }
 
 
@@ -126,7 +128,7 @@ def test_every_bench_with_a_main_has_a_smoke_run():
 
 #: the smoke runs of the larger benches (tens of seconds each): `make test-extended`
 EXTENDED = frozenset({"distributed", "torch_dist_quick", "tools_quick", "scale", "recovery_tiers",
-                      "manager", "s3_quick", "zarr_quick"})
+                      "manager", "s3_quick", "zarr_quick", "hf_export"})
 
 
 @pytest.mark.slow

@@ -97,11 +97,11 @@ def check(got: dict, rank: int, world: int) -> None:
 
 
 def _gathered(save) -> tuple[int, int, int]:
-    """Run ``save()`` recording what ``Comm.gather`` brings the coordinator: (index entries,
-    segment reports, entry bytes counted)."""
+    """Run ``save()`` recording what ``Comm.gather`` and ``Comm.settle_gather`` bring the
+    coordinator: (index entries, segment reports, entry bytes counted)."""
     from ckptfs.dist import comm as comm_module
 
-    real = comm_module.Comm.gather
+    real, real_settle = comm_module.Comm.gather, comm_module.Comm.settle_gather
     seen: list = []
 
     def spy(self, obj, what="a gather", *, entries=False):
@@ -109,11 +109,18 @@ def _gathered(save) -> tuple[int, int, int]:
         seen.extend(out or ())
         return out
 
+    def settle_spy(self, what, err, obj, **kw):
+        said, out = real_settle(self, what, err, obj, **kw)
+        seen.extend(out or ())
+        return said, out
+
     comm_module.Comm.gather = spy  # type: ignore[method-assign]
+    comm_module.Comm.settle_gather = settle_spy  # type: ignore[method-assign]
     try:
         result = save()
     finally:
         comm_module.Comm.gather = real  # type: ignore[method-assign]
+        comm_module.Comm.settle_gather = real_settle  # type: ignore[method-assign]
     rows = sum(len(getattr(o, "entries", ())) for o in seen)
     parts = sum(len(getattr(o, "segments", ())) for o in seen)
     return rows, parts, result.comm.entry_bytes

@@ -112,7 +112,7 @@ def test_many_small_files_are_read_in_groups(tmp_path, tensors, groups):
 #: checksums), the store's base-class helpers its subclass calls in the worker threads, and
 #: the I/O loop's trips
 LOAD_ABOVE_EIGHT = {"ckptfs.layout.boxes": 30, "ckptfs.layout.dtypes": 15,
-                    "ckptfs.io.store": 14, "ckptfs.layout.checksum": 12,
+                    "ckptfs.io.store": 15, "ckptfs.layout.checksum": 12,
                     "ckptfs.layout.keys": 10, "ckptfs.io.loop": 9}
 
 

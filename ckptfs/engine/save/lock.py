@@ -158,7 +158,8 @@ class Renewal:
         await self._task
 
     def stop(self) -> None:
-        run_sync(self.halt())
+        if not self._task.done():  # the commit halts it on the I/O loop itself
+            run_sync(self.halt())
 
 
 #: the renewal of the lock the current ``claimed`` block holds (coordinator): the commit halts

@@ -222,22 +222,32 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     suspect = [c for (c, _), part in zip(views, parts, strict=True) if part and part.suspect]
     outcomes = [h.after_write(suspect, n) for h, n in zip(hooks, notes, strict=True)]
     streamed = [c for c in chunks if c.source is not None]
-    # the streamed chunks' after the others (the same corner: theirs wins)
+    whole = file_sums(files, memo((data, crc) for _, data, crc in crcs))
+    entries = _rank_entries(rw.chunks, crcs, streamed, refs, hooks, outcomes)
+    return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
+                       {p: crc for p, (_, crc) in whole.items()}, replicas,
+                       *_outcomes(outcomes))
+
+
+def _rank_entries(written: Sequence[tuple[str, ChunkEntry]], crcs: Sequence[tuple[Any, Any, int]],
+                  streamed: Sequence[ChunkData], refs: Mapping[Any, ChunkEntry],
+                  hooks: Sequence[SaveHook], outcomes: Sequence[WriteOutcome]
+                  ) -> tuple[tuple[str, ChunkEntry], ...]:
+    """This rank's index entries: the backend's, each whole planned chunk with its checksum
+    (the streamed chunks' after the others: the same corner, theirs wins), the references,
+    as the hooks' ``rank_entries`` make them."""
     sums = dict(zip([(c.key, c.box.offsets, c.box.shape) for c, _, _ in crcs]
                     + [(c.key, c.box.offsets, c.box.shape) for c in streamed],
                     rendered([crc for _, _, crc in crcs]
                              + [_streamed_crc(c.source) for c in streamed]), strict=True))
-    whole = file_sums(files, memo((data, crc) for _, data, crc in crcs))
     # only an entry that is a whole planned chunk gets its checksum: a sub-chunk entry sharing
     # the chunk's corner must not get the whole chunk's (the backend sets its own)
     entries = tuple((key, _with_checksum(e, sums.get((key, e.offsets, e.shape))))
-                    for key, e in rw.chunks) + tuple((k[0], e) for k, e in refs.items())
+                    for key, e in written) + tuple((k[0], e) for k, e in refs.items())
     for h, o in zip(hooks, outcomes, strict=True):
         if overrides(h, "rank_entries"):
             entries = tuple(h.rank_entries(entries, o.note))
-    return WrittenRank(entries, {p: n for p, (n, _) in whole.items()},
-                       {p: crc for p, (_, crc) in whole.items()}, replicas,
-                       *_outcomes(outcomes))
+    return entries
 
 
 def _outcomes(outcomes: Sequence[WriteOutcome]
