@@ -136,8 +136,8 @@ def ckptfs_points() -> list[tuple[Any, str, str]]:
         (stage, "_plan", "stage: plan"),
         (stage, "_index_content", "stage: index content"),
         (stage, "_take_agreed", "stage: take bytes"),
-        (save, "open_agreed", "open store"),
-        (commit, "claim_target", "lock: take + check target"),
+        (save, "open_store", "open store"),
+        _claim_point(save, commit),
         (commit.Renewal, "stop", "lock: renewal stop"),
         (save, "write", "write phase"),
         (write, "write_rank", "write: this rank's files"),
@@ -155,6 +155,14 @@ def ckptfs_points() -> list[tuple[Any, str, str]]:
         (commit, "release", "lock: release"),
         (local.LocalStore, "put_if_absent", "io: put_if_absent"),
     ]
+
+
+def _claim_point(save: Any, commit: Any) -> tuple[Any, str, str]:
+    """The claim's coroutine, awaited by the pipeline in the trip that opens the store (older
+    versions of ckptfs: ``claim_target``, its own step)."""
+    if hasattr(save, "take_claim"):
+        return (save, "take_claim", "lock: take + check target")
+    return (commit, "claim_target", "lock: take + check target")
 
 
 def _checked_parts() -> list[Any]:

@@ -250,31 +250,26 @@ def _profile_io_loop(profile) -> None:
     assert done.wait(60)
 
 
-#: modules a small save still enters more than 8 times (their bound): the collectives of a
-#: save (open, claim, stage's agreement and take, prepare, outcomes, commit, the Comm and its
-#: stats) and the runtime's lookups (the I/O loop on each of its 6 trips, the backend
-#: registry, the plan cache, the default savers)
-SAVE_ABOVE_EIGHT = {"ckptfs.dist.comm": 9, "ckptfs.runtime": 9}
-
-
-def _above_eight(counts: dict[str, int], known: dict[str, int]) -> dict[str, int]:
+def _above_eight(counts: dict[str, int], known: dict[str, int] | None = None) -> dict[str, int]:
     """The modules of ``counts`` entered more than 8 times, or more than their ``known``
-    bound."""
-    return {m: n for m, n in counts.items() if n > max(8, known.get(m, 0))}
+    bound (a load's: tests/test_read_schedule.py)."""
+    return {m: n for m, n in counts.items() if n > max(8, (known or {}).get(m, 0))}
 
 
 def test_a_save_enters_each_module_at_most_eight_times(tmp_path):
     """Following a small state dict through ``ckptfs.save`` (after a first save: imports and
     the plan cache warm), in the caller's thread and every thread started meanwhile: no ckptfs
     module, of any layer, is entered more than 8 times (``_module_entries`` says how entries
-    are counted), but the two of ``SAVE_ABOVE_EIGHT``, within their bound. Per-tensor work is
+    are counted; ``-s`` prints them): the collectives (``dist.comm``: one call per collective
+    step) and the runtime's lookups (one per trip to the I/O loop) included. Per-tensor work is
     handed to the lower modules in one call per rank, so a bigger state dict enters them no
     more often."""
     state = {"w": torch.randn(64, 64), "b": torch.zeros(64), "step": 3, "opt": {"m": torch.ones(8)}}
     ckptfs.save(state, tmp_path / "warm")
     counts = _module_entries(lambda: ckptfs.save(state, tmp_path / "c"))
+    print("\nentries of a save:", dict(sorted(counts.items(), key=lambda mn: (-mn[1], mn[0]))))
     assert "ckptfs.engine.save.pipeline" in counts and "ckptfs.engine.save.write" in counts
-    assert _above_eight(counts, SAVE_ABOVE_EIGHT) == {}, counts
+    assert _above_eight(counts) == {}, counts
     more = {**state, **{f"t{i}": torch.full((16,), float(i)) for i in range(12)}}
     ckptfs.save(more, tmp_path / "warm-more")
     bigger = _module_entries(lambda: ckptfs.save(more, tmp_path / "more"))

@@ -33,6 +33,15 @@ class PrepareFails(SafetensorsChunksBackend):
         raise ckptfs.UnsupportedValueError("prepare_fails refuses the layout")
 
 
+def _opens_unless_refused(request):
+    """A local store, which the rank that ``storage_options["refuse"]`` names cannot open."""
+    from ckptfs.io.local_store import LocalStore
+
+    if request.storage_options.get("refuse") == dist.get_rank():
+        raise ckptfs.ConfigError(f"rank {dist.get_rank()} cannot reach {request.url}")
+    return LocalStore(request.path, request.options)
+
+
 def scenarios(rank: int, world: int, root: str) -> None:
     other = ckptfs.RankError
     # 1. one rank holds an unstorable value: both raise, the culprit with its own error
@@ -100,7 +109,23 @@ def scenarios(rank: int, world: int, root: str) -> None:
     assert "'grad'" in msg and "Partial" in msg
     assert not os.path.exists(f"{root}/10/{ckptfs.INDEX_FILE}")
 
-    # 11. after all that, collectives are still in step
+    # 11. rank 1 cannot open the store while the coordinator claims the target in the same step:
+    # both raise naming the step, the culprit with its own error; the lock the coordinator took
+    # is given back, so the next save there goes ahead
+    from ckptfs.io import register_store
+    from ckptfs.layout.index import LOCK_FILE
+
+    register_store("refusing", _opens_unless_refused, replace=True)
+    url, sd = f"refusing://{root}/11", {"w": torch.ones(2)}
+    msg = expect_error(lambda: ckptfs.save(sd, url, storage_options={"refuse": 1}),
+                       ckptfs.ConfigError, other)
+    assert ("cannot reach" if rank else "opening the store and checking the target") in msg
+    dist.barrier()  # both ranks have failed: the coordinator has given the lock back
+    assert not os.path.exists(f"{root}/11/{LOCK_FILE}")
+    ckptfs.save(sd, url)
+    assert os.path.exists(f"{root}/11/{ckptfs.INDEX_FILE}")
+
+    # 12. after all that, collectives are still in step
     t = torch.tensor([rank])
     dist.all_reduce(t)
     assert t.item() == 1

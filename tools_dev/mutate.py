@@ -209,6 +209,12 @@ MUTANTS: tuple[Mutant, ...] = (
            (("engine/background/saver.py", "                done.set_exception(e)\n",
              "                done.set_result(None)\n"),),
            ("tests/test_async_save.py",), k=ASYNC_SCENARIO),
+    Mutant("claim-kept-when-a-rank-cannot-open",
+           "the save lock the coordinator took while a rank failed to open the store is kept",
+           (("engine/save/pipeline.py",
+             "            abandon_claim(target_of(request, opened[0]), renewals)\n",
+             "            pass\n"),),
+           ("tests/test_rank_errors.py",), k="mismatches"),
 )
 
 

@@ -2,7 +2,8 @@
 files, and creates the index create-if-absent (as the save's hooks make it,
 engine/save/hooks.py): from then on the checkpoint exists.
 
-Before the write phase, ``claim_target`` takes the save lock (engine/save/lock.py: one save at a time
+Before the write phase, ``claim_target`` (or a step that opens the store in the same trip to
+the I/O loop: ``take_claim``) takes the save lock (engine/save/lock.py: one save at a time
 per root) and refuses a committed (or foreign) checkpoint at the URL unless ``overwrite``; when
 overwriting it un-commits the old index first (``keep_index``: the save does it itself,
 ``uncommit``, once what must come before is done: the hooks' ``before_write``), and
@@ -62,17 +63,27 @@ class Claim:
 def claim_target(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
                  keep_index: bool = False, renewals: list[Renewal] | None = None,
                  segments: Callable[[], SegmentPlan | None] | None = None) -> Claim:
-    """Collective: take the save lock and check the target (see ``_claim``); with
+    """Collective: take the save lock and check the target (``take_claim``); with
     ``renewals``, the coordinator starts the lock's renewal in the same step (one trip to the
     I/O loop) and appends it there. ``segments`` (coordinator, before the lock is taken)
     decides how the index is written, and every rank learns it with the claim."""
 
     def claim() -> Claim:
         plan = segments() if segments is not None else None
-        return dataclasses.replace(
-            run_sync(_claim(store, overwrite, backend, keep_index, renewals)), segments=plan)
+        return run_sync(take_claim(store, overwrite, backend, keep_index=keep_index,
+                                   renewals=renewals, segments=plan))
 
     return comm.run_on_coordinator("save: checking the target", claim)
+
+
+async def take_claim(store: Store, overwrite: bool, backend: Backend, *,
+                     keep_index: bool = False, renewals: list[Renewal] | None = None,
+                     segments: SegmentPlan | None = None) -> Claim:
+    """The coordinator's claim on the I/O loop (``_claim``), the index's ``segments``
+    recorded in it: what ``claim_target``'s step runs, and what a step that does more in the
+    same trip awaits (the save pipeline opens the store first)."""
+    claim = await _claim(store, overwrite, backend, keep_index, renewals)
+    return dataclasses.replace(claim, segments=segments)
 
 
 async def _claim(store: Store, overwrite: bool, backend: Backend, keep_index: bool = False,
@@ -136,23 +147,41 @@ def uncommit(store: Store, comm: Comm, claim: Claim) -> None:
 def claimed(store: Store, comm: Comm, overwrite: bool, backend: Backend, *,
             keep_index: bool = False,
             segments: Callable[[], SegmentPlan | None] | None = None) -> Iterator[Claim]:
-    """Collective: ``claim_target``, then the body (write and commit) with the lock held: the
-    coordinator renews it while the body runs and, if the body fails on it, stops renewing and
-    gives it back (``abandon``); a committed save has released it (``commit_index``).
-    ``keep_index``: a replaced index is left for the body to un-commit (``uncommit``)."""
+    """Collective: ``claim_target``, then the body (write and commit) with the lock held
+    (``holding``). ``keep_index``: a replaced index is left for the body to un-commit
+    (``uncommit``)."""
     renewals: list[Renewal] = []
     try:
         claim = claim_target(store, comm, overwrite, backend, keep_index=keep_index,
                              renewals=renewals, segments=segments)
     except BaseException:  # the claim's collective failed after the coordinator's claim
-        for r in renewals:
-            r.stop()
+        abandon_claim(store, renewals)
         raise
+    with holding(store, renewals):
+        yield claim
+
+
+def abandon_claim(store: Store, renewals: Sequence[Renewal]) -> None:
+    """After a claim's collective step failed on some rank (coordinator): the claim it took
+    anyway, if any (its renewal in ``renewals``), is given back, its renewal stopped first.
+    Nothing was written under it; best effort."""
+    for r in renewals:
+        r.stop()
+    if renewals:
+        run_sync(abandon(store))
+
+
+@contextlib.contextmanager
+def holding(store: Store, renewals: Sequence[Renewal]) -> Iterator[None]:
+    """The body of a claimed save (write and commit) with the lock held: the coordinator (the
+    one renewal in ``renewals``) renews it while the body runs and, if the body fails on it,
+    stops renewing and gives it back (``abandon``); a committed save has released it
+    (``commit_index``)."""
     renewal = renewals[0] if renewals else None
     failed = False
     held = HELD.set(renewal)
     try:
-        yield claim
+        yield
     except BaseException:
         failed = True
         raise

@@ -44,8 +44,18 @@ from ckptfs.engine.memory.buffers import BufferPool, HostAllocator
 from ckptfs.engine.memory.device_parts import DeviceParts, cuda_device_parts
 from ckptfs.engine.memory.overflow import bounded
 from ckptfs.engine.options import SaveOptions
-from ckptfs.engine.save.commit import Claim, build_index, claimed, commit, commit_index, uncommit
+from ckptfs.engine.save.commit import (
+    Claim,
+    abandon_claim,
+    build_index,
+    commit,
+    commit_index,
+    holding,
+    take_claim,
+    uncommit,
+)
 from ckptfs.engine.save.hooks import SaveHook, phase
+from ckptfs.engine.save.lock import Renewal
 from ckptfs.engine.save.segments import SegmentPlan, plan_segments
 from ckptfs.engine.save.stage import (
     IndexContent,
@@ -182,22 +192,20 @@ def finish_staged(request: SaveRequest, staged: StagedSave, comm: Comm,
     """Phases 2 to 4 (collective over ``comm``): claim, write, commit. The named entry point an
     asynchronous save runs once staged, in its thread or in the writer process;
     ``give_back()`` returns the staging buffers early (after a local tier's write)."""
-    store = open_agreed(comm, request)
+    t0 = time.perf_counter()
+    renewals: list[Renewal] = []
+    store, claim = open_claimed(comm, request, functools.partial(
+        segments_of, request, staged, comm.size), renewals)
     try:
-        decide = functools.partial(segments_of, request, staged, comm.size)
-        if not request.claim:  # a node-local step: its index whole, since a node's recovery
-            # plans from the index it holds and another node's segments may be gone with it
-            t0 = time.perf_counter()
-            save_id, segments = comm.run_on_coordinator(
-                "local save: naming the save", lambda: (secrets.token_hex(6), None))
+        if isinstance(claim, str):  # a node-local step (``claim=False``), named ``claim``:
+            # its index whole, since a node's recovery plans from the index it holds and
+            # another node's segments may be gone with it
             staged = before_write(request.hooks, staged, comm, early=not store.streams_in_place)
             _done(request.hooks, "claim", t0)
-            return _write_and_commit(request, staged, store, comm, (save_id, False, segments),
+            return _write_and_commit(request, staged, store, comm, (claim, False, None),
                                      give_back)
-        target = PrefixedStore(store, request.folder) if request.folder else store
-        t0 = time.perf_counter()
-        with claimed(target, comm, request.overwrite, request.backend, keep_index=True,
-                     segments=decide) as claim:
+        target = target_of(request, store)
+        with holding(target, renewals):
             if request.clear_dead:
                 comm.run_on_coordinator(f"save: clearing a dead save's files at "
                                         f"{request.target_url}",
@@ -222,22 +230,59 @@ def segments_of(request: SaveRequest, staged: StagedSave, world: int) -> Segment
                          world)
 
 
-def open_agreed(comm: Comm, request: SaveRequest) -> Store:
-    """The request's store, opened on every rank of ``comm`` (``opener``'s where given): a rank
-    that cannot open it fails the save everywhere (the stores opened elsewhere are closed)."""
+def target_of(request: SaveRequest, store: Store) -> Store:
+    """The checkpoint's store: ``store`` (the URL's), or its folder where the request names one."""
+    return PrefixedStore(store, request.folder) if request.folder else store
+
+
+def open_claimed(comm: Comm, request: SaveRequest, segments: Callable[[], SegmentPlan | None],
+                 renewals: list[Renewal]) -> tuple[Store, Claim | str]:
+    """Collective, one step: the request's store opened on every rank (``opener``'s where
+    given) and, in the same trip to the I/O loop, the coordinator's claim of the target
+    (``take_claim``: ``segments()`` decided first, the lock taken and its renewal appended to
+    ``renewals``, the target checked, a replaced index kept for ``uncommit``), which every rank
+    gets; for a local step (``claim=False``: no lock, nothing replaced) the save's id instead.
+    Returns (the store, the claim or the id). A rank that fails fails the save everywhere: the
+    stores opened elsewhere are closed and a lock the coordinator took is given back."""
     opener = request.opener
     opened: list[Store] = []
+
+    def step() -> Claim | str | None:
+        if opener is not None:
+            opened.append(opener())
+        claims = comm.is_coordinator and request.claim
+        plan = segments() if claims else None
+        claim = None
+        if opener is None or claims:  # no trip for a rank that holds the store and claims nothing
+            claim = run_sync(_open_claiming(request, opened, renewals if claims else None, plan))
+        return secrets.token_hex(6) if comm.is_coordinator and not request.claim else claim
+
     try:
-        comm.run_everywhere("save: opening the store", lambda: opened.append(
-            opener() if opener is not None else run_sync(open_store(
-                request.url, request.storage_options, request.store_options,
-                nice=request.nice))))
+        _, shared = comm.run_everywhere("save: opening the store and checking the target",
+                                        step, lambda claim: claim, to="all")
     except BaseException:
+        if opened:
+            abandon_claim(target_of(request, opened[0]), renewals)
         if opener is None:
             for s in opened:
                 run_sync(s.close())
         raise
-    return opened[0]
+    claim = shared[0]
+    assert claim is not None, "the coordinator claimed the target or named the save"
+    return opened[0], claim
+
+
+async def _open_claiming(request: SaveRequest, opened: list[Store],
+                         renewals: list[Renewal] | None, plan: SegmentPlan | None) -> Claim | None:
+    """The request's store opened into ``opened`` (unless it holds it already) and, with
+    ``renewals`` (the coordinator of a save that claims), its target claimed."""
+    if not opened:
+        opened.append(await open_store(request.url, request.storage_options,
+                                       request.store_options, nice=request.nice))
+    if renewals is None:
+        return None
+    return await take_claim(target_of(request, opened[0]), request.overwrite, request.backend,
+                            keep_index=True, renewals=renewals, segments=plan)
 
 
 async def clear_dead(store: Store, claim: Claim) -> None:
