@@ -6,8 +6,9 @@ followed by the hooks' ``phase_done`` (engine/save/hooks.py gives every hook poi
 
 1. **stage** (``stage_phase``; engine/save/stage.py): describe, agree on a plan, take this rank's
    chunk bytes; the hooks' ``before_stage`` and ``after_stage`` around it.
-2. **claim** (``finish_staged``; engine/save/commit.py): open the store on every rank, take the save
-   lock and check the target, remove a killed save's files (``clear_dead``), the hooks'
+2. **claim** (``finish_staged``; engine/save/commit.py): open the store on every rank and, in the
+   same collective step and trip to the I/O loop, take the save lock and check the target on the
+   coordinator (``open_claimed``), remove a killed save's files (``clear_dead``), the hooks'
    ``before_write`` (early where a checkpoint is replaced or the store cannot test bytes while
    writing), then un-commit a replaced index.
 3. **write** (engine/save/write.py): the layout files, then every rank's data files, with the hooks'
