@@ -408,3 +408,33 @@ def test_a_delta_on_s3_references_its_base_in_the_same_bucket(s3):
     assert all(torch.equal(out[k], state[k]) for k in ("frozen", "adapter", "table"))
     report = ckptfs.verify(delta, storage_options=s3.options)
     assert report.ok and report.chunks_checksummed == 3, report.problems
+
+
+def _zeros(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def test_pre_download_brings_the_bases_referenced_files_and_the_load_reads_them_there(tmp_path):
+    base, delta, state = _saved_pair(tmp_path)
+    work = tmp_path / "work"
+    opts = ckptfs.LoadOptions(pre_download=True, work_dir=str(work))
+    target = _zeros(state)
+    result = ckptfs.load(target, delta, options=opts)
+    for k in ("frozen", "adapter", "table"):
+        assert torch.equal(target[k].view(torch.uint8), state[k].view(torch.uint8)), k
+    assert result.bytes_read == result.bytes_needed  # read from the caches, references too
+    # the base's referenced file lies in the base's own cache directory, beside the delta's
+    from ckptfs.io.cache import cache_dir, read_marker
+    marker = read_marker(cache_dir(work, str(base.resolve())))
+    frozen = _chunks(delta, "frozen")[0]
+    assert marker is not None and frozen["file"] in marker.files
+    # the data files gone at the URL: a second load reads every byte from the caches
+    for root in (base, delta):
+        os.rename(root / "data", root / "gone")
+    again = _zeros(state)
+    ckptfs.load(again, delta, options=opts)
+    for k in ("frozen", "adapter", "table"):
+        assert torch.equal(again[k].view(torch.uint8), state[k].view(torch.uint8)), k
+    # without the caches the load needs the URL's files, and says which one is missing
+    with pytest.raises(IntegrityError, match="step_1"):
+        ckptfs.load(_zeros(state), delta)
