@@ -438,3 +438,75 @@ def test_pre_download_brings_the_bases_referenced_files_and_the_load_reads_them_
     # without the caches the load needs the URL's files, and says which one is missing
     with pytest.raises(IntegrityError, match="step_1"):
         ckptfs.load(_zeros(state), delta)
+
+
+class _Read:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get(self) -> int:
+        return self.n
+
+
+class _CuFile:
+    """``kvikio.CuFile`` as ``DirectReads`` uses it, reading into a CPU byte tensor."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        self.f = open(path, "rb")  # closed by __exit__
+
+    def __enter__(self) -> _CuFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def pread(self, dst: torch.Tensor, n: int, offset: int) -> _Read:
+        data = os.pread(self.f.fileno(), n, offset)
+        dst[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return _Read(len(data))
+
+
+class _Kvikio:
+    CuFile = _CuFile
+
+
+def test_gds_reads_a_reference_from_its_base_file_and_leaves_a_remote_base_to_the_ring(tmp_path):
+    from ckptfs.engine.load.bases import BasesStore, with_bases
+    from ckptfs.engine.load.gds import DirectReads, gds_unavailable
+    from ckptfs.engine.load.pre_download import CachedStore
+    from ckptfs.io import open_store, run_sync
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.layout.boxes import full_box
+    from ckptfs.planning.load_plan import plan_reads
+
+    base, delta, state = _saved_pair(tmp_path)
+    index = Index.loads((delta / ckptfs.INDEX_FILE).read_bytes())
+    keys = ("frozen", "adapter")
+
+    async def go() -> None:
+        store = await open_store(str(delta))
+        entries = [index.tensors[k] for k in keys]
+        routed = await with_bases(store, [plan_reads(e, full_box(e.shape)) for e in entries])
+        assert routed is not None
+        bases, pieces = routed
+        direct = DirectReads(store, _Kvikio()).through(bases)
+        got = {}
+        for k, (p,) in zip(keys, pieces, strict=True):
+            got[k] = torch.empty(state[k].numel() * state[k].element_size(), dtype=torch.uint8)
+            assert direct.take(p.chunk.file, p.chunk.byte_offset, got[k])
+        assert direct.paths[pieces[0][0].chunk.file] == str(base / _chunks(delta, "frozen")[0]["file"])
+        await direct.run(bases, lambda *a: AssertionError(a), {})
+        for k in keys:
+            assert torch.equal(got[k], state[k].reshape(-1).view(torch.uint8)), k
+        # a base served by a store of another kind is not read directly (the ring reads it)
+        memory = await open_store("memory://gds-base")
+        far = BasesStore(store, {pieces[0][0].chunk.file: (memory, "x")}, ())
+        assert not DirectReads(store, _Kvikio()).through(far).take(
+            pieces[0][0].chunk.file, 0, torch.empty(4, dtype=torch.uint8))
+        await bases.close()
+        await store.close()
+
+    run_sync(go())
+    # a pre-downloaded delta is served from local files: GDS may read it
+    cached = CachedStore(LocalStore(str(tmp_path)), str(delta), {})
+    assert "not a local filesystem" not in (gds_unavailable(cached, verify=False) or "")
