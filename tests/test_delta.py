@@ -436,6 +436,7 @@ def test_pre_download_brings_the_bases_referenced_files_and_the_load_reads_them_
     for k in ("frozen", "adapter", "table"):
         assert torch.equal(again[k].view(torch.uint8), state[k].view(torch.uint8)), k
     # without the caches the load needs the URL's files, and says which one is missing
+    os.rename(delta / "gone", delta / "data")
     with pytest.raises(IntegrityError, match="step_1"):
         ckptfs.load(_zeros(state), delta)
 
@@ -510,3 +511,35 @@ def test_gds_reads_a_reference_from_its_base_file_and_leaves_a_remote_base_to_th
     # a pre-downloaded delta is served from local files: GDS may read it
     cached = CachedStore(LocalStore(str(tmp_path)), str(delta), {})
     assert "not a local filesystem" not in (gds_unavailable(cached, verify=False) or "")
+
+
+def test_chunks_are_hashed_on_helper_threads_with_the_hashes_one_thread_gives(monkeypatch):
+    import threading
+
+    from ckptfs.engine.save import delta as delta_mod
+    from ckptfs.layout.backend import ChunkData
+    from ckptfs.layout.boxes import full_box
+    from ckptfs.layout.content_hash import content_hash
+    from ckptfs.layout.dtypes import from_torch
+    from ckptfs.layout.tensor_bytes import tensor_bytes
+
+    g = torch.Generator().manual_seed(9)
+    tensors = {f"big{i}": torch.randn(2**18 + i, generator=g) for i in range(3)}  # 1 MiB and more
+    tensors |= {f"small{i}": torch.randn(100, generator=g) for i in range(4)}
+    tensors["bf16"] = torch.randn(2**20, generator=g).bfloat16()
+    chunks = [ChunkData(k, from_torch(t.dtype, k), tuple(t.shape), full_box(t.shape), t)
+              for k, t in tensors.items()]
+    where: dict[int, int] = {}
+
+    def spying(data):
+        where[memoryview(data).nbytes] = threading.get_ident()
+        return content_hash(data)
+
+    monkeypatch.setattr(delta_mod, "content_hash", spying)
+    got = delta_mod.hash_chunks(chunks, threads=2)
+    assert got == {(c.key, c.box.offsets, c.box.shape): content_hash(tensor_bytes(c.data))
+                   for c in chunks}
+    me = threading.get_ident()
+    assert all(where[t.nbytes] != me for k, t in tensors.items() if not k.startswith("small"))
+    assert all(where[t.nbytes] == me for k, t in tensors.items() if k.startswith("small"))
+    assert delta_mod.hash_chunks(chunks, threads=1) == got
