@@ -88,11 +88,13 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_save(state: dict[str, Any], root: str, reps: int, reuse: bool) -> dict[str, Any]:
+def bench_save(state: dict[str, Any], root: str, reps: int, reuse: bool,
+               threads: int | None = None) -> dict[str, Any]:
     """Delta save / changed tensors alone / fsync floor, alternating (see the module doc);
-    ``reuse``: the delta saves reuse the hashes of unchanged tensors (``reuse_hashes``)."""
+    ``reuse``: the delta saves reuse the hashes of unchanged tensors (``reuse_hashes``);
+    ``threads``: ``SaveOptions.copy_threads``, the threads hashing the chunks."""
     base = os.path.join(root, "base")
-    opts = ckptfs.SaveOptions(hashes=True, reuse_hashes=reuse)
+    opts = ckptfs.SaveOptions(hashes=True, reuse_hashes=reuse, copy_threads=threads)
     ckptfs.save(state, base, options=opts)
     changed = changed_of(state)
     rows: dict[str, list[float]] = {"delta": [], "changed_alone": [], "fsync_floor": []}
@@ -114,6 +116,7 @@ def bench_save(state: dict[str, Any], root: str, reps: int, reuse: bool) -> dict
     med = {k: statistics.median(v) for k, v in rows.items()}
     changed_bytes = nbytes(changed)
     return {"seconds": rows, "median": med, "changed_bytes": changed_bytes, "reuse_hashes": reuse,
+            "copy_threads": threads,
             "frozen_bytes": nbytes(state) - changed_bytes, "delta_written": written,
             "written_x_changed": max(written) / changed_bytes,
             "time_x_changed_alone": med["delta"] / med["changed_alone"],
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manager-mb", type=float, default=128, help="frozen MiB of the manager run")
     ap.add_argument("--reuse-hashes", action="store_true",
                     help="SaveOptions(reuse_hashes=True): unchanged tensors are not hashed again")
+    ap.add_argument("--copy-threads", type=int, default=None,
+                    help="SaveOptions.copy_threads: the threads hashing the chunks (default: "
+                         "min(4, CPUs))")
     ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--out", default=None, help="results file (default bench/results/delta-*.json)")
     args = ap.parse_args(argv)
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                               "date": time.strftime("%Y-%m-%d")}
     try:
         state = make_state(args.mb, args.tensor_mb, args.trainable)
-        result["save"] = bench_save(state, root, args.reps, args.reuse_hashes)
+        result["save"] = bench_save(state, root, args.reps, args.reuse_hashes, args.copy_threads)
         result["load"] = bench_load(state, result["save"].pop("delta"), root, args.reps)
         del state
         result["manager"] = bench_manager(args.manager_mb, args.tensor_mb, args.trainable,

@@ -4,6 +4,7 @@
     ckptfs diff A B [--json] [--rtol R] [--atol A] [--keys KEY ...] [--buffer-bytes BYTES]
     ckptfs verify URL [--json] [--no-checksums]
     ckptfs clean URL [--dry-run] [--force] [--json]
+    ckptfs delete URL [--force] [--missing-ok] [--json]
     ckptfs convert SRC DST --backend NAME[:VERSION] [--backend-option K=V ...] [--overwrite]
     ckptfs unshard URL DIR [--format safetensors|torch|hf] [--strategy one_file|one_file_per_tensor|chunks]
                    [--chunk-size BYTES] [--keys KEY ...] [--overwrite | --resume] [--json]
@@ -311,6 +312,39 @@ def add_clean(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_clean)
 
 
+# ---------------------------------------------------------------------------- delete
+
+
+def run_delete(args: argparse.Namespace, rest: list[str]) -> int:
+    removed = ckptfs.delete(args.url, storage_options=storage_options(args), force=args.force,
+                            missing_ok=args.missing_ok)
+    if args.json:
+        _emit({"url": args.url, "removed": removed})
+    elif not args.quiet:
+        print(f"{args.url}: deleted ({removed} file(s) removed)")
+    return 0
+
+
+def add_delete(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "delete", parents=[_common(), _quiet()],
+        help="delete a checkpoint (never the base of a delta beside it, unless --force)",
+        description="Remove the checkpoint at URL: its index first (un-commit), then every "
+                    "file under it. A checkpoint that a committed checkpoint beside it (in the "
+                    "same folder, as a manager's steps are) references as its base is refused, "
+                    "naming them, and nothing is removed: delete the deltas first, make them "
+                    "self-contained (ckptfs convert), or pass --force (they then fail to load "
+                    "their references, naming the missing file).")
+    p.add_argument("url", metavar="URL",
+                   help="the checkpoint root: a local path or an fsspec URL (s3://...)")
+    p.add_argument("--force", action="store_true",
+                   help="delete it even though delta checkpoints beside it reference its files")
+    p.add_argument("--missing-ok", action="store_true",
+                   help="succeed when there is no checkpoint at URL (else exit 1)")
+    _json(p, "the number of files removed")
+    p.set_defaults(run=run_delete)
+
+
 # ---------------------------------------------------------------------------- convert
 
 
@@ -514,7 +548,8 @@ def add_conformance(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_inspect, add_diff, add_verify, add_clean, add_convert, add_unshard, add_bench, add_conformance]
+    add_inspect, add_diff, add_verify, add_clean, add_delete, add_convert, add_unshard, add_bench,
+    add_conformance]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -566,6 +601,7 @@ def _cli_wording(message: str, command: str) -> str:
     hint to run the command that is running."""
     message = message.replace("pass overwrite=True (--overwrite)", "pass --overwrite")
     message = message.replace("pass overwrite=True", "pass --overwrite")
+    message = message.replace("pass force=True", "pass --force")
     if command == "verify":
         message = re.sub(r"; `ckptfs verify [^`]*` tells which", "", message)
     return message

@@ -21,6 +21,7 @@ from ckptfs.engine.load.targets import (
     check_allocation,
     files_of,
     plan_targets,
+    referenced_files,
     wanted_boxes,
 )
 from ckptfs.engine.options import LoadOptions
@@ -138,10 +139,10 @@ def fill(state_dict: dict[str, Any], store: Store, index: Index, comm: Comm, url
         ex = xchg.plan_load(comm, plan.reads, options.exchange_bytes)
         reads = ex.reads
     source = store
-    if cached is not None and not index.references:  # a delta's bases are read where they are
+    if cached is not None:  # a delta's referenced files too, each into its base's cache
         from ckptfs.engine.load.pre_download import fill_cache
 
-        source = fill_cache(comm, store, cached, files_of(reads))
+        source = fill_cache(comm, store, cached, files_of(reads), referenced_files(reads))
     try:
         def read() -> tuple[int, int]:
             return run_sync(read_tensors(source, index, reads, options))

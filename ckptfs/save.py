@@ -98,7 +98,7 @@ def delta_hooks(opts: SaveOptions, url: str, backend: Backend,
     if opts.reuse_hashes and memo is None:
         memo = default_memo()
     return (DeltaHook(url, opts.base, (backend.name, backend.version), storage_options,
-                      memo if opts.reuse_hashes else None),)
+                      memo if opts.reuse_hashes else None, opts.copy_threads),)
 
 
 def save_request(url: str, backend: str, backend_version: int | None,

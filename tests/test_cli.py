@@ -155,3 +155,27 @@ def test_verify_reports_a_damaged_raw_chunk_once_per_kind(tmp_path):
     assert kinds == ["checksum", "file-checksum"], report.problems
     assert next(p for p in report.problems if p.kind == "checksum").key == "b"
     assert report.chunks_checksummed == 1
+
+
+def test_delete_refuses_a_base_a_delta_beside_it_references_unless_forced(tmp_path, capsys):
+    frozen = torch.randn(64, 16)
+    base, delta, lone = tmp_path / "step_1", tmp_path / "step_2", tmp_path / "other"
+    ckptfs.save({"frozen": frozen, "a": torch.zeros(4)}, base,
+                options=ckptfs.SaveOptions(hashes=True))
+    ckptfs.save({"frozen": frozen, "a": torch.ones(4)}, delta, base=base)
+    ckptfs.save({"w": torch.ones(2)}, lone)
+    rc, out, err = cli(capsys, "delete", base)
+    assert rc == EXIT_FAILED and "ReferencedCheckpointError" in err and "step_2" in err
+    assert "--force" in err and "force=True" not in err
+    assert (base / ckptfs.INDEX_FILE).exists()  # nothing removed
+    rc, out, err = cli(capsys, "delete", lone, "--json")
+    assert rc == EXIT_OK and '"removed": ' in out
+    assert not [p for p in lone.rglob("*") if p.is_file()]
+    rc, out, err = cli(capsys, "delete", lone)
+    assert rc == EXIT_FAILED and "other" in err
+    assert cli(capsys, "delete", lone, "--missing-ok")[0] == EXIT_OK
+    rc, out, err = cli(capsys, "delete", base, "--force")
+    assert rc == EXIT_OK and "deleted" in out
+    assert not [p for p in base.rglob("*") if p.is_file()]
+    with pytest.raises(ckptfs.IntegrityError, match="step_1"):
+        ckptfs.load_keys(delta)

@@ -408,3 +408,138 @@ def test_a_delta_on_s3_references_its_base_in_the_same_bucket(s3):
     assert all(torch.equal(out[k], state[k]) for k in ("frozen", "adapter", "table"))
     report = ckptfs.verify(delta, storage_options=s3.options)
     assert report.ok and report.chunks_checksummed == 3, report.problems
+
+
+def _zeros(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def test_pre_download_brings_the_bases_referenced_files_and_the_load_reads_them_there(tmp_path):
+    base, delta, state = _saved_pair(tmp_path)
+    work = tmp_path / "work"
+    opts = ckptfs.LoadOptions(pre_download=True, work_dir=str(work))
+    target = _zeros(state)
+    result = ckptfs.load(target, delta, options=opts)
+    for k in ("frozen", "adapter", "table"):
+        assert torch.equal(target[k].view(torch.uint8), state[k].view(torch.uint8)), k
+    assert result.bytes_read == result.bytes_needed  # read from the caches, references too
+    # the base's referenced file lies in the base's own cache directory, beside the delta's
+    from ckptfs.io.cache import cache_dir, read_marker
+    marker = read_marker(cache_dir(work, str(base.resolve())))
+    frozen = _chunks(delta, "frozen")[0]
+    assert marker is not None and frozen["file"] in marker.files
+    # the data files gone at the URL: a second load reads every byte from the caches
+    for root in (base, delta):
+        os.rename(root / "data", root / "gone")
+    again = _zeros(state)
+    ckptfs.load(again, delta, options=opts)
+    for k in ("frozen", "adapter", "table"):
+        assert torch.equal(again[k].view(torch.uint8), state[k].view(torch.uint8)), k
+    # without the caches the load needs the URL's files, and says which one is missing
+    os.rename(delta / "gone", delta / "data")
+    with pytest.raises(IntegrityError, match="step_1"):
+        ckptfs.load(_zeros(state), delta)
+
+
+class _Read:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get(self) -> int:
+        return self.n
+
+
+class _CuFile:
+    """``kvikio.CuFile`` as ``DirectReads`` uses it, reading into a CPU byte tensor."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        self.f = open(path, "rb")  # closed by __exit__
+
+    def __enter__(self) -> _CuFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def pread(self, dst: torch.Tensor, n: int, offset: int) -> _Read:
+        data = os.pread(self.f.fileno(), n, offset)
+        dst[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return _Read(len(data))
+
+
+class _Kvikio:
+    CuFile = _CuFile
+
+
+def test_gds_reads_a_reference_from_its_base_file_and_leaves_a_remote_base_to_the_ring(tmp_path):
+    from ckptfs.engine.load.bases import BasesStore, with_bases
+    from ckptfs.engine.load.gds import DirectReads, gds_unavailable
+    from ckptfs.engine.load.pre_download import CachedStore
+    from ckptfs.io import open_store, run_sync
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.layout.boxes import full_box
+    from ckptfs.planning.load_plan import plan_reads
+
+    base, delta, state = _saved_pair(tmp_path)
+    index = Index.loads((delta / ckptfs.INDEX_FILE).read_bytes())
+    keys = ("frozen", "adapter")
+
+    async def go() -> None:
+        store = await open_store(str(delta))
+        entries = [index.tensors[k] for k in keys]
+        routed = await with_bases(store, [plan_reads(e, full_box(e.shape)) for e in entries])
+        assert routed is not None
+        bases, pieces = routed
+        direct = DirectReads(store, _Kvikio()).through(bases)
+        got = {}
+        for k, (p,) in zip(keys, pieces, strict=True):
+            got[k] = torch.empty(state[k].numel() * state[k].element_size(), dtype=torch.uint8)
+            assert direct.take(p.chunk.file, p.chunk.byte_offset, got[k])
+        assert direct.paths[pieces[0][0].chunk.file] == str(base / _chunks(delta, "frozen")[0]["file"])
+        await direct.run(bases, lambda *a: AssertionError(a), {})
+        for k in keys:
+            assert torch.equal(got[k], state[k].reshape(-1).view(torch.uint8)), k
+        # a base served by a store of another kind is not read directly (the ring reads it)
+        memory = await open_store("memory://gds-base")
+        far = BasesStore(store, {pieces[0][0].chunk.file: (memory, "x")}, ())
+        assert not DirectReads(store, _Kvikio()).through(far).take(
+            pieces[0][0].chunk.file, 0, torch.empty(4, dtype=torch.uint8))
+        await bases.close()
+        await store.close()
+
+    run_sync(go())
+    # a pre-downloaded delta is served from local files: GDS may read it
+    cached = CachedStore(LocalStore(str(tmp_path)), str(delta), {})
+    assert "not a local filesystem" not in (gds_unavailable(cached, verify=False) or "")
+
+
+def test_chunks_are_hashed_on_helper_threads_with_the_hashes_one_thread_gives(monkeypatch):
+    import threading
+
+    from ckptfs.engine.save import delta as delta_mod
+    from ckptfs.layout.backend import ChunkData
+    from ckptfs.layout.boxes import full_box
+    from ckptfs.layout.content_hash import content_hash
+    from ckptfs.layout.dtypes import from_torch
+    from ckptfs.layout.tensor_bytes import tensor_bytes
+
+    g = torch.Generator().manual_seed(9)
+    tensors = {f"big{i}": torch.randn(2**18 + i, generator=g) for i in range(3)}  # 1 MiB and more
+    tensors |= {f"small{i}": torch.randn(100, generator=g) for i in range(4)}
+    tensors["bf16"] = torch.randn(2**20, generator=g).bfloat16()
+    chunks = [ChunkData(k, from_torch(t.dtype, k), tuple(t.shape), full_box(t.shape), t)
+              for k, t in tensors.items()]
+    where: dict[int, int] = {}
+
+    def spying(data):
+        where[memoryview(data).nbytes] = threading.get_ident()
+        return content_hash(data)
+
+    monkeypatch.setattr(delta_mod, "content_hash", spying)
+    got = delta_mod.hash_chunks(chunks, threads=2)
+    assert got == {(c.key, c.box.offsets, c.box.shape): content_hash(tensor_bytes(c.data))
+                   for c in chunks}
+    me = threading.get_ident()
+    assert all(where[t.nbytes] != me for k, t in tensors.items() if not k.startswith("small"))
+    assert all(where[t.nbytes] == me for k, t in tensors.items() if k.startswith("small"))
+    assert delta_mod.hash_chunks(chunks, threads=1) == got

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,16 @@ def test_a_step_after_a_restart_references_the_newest_committed_step(tmp_path):
     assert _equal(ckptfs.load_keys(url / step_dir(2)), state)
 
 
-def test_a_delta_step_restores_through_the_node_local_tier(tmp_path):
+def _flip(path: Path, chunk: dict) -> None:
+    """Change one byte of ``chunk``'s range in the file under ``path``."""
+    with open(path / chunk["file"], "r+b") as f:
+        f.seek(chunk["byte_offset"] + 10)
+        byte = f.read(1)
+        f.seek(chunk["byte_offset"] + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_delta_step_restores_its_references_from_the_nodes_copy_of_the_base(tmp_path):
     url, local = tmp_path / "run", tmp_path / "node"
     state, saved = _state(), {}
     with _manager(url, local_dir=str(local)) as mgr:
@@ -117,23 +127,41 @@ def test_a_delta_step_restores_through_the_node_local_tier(tmp_path):
             mgr.save_sync(step, state)
             saved[step] = _copy(state)
     assert (local / step_dir(2)).is_dir() and (local / step_dir(1)).is_dir()
+    frozen = _chunk(url / step_dir(2), "frozen")
+    assert frozen["base"] == 0
+    base_file = f"../{step_dir(1)}/{frozen['file']}"
+    # the URL's base files gone: the node's copy of step 1 serves the references
+    moved = tmp_path / "moved"
+    os.rename(url / step_dir(1) / "data", moved)
     with _manager(url, local_dir=str(local)) as mgr:
         target = _copy(_state())
         assert mgr.restore(target) == 2 and _equal(target, saved[2])
         r = mgr.last_restore
-        # the step's own file from the node, the frozen bytes from its base at the URL
-        assert len(r.local_files) == 1 and not r.remote_files
-        assert r.remote_bytes >= 256 * 64 * 2 > r.local_bytes > 0
-    # a base whose files changed at the URL is caught: the reference's checksum
-    frozen = _chunk(url / step_dir(1), "frozen")
-    with open(url / step_dir(1) / frozen["file"], "r+b") as f:
-        f.seek(frozen["byte_offset"] + 10)
-        byte = f.read(1)
-        f.seek(frozen["byte_offset"] + 10)
-        f.write(bytes([byte[0] ^ 0xFF]))
+        assert base_file in r.local_files and not r.remote_files
+        assert r.remote_bytes == 0 and r.local_bytes >= 256 * 64 * 2
+    os.rename(moved, url / step_dir(1) / "data")
+    # the node's copy spoiled: its chunk fails its CRC-32C and is read again from the URL
+    _flip(local / step_dir(1), frozen)
+    with _manager(url, local_dir=str(local)) as mgr:
+        target = _copy(_state())
+        assert mgr.restore(target) == 2 and _equal(target, saved[2])
+        r = mgr.last_restore
+        assert base_file in r.remote_files and base_file in r.rejected
+        assert r.remote_bytes >= 256 * 64 * 2
+    # spoiled at the URL too: the reference's checksum catches it, naming the key
+    _flip(url / step_dir(1), frozen)
     with _manager(url, local_dir=str(local)) as mgr, pytest.raises(ckptfs.IntegrityError,
                                                                    match="frozen"):
         mgr.restore(_copy(_state()), 2)
+    # no node copy of the base: its references are read at the URL (restored, then absent)
+    _flip(url / step_dir(1), frozen)
+    shutil.rmtree(local / step_dir(1))
+    with _manager(url, local_dir=str(local)) as mgr:
+        target = _copy(_state())
+        assert mgr.restore(target) == 2 and _equal(target, saved[2])
+        r = mgr.last_restore
+        assert r.local_files == (f"data/{_chunk(url / step_dir(2), 'adapter')['file'][5:]}",)
+        assert r.remote_bytes >= 256 * 64 * 2 > r.local_bytes > 0
 
 
 def test_local_steps_are_whole_and_persistent_steps_reference_persistent_ones(tmp_path):
@@ -334,9 +362,10 @@ def _sharded(world: int, rank: int, full: dict[str, torch.Tensor]) -> dict:
     return {k: ckptfs.ShardedTensor(v[lo:hi].clone(), tuple(v.shape), (lo, 0)) for k, v in full.items()}
 
 
-def _save_steps(rank: int, world: int, url: str) -> None:
+def _save_steps(rank: int, world: int, url: str, local_dir: str | None = None) -> None:
     options = ckptfs.ManagerOptions(retention=ckptfs.Retention(keep_last=2),
                                     save=ckptfs.SaveOptions(delta=True, reuse_hashes=True),
+                                    tiers=ckptfs.TierOptions(local_dir=local_dir),
                                     preemption=ckptfs.PreemptionPolicy(signals=()))
     with ckptfs.CheckpointManager(url, options) as mgr:
         state = _sharded(world, rank, _full(0))
@@ -355,15 +384,33 @@ def _restore_three(rank: int, world: int, url: str) -> None:
         assert torch.equal(target[k].local_tensor, v.local_tensor), (rank, k)
 
 
+def _restore_from_node(rank: int, world: int, url: str, local_dir: str) -> None:
+    options = ckptfs.ManagerOptions(tiers=ckptfs.TierOptions(local_dir=local_dir),
+                                    preemption=ckptfs.PreemptionPolicy(signals=()))
+    target = _sharded(world, rank, {k: torch.zeros_like(v) for k, v in _full(0).items()})
+    with ckptfs.CheckpointManager(url, options) as mgr:
+        assert mgr.restore(target) == 3
+        r = mgr.last_restore
+    for k, v in _sharded(world, rank, _full(3)).items():
+        assert torch.equal(target[k].local_tensor, v.local_tensor), (rank, k)
+    assert r is not None and r.remote_bytes == 0, r
+    assert any(f.startswith(f"../{step_dir(1)}/") for f in r.local_files), r.local_files
+
+
 @pytest.mark.slow
 def test_two_ranks_save_delta_steps_that_three_ranks_restore(tmp_path):
-    url = str(tmp_path / "run")
-    run_ranks(2, _save_steps, url)
+    """Two ranks save through the node-local tier; three ranks restore from the URL, then,
+    the URL's files of the base step removed, from the node's copy of the base (chunks read
+    in part, so checked whole first)."""
+    url, local = str(tmp_path / "run"), str(tmp_path / "node")
+    run_ranks(2, _save_steps, url, local)
     assert sorted(os.listdir(url)) == [step_dir(1), step_dir(2), step_dir(3)]  # 1: frozen bytes
     frozen = _index(Path(url) / step_dir(3))["tensors"]["frozen"]["chunks"]
     assert len(frozen) == 2 and all("base" in c for c in frozen)
     assert _index(Path(url) / step_dir(3))["bases"] == [{"url": f"../{step_dir(1)}"}]
     run_ranks(3, _restore_three, url)
+    shutil.rmtree(Path(url) / step_dir(1) / "data")
+    run_ranks(3, _restore_from_node, url, local)
 
 
 def test_a_step_after_one_of_another_backend_is_whole(tmp_path):

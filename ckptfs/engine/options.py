@@ -111,8 +111,8 @@ class SaveOptions:
     #: at most this many ranks of a node (hostname, or ``$CKPTFS_NODE_ID``) write at once;
     #: None: all of them
     throttle_uploads: int | None = None
-    #: threads that copy chunks into staging buffers; None: min(4, the CPUs this process may
-    #: run on)
+    #: threads that copy chunks into staging buffers, and that hash them (``hashes``, ``base``,
+    #: ``delta``); None: min(4, the CPUs this process may run on)
     copy_threads: int | None = None
     #: bytes: a large copy is cut into pieces of this size, copied in parallel
     copy_piece: int = 8 * MiB

@@ -17,8 +17,9 @@ engine checks every chunk it reads whole against its crc32c as it lands; a chunk
 part (another layout) is checked whole first. If the read fails anywhere, the local copies are
 checked chunk by chunk, and those at fault are read again from the URL in a second fill (the
 failure is raised when no local copy is at fault). A delta step's references (formats/README.md
-§2.5) are read from their bases at the URL, never from the tier: the bytes a restore reads
-locally are the step's own files.
+§2.5) to a step of the same manager are read from the node's copy of that step where it holds
+the referenced file with the size the base's index records (manager/node_bases.py), by the same
+rules as the step's own files; every other reference is read from its base at the URL.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.load.bases import BasesStore
 from ckptfs.engine.load.intact import intact_files, usable_files
 from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.engine.load.targets import plan_targets
@@ -45,6 +47,7 @@ from ckptfs.io.progress_store import ProgressStore
 from ckptfs.io.routed import RoutedStore
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.load import LoadResult, fill
+from ckptfs.manager.node_bases import NodeBases, read_node_bases
 
 
 @dataclass(frozen=True)
@@ -76,21 +79,23 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
     every rank), reading the local tier's copies under ``local_root`` (None: none) where they
     hold what the index says (see the module doc). ``progress``: rank 0 shows the bytes read."""
     t0 = time.perf_counter()
-    index = comm.run_on_coordinator(f"restore: reading the index of {url}",
-                                    lambda: run_sync(read_index(remote)))
+    index, bases = comm.run_on_coordinator(f"restore: reading the index of {url}",
+                                           lambda: run_sync(_indexes(remote, url, local_root)))
     local = LocalStore(local_root or os.curdir, local_options(store_options))
-    tiered = local_root is not None and os.path.isdir(local_root)
-    read, good, routed = _route(state_dict, index, comm, url, local, tiered=tiered,
+    near = bases.store(local)  # the step's files and, under ``<base>/``, its bases' (node copies)
+    tiered = local_root is not None and (os.path.isdir(local_root) or bases.present())
+    seen = bases.as_local(index)  # every reference a node copy may serve: a chunk of near's
+    read, good, routed = _route(state_dict, seen, comm, url, near, tiered=tiered,
                                 strict=strict, scratch_bytes=options.scratch_bytes)
     checked = local.stats.bytes_read
     far_before = remote.stats.bytes_read
     bar = ByteProgress(0, f"ckptfs restore {url}") if progress and comm.is_coordinator else None
 
     def fill_from(good: set[str]) -> LoadResult:
-        tiers: Store = RoutedStore(local, remote, good)
-        return fill(state_dict, tiers if bar is None else ProgressStore(tiers, bar), index, comm,
-                    url, strict=strict, options=replace(options, verify=True),  # always checked
-                    started=t0)
+        tiers: Store = RoutedStore(near, remote, good)
+        return fill(state_dict, tiers if bar is None else ProgressStore(tiers, bar),
+                    bases.as_local(index, good), comm, url, strict=strict,
+                    options=replace(options, verify=True), started=t0)  # always checked
 
     ok = False
     try:
@@ -105,7 +110,7 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
         before = local.stats.bytes_read
         bad, found = comm.run_everywhere(
             "restore: checking the local copies after a failed read",
-            lambda: good - run_sync(intact_files(local, index, good, chunks=read,
+            lambda: good - run_sync(intact_files(near, seen, good, chunks=read,
                                                  scratch_bytes=options.scratch_bytes)),
             bool, to="all")
         checked += local.stats.bytes_read - before
@@ -118,14 +123,25 @@ def restore_tiered(state_dict: dict[str, Any], step: int, remote: Store, url: st
         if bar is not None:
             bar.close(done=ok)
     needed = set(read)
-    rejected = ({f for f in needed - good if os.path.exists(local.local_path(f))}
-                if local_root is not None else set())
+    rejected = ({f for f in needed - good if _held(near, f)} if local_root is not None else set())
     return RestoreResult(step, result, tuple(sorted(good)), tuple(sorted(needed - good)),
                          local.stats.bytes_read - checked, remote.stats.bytes_read - far_before,
                          checked, time.perf_counter() - t0, tuple(sorted(rejected)))
 
 
-def _route(state_dict: dict[str, Any], index: Index, comm: Comm, url: str, local: LocalStore, *,
+async def _indexes(remote: Store, url: str, local_root: str | None) -> tuple[Index, NodeBases]:
+    """The step's index and the bases whose node copies may serve its references."""
+    index = await read_index(remote)
+    return index, await read_node_bases(remote, index, url, local_root)
+
+
+def _held(near: BasesStore, path: str) -> bool:
+    """Whether the node's tier holds a file at ``path`` (a base's under ``<base>/``)."""
+    store, p = near.route(path)
+    return isinstance(store, LocalStore) and os.path.exists(store.local_path(p))
+
+
+def _route(state_dict: dict[str, Any], index: Index, comm: Comm, url: str, local: Store, *,
            tiered: bool, strict: bool, scratch_bytes: int
            ) -> tuple[dict[str, list[Chunk]], set[str], list[bool]]:
     """Collective: (file -> the chunks this rank's reads touch, the local copies it reads,
@@ -162,7 +178,7 @@ def chunks_read(reads: Iterable[TensorRead]) -> tuple[dict[str, list[Chunk]], di
     for r in reads:
         for p in r.pieces:
             if p.chunk.file is None or p.chunk.base is not None:
-                continue  # a reference: read from its base at the URL (docs/guide/delta.md)
+                continue  # a reference no node copy may serve: read from its base at the URL
             at = (r.entry.key, p.chunk.offsets)
             if at not in whole:
                 read[p.chunk.file].append((r.entry, p.chunk))

@@ -39,7 +39,7 @@ class BasesStore(WrapperStore):
         await gather_all(*(s.close() for s in self.opened))
 
 
-async def _open(store: Store, url: str) -> Store:
+async def open_base(store: Store, url: str) -> Store:
     """The base at ``url``: through ``store``'s client where it serves that place (the same
     bucket: its credentials and endpoint), else opened with ``store``'s options (``StoreOptions``)
     and, for a URL of the same protocol (another bucket), its ``storage_options``."""
@@ -77,7 +77,7 @@ async def with_bases(store: Store, pieces: Sequence[Sequence[ReadPiece]]
     urls = sorted({c.base for ps in pieces for p in ps if (c := p.chunk).base is not None})
     if not urls:
         return None
-    opened = await gather_all(*(_open(store, resolve_url(store.url, u)) for u in urls))
+    opened = await gather_all(*(open_base(store, resolve_url(store.url, u)) for u in urls))
     counted = _counted(store)
     for s in opened:  # a base's reads count as the load's (``LoadResult.bytes_read``)
         s.stats = counted

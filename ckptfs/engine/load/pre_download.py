@@ -11,23 +11,32 @@ then every rank reads them from local disk.
    node raises on every rank.
 4. Every rank then reads from the local copy (chunk checksums verified as usual). A later load
    of the same checkpoint version finds the cache complete and sends no GET at all.
+
+A delta checkpoint's references (formats/README.md §2.5) are pre-downloaded too: the files of
+each base that the node's reads touch go into the base's own cache directory (the base is a
+checkpoint of its own: its version tag, its index, its marker; a later load of the base itself
+finds them), and the load reads them there (``CachedStore``). After the pre-download, the load
+reads nothing from the store, references included.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 from ckptfs.dist import Comm, NodeLayout, node_id
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.load.bases import open_base
 from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
+from ckptfs.io.base_urls import resolve_url
 from ckptfs.io.cache import cache_dir, fill, locked, read_marker, valid_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.store import Store
+from ckptfs.io.wrapper import WrapperStore
 from ckptfs.layout.index import INDEX_FILE, Index
 
 
@@ -96,9 +105,52 @@ def cached_index(comm: Comm, store: Store, url: str,
 
 
 def fill_cache(comm: Comm, store: Store, cached: CachedIndex,
-               chunk_files: Iterable[str | None]) -> Store:
+               chunk_files: Iterable[str | None],
+               referenced: Mapping[str, Iterable[str]] | None = None) -> Store:
     """Steps 2-3 (collective): fill each node's cache with the files its ranks' reads touch
-    (``chunk_files``: this rank's); returns a LocalStore over the cache."""
+    (``chunk_files``: this rank's), and each base's cache with the base's files this rank's
+    references touch (``referenced``: base URL as the index records it -> files); returns a
+    store over the caches (a LocalStore over the checkpoint's when it has no base)."""
+    _fill_own(comm, store, cached, chunk_files)
+    if not cached.index.bases:
+        return LocalStore(cached.cdir, store.options)
+    dirs = {}
+    for base in cached.index.bases:  # every rank, in one order: each is collective
+        where = resolve_url(cached.url, base)
+        dirs[where] = _fill_base(comm, store, where, os.path.dirname(cached.cdir),
+                                 (referenced or {}).get(base, ()))
+    return CachedStore(LocalStore(cached.cdir, store.options), cached.url, dirs)
+
+
+def _fill_base(comm: Comm, store: Store, url: str, work_dir: str, files: Iterable[str]) -> str:
+    """Collective: the base at ``url`` (opened as a load opens it) cached under ``work_dir``
+    with ``files`` (this rank's); returns its cache directory."""
+    base = run_sync(open_base(store, url))
+    try:
+        cached = cached_index(comm, base, url, work_dir)
+        _fill_own(comm, base, cached, sorted(files))
+    finally:
+        run_sync(base.close())
+    return cached.cdir
+
+
+class CachedStore(WrapperStore):
+    """A delta checkpoint's pre-download cache under its own ``url`` (against which the index's
+    relative base URLs resolve): its files from its cache directory, and each base's files from
+    the base's (``sibling``, engine/load/bases.py)."""
+
+    def __init__(self, local: LocalStore, url: str, bases: Mapping[str, str]) -> None:
+        super().__init__(local, url)
+        self.bases = dict(bases)  #: a base's URL -> its cache directory
+
+    def sibling(self, url: str) -> Store | None:
+        where = self.bases.get(url)
+        return None if where is None else LocalStore(where, self.options)
+
+
+def _fill_own(comm: Comm, store: Store, cached: CachedIndex,
+              chunk_files: Iterable[str | None]) -> None:
+    """Steps 2-3 for one checkpoint (collective)."""
     index, url, cdir, tag = cached.index, cached.url, cached.cdir, cached.tag
     _, needed = comm.run_everywhere("load: planning the pre-download",
                                     lambda: (node_id(), files_needed(chunk_files, index)),
@@ -112,7 +164,6 @@ def fill_cache(comm: Comm, store: Store, cached: CachedIndex,
         return run_sync(_fill(store, cdir, url, tag, index, mine))
 
     comm.run_everywhere(f"load: pre-downloading {url} into {cdir}", fill_node_cache)
-    return LocalStore(cdir, store.options)
 
 
 async def _fill(store: Store, cdir: str, url: str, tag: str, index: Index,

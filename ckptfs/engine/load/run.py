@@ -100,9 +100,10 @@ async def _execute_once(store: Store, backend: Backend, jobs: Sequence[TensorRea
     """One run of every read. Chunks stored in a base checkpoint (references,
     engine/load/bases.py) are read from it by the same reads and checks."""
     bases = await with_bases(store, [job.pieces for job in jobs])
-    if bases is not None:  # GPUDirect reads go to the checkpoint's own store: not used here
+    if bases is not None:
         store, pieces = bases
-        direct = None
+        # GPUDirect reads find a reference's file through the bases' routes (a local base's)
+        direct = direct.through(store) if direct is not None else None
         jobs = [TensorRead(job.entry, job.target, tuple(ps))
                 for job, ps in zip(jobs, pieces, strict=True)]
     try:

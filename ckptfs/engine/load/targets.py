@@ -143,5 +143,17 @@ def check_allocation(entries: Sequence[TensorEntry]) -> None:
 
 
 def files_of(reads: Sequence[TensorRead]) -> list[str | None]:
-    """The data files ``reads`` touch (None for a chunk that names none)."""
-    return [p.chunk.file for r in reads for p in r.pieces]
+    """The checkpoint's own data files ``reads`` touch (None for a chunk that names none); a
+    reference's file is its base's (``referenced_files``)."""
+    return [p.chunk.file for r in reads for p in r.pieces if p.chunk.base is None]
+
+
+def referenced_files(reads: Sequence[TensorRead]) -> dict[str, set[str]]:
+    """The files of base checkpoints that ``reads`` touch through references (formats/README.md
+    §2.5), by base URL as the index records it."""
+    out: dict[str, set[str]] = {}
+    for r in reads:
+        for p in r.pieces:
+            if p.chunk.base is not None and p.chunk.file is not None:
+                out.setdefault(p.chunk.base, set()).add(p.chunk.file)
+    return out

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
+from ckptfs.engine.memory.copies import copy_threads
 from ckptfs.engine.save.hash_memo import ChunkId, HashMemo, Sources
 from ckptfs.engine.save.hooks import SaveHook, WriteOutcome
 from ckptfs.errors import ConfigError
@@ -64,15 +66,18 @@ class DeltaHook(SaveHook):
     #: ``SaveOptions(reuse_hashes=True)``: the hashes of tensors unchanged since an earlier
     #: save in this process are taken from it, not computed (engine/save/hash_memo.py)
     memo: HashMemo | None = field(default=None, compare=False)
+    #: the threads hashing the chunks (``SaveOptions.copy_threads``; None: as many as the
+    #: copies take by default, engine/memory/copies.py)
+    threads: int | None = None
 
     def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> Sources | None:
         return None if self.memo is None else self.memo.sources(state_dict, rank)
 
     def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
                     tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> DeltaNote:
-        hashes = self._hashes(chunks, note if isinstance(note, Sources) else None)
+        sources = note if isinstance(note, Sources) else None
         if self.base is None:
-            return DeltaNote(hashes)
+            return DeltaNote(self._hashes(chunks, sources))
         if self.backend != RAW_BACKEND:
             raise ConfigError(f"a delta save on {self.base!r} needs backend "
                               f"{RAW_BACKEND[0]}-{RAW_BACKEND[1]}, not "
@@ -80,7 +85,10 @@ class DeltaHook(SaveHook):
         if split_url(self.base) == split_url(self.url):
             raise ConfigError(f"a delta save to {self.url!r} names itself as its base: a "
                               f"checkpoint cannot reference the files it replaces")
-        base = self._base_index()
+        with ThreadPoolExecutor(1) as reader:  # the base's index read while the chunks hash
+            index = reader.submit(self._base_index)
+            hashes = self._hashes(chunks, sources)
+            base = index.result()
         where = relative_url(self.base, self.url)
         refs = {}
         for c in chunks:
@@ -93,13 +101,17 @@ class DeltaHook(SaveHook):
 
     def _hashes(self, chunks: Sequence[ChunkData], sources: Sources | None) -> dict[ChunkId, str]:
         """Each host chunk's content hash: from the memo where its tensor is unchanged since
-        the save that hashed it, else computed (and then recorded in the memo)."""
-        out = {}
+        the save that hashed it, else computed (``hash_chunks``; then recorded in the memo)."""
+        out, todo = {}, []
         for c in chunks:
             if c.source is None:
                 cid = _id(c)
                 known = None if self.memo is None or sources is None else self.memo.get(cid, sources)
-                out[cid] = known or content_hash(tensor_bytes(c.data))
+                if known is None:
+                    todo.append(c)
+                else:
+                    out[cid] = known
+        out.update(hash_chunks(todo, copy_threads(self.threads)))
         if self.memo is not None and sources is not None:
             self.memo.record(out, sources)
         return out
@@ -136,6 +148,27 @@ class DeltaHook(SaveHook):
             hashes.update(part or {})
         tensors = {k: _hashed(k, t, hashes) for k, t in index.tensors.items()}
         return dataclasses.replace(index, tensors=tensors)
+
+
+#: chunks smaller than this are hashed by the calling thread, the others on helper threads
+PARALLEL_MIN = 1 << 20
+
+
+def hash_chunks(chunks: Sequence[ChunkData], threads: int) -> dict[ChunkId, str]:
+    """The content hash of each of ``chunks`` (host chunks), read in place from their data.
+    xxhash releases the GIL while it hashes a large buffer, so the chunks of ``PARALLEL_MIN``
+    bytes and more are hashed ``threads`` at a time, the largest first, while the calling
+    thread hashes the small ones (a chunk is one hash: one thread reads it whole)."""
+    big = sorted((c for c in chunks if c.data.nbytes >= PARALLEL_MIN),
+                 key=lambda c: c.data.nbytes, reverse=True)
+    if threads <= 1 or len(big) <= 1:
+        return {_id(c): content_hash(tensor_bytes(c.data)) for c in chunks}
+    with ThreadPoolExecutor(min(threads, len(big))) as pool:
+        futures = [(_id(c), pool.submit(content_hash, tensor_bytes(c.data))) for c in big]
+        out = {_id(c): content_hash(tensor_bytes(c.data)) for c in chunks
+               if c.data.nbytes < PARALLEL_MIN}
+        out.update((cid, f.result()) for cid, f in futures)
+    return out
 
 
 def _id(c: ChunkData) -> ChunkId:
