@@ -12,6 +12,7 @@ from bench import dcp_plugin
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the whole bench at its smallest size: `make test-extended`
 def test_tiny_run_reports_every_phase(tmp_path):
     out = tmp_path / "result.json"
     got = dcp_plugin.main(["--gb", "0.002", "--runs", "1", "--dir", str(tmp_path / "ck"),

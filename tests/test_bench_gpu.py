@@ -18,6 +18,7 @@ def test_a_ranks_rows_are_the_whole_states_rows():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the whole bench at its smallest size: `make test-extended`
 def test_the_harness_runs_every_row_on_cpu(tmp_path, capsys):
     assert gpu.main(["--device", "cpu", "--gb", "0.02", "--repeats", "1", "--dtypes", "bf16",
                      "--dir", str(tmp_path)]) == 0

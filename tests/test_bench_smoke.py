@@ -128,7 +128,8 @@ def test_every_bench_with_a_main_has_a_smoke_run():
 
 #: the smoke runs of the larger benches (tens of seconds each): `make test-extended`
 EXTENDED = frozenset({"distributed", "torch_dist_quick", "tools_quick", "scale", "recovery_tiers",
-                      "manager", "s3_quick", "zarr_quick", "hf_export"})
+                      "manager", "s3_quick", "zarr_quick", "hf_export", "python_bound", "host_memory",
+                      "run", "async_save"})
 
 
 @pytest.mark.slow
