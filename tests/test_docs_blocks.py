@@ -1,7 +1,10 @@
 """Every Python block of README.md and docs/ runs as written, each in its own temporary directory.
 
-A block runs alone in a fresh interpreter (the checkout first on ``PYTHONPATH``), so it must be
-self-contained. A comment on the line before its fence says how else to run it:
+A block runs alone, as ``python block.py`` runs it, in a temporary directory of its own with the
+checkout first on ``PYTHONPATH``, so it must be self-contained. Plain blocks run one after another
+in one long-lived interpreter (tests/block_runner.py: each as ``__main__`` with its own directory,
+environment and output, ckptfs closed after it), which saves starting Python and importing torch
+for each. A comment on the line before its fence says how else to run it:
 
 - ``<!-- run: torchrun N -->``: under ``torchrun --standalone --nproc-per-node N`` (gloo);
 - ``<!-- run: s3 -->``: against the suite's moto S3 server; the block reads its bucket URL and
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -80,6 +84,55 @@ def s3_env(request):
     return {"CKPTFS_S3_URL": f"s3://{BUCKET}", "CKPTFS_S3_OPTIONS": json.dumps(s3_options(endpoint))}
 
 
+class BlockRunner:
+    """tests/block_runner.py in a subprocess, started on first use and again after a block that
+    ended it (or ran past its time, which kills it)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def _answer(self, timeout: float) -> dict:
+        assert self.proc is not None and self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise TimeoutError(f"no answer in {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise EOFError(f"the block runner ended (exit status {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, script: Path, env: dict[str, str], timeout: float) -> tuple[int | str, str]:
+        """(exit status or what went wrong, output) of ``script`` run in its own folder."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.block_runner"], cwd=ROOT,
+                                         env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+            self._answer(120)
+        assert self.proc.stdin is not None
+        out = script.with_suffix(".out")
+        self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(script.parent),
+                                          "env": env, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        try:
+            got: int | str = self._answer(timeout)["rc"]
+        except (TimeoutError, EOFError) as e:
+            self.close()
+            got = str(e)
+        return got, out.read_text(errors="replace") if out.exists() else ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def block_runner():
+    runner = BlockRunner()
+    yield runner
+    runner.close()
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file}:{b.line}" for b in BLOCKS])
 @pytest.mark.slow
 def test_block_runs(block, tmp_path, request):
@@ -88,11 +141,13 @@ def test_block_runs(block, tmp_path, request):
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
     env = _env(request.getfixturevalue("s3_env") if block.mode == "s3" else None)
-    cmd = [sys.executable, str(script)]
-    if block.mode.startswith("torchrun"):
-        n = block.mode.split()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               str(script)]
+    if not block.mode.startswith("torchrun"):
+        rc, out = request.getfixturevalue("block_runner").run(script, env, TIMEOUT)
+        assert rc == 0, f"{block.file}:{block.line} failed ({rc}):\n{out[-8000:]}"
+        return
+    n = block.mode.split()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           str(script)]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert res.returncode == 0, f"{block.file}:{block.line} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
 
