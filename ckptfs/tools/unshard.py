@@ -24,12 +24,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ckptfs.dist import Comm, ProcessGroup
@@ -43,6 +43,7 @@ from ckptfs.layout.values import decode_value
 from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.state.flatten import unflatten
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
+from ckptfs.tools.phases import PhaseClock, PhaseTimes
 from ckptfs.tools.safetensors_file import (
     SafetensorsPart,
     SafetensorsWriter,
@@ -81,6 +82,8 @@ class UnshardResult:
     seconds: float
     ranks: int = 1  #: the processes that shared the work
     kept: tuple[str, ...] = ()  #: files a resumed export found complete and left as they were
+    #: where this rank's time went (phase -> wall seconds; its CPU seconds), tools/phases.py
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
 
 
 @dataclass(frozen=True)
@@ -116,37 +119,57 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
     t0 = time.perf_counter()
     _check_args(format, strategy, chunk_size, resume)
     comm = Comm(process_group)
+    clock = PhaseClock()
     with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src, \
             _export_dir(out_dir, storage_options, store_options) as out:
-        sel = select(src.index, keys, src.url)
-        _check_values(sel, format, strategy)
-        plans = _plan(src, sel, format, strategy, chunk_size)
-        indexed = format == "hf" and strategy != "one_file"
-        names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
-        expected = _expected(src, sel, plans, format)
-        shared = _shared_file(plans, format, out, comm.size)
-        done = comm.run_on_coordinator(f"preparing {out}", lambda: _prepare(
-            out, names, format == "hf", overwrite, resume, expected, shared))
+        with clock.phase("plan"):
+            sel = select(src.index, keys, src.url)
+            _check_values(sel, format, strategy)
+            plans = _plan(src, sel, format, strategy, chunk_size)
+            indexed = format == "hf" and strategy != "one_file"
+            names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
+            expected = _expected(src, sel, plans, format)
+            shared = _shared_file(plans, format, out, comm.size)
+        clock.add("open", time.perf_counter() - t0 - clock.times().get("plan"))
+        with clock.phase("prepare"):
+            done = comm.run_on_coordinator(f"preparing {out}", lambda: _prepare(
+                out, names, format == "hf", overwrite, resume, expected, shared))
         label = f"ckptfs unshard {src.url}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
-        if shared is not None:
-            todo = [] if shared.name in done else _share(src, shared, comm.rank, comm.size)
-            work = partial(_write_share, src, sel, shared, todo, out, format, buffer_bytes, verify,
-                           progress, label, comm.rank)
-        else:
-            owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
-            mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
-            work = partial(_write, src, sel, mine, out, format, buffer_bytes, verify, progress,
-                           label, comm.rank)
+        work = _work(src, sel, plans, shared, done, out, format, buffer_bytes, verify, progress,
+                     label, comm, clock)
+        t1 = time.perf_counter()
         _, counts = comm.run_everywhere(f"writing the files of {out}", work, lambda n: n, to="all")
-        written = sum(counts) + comm.run_on_coordinator(f"finishing {out}", lambda: _finish(
-            out, shared, expected, done, _hf_index(src, sel, plans) if indexed else None))
+        clock.add("wait for ranks", time.perf_counter() - t1 - sum(
+            clock.times().get(p) for p in _WORK_PHASES))
+        with clock.phase("finish"):
+            written = sum(counts) + comm.run_on_coordinator(f"finishing {out}", lambda: _finish(
+                out, shared, expected, done, _hf_index(src, sel, plans) if indexed else None))
     seconds = time.perf_counter() - t0
     if progress and comm.is_coordinator:
         print(summary(f"ckptfs unshard {src.url} -> {out} ({comm.size} rank(s))", written, seconds),
               file=sys.stderr)
     return UnshardResult(out.url, format, strategy, tuple(names), len(sel.tensors),
                          len(sel.values), written, seconds, comm.size,
-                         tuple(sorted(done)))
+                         tuple(sorted(done)), clock.times())
+
+
+#: the phases of a rank's own files: waiting for the reads, writing the tensors' bytes, opening,
+#: closing and naming the files
+_WORK_PHASES = ("read wait", "write", "files")
+
+
+def _work(src: Source, sel: Selection, plans: list[_FilePlan], shared: _FilePlan | None,
+          done: set[str], out: ExportDir, format: str, buffer_bytes: int, verify: bool,
+          progress: bool, label: str, comm: Comm, clock: PhaseClock) -> Callable[[], int]:
+    """This rank's writing: its part of the shared file, or its files whole."""
+    if shared is not None:
+        todo = [] if shared.name in done else _share(src, shared, comm.rank, comm.size)
+        return partial(_write_share, src, sel, shared, todo, out, format, buffer_bytes, verify,
+                       progress, label, comm.rank, clock)
+    owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
+    mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
+    return partial(_write, src, sel, mine, out, format, buffer_bytes, verify, progress, label,
+                   comm.rank, clock)
 
 
 def assign_files(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -212,18 +235,21 @@ def _finish(out: ExportDir, shared: _FilePlan | None, expected: dict[str, tuple[
 
 def _write_share(src: Source, sel: Selection, plan: _FilePlan, keys: list[str], out: ExportDir,
                  format: str, buffer_bytes: int, verify: bool, progress: bool, label: str,
-                 rank: int) -> int:
+                 rank: int, clock: PhaseClock) -> int:
     """Write the tensors ``keys`` of the shared file into their places in it."""
     if not keys:
         return 0
     regions = [Region.whole(src.index.tensors[k]) for k in keys]
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
-    part = SafetensorsPart(out.partial(plan.name), _specs(src, sel, plan.tensors), _metadata(format))
+    with clock.phase("files"):
+        part = SafetensorsPart(out.partial(plan.name), _specs(src, sel, plan.tensors),
+                               _metadata(format))
     total = 0
     try:
-        for region, data in read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
-                                         ahead=True):
-            part.write(sel.relative(region.entry.key), data)
+        for region, data in _timed(read_regions(src, regions, buffer_bytes=buffer_bytes,
+                                                verify=verify, ahead=True, reuse=True), clock):
+            with clock.phase("write"):
+                part.write(sel.relative(region.entry.key), data)
             bar.update(data.nbytes)
             total += data.nbytes
             del data
@@ -231,6 +257,25 @@ def _write_share(src: Source, sel: Selection, plan: _FilePlan, keys: list[str], 
         part.close()
         bar.close(done=False)
     return total
+
+
+def _timed(stream: Iterator[T], clock: PhaseClock) -> Iterator[T]:
+    """``stream``'s items, the time spent waiting for each added to phase "read wait"."""
+    try:
+        while True:
+            with clock.phase("read wait"):
+                item = next(stream, _END)
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+
+
+_END = object()
+T = TypeVar("T")
 
 
 def _plan_bytes(src: Source, plan: _FilePlan) -> int:
@@ -329,30 +374,35 @@ def _metadata(format: str) -> dict[str, str]:
 
 
 def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, format: str,
-           buffer_bytes: int, verify: bool, progress: bool, label: str, rank: int = 0) -> int:
+           buffer_bytes: int, verify: bool, progress: bool, label: str, rank: int = 0,
+           clock: PhaseClock | None = None) -> int:
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
     name in ``out`` once complete (export_dir.py)."""
+    clock = clock or PhaseClock()
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
-    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify, ahead=True)
+    stream = _timed(read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
+                                 ahead=True, reuse=True), clock)
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
     total = 0
     try:
         for plan in plans:
-            partial = out.partial(plan.name)
-            writer = _open_writer(src, sel, plan, partial, format)
+            with clock.phase("files"):
+                writer = _open_writer(src, sel, plan, out.partial(plan.name), format)
             try:
                 for key in plan.tensors:
                     region, data = next(stream)
                     assert region.entry.key == key
-                    writer.write(_file_key(sel, plan, key) if format == "torch" else sel.relative(key),
-                                 data)
+                    with clock.phase("write"):
+                        writer.write(_file_key(sel, plan, key) if format == "torch"
+                                     else sel.relative(key), data)
                     bar.update(data.nbytes)
                     del data
             except BaseException:
                 writer.abort()
                 raise
-            writer.close()
-            out.publish(plan.name)
+            with clock.phase("files"):
+                writer.close()
+                out.publish(plan.name)
             total += writer.nbytes
     finally:
         bar.close(done=False)  # the caller prints one line for every rank
