@@ -15,6 +15,9 @@ of DCP's consolidation). Then each export runs in a fresh world of 1 and of 2 ra
 - DCP ``consolidate_safetensors_files_on_every_rank`` (the mapping sends the same tensors to
   the same files).
 
+- ``unshard`` again with every batch read into new tensors (``read_regions(reuse=False)``, as
+  before its batch buffers were reused): the memory and time of that change in the same run.
+
 The floor beside them, a plain parallel copy: each rank copies the same bytes ``unshard``'s
 rank reads, split the same way (the files dealt to the ranks by bytes, ``assign_files``): each
 of its tensors' stored chunks, read from the checkpoint's data files with ``preadv`` through
@@ -50,9 +53,10 @@ import time
 from pathlib import Path
 
 FLOOR = "plain copy (floor)"
-JOBS = (FLOOR, "ckptfs unshard", "ckptfs export_hf", "dcp consolidate")
-SHORT = {"floor": FLOOR, "unshard": "ckptfs unshard", "export_hf": "ckptfs export_hf",
-         "dcp": "dcp consolidate"}
+FRESH = "ckptfs unshard, fresh batches"
+JOBS = (FLOOR, "ckptfs unshard", FRESH, "ckptfs export_hf", "dcp consolidate")
+SHORT = {"floor": FLOOR, "unshard": "ckptfs unshard", "fresh": FRESH,
+         "export_hf": "ckptfs export_hf", "dcp": "dcp consolidate"}
 COPY_PIECE = 32 << 20  #: bytes per read and write of the plain copy
 TARGET = 1.6  #: the 2-rank export's target speed-up over 1 rank
 
@@ -103,7 +107,7 @@ def _live(world: int, root: str, n: int, rows: int) -> dict:
 
 
 def _out(root: str, job: str, world: int) -> str:
-    return f"{root}/out-{job.split()[1]}-{world}"
+    return f"{root}/out-{job.split()[1].rstrip(',')}{'-fresh' if job == FRESH else ''}-{world}"
 
 
 def _ranges(root: str, chunk: int, rank: int, world: int) -> list[list[tuple[str, int, int]]]:
@@ -173,7 +177,9 @@ def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chun
     t0 = time.perf_counter()
     if job == FLOOR:
         _copy_share(root, out, ranges)
-    elif job == "ckptfs unshard":
+    elif job in ("ckptfs unshard", FRESH):
+        if job == FRESH:  # each batch in tensors of its own, as before the buffers were reused
+            _fresh_batches()
         got = ckptfs.unshard(f"{root}/ckpt", out, format="hf", strategy="chunks",
                              chunk_size=chunk, keys=["model"], overwrite=True)
         phases = [*got.phases.phases, ("cpu", got.phases.cpu_seconds)]
@@ -191,6 +197,14 @@ def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chun
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(
         {"seconds": seconds, "own_seconds": own, "cpu_seconds": cpu, "peak_rise": peak,
          "phases": phases}))
+
+
+def _fresh_batches() -> None:
+    """This process's unshard reads every batch into new tensors (``reuse=False``)."""
+    import ckptfs.tools.unshard as unshard
+
+    read = unshard.read_regions
+    unshard.read_regions = lambda *a, **k: read(*a, **{**k, "reuse": False})  # type: ignore[assignment]
 
 
 def _same_tensors(a: Path, b: Path) -> bool:
@@ -265,6 +279,9 @@ def _ratios(by: dict[tuple[str, int], dict]) -> dict[str, float | None]:
     u, e, d, f = "ckptfs unshard", "ckptfs export_hf", "dcp consolidate", FLOOR
     return {
         "unshard_1_over_2": _ratio(sec, (u, 1), (u, 2)),
+        "fresh_1_over_2": _ratio(sec, (FRESH, 1), (FRESH, 2)),
+        "fresh_over_unshard_1": _ratio(sec, (FRESH, 1), (u, 1)),
+        "fresh_over_unshard_2": _ratio(sec, (FRESH, 2), (u, 2)),
         "export_hf_1_over_2": _ratio(sec, (e, 1), (e, 2)),
         "floor_1_over_2": _ratio(sec, (f, 1), (f, 2)),
         "dcp_over_unshard_1": _ratio(sec, (d, 1), (u, 1)),
@@ -304,6 +321,8 @@ def _report(by: dict[tuple[str, int], dict], n: int, tensor: int, files: int,
           f"{_x(ratios['dcp_over_unshard_2'])}; floor / unshard: 1 rank "
           f"{_x(ratios['floor_over_unshard_1'])}, 2 ranks {_x(ratios['floor_over_unshard_2'])}; "
           f"export_hf 2 ranks / unshard 2 ranks: {_x(ratios['export_hf_2_over_unshard_2'])}")
+    print(f"unshard with fresh batches / with reused buffers: 1 rank "
+          f"{_x(ratios['fresh_over_unshard_1'])}, 2 ranks {_x(ratios['fresh_over_unshard_2'])}")
     if phases:
         _print_phases(by)
     return ratios
@@ -313,6 +332,8 @@ def _print_phases(by: dict[tuple[str, int], dict]) -> None:
     """unshard's phases per rank (median seconds over the repetitions)."""
     rows = [(w, r, p) for (job, w), row in by.items() if job == "ckptfs unshard"
             for r, p in enumerate(row["phases"])]
+    if not rows:
+        return
     names = list(dict.fromkeys(n for _, _, p in rows for n in p))
     print("\nckptfs unshard, median seconds per phase:\n")
     print(f"| ranks | rank | {' | '.join(names)} |")
@@ -371,14 +392,15 @@ def main(argv: list[str] | None = None) -> int:
 def _check_outputs(root: Path, jobs: list[str]) -> tuple[bool | None, bool | None]:
     """(ckptfs's files the same bytes from 1 and 2 ranks and both routes, the same tensors as
     DCP's); None where the jobs to compare did not run."""
-    outs = [f"{job.split()[1]}-{w}" for job in jobs if job.startswith("ckptfs") for w in (1, 2)]
+    outs = [Path(_out("", job, w)).name[4:] for job in jobs if job.startswith("ckptfs")
+            for w in (1, 2)]
     same = None
     if len(outs) > 1:
         ref = _files(root / f"out-{outs[0]}")
         same = all(_files(root / f"out-{d}") == ref for d in outs[1:])
     same_dcp = None
     if "dcp consolidate" in jobs and outs:
-        same_dcp = _same_tensors(root / f"out-{outs[-1]}", root / "out-consolidate-2")
+        same_dcp = _same_tensors(root / f"out-{outs[0]}", root / "out-consolidate-2")
     return same, same_dcp
 
 
