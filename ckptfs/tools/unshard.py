@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -273,7 +273,7 @@ def _write_share(src: Source, sel: Selection, items: list[tuple[_FilePlan, str]]
     return total
 
 
-def _timed(stream: Iterator[T], clock: PhaseClock) -> Iterator[T]:
+def _timed(stream: Iterator[T], clock: PhaseClock) -> Generator[T, None, None]:
     """``stream``'s items, the time spent waiting for each added to phase "read wait"."""
     try:
         while True:
