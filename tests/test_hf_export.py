@@ -187,6 +187,19 @@ def test_a_shared_file_is_cut_in_contiguous_runs_balanced_by_bytes():
     assert share_ranges([0, 0], 2) == [0, 0]
 
 
+def test_several_shared_files_are_cut_across_their_boundaries():
+    """A local export's files are shared: the ranks' runs of tensors cross file boundaries, so
+    7 files of 6 tensors and one of 4 (46 alike) give 23 and 23, where whole files gave 24
+    and 22."""
+    from ckptfs.tools.unshard import share_ranges
+
+    sizes = [6] * 7 + [4]
+    whole = assign_files(sizes, 2)
+    assert sorted(sum(s for s, r in zip(sizes, whole) if r == k) for k in (0, 1)) == [22, 24]
+    owner = share_ranges([1] * sum(sizes), 2)
+    assert owner == [0] * 23 + [1] * 23
+
+
 def test_files_go_to_ranks_balanced_by_bytes():
     assert assign_files([10, 50, 30, 30], 2) == [0, 0, 1, 1]  # largest first: 50+10 | 30+30
     assert assign_files([10, 50, 30, 30], 1) == [0, 0, 0, 0]

@@ -29,9 +29,9 @@ def _events(monkeypatch) -> list[tuple[str, int]]:
     events: list[tuple[str, int]] = []
     start, finish = source._start_batch, source._finish_batch
 
-    def started(src, batch, verify):
+    def started(src, batch, verify, out=None):
         events.append(("start", sum(r.nbytes for r in batch)))
-        return start(src, batch, verify)
+        return start(src, batch, verify, out)
 
     def finished(s, on_batch):
         events.append(("hand", s.nbytes))
@@ -76,8 +76,8 @@ def test_a_caller_stopping_early_leaves_no_read_running(ckpt, monkeypatch):
     futures = []
     start = source._start_batch
 
-    def started(src, batch, verify):
-        s = start(src, batch, verify)
+    def started(src, batch, verify, out=None):
+        s = start(src, batch, verify, out)
         futures.append(s.done)
         return s
 
@@ -90,3 +90,57 @@ def test_a_caller_stopping_early_leaves_no_read_running(ckpt, monkeypatch):
                 raise RuntimeError("writer failed")
         stream.close()
         assert len(futures) == 2 and all(f.done() for f in futures)  # the one ahead waited for
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_reused_buffers_give_the_same_tensors_in_one_or_two_storages(tmp_path, ahead):
+    """``reuse``: every batch within the budget lands in one buffer (two reading ahead), at
+    offsets any dtype can view (odd-sized bf16 and int8 beside float64); a tensor over the budget
+    gets its own; each tensor, taken before the next is asked for, holds its bytes."""
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(333, generator=g).to(torch.bfloat16),
+             "b": torch.randn(1000, generator=g, dtype=torch.float64),
+             "c": torch.randint(-100, 100, (77,), generator=g, dtype=torch.int8),
+             "d": torch.randn(5 * MB // 4, generator=g),  # over the budget: alone
+             "e": torch.randn(3, 5, generator=g), "f": torch.randn(MB // 4, generator=g)}
+    ckptfs.save(state, tmp_path / "c")
+    with open_checkpoint(tmp_path / "c", None, None) as src:
+        regions = [Region.whole(src.index.tensors[k]) for k in state]
+        got, storages = {}, set()
+        for r, t in read_regions(src, regions, buffer_bytes=2 * MB, ahead=ahead, reuse=True):
+            got[r.entry.key] = t.clone()  # valid until the next one is asked for
+            storages.add(t.untyped_storage().data_ptr())
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    assert len(storages) == (2 if ahead else 1) + 1  # the buffers, and "d"'s own tensor
+
+
+def test_reused_buffers_are_filled_again_by_later_batches(ckpt):
+    """The promise a caller of ``reuse`` relies on, and its cost: a tensor kept past the next
+    one of another batch is overwritten (so unshard writes each tensor before the next)."""
+    path, state = ckpt
+    with open_checkpoint(path, None, None) as src:
+        regions = [Region.whole(src.index.tensors[k]) for k in state]
+        kept = [(r.entry.key, t) for r, t in read_regions(src, regions, buffer_bytes=2 * MB,
+                                                           ahead=True, reuse=True)]
+    assert not all(torch.equal(t, state[k]) for k, t in kept)
+
+
+def test_unshard_reports_where_its_time_went(ckpt, tmp_path):
+    """``UnshardResult.phases``: this rank's phases (the parts of its own files within their
+    whole) and its CPU seconds; the files written from reused buffers hold the saved tensors."""
+    from safetensors.torch import load_file
+
+    path, state = ckpt
+    res = ckptfs.unshard(path, tmp_path / "hf", format="hf", strategy="chunks", chunk_size=3 * MB,
+                         buffer_bytes=2 * MB)
+    got = {}
+    for f in sorted((tmp_path / "hf").glob("model-*.safetensors")):
+        got.update(load_file(str(f)))
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    p = res.phases
+    names = [n for n, _ in p.phases]
+    assert {"open", "plan", "prepare", "read wait", "write", "files", "own files",
+            "wait for ranks", "finish"} <= set(names)
+    assert all(s >= 0 for _, s in p.phases) and p.cpu_seconds > 0
+    assert p.get("read wait") + p.get("write") + p.get("files") <= p.get("own files") <= res.seconds
+    assert p.get("no such phase") == 0.0

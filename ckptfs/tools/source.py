@@ -139,23 +139,33 @@ class Region:
 
 def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int = DEFAULT_BUFFER,
                  verify: bool = True, on_batch: Callable[[int], None] | None = None,
-                 ahead: bool = False) -> Iterator[tuple[Region, torch.Tensor]]:
-    """Each region's data as a new C-contiguous tensor, in order. Regions are read in batches
+                 ahead: bool = False, reuse: bool = False) -> Iterator[tuple[Region, torch.Tensor]]:
+    """Each region's data as a C-contiguous tensor, in order. Regions are read in batches
     of at most ``buffer_bytes`` (a larger region alone), so at most one batch is held here;
     the caller drops each tensor once it is written. ``on_batch(bytes)`` reports progress.
 
     With ``ahead`` the next batch is read while the caller works on the current one (an
     export writes a file while the next tensors arrive): batches of at most half of
     ``buffer_bytes``, and a batch is read ahead only when it and the current one fit
-    ``buffer_bytes`` together (a larger region is still held alone)."""
+    ``buffer_bytes`` together (a larger region is still held alone).
+
+    With ``reuse`` the batches' tensors are views into buffers allocated once (one, or two
+    with ``ahead``, each of the largest batch within the budget) and filled again by later
+    batches: a tensor is valid only until the caller asks for the next one (an export writes
+    each tensor before taking the next). A region larger than the budget still gets a tensor
+    of its own. Memory then stays at the buffers (at most ``buffer_bytes``) plus that larger
+    tensor, instead of growing with the allocator's freed blocks between batches."""
     budget = max(1, buffer_bytes // 2) if ahead else buffer_bytes
+    plan = list(batches(regions, budget))
+    buffers = BatchBuffers(plan, budget, 2 if ahead else 1) if reuse else None
     pending: _Started | None = None
     try:
-        for batch in batches(regions, budget):
+        for k, batch in enumerate(plan):
             if pending is not None and (not ahead or pending.nbytes + _nbytes(batch) > buffer_bytes):
                 yield from _finish_batch(pending, on_batch)
                 pending = None
-            previous, pending = pending, _start_batch(source, batch, verify)
+            out = None if buffers is None else buffers.tensors(batch, k)
+            previous, pending = pending, _start_batch(source, batch, verify, out)
             if previous is not None:
                 yield from _finish_batch(previous, on_batch)
         if pending is not None:
@@ -166,6 +176,42 @@ def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int
             concurrent.futures.wait([pending.done])
             if not pending.done.cancelled():
                 pending.done.exception()  # retrieved: the consumer's own error is the one raised
+
+
+#: where a tensor starts in a reused buffer: a multiple of this many bytes (any dtype's size)
+_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class BatchBuffers:
+    """``slots`` byte buffers, made on first use, each as large as the largest batch of ``plan``
+    within ``budget`` (its tensors at ``_ALIGN``-byte offsets): batch k's tensors are views
+    into buffer ``k % slots``; a batch over the budget gets tensors of its own."""
+
+    def __init__(self, plan: Sequence[list[Region]], budget: int, slots: int) -> None:
+        sizes = [sum(_aligned(r.nbytes) for r in b) for b in plan if _nbytes(b) <= budget]
+        self.size = max(sizes, default=0)
+        self._budget = budget
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+
+    def tensors(self, batch: list[Region], k: int) -> list[torch.Tensor] | None:
+        """Views for ``batch`` (the k-th) into its buffer; None when it is over the budget."""
+        if _nbytes(batch) > self._budget:
+            return None
+        slot = k % len(self._buffers)
+        buf = self._buffers[slot]
+        if buf is None:
+            buf = self._buffers[slot] = torch.empty(self.size, dtype=torch.uint8)
+        out = []
+        pos = 0
+        for r in batch:
+            dt = from_name(r.entry.dtype, r.entry.key).torch
+            out.append(buf[pos:pos + r.nbytes].view(dt).view(r.box.shape))
+            pos += _aligned(r.nbytes)
+        return out
 
 
 def _nbytes(batch: list[Region]) -> int:
@@ -200,8 +246,12 @@ class _Started:
         return _nbytes(self.regions)
 
 
-def _start_batch(source: Source, batch: list[Region], verify: bool) -> _Started:
-    out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch) for r in batch]
+def _start_batch(source: Source, batch: list[Region], verify: bool,
+                 out: list[torch.Tensor] | None = None) -> _Started:
+    """Start reading ``batch`` into ``out`` (new tensors by default)."""
+    if out is None:
+        out = [torch.empty(r.box.shape, dtype=from_name(r.entry.dtype, r.entry.key).torch)
+               for r in batch]
     jobs = [TensorRead(r.entry, t, region_pieces(r)) for r, t in zip(batch, out, strict=True) if t.numel()]
     return _Started(batch, out, submit(execute_reads(source.store, source.backend, jobs,
                                                      pool=source.pool, verify=verify)))

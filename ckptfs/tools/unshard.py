@@ -24,12 +24,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ckptfs.dist import Comm, ProcessGroup
@@ -43,6 +43,7 @@ from ckptfs.layout.values import decode_value
 from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.state.flatten import unflatten
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
+from ckptfs.tools.phases import PhaseClock, PhaseTimes
 from ckptfs.tools.safetensors_file import (
     SafetensorsPart,
     SafetensorsWriter,
@@ -81,6 +82,8 @@ class UnshardResult:
     seconds: float
     ranks: int = 1  #: the processes that shared the work
     kept: tuple[str, ...] = ()  #: files a resumed export found complete and left as they were
+    #: where this rank's time went (phase -> wall seconds; its CPU seconds), tools/phases.py
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
 
 
 @dataclass(frozen=True)
@@ -107,46 +110,70 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
 
     In an initialised process group the call is collective: every rank of ``process_group``
     (default: the whole job) calls it with the same arguments, the files are assigned to the
-    ranks balanced by bytes, each rank writes its files whole, and the hf index is written once,
-    after every file. A single safetensors file (``one_file``, or ``chunks`` making one file)
-    written to a local directory is shared instead: every rank writes its byte range of it
-    (a contiguous run of its tensors, balanced by bytes). Which file holds which tensor depends
-    on the checkpoint and the arguments only, so the files are the same bytes whatever the
-    number of ranks."""
+    ranks, and the hf index is written once, after every file. Safetensors files written to a
+    local directory are shared: the coordinator makes every file at its size with its header,
+    and each rank writes its part, a contiguous run of the files' tensors (in file and data
+    order) balanced by bytes, so the ranks' shares differ by at most one tensor whatever the
+    number and sizes of the files. Torch files, and files uploaded to an object store (an
+    object is uploaded whole by one rank), go whole to the ranks, balanced by bytes. Which file
+    holds which tensor depends on the checkpoint and the arguments only, so the files are the
+    same bytes whatever the number of ranks."""
     t0 = time.perf_counter()
     _check_args(format, strategy, chunk_size, resume)
     comm = Comm(process_group)
+    clock = PhaseClock()
     with public_errors(os.fspath(url)), open_checkpoint(url, storage_options, store_options) as src, \
             _export_dir(out_dir, storage_options, store_options) as out:
-        sel = select(src.index, keys, src.url)
-        _check_values(sel, format, strategy)
-        plans = _plan(src, sel, format, strategy, chunk_size)
-        indexed = format == "hf" and strategy != "one_file"
-        names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
-        expected = _expected(src, sel, plans, format)
-        shared = _shared_file(plans, format, out, comm.size)
-        done = comm.run_on_coordinator(f"preparing {out}", lambda: _prepare(
-            out, names, format == "hf", overwrite, resume, expected, shared))
+        with clock.phase("plan"):
+            sel = select(src.index, keys, src.url)
+            _check_values(sel, format, strategy)
+            plans = _plan(src, sel, format, strategy, chunk_size)
+            indexed = format == "hf" and strategy != "one_file"
+            names = [p.name for p in plans] + ([HF_INDEX] if indexed else [])
+            expected = _expected(src, sel, plans, format)
+            shared = _shared_files(plans, format, out, comm.size)
+        clock.add("open", time.perf_counter() - t0 - clock.times().get("plan"))
+        with clock.phase("prepare"):
+            done = comm.run_on_coordinator(f"preparing {out}", lambda: _prepare(
+                out, names, format == "hf", overwrite, resume, expected, shared))
         label = f"ckptfs unshard {src.url}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
-        if shared is not None:
-            todo = [] if shared.name in done else _share(src, shared, comm.rank, comm.size)
-            work = partial(_write_share, src, sel, shared, todo, out, format, buffer_bytes, verify,
-                           progress, label, comm.rank)
-        else:
-            owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
-            mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
-            work = partial(_write, src, sel, mine, out, format, buffer_bytes, verify, progress,
-                           label, comm.rank)
-        _, counts = comm.run_everywhere(f"writing the files of {out}", work, lambda n: n, to="all")
-        written = sum(counts) + comm.run_on_coordinator(f"finishing {out}", lambda: _finish(
-            out, shared, expected, done, _hf_index(src, sel, plans) if indexed else None))
+        work = _work(src, sel, plans, shared, done, out, format, buffer_bytes, verify, progress,
+                     label, comm, clock)
+        t1 = time.perf_counter()
+        _, counts = comm.run_everywhere(f"writing the files of {out}", partial(_timed_work, work, clock),
+                                        lambda n: n, to="all")
+        clock.add("wait for ranks", time.perf_counter() - t1 - clock.times().get("own files"))
+        with clock.phase("finish"):
+            written = sum(counts) + comm.run_on_coordinator(f"finishing {out}", lambda: _finish(
+                out, shared, expected, done, _hf_index(src, sel, plans) if indexed else None))
     seconds = time.perf_counter() - t0
     if progress and comm.is_coordinator:
         print(summary(f"ckptfs unshard {src.url} -> {out} ({comm.size} rank(s))", written, seconds),
               file=sys.stderr)
     return UnshardResult(out.url, format, strategy, tuple(names), len(sel.tensors),
                          len(sel.values), written, seconds, comm.size,
-                         tuple(sorted(done)))
+                         tuple(sorted(done)), clock.times())
+
+
+def _timed_work(work: Callable[[], int], clock: PhaseClock) -> int:
+    """``work()``, its whole time as phase "own files" (its parts: "read wait", waiting for the
+    tensors' reads; "write", writing their bytes; "files", opening, closing and naming files)."""
+    with clock.phase("own files"):
+        return work()
+
+
+def _work(src: Source, sel: Selection, plans: list[_FilePlan], shared: list[_FilePlan],
+          done: set[str], out: ExportDir, format: str, buffer_bytes: int, verify: bool,
+          progress: bool, label: str, comm: Comm, clock: PhaseClock) -> Callable[[], int]:
+    """This rank's writing: its part of the shared files, or its files whole."""
+    if shared:
+        todo = _share(src, [p for p in shared if p.name not in done], comm.rank, comm.size)
+        return partial(_write_share, src, sel, todo, out, format, buffer_bytes, verify,
+                       progress, label, comm.rank, clock)
+    owner = assign_files([_plan_bytes(src, p) for p in plans], comm.size)
+    mine = [p for p, r in zip(plans, owner, strict=True) if r == comm.rank and p.name not in done]
+    return partial(_write, src, sel, mine, out, format, buffer_bytes, verify, progress, label,
+                   comm.rank, clock)
 
 
 def assign_files(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -162,12 +189,12 @@ def assign_files(sizes: Sequence[int], ranks: int) -> list[int]:
     return owner
 
 
-def _shared_file(plans: list[_FilePlan], format: str, out: ExportDir, ranks: int) -> _FilePlan | None:
-    """The one safetensors file every rank writes a part of; None where each file has one
-    writer (several files, torch files, one rank, or an object store: an object is uploaded
-    whole by one rank)."""
-    one = len(plans) == 1 and format != "torch" and ranks > 1 and out.store is None
-    return plans[0] if one else None
+def _shared_files(plans: list[_FilePlan], format: str, out: ExportDir, ranks: int) -> list[_FilePlan]:
+    """The safetensors files every rank writes a part of: all of them when several ranks write
+    into a local directory; none for torch files, one rank, or an object store (an object is
+    uploaded whole by one rank), whose files each have one writer."""
+    share = format != "torch" and ranks > 1 and out.store is None
+    return list(plans) if share else []
 
 
 def share_ranges(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -182,55 +209,87 @@ def share_ranges(sizes: Sequence[int], ranks: int) -> list[int]:
     return owner
 
 
-def _share(src: Source, plan: _FilePlan, rank: int, ranks: int) -> list[str]:
-    """This rank's tensors of the shared file, in the file's data order."""
-    owner = share_ranges([nbytes(src.index.tensors[k]) for k in plan.tensors], ranks)
-    return [k for k, r in zip(plan.tensors, owner, strict=True) if r == rank]
+def _share(src: Source, plans: list[_FilePlan], rank: int, ranks: int) -> list[tuple[_FilePlan, str]]:
+    """This rank's tensors of the shared files ``plans`` (each with its file), in file and data
+    order: a contiguous run of them, balanced by bytes over the ranks."""
+    items = [(p, k) for p in plans for k in p.tensors]
+    owner = share_ranges([nbytes(src.index.tensors[k]) for _, k in items], ranks)
+    return [it for it, r in zip(items, owner, strict=True) if r == rank]
 
 
 def _prepare(out: ExportDir, names: list[str], hf: bool, overwrite: bool, resume: bool,
-             expected: dict[str, tuple[int, bytes]], shared: _FilePlan | None) -> set[str]:
-    """The coordinator's claim of ``out``; then the shared file, if any, is made at its full
-    size with its header, for every rank to write its part into."""
+             expected: dict[str, tuple[int, bytes]], shared: list[_FilePlan]) -> set[str]:
+    """The coordinator's claim of ``out``; then each shared file not already done is made at
+    its full size with its header, for every rank to write its part into."""
     done = out.claim(names, hf, overwrite, resume, expected)
-    if shared is not None and shared.name not in done:
-        size, header = expected[shared.name]
-        create_sized(out.partial(shared.name), header, size)
+    for plan in shared:
+        if plan.name not in done:
+            size, header = expected[plan.name]
+            create_sized(out.partial(plan.name), header, size)
     return done
 
 
-def _finish(out: ExportDir, shared: _FilePlan | None, expected: dict[str, tuple[int, bytes]],
+def _finish(out: ExportDir, shared: list[_FilePlan], expected: dict[str, tuple[int, bytes]],
             done: set[str], index: bytes | None) -> int:
-    """The coordinator, after every rank wrote: the shared file takes its name (its header
-    counted here), then the index."""
+    """The coordinator, after every rank wrote: the shared files take their names (their
+    headers counted here), then the index."""
     header = 0
-    if shared is not None and shared.name not in done:
-        out.publish(shared.name)
-        header = len(expected[shared.name][1])
+    for plan in shared:
+        if plan.name not in done:
+            out.publish(plan.name)
+            header += len(expected[plan.name][1])
     return header + out.finish(index)
 
 
-def _write_share(src: Source, sel: Selection, plan: _FilePlan, keys: list[str], out: ExportDir,
+def _write_share(src: Source, sel: Selection, items: list[tuple[_FilePlan, str]], out: ExportDir,
                  format: str, buffer_bytes: int, verify: bool, progress: bool, label: str,
-                 rank: int) -> int:
-    """Write the tensors ``keys`` of the shared file into their places in it."""
-    if not keys:
+                 rank: int, clock: PhaseClock) -> int:
+    """Write the tensors ``items`` (each with its shared file) into their places."""
+    if not items:
         return 0
-    regions = [Region.whole(src.index.tensors[k]) for k in keys]
+    regions = [Region.whole(src.index.tensors[k]) for _, k in items]
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
-    part = SafetensorsPart(out.partial(plan.name), _specs(src, sel, plan.tensors), _metadata(format))
+    parts: dict[str, SafetensorsPart] = {}
     total = 0
+    stream = _timed(read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
+                                 ahead=True, reuse=True), clock)
     try:
-        for region, data in read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
-                                         ahead=True):
-            part.write(sel.relative(region.entry.key), data)
+        for (plan, key), (_, data) in zip(items, stream):
+            part = parts.get(plan.name)
+            if part is None:
+                with clock.phase("files"):
+                    part = parts[plan.name] = SafetensorsPart(
+                        out.partial(plan.name), _specs(src, sel, plan.tensors), _metadata(format))
+            with clock.phase("write"):
+                part.write(sel.relative(key), data)
             bar.update(data.nbytes)
             total += data.nbytes
             del data
     finally:
-        part.close()
+        stream.close()  # no read left running into the reused buffers
+        for part in parts.values():
+            part.close()
         bar.close(done=False)
     return total
+
+
+def _timed(stream: Iterator[T], clock: PhaseClock) -> Generator[T, None, None]:
+    """``stream``'s items, the time spent waiting for each added to phase "read wait"."""
+    try:
+        while True:
+            with clock.phase("read wait"):
+                item = next(stream, _END)
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+
+
+_END = object()
+T = TypeVar("T")
 
 
 def _plan_bytes(src: Source, plan: _FilePlan) -> int:
@@ -329,32 +388,38 @@ def _metadata(format: str) -> dict[str, str]:
 
 
 def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, format: str,
-           buffer_bytes: int, verify: bool, progress: bool, label: str, rank: int = 0) -> int:
+           buffer_bytes: int, verify: bool, progress: bool, label: str, rank: int = 0,
+           clock: PhaseClock | None = None) -> int:
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
     name in ``out`` once complete (export_dir.py)."""
+    clock = clock or PhaseClock()
     regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
-    stream = read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify, ahead=True)
+    stream = _timed(read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
+                                 ahead=True, reuse=True), clock)
     bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
     total = 0
     try:
         for plan in plans:
-            partial = out.partial(plan.name)
-            writer = _open_writer(src, sel, plan, partial, format)
+            with clock.phase("files"):
+                writer = _open_writer(src, sel, plan, out.partial(plan.name), format)
             try:
                 for key in plan.tensors:
                     region, data = next(stream)
                     assert region.entry.key == key
-                    writer.write(_file_key(sel, plan, key) if format == "torch" else sel.relative(key),
-                                 data)
+                    with clock.phase("write"):
+                        writer.write(_file_key(sel, plan, key) if format == "torch"
+                                     else sel.relative(key), data)
                     bar.update(data.nbytes)
                     del data
             except BaseException:
                 writer.abort()
                 raise
-            writer.close()
-            out.publish(plan.name)
+            with clock.phase("files"):
+                writer.close()
+                out.publish(plan.name)
             total += writer.nbytes
     finally:
+        stream.close()  # no read left running into the reused buffers
         bar.close(done=False)  # the caller prints one line for every rank
     return total
 
