@@ -328,6 +328,7 @@ def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab", form:
     plan = SegmentPlan(tuple(keys[o.start] for o in owners), tuple(o.rank for o in owners), packed)
     big = max(owners, key=lambda o: sum(counts[o.start:o.stop]))
     ids = form == "1.4" and packed
+    implied = backend.implied_extra
     table = numbering([*(p for r in saved.ranks for p in r.files),
                        *(segment_path(save_id, o.pos) for o in owners)]) if ids else None
     parts, files = [], {}
@@ -344,7 +345,11 @@ def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab", form:
                 packed=packed, table=file_table(plan, got, save_id) if ids else None))
             del got
         else:
-            data, part = encode_segment({k: by_key[k] for k in keys[o.start:o.stop]}, path,
+            # packed rows leave out the backend's implied extra members, as the owners' do
+            data, part = encode_segment({k: [dataclasses.replace(e, extra={})
+                                             if packed and implied >= e.extra.keys() else e
+                                             for e in by_key[k]]
+                                         for k in keys[o.start:o.stop]}, path,
                                         packed=packed, table=table)
         files[path] = data
         parts.append(part)
@@ -388,13 +393,16 @@ def kept_load(root_raw: bytes, target: dict, rank: int, where: str) -> dict:
     from ckptfs.layout.index import Index
 
     store = LocalStore(where)
+    cpu0 = time.process_time()
     t_parse, root = timed(lambda: Index.loads(root_raw))
     wanted = wanted_boxes(target, root, rank)
     before = store.stats.bytes_read
     t_rows, part = timed(lambda: run_sync(read_rows(store, root, wanted)))
     got = store.stats.bytes_read - before
     t_plan, plan = timed(lambda: plan_targets(target, part, rank))
-    return {"parse_s": t_parse, "rows_s": t_rows, "plan_s": t_plan,
+    # the process's CPU seconds (every thread): on a shared machine a steadier figure than time
+    return {"cpu_s": time.process_time() - cpu0, "parse_s": t_parse, "rows_s": t_rows,
+            "plan_s": t_plan,
             "metadata_s": t_parse + t_rows + t_plan, "bytes_read": len(root_raw) + got,
             "rows": sum(len(t.chunks) for t in part.tensors.values()),
             "pieces": sum(len(r.pieces) for r in plan.reads)}
@@ -743,9 +751,8 @@ def segmented_table(results: list[dict], with_dcp: bool) -> str:
 
 
 def measure_kept(keep: str, s: Shape, variant: str, other: str) -> dict:
-    """The load's side again on the checkpoints a run kept (``--keep``): each form's metadata
-    phase on the same rank, what it holds, and what all ranks read; the rest of the figures
-    are the kept run's (``keep/run.json``)."""
+    """The load's metadata phase again on the checkpoints a run kept (``--keep``), each form's
+    on the same rank; the other figures are the kept run's (``keep/run.json``)."""
     from ckptfs.layout.index import INDEX_FILE
 
     with open(os.path.join(keep, "run.json")) as f:
@@ -757,10 +764,8 @@ def measure_kept(keep: str, s: Shape, variant: str, other: str) -> dict:
         where = os.path.join(keep, form)
         with open(os.path.join(where, INDEX_FILE), "rb") as fh:
             root_raw = fh.read()
-        f["seg_load"] = kept_load(root_raw, target, rank, where)
-        f["seg_load"].update(held(s, other, rank, where))
-        f["seg_sum"] = sum_read(s, other, root_raw, sample=64 if s.world > 256 else s.world)
-        f["seg_save"]["root_bytes"] = len(root_raw)
+        # the bytes held and read by all ranks are the kept run's (the same files)
+        f["seg_load"] = {**f["seg_load"], **kept_load(root_raw, target, rank, where)}
     out["load_average"] = os.getloadavg()
     return out
 
