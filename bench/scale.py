@@ -297,22 +297,23 @@ class Saved:
 
 # -- index segments (formats/README.md §2.6) -----------------------------------------------------
 
-def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab"
+def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab", form: str = "1.4"
                    ) -> tuple[dict, bytes, dict]:
     """A segmented save's index work: each owner's segment (the largest owner's timed from the
     rows every rank sends it: checks, order, encoding), the coordinator's root from the owners'
     parts (``build_index`` without rows over every rank's files, ``root_of``, the dump); and
-    what a rank sends and an owner and the coordinator receive. (figures, root, segments)."""
+    what a rank sends and an owner and the coordinator receive. (figures, root, segments).
+    ``form``: "1.4", packed rows numbering the root's file table; "1.3", naming files by path."""
     from collections import defaultdict
 
     from ckptfs.engine.save.commit import build_index
-    from ckptfs.engine.save.segments import Outgoing, SegmentPlan, segment_rows
+    from ckptfs.engine.save.segments import Outgoing, SegmentPlan, file_table, segment_rows
     from ckptfs.engine.save.stage import StagedSave
     from ckptfs.engine.save.write import Written, WrittenRank
     from ckptfs.layout.backends.safetensors_chunks import SafetensorsChunksBackend
     from ckptfs.layout.index import packs
     from ckptfs.layout.segment_rows import encode_segment, root_of
-    from ckptfs.layout.segments import partition, segment_path
+    from ckptfs.layout.segments import numbering, partition, segment_path
 
     backend = SafetensorsChunksBackend()
     keys = sorted(saved.content.tensors)
@@ -326,21 +327,30 @@ def segmented_save(saved: Saved, rows: int, save_id: str = "0123456789ab"
     owners = partition(counts, saved.world, rows)
     plan = SegmentPlan(tuple(keys[o.start] for o in owners), tuple(o.rank for o in owners), packed)
     big = max(owners, key=lambda o: sum(counts[o.start:o.stop]))
+    ids = form == "1.4" and packed
+    implied = backend.implied_extra
+    table = numbering([*(p for r in saved.ranks for p in r.files),
+                       *(segment_path(save_id, o.pos) for o in owners)]) if ids else None
     parts, files = [], {}
     owner_s = 0.0
     for o in owners:
         path = segment_path(save_id, o.pos)
         if o is big:  # what the owner receives, then its work
             mine = set(keys[o.start:o.stop])
-            got = [Outgoing(tuple((k, e) for k, e in r.entries if k in mine)) for r in saved.ranks]
-            received = sum(len(pickle.dumps(g)) for g in got if g.entries)
+            got = [Outgoing(tuple((k, e) for k, e in r.entries if k in mine), (),
+                            tuple(sorted(r.files)) if ids else ()) for r in saved.ranks]
+            received = sum(len(pickle.dumps(g)) for g in got if g.entries or g.files)
             owner_s, (data, part) = timed(lambda o=o, got=got, path=path: encode_segment(
                 segment_rows(plan, o.pos, got, saved.plans, backend.implied_extra), path,
-                packed=packed))
+                packed=packed, table=file_table(plan, got, save_id) if ids else None))
             del got
         else:
-            data, part = encode_segment({k: by_key[k] for k in keys[o.start:o.stop]}, path,
-                                        packed=packed)
+            # packed rows leave out the backend's implied extra members, as the owners' do
+            data, part = encode_segment({k: [dataclasses.replace(e, extra={})
+                                             if packed and implied >= e.extra.keys() else e
+                                             for e in by_key[k]]
+                                         for k in keys[o.start:o.stop]}, path,
+                                        packed=packed, table=table)
         files[path] = data
         parts.append(part)
     del by_key
@@ -365,24 +375,34 @@ def segmented_load(root_raw: bytes, files: dict, target: dict, rank: int, where:
     """A resharded load's metadata phase on one rank of a segmented checkpoint (in ``where``, a
     local folder): the root parsed, the rank's blocks read and parsed (a counting store),
     its targets planned on the partial index."""
-    from ckptfs.engine.index_io import read_rows
-    from ckptfs.engine.load.targets import plan_targets, wanted_boxes
-    from ckptfs.io import run_sync
-    from ckptfs.io.local_store import LocalStore
-    from ckptfs.layout.index import INDEX_FILE, Index
+    from ckptfs.layout.index import INDEX_FILE
 
     for path, data in {INDEX_FILE: root_raw, **files}.items():
         os.makedirs(os.path.dirname(os.path.join(where, path)), exist_ok=True)
         with open(os.path.join(where, path), "wb") as f:
             f.write(data)
+    return kept_load(root_raw, target, rank, where)
+
+
+def kept_load(root_raw: bytes, target: dict, rank: int, where: str) -> dict:
+    """``segmented_load``'s measure, of the checkpoint in ``where``."""
+    from ckptfs.engine.index_io import read_rows
+    from ckptfs.engine.load.targets import plan_targets, wanted_boxes
+    from ckptfs.io import run_sync
+    from ckptfs.io.local_store import LocalStore
+    from ckptfs.layout.index import Index
+
     store = LocalStore(where)
+    cpu0 = time.process_time()
     t_parse, root = timed(lambda: Index.loads(root_raw))
     wanted = wanted_boxes(target, root, rank)
     before = store.stats.bytes_read
     t_rows, part = timed(lambda: run_sync(read_rows(store, root, wanted)))
     got = store.stats.bytes_read - before
     t_plan, plan = timed(lambda: plan_targets(target, part, rank))
-    return {"parse_s": t_parse, "rows_s": t_rows, "plan_s": t_plan,
+    # the process's CPU seconds (every thread): on a shared machine a steadier figure than time
+    return {"cpu_s": time.process_time() - cpu0, "parse_s": t_parse, "rows_s": t_rows,
+            "plan_s": t_plan,
             "metadata_s": t_parse + t_rows + t_plan, "bytes_read": len(root_raw) + got,
             "rows": sum(len(t.chunks) for t in part.tensors.values()),
             "pieces": sum(len(r.pieces) for r in plan.reads)}
@@ -595,8 +615,12 @@ def dcp_load(md_raw: bytes, target: dict) -> dict:
     return {"parse_s": t_parse, "plan_s": t_plan, "plan_peak_bytes": mem, "pieces": len(local.items)}
 
 
-def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: int = 0) -> dict:
-    """One world and variant; ``segments``: rows a segment holds (0: no segmented rows)."""
+def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: int = 0,
+        forms: tuple[str, ...] = ("1.4",), keep: str | None = None) -> dict:
+    """One world and variant; ``segments``: rows a segment holds (0: no segmented rows), the
+    segmented index measured in each of ``forms`` (index 1.3: rows name files by path; 1.4:
+    they number the root's file table); ``keep``: a folder where each form's checkpoint files
+    stay (``keep/<form>/``)."""
     rank = s.world // 2 + 3  # a non-coordinator of a middle stage
     init_fake(s.world, rank)
     sd = rank_state(s, variant, rank)
@@ -609,17 +633,21 @@ def run(s: Shape, variant: str, other: str, with_dcp: bool, segments: int = 0) -
     out["ckptfs_load"] = ckptfs_load(index_raw, target, rank)
     out["ckptfs_load"]["bytes_read"] = len(index_raw)
     del index_raw
-    if segments:
-        seg, root_raw, files = segmented_save(saved, segments)
-        del saved
+    for form in forms if segments else ():
+        seg, root_raw, files = segmented_save(saved, segments, form=form)
         out["seg_save"] = seg
-        with tempfile.TemporaryDirectory() as where:
+        with tempfile.TemporaryDirectory() as tmp:
+            where = tmp if keep is None else os.path.join(keep, form)
             out["seg_load"] = segmented_load(root_raw, files, target, rank, where)
             out["seg_load"].update(held(s, other, rank, where))
         del files
         out["seg_sum"] = sum_read(s, other, root_raw, sample=64 if s.world > 256 else s.world)
-    else:
-        del saved
+        out.setdefault("seg_forms", {})[form] = {k: out[k] for k in ("seg_save", "seg_load",
+                                                                     "seg_sum")}
+        if keep is not None:
+            with open(os.path.join(keep, "run.json"), "w") as f:
+                json.dump(out, f, indent=1)
+    del saved
     if with_dcp:
         plans = dcp_plans(s, variant)
         out["dcp_rank"] = dcp_rank(flat_dcp(sd)[0], plans[rank])
@@ -687,28 +715,30 @@ def segmented_table(results: list[dict], with_dcp: bool) -> str:
     mib = 2**20
     rows = ["index segments (save: coordinator root + dump, the largest owner's segment; "
             "load into the other layout, one rank):",
-            "| world | variant | segments | coordinator, whole (s) | coordinator, segmented (s) "
-            "| per chunk vs smallest world | owner segment (s) / rows | rank sends KiB (max) "
-            "| coordinator receives KiB, whole / segmented | root KiB |",
-            "|" + "---|" * 10]
+            "| world | variant | index | segments | coordinator, whole (s) | coordinator, "
+            "segmented (s) | per chunk vs smallest world | owner segment (s) / rows | rank sends "
+            "KiB (max) | coordinator receives KiB, whole / segmented | root KiB | segments MiB |",
+            "|" + "---|" * 12]
     base: dict = {}
-    for r in results:
-        g, k = r["seg_save"], r["ckptfs_coord"]
+    for r, form, f in _forms(results):
+        g, k = f["seg_save"], r["ckptfs_coord"]
         per = g["coord_s"] / k["chunks"]
-        b = base.setdefault(r["variant"], per)
-        rows.append(f"| {r['world']} | {r['variant']} | {g['segments']} | {k['assemble_s']:.2f} | "
+        b = base.setdefault((r["variant"], form), per)
+        rows.append(f"| {r['world']} | {r['variant']} | {form} | {g['segments']} | "
+                    f"{k['assemble_s']:.2f} | "
                     f"{g['coord_s']:.3f} | {per / b:.2f} | {g['owner_s']:.2f} / "
                     f"{g['owner_rows']} | {g['rank_sent_max'] / 1024:.1f} | "
                     f"{g['coord_received_whole'] / 1024:.0f} / {g['coord_received'] / 1024:.0f} | "
-                    f"{g['root_bytes'] / 1024:.0f} |")
-    rows += ["", "| world | load | metadata, whole: parse + plan (s) | segmented: root parse + "
-             "rows + plan (s) | rank reads, whole / segmented MiB (ratio) | held MiB (peak) "
-             "| all ranks read, segmented GiB" + (" | DCP: every rank reads .metadata GiB |"
-                                                 if with_dcp else " |"),
-             "|" + "---|" * (7 + (1 if with_dcp else 0))]
-    for r in results:
-        w, g, a = r["ckptfs_load"], r["seg_load"], r["seg_sum"]
-        row = (f"| {r['world']} | {r['variant']} -> other | {w['parse_s'] + w['plan_s']:.2f} | "
+                    f"{g['root_bytes'] / 1024:.0f} | {g['segment_bytes'] / mib:.1f} |")
+    rows += ["", "| world | load | index | metadata, whole: parse + plan (s) | segmented: root "
+             "parse + rows + plan (s) | rank reads, whole / segmented MiB (ratio) | held MiB "
+             "(peak) | all ranks read, segmented GiB" + (" | DCP: every rank reads .metadata GiB |"
+                                                         if with_dcp else " |"),
+             "|" + "---|" * (8 + (1 if with_dcp else 0))]
+    for r, form, f in _forms(results):
+        w, g, a = r["ckptfs_load"], f["seg_load"], f["seg_sum"]
+        row = (f"| {r['world']} | {r['variant']} -> other | {form} | "
+               f"{w['parse_s'] + w['plan_s']:.2f} | "
                f"{g['parse_s']:.3f} + {g['rows_s']:.3f} + {g['plan_s']:.3f} = "
                f"{g['metadata_s']:.2f} | {w['bytes_read'] / mib:.1f} / "
                f"{g['bytes_read'] / mib:.2f} (1/{w['bytes_read'] / g['bytes_read']:.0f}) | "
@@ -718,6 +748,31 @@ def segmented_table(results: list[dict], with_dcp: bool) -> str:
             row += f" {r['dcp_coord']['metadata_bytes'] * r['world'] / 2**30:.1f} |"
         rows.append(row)
     return "\n".join(rows)
+
+
+def measure_kept(keep: str, s: Shape, variant: str, other: str) -> dict:
+    """The load's metadata phase again on the checkpoints a run kept (``--keep``), each form's
+    on the same rank; the other figures are the kept run's (``keep/run.json``)."""
+    from ckptfs.layout.index import INDEX_FILE
+
+    with open(os.path.join(keep, "run.json")) as f:
+        out = json.load(f)
+    rank = s.world // 2 + 3
+    init_fake(s.world, rank)
+    target = rank_state(s, other, rank)
+    for form, f in out["seg_forms"].items():
+        where = os.path.join(keep, form)
+        with open(os.path.join(where, INDEX_FILE), "rb") as fh:
+            root_raw = fh.read()
+        # the bytes held and read by all ranks are the kept run's (the same files)
+        f["seg_load"] = {**f["seg_load"], **kept_load(root_raw, target, rank, where)}
+    out["load_average"] = os.getloadavg()
+    return out
+
+
+def _forms(results: list[dict]) -> list[tuple[dict, str, dict]]:
+    """(result, index form, its segmented figures) of every result with segments."""
+    return [(r, form, f) for r in results for form, f in r.get("seg_forms", {}).items()]
 
 
 # -- where segments start to pay: whole or segmented at a chunk count -------------------------
@@ -825,6 +880,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-segments", action="store_true", help="without the segmented rows")
     ap.add_argument("--segment-rows", type=int, default=None,
                     help="rows a segment holds (default SEGMENT_ROWS; --quick: 512)")
+    ap.add_argument("--segment-forms", default="1.4",
+                    help="the segmented index's forms to measure, e.g. 1.3,1.4 (1.3: rows name "
+                         "files by path; 1.4: they number the root's file table)")
+    ap.add_argument("--keep", default=None,
+                    help="keep each form's segmented checkpoint in this folder (<keep>/<form>/)")
+    ap.add_argument("--kept", default=None,
+                    help="only the load's side, again, on the checkpoints --keep kept there")
     ap.add_argument("--threshold", default=None,
                     help="only the whole-or-segmented measure at these chunk counts")
     ap.add_argument("--out", default=None, help="results file (default bench/results/scale-*.json)")
@@ -841,11 +903,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.threshold:
         return threshold_main([int(n) for n in args.threshold.split(",")], args.out)
+    if args.kept:
+        (s,), v = shapes[-1:], variants[-1]
+        results = [measure_kept(args.kept, s, v, "replicated" if v == "zero1" else "zero1")]
+        print(segmented_table(results, False))
+        _write(results, args.out, "scale-kept")
+        return 0
     for s in shapes:
         for v in variants:
             other = "replicated" if v == "zero1" else "zero1"
             t0 = time.perf_counter()
-            results.append(run(s, v, other, not args.no_dcp, rows))
+            results.append(run(s, v, other, not args.no_dcp, rows,
+                               tuple(args.segment_forms.split(",")), args.keep))
             print(f"# world {s.world} {v}: {time.perf_counter() - t0:.0f} s", flush=True)
             if args.out:  # what is done so far, in case a long run is stopped
                 with open(args.out, "w") as f:

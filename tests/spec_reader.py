@@ -227,14 +227,17 @@ def audit_index(data: bytes, read: Callable[[str, int, int], bytes] | None = Non
     if not _is_int(d.get("format_version")) or d["format_version"] != 1:
         raise SpecError(f"format_version {d.get('format_version')!r}: this reader knows 1")
     feats = _opt(d, "required_features", list, "index") or []
-    if [f for f in feats if f not in ("packed_chunks", "chunk_refs", "index_segments")] \
-            or len(set(feats)) != len(feats):
+    known = ("packed_chunks", "chunk_refs", "index_segments", "segment_file_ids")
+    if [f for f in feats if f not in known] or len(set(feats)) != len(feats):
         raise SpecError(f"required_features {feats!r}: version 1 defines only packed_chunks, "
-                        f"chunk_refs and index_segments")
+                        f"chunk_refs, index_segments and segment_file_ids")
     if "packed_chunks" in feats and "chunk_refs" in feats:
         raise SpecError("§2.5: chunk_refs is never packed")
+    ids = "segment_file_ids" in feats
+    if ids and not ("index_segments" in feats and "packed_chunks" in feats):
+        raise SpecError("§2.6: segment_file_ids without index_segments and packed_chunks")
     if "index_segments" in feats:
-        norm = _segmented(d, "packed_chunks" in feats, read)
+        norm = _segmented(d, "packed_chunks" in feats, read, ids)
     elif "segments" in d:
         raise SpecError("segments without the required feature index_segments")
     else:
@@ -325,13 +328,17 @@ def local_reader(root: str | os.PathLike) -> Callable[[str, int, int], bytes]:
     return read
 
 
-def _segmented(d: dict, packed: bool, read: Callable[[str, int, int], bytes] | None) -> dict:
+def _segmented(d: dict, packed: bool, read: Callable[[str, int, int], bytes] | None,
+               ids: bool = False) -> dict:
     """§2.6: the root with each tensor's blocks read, checked and replaced by chunk objects
-    (without ``read``: the root alone, its tensors without ``chunks``)."""
+    (without ``read``: the root alone, its tensors without ``chunks``). ``ids``: packed rows
+    name their file by its position in ``file_table.files`` (index 1.4), else by path."""
     segs = d.get("segments")
     if not isinstance(segs, list) or not all(isinstance(p, str) for p in segs):
         raise SpecError(f"segments {segs!r} is not a list of paths")
     files = _unpacked({**d, "tensors": {}})["files"] if packed else (d.get("files") or {})
+    table = [d["file_table"]["prefix"] + row[0] for row in d["file_table"]["files"]] \
+        if ids else None
     sums = d.get("file_checksums") or {}
     for p in segs:
         if p not in files or p not in sums:
@@ -342,7 +349,7 @@ def _segmented(d: dict, packed: bool, read: Callable[[str, int, int], bytes] | N
             raise SpecError(f"tensors[{k!r}]: a segmented root lists blocks, not chunks")
         chunks: list[dict] = []
         for i, b in enumerate(t["blocks"]):
-            chunks += _block(k, i, b, segs, files, packed, read)
+            chunks += _block(k, i, b, segs, files, packed, read, table)
         tensors[k] = {n: v for n, v in t.items() if n != "blocks"}
         if read is not None:
             tensors[k]["chunks"] = chunks
@@ -351,8 +358,10 @@ def _segmented(d: dict, packed: bool, read: Callable[[str, int, int], bytes] | N
 
 
 def _block(key: str, i: int, b: Any, segs: list, files: dict, packed: bool,
-           read: Callable[[str, int, int], bytes] | None) -> list[dict]:
-    """One block of a segmented root (§2.6): its bytes checked, its rows as chunk objects."""
+           read: Callable[[str, int, int], bytes] | None, table: list[str] | None = None
+           ) -> list[dict]:
+    """One block of a segmented root (§2.6): its bytes checked, its rows as chunk objects
+    (``table``: the root's file table, which packed rows number, index 1.4)."""
     where = f"tensors[{key!r}].blocks[{i}]"
     if not (isinstance(b, list) and len(b) == 6 and _is_int(b[0]) and 0 <= b[0] < len(segs)
             and _is_int(b[1]) and _is_int(b[2]) and isinstance(b[3], str)):
@@ -382,6 +391,12 @@ def _block(key: str, i: int, b: Any, segs: list, files: dict, packed: bool,
                 c["checksum"] = "crc32c:" + r[5]
             if len(r) == 7:
                 c["extra"] = r[6]
+            if table is not None and "file" in c:
+                if not (_is_int(c["file"]) and 0 <= c["file"] < len(table)):
+                    raise SpecError(f"{where}: file id {c['file']!r} is not in file_table")
+                c["file"] = table[c["file"]]
+            elif "file" in c and not isinstance(c["file"], str):
+                raise SpecError(f"{where}: the file of a 1.3 segment's row is a path")
             if c.get("file") in segs:
                 raise SpecError(f"{where}: a row's file is a segment")
         else:

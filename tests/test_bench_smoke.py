@@ -61,7 +61,7 @@ SMOKES = {
     "scale": Smoke(("--quick", "--variants", "zero1"),
                    ("| world | variant | chunks (ckptfs / DCP) |", "| 64 | zero1 |", "| 256 | zero1 |",
                     "| 256 | zero1 -> other |", "growth per stored chunk", "index segments",
-                    "| world | load | metadata, whole"), "scale-*.json"),
+                    "| world | load | index | metadata, whole"), "scale-*.json"),
     "gpu_tune": _gpu_tune(),
     "zarr_quick": Smoke(("--gb", "0.001", "--runs", "1", "--dir", "{tmp}/zarr"),
                         ("writer", "ckptfs safetensors_chunks ", "ckptfs zarr-3 sharded ",

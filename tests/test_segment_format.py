@@ -60,13 +60,19 @@ def _read(root: Path, fn, *args):
     return run_sync(go())
 
 
-def test_a_segmented_root_round_trips_and_reads_whole(tmp_path):
+@pytest.mark.parametrize("file_ids, minor", [(True, 4), (False, 3)])
+def test_a_segmented_root_round_trips_and_reads_whole(tmp_path, file_ids, minor):
     index = _grid_index()
-    root = _write(tmp_path, index, rows=1, world=2, rows_per_block=8)
-    assert len(root.segments) == 2 and root.segmented and root.minor_version_used == 3
+    root = _write(tmp_path, index, rows=1, world=2, rows_per_block=8, file_ids=file_ids)
+    assert len(root.segments) == 2 and root.segmented and root.minor_version_used == minor
     raw = json.loads((tmp_path / INDEX_FILE).read_text())
-    assert raw["required_features"] == ["packed_chunks", "index_segments"]
-    assert raw["format_minor_version"] == 3 and "chunks" not in raw["tensors"]["w"]
+    assert raw["required_features"] == ["packed_chunks", "index_segments"] + (
+        ["segment_file_ids"] if file_ids else [])
+    assert raw["format_minor_version"] == minor and "chunks" not in raw["tensors"]["w"]
+    # a packed row names its file by its position in the root's file table (1.4) or by path
+    first = json.loads((tmp_path / root.segments[0]).read_bytes().split(b"\n")[0])[0]
+    assert first[2] == (0 if file_ids else "data/abc/r0.bin")
+    assert raw["file_table"]["prefix"] + raw["file_table"]["files"][0][0] == "data/abc/r0.bin"
     assert len(raw["tensors"]["w"]["blocks"]) == 8
     back = Index.loads((tmp_path / INDEX_FILE).read_bytes())
     assert back.segments == root.segments and back.tensors["w"].blocks == root.tensors["w"].blocks
@@ -103,11 +109,59 @@ def test_the_block_order_takes_the_dimension_with_fewest_offsets_first():
 
 
 def test_a_reader_without_the_feature_refuses_a_segmented_root(tmp_path, monkeypatch):
-    _write(tmp_path, _grid_index())
+    _write(tmp_path, _grid_index(), file_ids=False)
     monkeypatch.setattr(index_mod, "KNOWN_FEATURES",
                         frozenset({index_mod.PACKED_CHUNKS, index_mod.CHUNK_REFS}))
     with pytest.raises(ckptfs.FormatVersionError, match=r"\['index_segments'\] are unknown"):
         ckptfs.load_metadata(tmp_path)
+
+
+def test_a_reader_of_index_1_3_refuses_a_root_whose_rows_number_the_file_table(tmp_path,
+                                                                                monkeypatch):
+    _write(tmp_path, _grid_index())
+    monkeypatch.setattr(index_mod, "KNOWN_FEATURES", frozenset(
+        {index_mod.PACKED_CHUNKS, index_mod.CHUNK_REFS, index_mod.SEGMENTS}))
+    with pytest.raises(ckptfs.FormatVersionError, match=r"\['segment_file_ids'\] are unknown"):
+        ckptfs.load_metadata(tmp_path)
+
+
+def _edit_block(root_dir: Path, root: Index, edit) -> None:
+    """Rewrite the first block of tensor "w" with ``edit`` (bytes -> bytes of the same length)
+    and the root's records of it (the block's CRC-32C, the segment's checksum), sealed again."""
+    from ckptfs.layout.checksum import checksum, crc_of
+
+    b = root.tensors["w"].blocks[0]
+    seg = root_dir / root.segments[b.segment]
+    data = bytearray(seg.read_bytes())
+    new = edit(bytes(data[b.byte_offset:b.byte_offset + b.byte_length]))
+    assert len(new) == b.byte_length
+    data[b.byte_offset:b.byte_offset + b.byte_length] = new
+    seg.write_bytes(bytes(data))
+    blocks = (dataclasses.replace(b, crc=f"{crc_of(new):08x}"), *root.tensors["w"].blocks[1:])
+    w = dataclasses.replace(root.tensors["w"], blocks=blocks)
+    sums = {**root.file_checksums, root.segments[b.segment]: checksum(bytes(data))}
+    bad = dataclasses.replace(root, tensors={**root.tensors, "w": w}, file_checksums=sums)
+    (root_dir / INDEX_FILE).write_bytes(bad.dumps())
+
+
+@pytest.mark.parametrize("fid, match", [
+    (b"9", r"s00000.json, block \[0, \d+\) of tensor 'w', row 0: file id 9 is not in file_table"),
+    (b"1", r"s00000.json, block \[0, \d+\) of tensor 'w', row 0: file 'index/abc/s00000.json' "
+           r"is not a data file"),
+])
+def test_a_bad_file_id_in_a_segment_is_refused_naming_the_row(tmp_path, fid, match):
+    from tests import spec_reader
+
+    root = _write(tmp_path, _grid_index(), rows=1, world=2, rows_per_block=8)
+    _edit_block(tmp_path, root, lambda raw: raw.replace(b"], 0, 0, ", b"], " + fid + b", 0, ", 1))
+    with pytest.raises(ckptfs.MalformedIndexError, match=match):
+        _read(tmp_path, read_index)
+    with pytest.raises(ckptfs.MalformedIndexError, match=match):
+        _read(tmp_path, read_rows, Index.loads((tmp_path / INDEX_FILE).read_bytes()),
+              {"w": [Box((0, 0), (1, 1))]})
+    with pytest.raises(spec_reader.SpecError, match="file id 9|a row's file is a segment"):
+        spec_reader.audit_index((tmp_path / INDEX_FILE).read_bytes(),
+                                spec_reader.local_reader(tmp_path))
 
 
 def _reseal(path: Path, edit) -> None:
@@ -167,21 +221,42 @@ def test_a_row_outside_its_blocks_box_is_refused(tmp_path):
         _read(tmp_path, read_index)
 
 
-def test_golden_index_1_3_loads_and_verifies():
-    g = golden_index_dir(3)
+@pytest.mark.parametrize("minor", [3, 4])
+def test_golden_segmented_indexes_load_and_verify(minor):
+    g = golden_index_dir(minor)
     assert manifest_problems(g) == []
     assert differences(ckptfs.load_keys(g / "checkpoint"), golden_reference()) == []
     index = ckptfs.load_metadata(g / "checkpoint")
-    assert index.segmented and len(index.segments) == 2 and index.format_minor_version == 3
+    assert index.segmented and len(index.segments) == 2 and index.format_minor_version == minor
+    assert ("segment_file_ids" in index.required_features) == (minor == 4)
     assert all(t.chunks for t in index.tensors.values() if t.numel)
     report = ckptfs.verify(g / "checkpoint")
     assert report.ok, report.problems
+    # a resharded partial read of one tensor reads only its blocks and gets its rows
+    got, _, _ = _read(g / "checkpoint", read_rows, Index.loads(
+        (g / "checkpoint" / INDEX_FILE).read_bytes()), {"sharded/rows": [Box((0, 0), (3, 4))]})
+    assert [c.file for c in got.tensors["sharded/rows"].chunks] == \
+        [c.file for c in index.tensors["sharded/rows"].chunks]
 
 
-def test_golden_index_1_3_reads_with_the_spec_reader():
+def test_golden_index_1_4_numbers_the_file_table_in_its_rows():
+    root = golden_index_dir(4) / "checkpoint"
+    raw = json.loads((root / INDEX_FILE).read_text())
+    table = [raw["file_table"]["prefix"] + n for n, _ in raw["file_table"]["files"]]
+    ids = {row[2] for p in raw["segments"] for line in (root / p).read_bytes().splitlines()
+           for row in json.loads(line)}
+    assert ids and all(isinstance(i, int) and table[i].startswith("data/") for i in ids)
+    # the same rows as index 1.3's golden, but for the file's spelling
+    old = golden_index_dir(3) / "checkpoint"
+    assert sum(len(p.read_bytes()) for p in (root / "index").rglob("*.json")) < \
+        0.7 * sum(len(p.read_bytes()) for p in (old / "index").rglob("*.json"))
+
+
+@pytest.mark.parametrize("minor", [3, 4])
+def test_golden_segmented_indexes_read_with_the_spec_reader(minor):
     from tests import spec_reader
 
-    root = golden_index_dir(3) / "checkpoint"
+    root = golden_index_dir(minor) / "checkpoint"
 
     alone = spec_reader.audit_index((root / INDEX_FILE).read_bytes())  # the root by itself
     assert all("chunks" not in t for t in alone.norm["tensors"].values())

@@ -60,12 +60,16 @@ def full_box(shape: Sequence[int]) -> Box:
     return Box((0,) * len(shape), tuple(shape))
 
 
+#: a box's sort key: its offsets, then its shape (the dataclass's order)
+_by_place = operator.attrgetter("offsets", "shape")
+
+
 def first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
     """Two of ``boxes`` (non-empty, same rank) that share an element, or None when they are
     pairwise disjoint. Fast for the layouts checkpoints have: boxes stacked along one dimension
     (one pass), or lying on a grid their boundaries define (each box mapped to its grid cells);
     anything else is swept along one dimension."""
-    ordered = sorted(boxes)
+    ordered = sorted(boxes, key=_by_place)  # Box's own order, compared in C
     if len(ordered) < 2:
         return None
     first = ordered[0]

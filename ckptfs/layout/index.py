@@ -24,7 +24,13 @@ from ckptfs.layout.checksum import checksum, crc_of, extend, render
 from ckptfs.layout.dtypes import BY_NAME, from_name
 from ckptfs.layout.keys import check_key
 from ckptfs.layout.nogc import paused_gc
-from ckptfs.layout.segments import SEGMENTS, SEGMENTS_MINOR_VERSION, Block
+from ckptfs.layout.segments import (
+    FILE_IDS_MINOR_VERSION,
+    SEGMENT_FILE_IDS,
+    SEGMENTS,
+    SEGMENTS_MINOR_VERSION,
+    Block,
+)
 from ckptfs.layout.stats import MEMBER as STATS_MEMBER
 from ckptfs.layout.stats import STATS_MINOR_VERSION, TensorStats
 
@@ -36,7 +42,7 @@ FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS: tuple[int, ...] = (1,)
 #: the newest minor version of format version 1 this reader knows (formats/README.md §7): a
 #: minor version only adds optional members, so an index of any minor version is read
-FORMAT_MINOR_VERSION = 3
+FORMAT_MINOR_VERSION = 4
 #: the minor version of chunk content hashes and references (formats/README.md §2.5)
 HASHES_MINOR_VERSION = 2
 #: the required feature of an index whose chunks are packed rows (formats/README.md §2.3)
@@ -44,7 +50,8 @@ PACKED_CHUNKS = "packed_chunks"
 #: the required feature of an index with chunks stored in a base checkpoint (§2.5)
 CHUNK_REFS = "chunk_refs"
 #: Required features this reader implements (formats/README.md §Compatibility).
-KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS, CHUNK_REFS, SEGMENTS})
+KNOWN_FEATURES: frozenset[str] = frozenset({PACKED_CHUNKS, CHUNK_REFS, SEGMENTS,
+                                             SEGMENT_FILE_IDS})
 #: a chunk's content hash (§2.5): "xxh3-128:" and 32 lowercase hex digits
 HASH_PATTERN = re.compile(r"xxh3-128:[0-9a-f]{32}")
 #: an index with at least this many chunks is written packed (§2.3); smaller ones stay readable
@@ -111,7 +118,8 @@ class ChunkEntry:
         return row
 
     @classmethod
-    def from_row(cls, row: Json, files: list[str], where: str | Callable[[], str]) -> ChunkEntry:
+    def from_row(cls, row: Json, files: Sequence[str],
+                 where: str | Callable[[], str]) -> ChunkEntry:
         """A packed row (§2.3); ``where`` names it in errors (a function: built only then)."""
         # the common case, checked in one expression (JSON gives exact ints, lists, dicts)
         if type(row) is list and 6 <= len(row) <= 7:
@@ -129,7 +137,7 @@ class ChunkEntry:
         return cls._from_row_checked(row, files, where if isinstance(where, str) else where())
 
     @classmethod
-    def _from_row_checked(cls, row: Json, files: list[str], where: str) -> ChunkEntry:
+    def _from_row_checked(cls, row: Json, files: Sequence[str], where: str) -> ChunkEntry:
         """``from_row`` checking each part in turn, to name what is wrong."""
         if not isinstance(row, list) or len(row) not in (6, 7):
             raise MalformedIndexError(f"{where}: a packed chunk must be a list of 6 or 7 items")
@@ -280,10 +288,15 @@ def _root_entry(key: str, d: Mapping[str, Json], segments: int) -> TensorEntry:
         raise MalformedIndexError(f"{where}: shape {list(shape)} has more than 2**62 elements")
     dtype = _req(d, "dtype", str, where)
     from_name(dtype, key)
-    blocks = tuple(Block.from_row(b, segments, len(shape), f"{where}.blocks[{i}]")
+    blocks = tuple(Block.from_row(b, segments, len(shape), _block_at(where, i))
                    for i, b in enumerate(_req(d, "blocks", list, where)))
     return TensorEntry(key, dtype, shape, (), _opt(d, "extra", dict, where) or {},
                        _stats(d, key), blocks)
+
+
+def _block_at(where: str, i: int) -> Callable[[], str]:
+    """Where block ``i`` of ``where`` is, for messages: made only when an error needs it."""
+    return lambda: f"{where}.blocks[{i}]"
 
 
 def _stats(d: Mapping[str, Json], key: str) -> TensorStats | None:
@@ -329,6 +342,9 @@ class Index:
     segments: tuple[str, ...] | None = None
     #: a segmented index's ``bases`` table (§2.5), kept since its chunks may not all be read
     base_urls: tuple[str, ...] = ()
+    #: a segmented root with ``segment_file_ids`` (§2.6): the paths of its ``file_table`` in
+    #: order, which its segments' packed rows number; None otherwise
+    file_table: tuple[str, ...] | None = None
 
     @property
     def segmented(self) -> bool:
@@ -349,9 +365,10 @@ class Index:
     @property
     def minor_version_used(self) -> int:
         """The lowest minor version whose members this index holds (fingerprints: 1, content
-        hashes and references: 2, segments: 3)."""
+        hashes and references: 2, segments: 3, segments numbering the file table: 4)."""
         if self.segmented:
-            return SEGMENTS_MINOR_VERSION
+            return FILE_IDS_MINOR_VERSION if SEGMENT_FILE_IDS in self.required_features \
+                else SEGMENTS_MINOR_VERSION
         if any(c.hash is not None or c.base is not None for c in self.chunks()):
             return HASHES_MINOR_VERSION
         return STATS_MINOR_VERSION if any(t.stats is not None for t in self.tensors.values()) else 0
@@ -427,6 +444,11 @@ class Index:
         if packed:
             table = sorted(set(self.files) | {c.file for t in self.tensors.values()
                                               for c in t.chunks if c.file is not None})
+            if self.file_table is not None:  # the segments number it (§2.6): kept as it is
+                if sorted(self.file_table) != table:
+                    raise ValueError("the file table a segmented root's rows number differs "
+                                     "from its files")
+                table = list(self.file_table)
             file_ids = {f: i for i, f in enumerate(table)}
         d: dict[str, Json] = {
             "format": FORMAT_NAME,
@@ -501,6 +523,7 @@ class Index:
                                       f"{per_rank!r}")
         bases = _bases(d, features, source)
         segments = _segments(d, features, files, sums, source)
+        numbered = _file_ids(features, table, source)
         if segments is None:
             entries = {k: TensorEntry.from_dict(k, t, table, bases) for k, t in tensors.items()}
             _check_ranges(entries, {**files, **backend_files}, source)
@@ -526,6 +549,7 @@ class Index:
             format_minor_version=_minor(d, source),
             segments=segments,
             base_urls=bases if segments is not None else (),
+            file_table=numbered,
         )
 
     @classmethod
@@ -965,3 +989,15 @@ def _segments(d: Mapping[str, Json], features: tuple[str, ...], files: Mapping[s
     if len(set(out)) != len(out):
         raise MalformedIndexError(f"{source}: 'segments' lists a path twice")
     return tuple(out)
+
+
+def _file_ids(features: tuple[str, ...], table: list[str] | None, source: str
+              ) -> tuple[str, ...] | None:
+    """A root with ``segment_file_ids`` (index 1.4): segmented and packed; its file table in
+    order (the segments' packed rows number it)."""
+    if SEGMENT_FILE_IDS not in features:
+        return None
+    if SEGMENTS not in features or table is None:
+        raise MalformedIndexError(f"{source}: the required feature 'segment_file_ids' needs "
+                                  f"'index_segments' and 'packed_chunks' (formats/README.md §2.6)")
+    return tuple(table)

@@ -5,7 +5,7 @@ owners' reports; a reader decodes the blocks it read, checked against the root."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +22,7 @@ from ckptfs.layout.index import (
 )
 from ckptfs.layout.segments import (
     ROWS_PER_BLOCK,
+    SEGMENT_FILE_IDS,
     SEGMENT_ROWS,
     SEGMENTS,
     Block,
@@ -29,13 +30,16 @@ from ckptfs.layout.segments import (
     SegmentPart,
     block_order,
     bounding,
+    numbering,
     partition,
     segment_path,
+    table_digest,
 )
 
 
 class _Paths(Mapping[str, str]):
-    """A file's packed-row item in a segment is its path (§2.6), not a file-table position."""
+    """A file's packed-row item in an index 1.3 segment is its path (§2.6), not a file-table
+    position."""
 
     def __getitem__(self, path: str) -> str:
         return path
@@ -48,15 +52,16 @@ class _Paths(Mapping[str, str]):
 
 
 def encode_segment(rows: Mapping[str, Sequence[ChunkEntry]], path: str, *, packed: bool,
-                   bases: Sequence[str] = (), rows_per_block: int = ROWS_PER_BLOCK
-                   ) -> tuple[bytes, SegmentPart]:
+                   bases: Sequence[str] = (), rows_per_block: int = ROWS_PER_BLOCK,
+                   table: Mapping[str, int] | None = None) -> tuple[bytes, SegmentPart]:
     """*Writer*: the bytes of the segment file at ``path`` holding ``rows`` (per tensor key, in
     the order given) and the report its owner sends to the coordinator. ``packed``: rows in
-    the packed form (§2.3, the file by path); otherwise chunk objects (§2.1, §2.5) numbering
-    ``bases``."""
+    the packed form (§2.3), the file by its position in ``table`` (the root's file table,
+    ``file_ids``: index 1.4) or, without it, by path (index 1.3); otherwise chunk objects
+    (§2.1, §2.5) numbering ``bases``."""
     out = bytearray()
     base_ids = {u: i for i, u in enumerate(bases)}
-    paths = _Paths()
+    paths: Mapping[str, Any] = _Paths() if table is None else table
     blocks: list[tuple[str, tuple[Block, ...]]] = []
     for key, chunks in rows.items():
         ordered: list[Any] = block_order(chunks)
@@ -71,13 +76,16 @@ def encode_segment(rows: Mapping[str, Sequence[ChunkEntry]], path: str, *, packe
             out += b"\n"
         blocks.append((key, tuple(mine)))
     data = bytes(out)
-    return data, SegmentPart(SegmentFile(path, len(data), checksum(data)), tuple(blocks))
+    digest = None if table is None or not packed else \
+        table_digest(sorted(table, key=table.__getitem__))
+    return data, SegmentPart(SegmentFile(path, len(data), checksum(data)), tuple(blocks), digest)
 
 
 def root_of(index: Index, parts: Sequence[SegmentPart], *, packed: bool) -> Index:
     """*Writer* (coordinator): the segmented root of ``index`` (its tensors without chunks, its
     data files and their checksums) from the owners' ``parts``, numbered in their order; the
-    segment files join the data files. A tensor no part names has no rows (no elements)."""
+    segment files join the data files. A tensor no part names has no rows (no elements).
+    Parts whose rows number the file table (index 1.4) must have numbered this root's."""
     blocks: dict[str, tuple[Block, ...]] = {}
     for pos, part in enumerate(parts):
         for key, bs in part.blocks:
@@ -87,20 +95,32 @@ def root_of(index: Index, parts: Sequence[SegmentPart], *, packed: bool) -> Inde
             blocks[key] = tuple(b.numbered(pos) for b in bs)
     tensors = {k: TensorEntry(t.key, t.dtype, t.shape, (), t.extra, t.stats, blocks.get(k, ()))
                for k, t in index.tensors.items()}
-    features = [f for f in index.required_features if f not in (PACKED_CHUNKS, SEGMENTS)]
+    features = [f for f in index.required_features
+                if f not in (PACKED_CHUNKS, SEGMENTS, SEGMENT_FILE_IDS)]
     if packed:
         features.append(PACKED_CHUNKS)
     files = dict(sorted({**index.files, **{p.file.path: p.file.size for p in parts}}.items()))
+    table = None
+    if packed and parts and parts[0].table is not None:
+        table = tuple(files)
+        digest = table_digest(table)
+        wrong = [p.file.path for p in parts if p.table != digest]
+        if wrong:
+            raise ValueError(f"segment {wrong[0]}: its rows number a file table other than the "
+                             f"root's ({digest}), or name files by path")
+        features += [SEGMENTS, SEGMENT_FILE_IDS]
     sums = {**index.file_checksums, **{p.file.path: p.file.checksum for p in parts}}
     return replace(index, tensors=tensors, files=files, file_checksums=sums,
                    required_features=tuple(features), segments=tuple(p.file.path for p in parts),
-                   base_urls=index.bases if not index.segmented else index.base_urls)
+                   base_urls=index.bases if not index.segmented else index.base_urls,
+                   file_table=table)
 
 
 def decode_block(raw: bytes, block: Block, entry: TensorEntry, root: Index, *,
                  source: str) -> tuple[ChunkEntry, ...]:
     """The chunk rows of ``block`` of ``entry`` from its bytes ``raw``, checked: its CRC-32C,
-    the rows' form (packed or objects as the root's features say), paths inside the root and
+    the rows' form (packed or objects as the root's features say; a packed row's file a
+    position of the root's file table (index 1.4) or a path (1.3)), paths inside the root and
     among its data files, byte ranges inside the files, and every chunk inside the block's
     bounding box and the tensor (a reader skipping the block must miss nothing)."""
     assert root.segments is not None, "decode_block reads a segmented index's rows"
@@ -115,14 +135,28 @@ def decode_block(raw: bytes, block: Block, entry: TensorEntry, root: Index, *,
     doc = parse_json(raw, where)
     if not isinstance(doc, list):
         raise MalformedIndexError(f"{where}: a block must be a JSON array of chunk entries")
-    chunks = tuple(_row(r, root, f"{where}, row {i}") for i, r in enumerate(doc))
-    for i, c in enumerate(chunks):
-        _check_row(c, block, entry, root, f"{where}, row {i}")
+    if root.file_table is not None:
+        table = root.file_table
+        chunks = tuple(ChunkEntry.from_row(r, table, _at(where, i)) for i, r in enumerate(doc))
+    else:
+        chunks = tuple(_row(r, root, f"{where}, row {i}") for i, r in enumerate(doc))
+    bad = _outside(chunks, block, entry)
+    if bad is not None:
+        c = chunks[bad]
+        raise MalformedIndexError(f"{where}, row {bad}: chunk at {list(c.offsets)} of shape "
+                                  f"{list(c.shape)} lies outside the block's box "
+                                  f"[{list(block.lo)}, {list(block.hi)}) or the tensor")
+    _check_files(chunks, root, where)
     return chunks
 
 
+def _at(where: str, i: int) -> Callable[[], str]:
+    """Where row ``i`` of a block is, for messages: made only when an error needs it."""
+    return lambda: f"{where}, row {i}"
+
+
 def _row(r: Any, root: Index, where: str) -> ChunkEntry:
-    """One row of a block: a packed row (its file a path) or a chunk object."""
+    """One row of an index 1.3 block: a packed row (its file a path) or a chunk object."""
     if PACKED_CHUNKS not in root.required_features:
         if not isinstance(r, dict):
             raise MalformedIndexError(f"{where}: a chunk object was expected")
@@ -137,27 +171,34 @@ def _row(r: Any, root: Index, where: str) -> ChunkEntry:
     return ChunkEntry.from_row([*r[:2], None if path is None else 0, *r[3:]], files, where)
 
 
-def _check_row(c: ChunkEntry, block: Block, entry: TensorEntry, root: Index, where: str) -> None:
-    if len(c.offsets) != len(entry.shape):
-        raise MalformedIndexError(f"{where}: {len(c.offsets)} offsets for a tensor of "
-                                  f"{len(entry.shape)} dimensions")
-    ends = [o + n for o, n in zip(c.offsets, c.shape, strict=True)]
-    if any(o < lo or e > hi for o, e, lo, hi in zip(c.offsets, ends, block.lo, block.hi,
-                                                    strict=True)) \
-            or any(e > n for e, n in zip(ends, entry.shape, strict=True)):
-        raise MalformedIndexError(f"{where}: chunk at {list(c.offsets)} of shape "
-                                  f"{list(c.shape)} lies outside the block's box "
-                                  f"[{list(block.lo)}, {list(block.hi)}) or the tensor")
-    if c.file is None or c.base is not None:
-        return
-    size = root.files.get(c.file)
-    if size is None or c.file in (root.segments or ()):
-        raise MalformedIndexError(f"{where}: file {c.file!r} is not a data file of the index")
-    if c.byte_offset is not None and c.byte_length is not None \
-            and c.byte_offset + c.byte_length > size:
-        raise MalformedIndexError(f"{where}: bytes [{c.byte_offset}, "
-                                  f"{c.byte_offset + c.byte_length}) lie beyond the end of "
-                                  f"{c.file} ({size} bytes by the index)")
+def _outside(chunks: Sequence[ChunkEntry], block: Block, entry: TensorEntry) -> int | None:
+    """The first row whose box is not inside the block's box ``[lo, hi)`` and the tensor
+    (dimensions differing included), or None."""
+    lo, hi = block.lo, tuple(map(min, block.hi, entry.shape))
+    ndim = len(entry.shape)
+    for i, c in enumerate(chunks):
+        if len(c.offsets) != ndim or not all(
+                a <= o and o + n <= z for o, n, a, z in zip(c.offsets, c.shape, lo, hi)):
+            return i
+    return None
+
+
+def _check_files(chunks: Sequence[ChunkEntry], root: Index, where: str) -> None:
+    """Each row's file is a data file of the root (not a segment) and its byte range lies
+    inside the file's recorded size."""
+    files, segments = root.files, frozenset(root.segments or ())
+    for i, c in enumerate(chunks):
+        if c.file is None or c.base is not None:
+            continue
+        size = files.get(c.file)
+        if size is None or c.file in segments:
+            raise MalformedIndexError(f"{where}, row {i}: file {c.file!r} is not a data file of "
+                                      f"the index")
+        if c.byte_offset is not None and c.byte_length is not None \
+                and c.byte_offset + c.byte_length > size:
+            raise MalformedIndexError(f"{where}, row {i}: bytes [{c.byte_offset}, "
+                                      f"{c.byte_offset + c.byte_length}) lie beyond the end of "
+                                      f"{c.file} ({size} bytes by the index)")
 
 
 def segment_blocks(root: Index) -> dict[int, list[tuple[str, Block]]]:
@@ -173,24 +214,27 @@ def segment_blocks(root: Index) -> dict[int, list[tuple[str, Block]]]:
 
 
 def split_index(index: Index, save_id: str, *, rows: int = SEGMENT_ROWS, world: int = 1,
-                packed: bool | None = None, rows_per_block: int = ROWS_PER_BLOCK
-                ) -> tuple[Index, dict[str, bytes]]:
+                packed: bool | None = None, rows_per_block: int = ROWS_PER_BLOCK,
+                file_ids: bool = True) -> tuple[Index, dict[str, bytes]]:
     """A whole ``index`` written segmented in one process (what the ranks of a segmented save
     write between them): the root and the segment files' bytes by path. ``packed``: the rows'
-    form (None: packed unless the index holds content hashes or references, §2.5)."""
+    form (None: packed unless the index holds content hashes or references, §2.5);
+    ``file_ids``: packed rows number the root's file table (index 1.4), else name their file
+    by path (index 1.3)."""
     if index.segmented:
         raise ValueError("split_index: the index is segmented already")
     if packed is None:
         packed = index.minor_version_used < HASHES_MINOR_VERSION
     keys = [k for k in (index.order or index.tensors) if k in index.tensors]
     owners = partition([len(index.tensors[k].chunks) for k in keys], world, rows)
+    paths = [segment_path(save_id, o.pos) for o in owners]
+    table = numbering([*index.files, *paths]) if packed and file_ids else None
     files: dict[str, bytes] = {}
     parts = []
-    for o in owners:
-        path = segment_path(save_id, o.pos)
+    for o, path in zip(owners, paths, strict=True):
         data, part = encode_segment({k: index.tensors[k].chunks for k in keys[o.start:o.stop]},
                                     path, packed=packed, bases=index.bases,
-                                    rows_per_block=rows_per_block)
+                                    rows_per_block=rows_per_block, table=table)
         files[path] = data
         parts.append(part)
     return root_of(index, parts, packed=packed), files

@@ -13,17 +13,24 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ckptfs.errors import MalformedIndexError
 from ckptfs.layout.boxes import Box
+from ckptfs.layout.checksum import crc_of
 
 #: the required feature of a segmented index (formats/README.md §2.6)
 SEGMENTS = "index_segments"
 #: the minor version of format 1 that introduced segments
 SEGMENTS_MINOR_VERSION = 3
+#: the required feature of a segmented index whose packed rows name their file by its position
+#: in the root's ``file_table`` (formats/README.md §2.6, index 1.4)
+SEGMENT_FILE_IDS = "segment_file_ids"
+#: the minor version of format 1 that introduced ``segment_file_ids``
+FILE_IDS_MINOR_VERSION = 4
 #: *writer*: an index of at least this many chunks is written segmented (below it, whole)
 SEGMENT_MIN_CHUNKS = 65_536
 #: *writer*: the rows a segment file holds at most, unless one tensor has more
@@ -33,6 +40,7 @@ ROWS_PER_BLOCK = 64
 #: the directory of a save's segment files: ``index/<save_id>/``
 SEGMENT_DIR = "index"
 _MAX = 2**62
+_HEX = re.compile("[0-9a-f]{8}")
 
 
 class _Chunk(Protocol):
@@ -68,8 +76,23 @@ class Block:
                 list(self.hi)]
 
     @classmethod
-    def from_row(cls, row: Any, segments: int, ndim: int, where: str) -> Block:
+    def from_row(cls, row: Any, segments: int, ndim: int,
+                 where: str | Callable[[], str]) -> Block:
         """A root's block row ``[segment, byte_offset, byte_length, crc, lo, hi]``, checked."""
+        if type(row) is list and len(row) == 6:  # the common case, checked in one expression
+            seg, off, length, crc, lo, hi = row
+            if (type(seg) is int and 0 <= seg < segments and type(off) is int
+                    and 0 <= off <= _MAX and type(length) is int and 0 <= length <= _MAX
+                    and type(crc) is str and len(crc) == 8 and _HEX.fullmatch(crc) is not None
+                    and type(lo) is list and type(hi) is list and len(lo) == ndim == len(hi)
+                    and all(type(x) is int and 0 <= x <= y <= _MAX for x, y in zip(lo, hi))):
+                return cls(seg, off, length, crc, tuple(lo), tuple(hi))
+        return cls._from_row_checked(row, segments, ndim,
+                                     where if isinstance(where, str) else where())
+
+    @classmethod
+    def _from_row_checked(cls, row: Any, segments: int, ndim: int, where: str) -> Block:
+        """``from_row`` checking each part in turn, to name what is wrong."""
         if not isinstance(row, list) or len(row) != 6:
             raise MalformedIndexError(f"{where}: a block must be a list of 6 items")
         seg, off, length, crc, lo, hi = row
@@ -104,10 +127,12 @@ class SegmentFile:
 @dataclass(frozen=True, slots=True)
 class SegmentPart:
     """What one segment's owner reports to the coordinator: the file and, per tensor key, the
-    blocks of its rows (``segment`` -1: the coordinator numbers them)."""
+    blocks of its rows (``segment`` -1: the coordinator numbers them); ``table``: the digest of
+    the file table its packed rows number (``table_digest``; None: rows name files by path)."""
 
     file: SegmentFile
     blocks: tuple[tuple[str, tuple[Block, ...]], ...]
+    table: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +144,18 @@ class Owner:
     rank: int
     start: int
     stop: int
+
+
+def table_digest(table: Sequence[str]) -> str:
+    """*Writer*: what an owner and the coordinator compare to know that the rows number the
+    root's ``file_table`` (its paths in order): their count and the CRC-32C of their lines."""
+    return f"{len(table)}:{crc_of(''.join(p + chr(10) for p in table).encode()):08x}"
+
+
+def numbering(files: Iterable[str]) -> dict[str, int]:
+    """*Writer*: the root's ``file_table`` as written (every file once, in code point order of
+    the path) as positions by path: what an owner numbers its packed rows with."""
+    return {p: i for i, p in enumerate(sorted(set(files)))}
 
 
 def segment_path(save_id: str, pos: int) -> str:

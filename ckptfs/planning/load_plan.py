@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,15 +62,21 @@ def plan_reads(entry: TensorEntry, local: Box) -> list[ReadPiece]:
     leave a hole in ``local`` or overlap in it, before anything is read."""
     pieces = []
     covered = 0
+    shape, nd = entry.shape, len(entry.shape)
+    l_off, l_end = local.offsets, local.ends
     for c in _candidates(entry, local):
-        cbox = Box(c.offsets, c.shape)
-        if not cbox.in_bounds(entry.shape):
+        off = c.offsets
+        ends = tuple(map(operator.add, off, c.shape))
+        if len(off) != nd or len(c.shape) != nd or not all(map(operator.le, ends, shape)) \
+                or (nd and (min(off) < 0 or min(c.shape) < 0)):
             raise _outside(entry, c)
-        common = cbox.intersect(local)
-        if common is None:
+        lo = tuple(map(max, off, l_off))
+        common = tuple(map(operator.sub, map(min, ends, l_end), lo))
+        if nd and min(common) <= 0:
             continue
-        pieces.append(ReadPiece(c, common.relative_to(cbox), common.relative_to(local)))
-        covered += common.volume
+        pieces.append(ReadPiece(c, Box(tuple(map(operator.sub, lo, off)), common),
+                                Box(tuple(map(operator.sub, lo, l_off)), common)))
+        covered += math.prod(common)
     if covered != local.volume:
         raise ShardingError(
             f"key {entry.key!r}: the checkpoint's chunks cover {covered} of the {local.volume} "

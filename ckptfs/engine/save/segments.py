@@ -7,9 +7,12 @@ the index is segmented and which rank owns the rows of which run of keys (layout
 written (engine/save/write.py), ``write_segments`` runs the save's exchange step:
 
 1. every rank sends the index entries it wrote, and the checksums of the replica slices it
-   holds, to the owner of each key, and to that owner only (``Comm.all_to_all_bytes``);
+   holds, to the owner of each key, and to that owner only (``Comm.all_to_all_bytes``); and
+   the paths of its data files to every owner;
 2. each owner checks the replicas of its keys (``check_replicas``), encodes its rows
-   (``encode_segment``) and writes its segment file under ``index/<save_id>/``;
+   (``encode_segment``; packed rows number the root's file table, which every owner knows
+   from the paths: every rank's data files and the segments) and writes its segment file
+   under ``index/<save_id>/``;
 3. what the coordinator gathers from each rank is its files and checksums and, from an owner,
    the ``SegmentPart`` (the file and its blocks), never a chunk row. The coordinator makes
    the root from the parts (``root_of``) and commits it last, as a whole index is committed
@@ -43,7 +46,14 @@ from ckptfs.layout.boxes import Box
 from ckptfs.layout.index import ChunkEntry, packs
 from ckptfs.layout.plan import TensorPlan
 from ckptfs.layout.segment_rows import encode_segment
-from ckptfs.layout.segments import SEGMENT_MIN_CHUNKS, SEGMENT_ROWS, SegmentPart, partition, segment_path
+from ckptfs.layout.segments import (
+    SEGMENT_MIN_CHUNKS,
+    SEGMENT_ROWS,
+    SegmentPart,
+    numbering,
+    partition,
+    segment_path,
+)
 
 Rows = tuple[tuple[str, ChunkEntry], ...]
 Replicas = tuple[tuple[str, Box, str], ...]
@@ -118,23 +128,40 @@ class Held(Protocol):
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     """What one rank sends one owner: the entries it wrote and the checksums of the replica
-    slices it holds, of that owner's keys."""
+    slices it holds, of that owner's keys, and the paths of its data files (packed rows
+    number the root's file table, §2.6)."""
 
     entries: Rows = ()
     replica_sums: Replicas = ()
+    files: tuple[str, ...] = ()
 
 
-def outgoing(plan: SegmentPlan, entries: Rows, replicas: Replicas, world: int) -> list[bytes]:
-    """This rank's rows and replica checksums, by the rank owning their keys (pickled)."""
+def outgoing(plan: SegmentPlan, entries: Rows, replicas: Replicas, world: int,
+             files: Sequence[str] = ()) -> list[bytes]:
+    """This rank's rows and replica checksums, by the rank owning their keys, and its data
+    files to every owner when the rows are packed (pickled)."""
     rows: dict[int, list[tuple[str, ChunkEntry]]] = defaultdict(list)
     sums: dict[int, list[tuple[str, Box, str]]] = defaultdict(list)
     for key, e in entries:
         rows[plan.ranks[plan.segment_of(key)]].append((key, e))
     for item in replicas:
         sums[plan.ranks[plan.segment_of(item[0])]].append(item)
-    return [pickle.dumps(Outgoing(tuple(rows[r]), tuple(sums[r])),
-                         protocol=pickle.HIGHEST_PROTOCOL) if r in rows or r in sums else b""
+    paths = tuple(files) if plan.packed else ()
+    owners = set(plan.ranks) if paths else set()
+    return [pickle.dumps(Outgoing(tuple(rows[r]), tuple(sums[r]), paths),
+                         protocol=pickle.HIGHEST_PROTOCOL)
+            if r in rows or r in sums or r in owners else b""
             for r in range(world)]
+
+
+def file_table(plan: SegmentPlan, got: Sequence[Outgoing], save_id: str) -> dict[str, int] | None:
+    """*Writer*: the root's file table as positions by path, which an owner's packed rows
+    number (§2.6, index 1.4): every rank's data files and every segment, in code point order;
+    None when the rows are chunk objects (they name files by path)."""
+    if not plan.packed:
+        return None
+    return numbering([*(p for o in got for p in o.files),
+                      *(segment_path(save_id, pos) for pos in range(len(plan.ranks)))])
 
 
 def received(parts: Sequence[bytes]) -> list[Outgoing]:
@@ -200,12 +227,14 @@ def segment_rows(plan: SegmentPlan, pos: int, got: Sequence[Outgoing],
 
 def write_segments(plan: SegmentPlan, entries: Rows, replicas: Replicas, comm: Comm,
                    store: Store, save_id: str, plans: Mapping[str, TensorPlan],
-                   implied: frozenset[str]) -> tuple[SegmentPart, ...]:
-    """Collective, the save's exchange step: this rank's rows to their owners, this rank's own
-    segments checked, encoded and written; returns their parts (by segment position). A failure
-    anywhere raises on every rank, the segments written removed."""
+                   implied: frozenset[str], files: Sequence[str] = ()
+                   ) -> tuple[SegmentPart, ...]:
+    """Collective, the save's exchange step: this rank's rows to their owners (``files``: its
+    data files, to every owner), this rank's own segments checked, encoded and written;
+    returns their parts (by segment position). A failure anywhere raises on every rank, the
+    segments written removed."""
     sends = comm.run_everywhere("save: sorting the index entries by owner",
-                                lambda: outgoing(plan, entries, replicas, comm.size))
+                                lambda: outgoing(plan, entries, replicas, comm.size, files))
     got = received(comm.all_to_all_bytes(sends, "save: sending the index entries to their "
                                                 "owners"))
     del sends
@@ -213,10 +242,11 @@ def write_segments(plan: SegmentPlan, entries: Rows, replicas: Replicas, comm: C
 
     def write() -> tuple[SegmentPart, ...]:
         parts = []
+        table = file_table(plan, got, save_id) if plan.mine(comm.rank) else None
         for pos in plan.mine(comm.rank):
             rows = segment_rows(plan, pos, got, plans, implied if plan.packed else frozenset())
             path = segment_path(save_id, pos)
-            data, part = encode_segment(rows, path, packed=plan.packed)
+            data, part = encode_segment(rows, path, packed=plan.packed, table=table)
             run_sync(store.put(path, [data]))
             written.append(path)
             parts.append(part)

@@ -137,7 +137,7 @@ def write(staged: StagedSave, backend: Backend, store: Store, comm: Comm, save_i
             refuse(mine, [f.path for f in prep], store, comm, hooks)
         assert mine is not None
         parts = write_segments(segments, mine.entries, mine.replica_sums, comm, store, save_id,
-                               staged.plans, backend.implied_extra)
+                               staged.plans, backend.implied_extra, sorted(mine.files))
         mine = dataclasses.replace(mine, entries=(), replica_sums=(), segments=parts)
         err = None
     # the hooks' notes stay on the rank (the coordinator's own serve its ``before_commit``)

@@ -11,7 +11,9 @@ the golden state with one element of a sharded tensor (rank 1's slice), a replic
 value changed, everything else referenced in ``base/``; ``expected.json`` is the delta's state.
 ``golden/index-1.3/`` is the golden state saved by GOLDEN_WORLD ranks with its index segmented
 (§2.6): a root and two segment files, cut by the writer's rules (``split_index``) with one
-row per segment as the target, so that each rank's run is its own segment.
+row per segment as the target, so that each rank's run is its own segment; its packed rows name
+their data file by path. ``golden/index-1.4/`` is the same checkpoint cut the same way, its
+packed rows numbering the root's file table (required feature ``segment_file_ids``).
 Like every golden directory they are written once and never again:
 
     python -m ckptfs.testing.conformance.golden_index
@@ -49,7 +51,7 @@ from ckptfs.testing.conformance.golden import (
 from ckptfs.testing.ranks import run_ranks
 
 #: minor version -> its golden directory's name
-INDEX_GOLDEN = {1: "index-1.1", 2: "index-1.2", 3: "index-1.3"}
+INDEX_GOLDEN = {1: "index-1.1", 2: "index-1.2", 3: "index-1.3", 4: "index-1.4"}
 #: the base checkpoint of ``index-1.2``'s delta, beside its ``checkpoint/``
 BASE = "base"
 
@@ -74,12 +76,12 @@ def _save_delta_ranks(rank: int, world: int, root: str) -> None:
     ckptfs.save(delta_rank_state(rank), f"{root}/{CHECKPOINT}", base=f"{root}/{BASE}")
 
 
-def _segment(root: Path) -> None:
+def _segment(root: Path, file_ids: bool) -> None:
     """Rewrite the whole index of the checkpoint at ``root`` segmented (§2.6), under the save
-    id of its data files."""
+    id of its data files; ``file_ids``: packed rows number the file table (1.4), else paths."""
     index = Index.loads((root / INDEX_FILE).read_bytes())
     save_id = next(iter(index.files)).split("/")[1]
-    seg_root, files = split_index(index, save_id, rows=1, world=GOLDEN_WORLD)
+    seg_root, files = split_index(index, save_id, rows=1, world=GOLDEN_WORLD, file_ids=file_ids)
     for path, data in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_bytes(data)
@@ -110,9 +112,9 @@ def make_index_golden(minor: int, root: Path = GOLDEN_ROOT, log=print) -> bool:
         d = Path(tmp) / target.name
         if minor == 1:
             run_ranks(GOLDEN_WORLD, _save_ranks, str(d / CHECKPOINT))
-        elif minor == 3:
+        elif minor in (3, 4):
             run_ranks(GOLDEN_WORLD, _save_plain_ranks, str(d / CHECKPOINT))
-            _segment(d / CHECKPOINT)
+            _segment(d / CHECKPOINT, file_ids=minor == 4)
         else:
             run_ranks(GOLDEN_WORLD, _save_delta_ranks, str(d))
         want = delta_reference() if minor == 2 else golden_reference()
@@ -138,4 +140,5 @@ if __name__ == "__main__":
     make_index_golden(1)
     make_index_golden(2)
     make_index_golden(3)
+    make_index_golden(4)
     sys.exit(0)
