@@ -60,7 +60,7 @@ LAST = ("test_docs_blocks",)
 POOLED = frozenset({"test_reshard", "test_torch_dist", "test_zarr", "test_dcp_plugin", "test_diff",
                     "test_comm_verbs", "test_health", "test_schema", "test_errors",
                     "test_model_state", "test_distributed", "test_s3", "test_index_segments",
-                    "test_hf_export", "test_dcp_parity", "test_delta_manager", "test_delta",
+                    "test_dcp_parity", "test_delta_manager", "test_delta",
                     "test_hf_mxfp4", "test_manager", "test_writer_process", "test_async_save"})
 
 
