@@ -97,6 +97,13 @@ class Runtime:
         if first is not None:
             raise first
 
+    def forget(self) -> None:
+        """Forget every resource without closing it, as a new process holds none: for a process
+        that runs one job after another (a pooled test rank), after ``close()`` and the job's
+        ``destroy_process_group()``, so that no registration or group outlives its job."""
+        with self._lock:
+            self._values.clear()
+
     @contextmanager
     def swapped(self, resource: Resource[T], value: T) -> Iterator[T]:
         """Hold ``value`` for ``resource`` inside the block, then what was held before (a test

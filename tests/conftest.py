@@ -59,7 +59,9 @@ LAST = ("test_docs_blocks",)
 #: but what the pool puts back (environment, directory, threads)
 POOLED = frozenset({"test_reshard", "test_torch_dist", "test_zarr", "test_dcp_plugin", "test_diff",
                     "test_comm_verbs", "test_health", "test_schema", "test_errors",
-                    "test_model_state", "test_distributed", "test_s3"})
+                    "test_model_state", "test_distributed", "test_s3", "test_index_segments",
+                    "test_dcp_parity", "test_delta_manager", "test_delta",
+                    "test_hf_mxfp4", "test_manager", "test_writer_process", "test_async_save"})
 
 
 def _place(item: pytest.Item) -> int:

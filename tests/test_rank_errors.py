@@ -132,6 +132,7 @@ def scenarios(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.pooled_ranks
 def test_rank_mismatches_raise_everywhere(tmp_path):
     run_ranks(2, scenarios, str(tmp_path))
 
@@ -152,6 +153,7 @@ def subgroups(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.pooled_ranks
 def test_independent_process_groups(tmp_path):
     run_ranks(4, subgroups, str(tmp_path))
 

@@ -1,6 +1,7 @@
 """``ckptfs.testing.ranks.RankPool``: spawned gloo ranks that run one ``run_ranks`` call after
 another. The calls share the processes, never their state: each call gets a new process group,
-the caller's environment and directory and a freshly seeded torch generator; a failed, dead or hung call
+the caller's environment and directory, a freshly seeded torch generator and an empty ckptfs
+runtime (no plan, group or backend of an earlier call); a failed, dead or hung call
 takes the pool's processes with it, and the next call starts from fresh ones."""
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def report(rank: int, world: int, out: str, tag: str) -> None:
     seen = {"plan_cached": saved.plan_cached, "pid": os.getpid(), "world": dist.get_world_size(), "sum": int(t.item()),
             "cwd": os.getcwd(), "env": os.environ.get("CKPTFS_POOL_TEST"),
             "left": os.environ.get("CKPTFS_POOL_LEFT"), "threads": torch.get_num_threads(),
-            "randn": torch.randn(4).tolist()}
+            "randn": torch.randn(4).tolist(),
+            "registered": ("pool_probe", 1) in ckptfs.available_backends()}
     os.environ["CKPTFS_POOL_LEFT"] = tag  # must not reach the next call
+    ckptfs.register_backend("pool_probe", 1, "ckptfs.layout.backends.zarr_backend:ZarrV3Backend")  # nor this
     torch.set_num_threads(1)
     with open(os.path.join(out, f"{tag}-rank{rank}.json"), "w") as f:
         json.dump(seen, f)
@@ -75,7 +78,7 @@ def test_calls_reuse_the_processes_but_not_their_state(pool, tmp_path, monkeypat
     # what a call set in its environment and threads is gone in the next; env= still applies
     assert [s["left"] for s in a + b + c] == [None, None, "given", "given", None, None, None]
     assert len({s["threads"] for s in a + b + c}) == 1
-    assert not any(s["plan_cached"] for s in a + b + c)
+    assert not any(s["plan_cached"] or s["registered"] for s in a + b + c)
     # torch's generator is seeded afresh in every call, as in a new process
     assert len({tuple(s["randn"]) for s in a + b + c}) == 7
 

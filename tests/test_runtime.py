@@ -79,6 +79,18 @@ def test_a_closed_value_is_made_anew_and_swapped_restores():
     assert rt.names() == ["flag"]
 
 
+def test_forget_drops_every_resource_unclosed_and_the_next_use_makes_it_anew():
+    rt, closed = Runtime(), []
+    kept = Resource("kept", list)  # outlives close(): a registry's registrations
+    shut = Resource("shut", list, close=lambda v: closed.append("shut"))
+    first = rt.get(kept)
+    first.append("registered")
+    rt.get(shut)
+    rt.forget()
+    assert rt.names() == [] and closed == []
+    assert rt.get(kept) == [] and rt.get(kept) is not first
+
+
 def test_close_closes_the_process_resources_and_keeps_the_registries(tmp_path):
     from ckptfs.engine.background.defaults import SAVERS
     from ckptfs.engine.memory.copies import COPY_THREADS, copy_all

@@ -11,8 +11,11 @@ When a rank fails, every failing rank's traceback is collected and raised here a
 ``run_ranks`` hands each call to the pool's processes instead of spawning new ones, which saves
 starting Python and importing torch in every rank of every call. Each call still gets a new gloo
 process group on a new port, the caller's current environment, working directory and
-``sys.path``, and torch's default generator seeded afresh as in a new process; the environment,
-directory, path and torch's thread count are put back afterwards. A call that fails or times out
+``sys.path``, torch's default generator seeded afresh and ckptfs's runtime emptied (no plan,
+group or registration of an earlier call), as in a new process; the environment, directory, path
+and torch's thread count are put back afterwards. The pool keeps as many processes as the largest
+world asked for: a smaller world runs on the first of them, so calls of different sizes start
+no process once the largest has run. A call that fails or times out
 kills every pooled process, so the next call starts from fresh ones. What a pooled ``fn`` changes
 beyond that (a module attribute patched, a signal handler, the process's peak memory) outlives
 the call: pool only functions that leave the process as they found it.
@@ -140,12 +143,13 @@ def _put_back(environ: Mapping[str, str], cwd: str, path: list[str]) -> None:
     sys.path[:] = path
 
 
-def _forget_plans() -> None:
-    """Save plans cached by earlier calls (keyed by the group's ranks, so a later call's group
-    would find them): a new process has none."""
-    from ckptfs.planning.plan_cache import plan_cache
+def _forget_resources() -> None:
+    """What ckptfs's runtime still holds after an earlier call (save plans keyed by the group's
+    ranks, ckptfs's process groups, backends and stores registered by the call): a new process
+    holds none."""
+    from ckptfs.runtime import RUNTIME
 
-    plan_cache().clear()
+    RUNTIME.forget()
 
 
 def _serve(slot: int, conn: Connection) -> None:
@@ -163,7 +167,7 @@ def _serve(slot: int, conn: Connection) -> None:
         mine = dict(os.environ), os.getcwd(), list(sys.path)
         _put_back(environ, cwd, path)
         torch.seed()  # a new process's generator starts from a random seed too
-        _forget_plans()
+        _forget_resources()
         try:
             _entry(slot, *entry_args)
         except BaseException:
