@@ -10,6 +10,9 @@ import pytest
 pytestmark = pytest.mark.slow  # runs the examples in subprocesses, on spawned ranks
 
 
+# the quicker twins in `make test`: tests/test_reshard.py (saved on 2 ranks, loaded on 1 and 3)
+# and the getting-started page's torchrun block (tests/test_docs_blocks.py)
+@pytest.mark.extended
 @pytest.mark.timeout(240)
 def test_demo_runs_and_checks_bit_for_bit():
     out = subprocess.run([sys.executable, "-m", "ckptfs.demo"], capture_output=True, text=True,

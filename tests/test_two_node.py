@@ -4,8 +4,8 @@ identity from the launcher's environment, running tests/two_node_job.py.
 
 In ``make test``: one node's agent and processes are SIGKILLed mid-run and its local directory
 wiped (a replaced node); both restart and restore the newest local step bit-exact, reading 0
-bytes from the URL; and a plain ``ckptfs.save`` on the 4 ranks loads bit-exact on 2 ranks, one
-per node (one launch). ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
+bytes from the URL. ``make test-extended`` adds a plain ``ckptfs.save`` on the 4 ranks loaded
+bit-exact on 2 ranks, one per node (one launch). ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
 restarts on one node (world 4 -> 2) from that node's tier alone, then with the last copy of one
 of the other node's files spoiled it falls back to the persistent step and says why; a node
 killed while receiving the other node's copy leaves no step restorable that is not; a SIGTERM
@@ -168,6 +168,7 @@ def test_a_node_killed_mid_copy_leaves_no_false_step(tmp_path):
     assert all("local step 6: no node holds" in r["reason"] for r in got), got
 
 
+@pytest.mark.extended  # its launch is the one of the restore test above; resharding: test_reshard
 def test_a_plain_save_on_two_nodes_loads_on_two_ranks_bit_exact(tmp_path):
     """``ckptfs.save`` on 4 ranks (2 nodes x 2), ``ckptfs.load`` on 2 (one per node)."""
     url, out = str(tmp_path / "ckpt"), tmp_path / "reshard"
