@@ -173,3 +173,11 @@ class ReadOnlyStore(WrapperStore):
     @property
     def read_only(self) -> bool:
         return True
+
+
+def innermost(store: Store, path: str = "") -> tuple[Store, str]:
+    """The store that serves ``path`` through ``store``'s wrappers (each ``route`` followed),
+    and the path there."""
+    while isinstance(store, WrapperStore):
+        store, path = store.route(path)
+    return store, path

@@ -45,6 +45,7 @@ from ckptfs.io.local_store import LocalStore
 from ckptfs.io.progress import ByteProgress
 from ckptfs.io.progress_store import ProgressStore
 from ckptfs.io.routed import RoutedStore
+from ckptfs.io.wrapper import innermost
 from ckptfs.layout.index import ChunkEntry, Index, TensorEntry
 from ckptfs.load import LoadResult, fill
 from ckptfs.manager.node_bases import NodeBases, read_node_bases
@@ -137,7 +138,7 @@ async def _indexes(remote: Store, url: str, local_root: str | None) -> tuple[Ind
 
 def _held(near: BasesStore, path: str) -> bool:
     """Whether the node's tier holds a file at ``path`` (a base's under ``<base>/``)."""
-    store, p = near.route(path)
+    store, p = innermost(near, path)
     return isinstance(store, LocalStore) and os.path.exists(store.local_path(p))
 
 

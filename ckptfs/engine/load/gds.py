@@ -26,7 +26,7 @@ import torch
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.store import Store
 from ckptfs.io.tasks import gather_all
-from ckptfs.io.wrapper import WrapperStore
+from ckptfs.io.wrapper import innermost
 from ckptfs.layout.backend import RawChunk
 from ckptfs.layout.geometry import region_runs
 from ckptfs.planning.load_plan import ReadPiece
@@ -54,8 +54,7 @@ def gds_reader(store: Store, verify: bool) -> DirectReads | None:
 def local_file(store: Store, path: str) -> str | None:
     """The local file that serves ``path`` through ``store`` and its wrappers (None: a store
     of another kind serves it)."""
-    while isinstance(store, WrapperStore):
-        store, path = store.route(path)
+    store, path = innermost(store, path)
     return store.local_path(path) if isinstance(store, LocalStore) else None
 
 
@@ -63,8 +62,7 @@ def gds_unavailable(store: Store, verify: bool) -> str | None:
     """Why GDS cannot serve a load from ``store`` (None: it can)."""
     if verify:
         return "GPUDirect Storage reads skip the crc32c check, so they run only with verify=False"
-    while isinstance(store, WrapperStore):
-        store = store.route("")[0]
+    store = innermost(store)[0]
     if not isinstance(store, LocalStore):
         return f"{store.url} is not a local filesystem"
     try:
