@@ -37,3 +37,23 @@ def test_a_whole_shard_is_staged_from_the_tensor_itself():
     got = {c.key: c.data for c in staged.chunks}
     assert got["w"].data_ptr() == state["w"].data_ptr() and got["w"].shape == (3, 4)
     assert torch.equal(got["b"], state["b"])
+
+
+def test_the_chunk_bound_is_never_below_the_planned_chunks():
+    """``SavePlan.chunk_bound`` lets a save decide on a whole index without planning every key:
+    it must never count fewer chunks than the plan has (plain keys big enough to be cut among
+    4 holders, small ones, empty ones, row shards held by 2 ranks each)."""
+    def desc(rank):
+        rows = ((f"p{i}", Layout("uint8", (n,))) for i, n in enumerate((3 << 20, 9 << 20, 400, 0)))
+        half = Box(((rank % 2) * 512,), (512,))
+        shard = (("s", Layout("float32", (1024,), box=half, replica_id=rank // 2)),)
+        return Description(tuple(sorted((*rows, *shard))))
+
+    descs = [desc(r) for r in range(4)]
+    layouts = agree_layouts(descs, [0, 1, 2, 3], lambda d: 4)
+    for min_slice in (1, 1 << 20, 1 << 30):
+        plan = SavePlan(layouts, 0, 4, min_slice=min_slice)
+        planned = sum(len(plan.plans[k].chunks) for k in layouts)
+        bound = plan.chunk_bound()
+        assert bound is not None and planned <= bound <= planned + 8, (min_slice, planned, bound)
+    assert SavePlan(layouts, 0, 4, split=lambda k, d, s, boxes: boxes).chunk_bound() is None

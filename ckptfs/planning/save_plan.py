@@ -290,6 +290,22 @@ class SavePlan:
         return self._replicas
 
     # -- the whole plan -----------------------------------------------------------------
+    def chunk_bound(self) -> int | None:
+        """At most how many chunks the whole plan has, without planning it (None where the
+        backend cuts chunks itself): ``assign`` cuts a region into at most one slice per
+        holder and one per ``min_slice`` bytes."""
+        if self.split is not None:
+            return None
+        n, least = 0, self.min_slice
+        for lay in self.layouts.values():
+            if isinstance(lay, PlainLayout):  # most keys: one region, no box made
+                size = math.prod(lay.shape)
+                n += min(len(lay.scope.ranks), max(1, size * lay.itemsize // least)) if size else 0
+                continue
+            for box, group in regions(lay):
+                n += min(len(group.ranks), max(1, box.volume * lay.itemsize // least))
+        return n
+
     def _global(self) -> Assigned:
         if self._all is None:
             by_group: dict[Group, list[tuple[str, Box, int]]] = defaultdict(list)
@@ -342,6 +358,11 @@ class _LazyPlans(Mapping[str, TensorPlan]):
 
     def __len__(self) -> int:
         return len(self._plan.layouts)
+
+
+def chunk_bound(plans: Mapping[str, TensorPlan]) -> int | None:
+    """``SavePlan.chunk_bound`` of the plan behind ``plans`` (None for other mappings)."""
+    return plans._plan.chunk_bound() if isinstance(plans, _LazyPlans) else None
 
 
 def plan_boxes(tensors: Mapping[str, tuple[str, tuple[int, ...], Sequence[Box]]],

@@ -280,8 +280,8 @@ def build_index(backend: Backend, staged: StagedSave, written: Written, *,
             continue
         chunks = tuple(sorted(by_key.get(key, ()), key=lambda e: e.offsets))
         if implied:
-            chunks = tuple(dataclasses.replace(e, extra={k: v for k, v in e.extra.items()
-                                                         if k not in implied})
+            chunks = tuple(e.but(e.checksum, {k: v for k, v in e.extra.items()
+                                              if k not in implied})
                            if implied & e.extra.keys() else e for e in chunks)
         # the planned chunks tile the tensor; a backend may store one planned chunk as several
         # entries (zarr v3 inner chunks), never fewer elements

@@ -54,6 +54,7 @@ from ckptfs.layout.segments import (
     partition,
     segment_path,
 )
+from ckptfs.planning.save_plan import chunk_bound
 
 Rows = tuple[tuple[str, ChunkEntry], ...]
 Replicas = tuple[tuple[str, Box, str], ...]
@@ -94,6 +95,9 @@ def plan_segments(options: SaveOptions, backend: Backend, plans: Mapping[str, Te
     want = options.index_segments
     if want is False or not tensors:
         return None
+    if want is None and (options.base is not None or finalizes_from_chunks(backend)
+                         or _below(plans, len(tensors), SEGMENT_MIN_CHUNKS)):
+        return None
     keys = sorted(tensors)
     split = split_plans(plans)  # read apart: a lookup per key of every tensor otherwise
     planned = {k: len(p.chunks) for m in (split or (plans,)) for k, p in m.items()}
@@ -113,6 +117,20 @@ def plan_segments(options: SaveOptions, backend: Backend, plans: Mapping[str, Te
     packed = packs(total) and not options.hashes
     return SegmentPlan(tuple(keys[o.start] for o in owners), tuple(o.rank for o in owners),
                        packed)
+
+
+def _below(plans: Mapping[str, TensorPlan], keys: int, limit: int) -> bool:
+    """Whether the save surely plans fewer than ``limit`` chunks, told from the agreed plan's
+    bound without building every key's plan (each key outside the plans is one chunk)."""
+    split = split_plans(plans)
+    if split is None:
+        return False
+    planned, own = split
+    bound = chunk_bound(planned)
+    if bound is None:
+        return False
+    rest = max(0, keys - len(planned) - len(own))
+    return bound + sum(len(p.chunks) for p in own.values()) + rest < limit
 
 
 class Held(Protocol):

@@ -335,7 +335,7 @@ class _Some(Mapping[str, TensorPlan]):
 
 def _with_checksum(e: ChunkEntry, value: str | None) -> ChunkEntry:
     """``e`` with the engine's checksum, unless the backend set one (sub-chunk entries)."""
-    return dataclasses.replace(e, checksum=value if e.checksum is None else e.checksum)
+    return e if e.checksum is not None or value is None else e.but(value, e.extra)
 
 
 def _small(f: FileWrite) -> bool:
