@@ -331,3 +331,66 @@ def test_exports_to_s3_and_fp8_reads_from_s3(checkpoint, s3, tmp_path):
     assert res.bytes_read == 100 * 260 + 4 * 2 * 3  # rows 200..299: tiles 1 and 2 of scales
 
 
+
+
+#: sha256 of every file ``_many_rounds`` exports (fp32, then cast to bf16), as written when each
+#: round allocated new host tensors: reused buffers must write the same bytes
+ROUNDS_FILES = {
+    "fp32": {
+        "model-00001-of-00004.safetensors": "6a4d91a76465a50160713b808046537274ebe61365261f7041c30d258d38e4d8",
+        "model-00002-of-00004.safetensors": "8118bac61e5f410d26e2e55aa91658c02d59e2651fe262c786ea95395345d863",
+        "model-00003-of-00004.safetensors": "6dcc5b6ecf24878dee7a6d47ce89a59e8cdafd90a15111b568e0667474f6aed8",
+        "model-00004-of-00004.safetensors": "07537707d08faf2376ea49c8527f2c8570bb759ce43c90abd0a93f1bfca4cb3d",
+        "model.safetensors.index.json": "f2ea2140bf947022f6a3d918cc325d7543e57ba40b5399542b4bdb3b7924cd23",
+    },
+    "bf16": {
+        "model-00001-of-00002.safetensors": "6dc6040198ef81b74db4814eaebab63159a6c75d03646d8d55c4d93174bffb0d",
+        "model-00002-of-00002.safetensors": "216532020c5853d38501fe6611df0c5d695a73850818b9ed8daa641b10f6c213",
+        "model.safetensors.index.json": "79a01a6befcd945cc475f4466a2ce35a6ead3ce66a25659bfbfded20dd60ff07",
+    },
+}
+
+
+def _many_rounds(rank: int, world: int, root: str) -> None:
+    """Twelve DTensors sharded by rows and by columns (a received column piece lands in a
+    non-contiguous place), a replica and an empty tensor, exported in rounds of at most one
+    tensor; each rank records the host buffers it allocated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    base = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48) * 0.37
+    state: dict = {f"w{i:02d}": distribute_tensor((base + i) / 7, mesh, [Shard(i % 2)])
+                   for i in range(12)}  # 12 kB each
+    state |= {"norm": torch.linspace(-1, 1, 300), "empty": torch.zeros(0, 5)}
+    for tag, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        r = ckptfs.export_hf(state, f"{root}/{tag}-{world}", dtype=dtype, max_shard_size=40_000,
+                             buffer_bytes=16 << 10)
+        Path(f"{root}/{tag}-{world}.rank{rank}.json").write_text(json.dumps(r.host_buffers))
+
+
+def _digests(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {n: hashlib.sha256(b).hexdigest() for n, b in files(d).items()}
+
+
+@pytest.mark.slow
+def test_export_hf_reuses_one_host_buffer_over_its_rounds_and_writes_the_same_bytes(tmp_path):
+    """At 1 rank each of the 14 tensors makes a round of its own (12 kB each, 16 kB a round):
+    one buffer serves them all; the files are the bytes exported before buffers were reused,
+    from 1 and from 2 ranks."""
+    for world in (1, 2):
+        run_ranks(world, _many_rounds, str(tmp_path), timeout=300)
+    for tag in ("fp32", "bf16"):
+        assert _digests(tmp_path / f"{tag}-1") == _digests(tmp_path / f"{tag}-2") == ROUNDS_FILES[tag]
+        for world in (1, 2):
+            for rank in range(world):
+                sizes = json.loads((tmp_path / f"{tag}-{world}.rank{rank}.json").read_text())
+                assert len(sizes) == 1 and 0 < sizes[0] <= 3 * (16 << 10), (tag, world, rank, sizes)
+    from safetensors.torch import load_file
+
+    base = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48) * 0.37
+    got = {k: v for p in sorted((tmp_path / "bf16-2").glob("model-*")) for k, v in load_file(p).items()}
+    assert all(torch.equal(got[f"w{i:02d}"], ((base + i) / 7).bfloat16()) for i in range(12))
+    assert torch.equal(got["norm"], torch.linspace(-1, 1, 300).bfloat16()) and got["empty"].shape == (0, 5)

@@ -19,10 +19,11 @@ plus the casts of its own pieces that the others' batches of the round need: abo
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from ckptfs.layout.dtypes import from_name, from_torch
 from ckptfs.state.shards import LocalShard, ShardedTensor, local_shard
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
 from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
-from ckptfs.tools.source import DEFAULT_BUFFER, progress_bar
+from ckptfs.tools.source import DEFAULT_BUFFER, aligned, progress_bar
 from ckptfs.tools.unshard import UnshardResult, assign_files, hf_index
 
 KeyMapping = Mapping[str, str] | Callable[[str], str | None]
@@ -109,10 +110,10 @@ def _export(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], ou
     comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
         names + ([HF_INDEX] if indexed else []), True, overwrite, False, {}))
     label = f"ckptfs export_hf -> {out}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
-    _, counts = comm.run_everywhere(
+    (_, buffers), counts = comm.run_everywhere(
         f"writing the files of {out}",
         lambda: _run_rounds(comm, plan, shards, out, buffer_bytes, progress, label),
-        lambda n: n, to="all")
+        lambda r: r[0], to="all")
     specs = [s for _, file in plan.files for s in file]
     index = hf_index({s.name: n for n, file in plan.files for s in file},
                      sum(s.nbytes for s in specs), sum(s.nbytes // s.dtype.itemsize for s in specs))
@@ -123,7 +124,8 @@ def _export(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], ou
         print(summary(f"ckptfs export_hf -> {out} ({comm.size} rank(s))", written, seconds),
               file=sys.stderr)
     files = tuple(names) + ((HF_INDEX,) if indexed else ())
-    return UnshardResult(out.url, "hf", "live", files, len(specs), 0, written, seconds, comm.size)
+    return UnshardResult(out.url, "hf", "live", files, len(specs), 0, written, seconds, comm.size,
+                         host_buffers=buffers)
 
 
 def _local_shards(state_dict: Mapping[str, Any], key_mapping: KeyMapping | None,
@@ -244,18 +246,21 @@ def _batches(items: list[_Item], budget: int) -> list[list[_Item]]:
 
 
 def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir,
-                buffer_bytes: int, progress: bool, label: str) -> int:
-    """This rank's part of every round; returns the bytes it wrote. A rank whose writing fails
-    keeps taking part in the rounds (the others send to it and wait for its pieces) and
-    raises at the end, where every rank learns of it."""
+                buffer_bytes: int, progress: bool, label: str) -> tuple[int, tuple[int, ...]]:
+    """This rank's part of every round; returns the bytes it wrote and the sizes of the host
+    buffers it allocated (one). A rank whose writing fails keeps taking part in the rounds
+    (the others send to it and wait for its pieces) and raises at the end, where every rank
+    learns of it."""
     mine = [i for i in range(len(plan.files)) if plan.owner[i] == comm.rank]
     bar = progress_bar(sum(s.nbytes for i in mine for s in plan.files[i][1]), label, progress,
                        position=comm.rank)
+    schedule = [(batch, _moves(plan, batch, comm.rank)) for batch in _rounds(plan, comm.size, buffer_bytes)]
+    arena = _Arena(max((_round_bytes(b[comm.rank], m, shards) for b, m in schedule), default=0))
     writers = _Writers(out, plan)
     failed: BaseException | None = None
     try:
-        for batch in _rounds(plan, comm.size, buffer_bytes):
-            for item, data in _exchange(comm, plan, shards, batch):
+        for batch, moves in schedule:
+            for item, data in _exchange(comm, shards, batch[comm.rank], moves, arena):
                 if failed is None:
                     try:
                         writers.write(item, data)
@@ -267,54 +272,134 @@ def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None]
         bar.close(done=False)  # the coordinator prints one line for every rank
     if failed is not None:
         raise failed
-    return writers.total
+    return writers.total, tuple(arena.allocations)
 
 
-def _exchange(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None],
-              batch: list[list[_Item]]) -> Iterator[tuple[_Item, torch.Tensor]]:
-    """One round: every rank sends the pieces it gives to the batch's owners and receives its
-    own batch's; yields this rank's tensors whole, in order."""
-    me = comm.rank
-    ops: list[tuple[str, torch.Tensor, int, int]] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    whole: list[torch.Tensor] = []
+@dataclass(frozen=True, slots=True)
+class _Move:
+    """One piece of a round as this rank sees it: copied from its own shard into a tensor it
+    writes (``copy``), sent to that tensor's owner (``send``) or received from its sender
+    (``recv``). ``item``: the tensor (its shape and dtype, written), ``slot``: its place in this
+    rank's batch (-1 for a send), ``peer`` and ``tag``: the other rank and the message's number."""
+
+    kind: str
+    item: _Item
+    box: Box
+    slot: int
+    peer: int
+    tag: int
+
+
+def _moves(plan: _Plan, batch: list[list[_Item]], me: int) -> list[_Move]:
+    """This rank's moves in round ``batch``, in the order every rank posts its messages."""
+    out: list[_Move] = []
     tag = 0  #: numbers the round's messages alike on every rank
     for owner, items in enumerate(batch):
-        for item in items:
-            full = torch.empty(item.spec.shape, dtype=item.spec.dtype.torch) if owner == me else None
-            if full is not None:
-                whole.append(full)
+        for slot, item in enumerate(items):
             for piece in plan.pieces[item.spec.name]:
                 sender = piece.sender(owner)
                 if piece.box.volume == 0:
                     continue
                 tag += sender != owner
-                if me not in (owner, sender):
-                    continue
-                if full is not None and sender == me:
-                    full[piece.box.slices()].copy_(_cast(shards[item.spec.name]))
-                elif full is None:
-                    ops.append(("send", _raw(_cast(shards[item.spec.name])), owner, tag))
-                else:
-                    view = full[piece.box.slices()]
-                    buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype)
-                    copies.append((view, buf))
-                    ops.append(("recv", _raw(buf), sender, tag))
+                if owner == me:
+                    out.append(_Move("copy" if sender == me else "recv", item, piece.box, slot,
+                                     sender, tag))
+                elif sender == me:
+                    out.append(_Move("send", item, piece.box, -1, owner, tag))
+    return out
+
+
+def _round_bytes(mine: list[_Item], moves: list[_Move], shards: Mapping[str, LocalShard | None]) -> int:
+    """The host bytes one round takes on this rank: the tensors it writes, the casts of its
+    pieces it sends, and the pieces it receives for a non-contiguous place of a tensor."""
+    staged = [m for m in moves
+              if (m.kind == "send" and _staged(shards[m.item.spec.name]))
+              or (m.kind == "recv" and not _lands_contiguous(m.item.spec.shape, m.box))]
+    return (sum(aligned(it.nbytes) for it in mine)
+            + sum(aligned(m.box.volume * m.item.spec.dtype.itemsize) for m in staged))
+
+
+def _staged(shard: LocalShard | None) -> bool:
+    """Whether this rank's piece is cast or copied before it travels (else its own bytes go)."""
+    assert shard is not None
+    t = shard.local
+    return not (t.is_cpu and t.dtype == shard.dtype.torch and t.is_contiguous())
+
+
+def _lands_contiguous(shape: tuple[int, ...], box: Box) -> bool:
+    """Whether ``box`` of a C-contiguous tensor of ``shape`` is one run of its bytes."""
+    return torch.empty(shape, dtype=torch.uint8, device="meta")[box.slices()].is_contiguous()
+
+
+def _exchange(comm: Comm, shards: Mapping[str, LocalShard | None], mine: list[_Item],
+              moves: list[_Move], arena: _Arena) -> list[tuple[_Item, torch.Tensor]]:
+    """One round: every rank sends the pieces it gives to the batch's owners and receives its
+    own batch's; returns this rank's tensors whole, in order, as views into ``arena`` (valid
+    until the next round)."""
+    arena.reset()
+    whole = [arena.take(it.spec.shape, it.spec.dtype.torch) for it in mine]
+    ops: list[tuple[str, torch.Tensor, int, int]] = []
+    landing: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for m in moves:
+        if m.kind == "copy":  # cast on the way, as a send's
+            whole[m.slot][m.box.slices()].copy_(_local(shards[m.item.spec.name]))
+        elif m.kind == "send":
+            ops.append(("send", _raw(_outgoing(shards[m.item.spec.name], arena)), m.peer, m.tag))
+        else:
+            view = whole[m.slot][m.box.slices()]
+            buf = view if view.is_contiguous() else arena.take(view.shape, view.dtype)
+            landing.append((view, buf))
+            ops.append(("recv", _raw(buf), m.peer, m.tag))
     comm.point_to_point(ops, "sending the pieces of the tensors to export")
-    del ops
-    for view, buf in copies:
+    for view, buf in landing:
         if buf is not view:
             view.copy_(buf)
-    mine = batch[me]
-    for i, item in enumerate(mine):
-        t, whole[i] = whole[i], None  # type: ignore[call-overload]
-        yield item, t
+    return list(zip(mine, whole, strict=True))
 
 
-def _cast(shard: LocalShard | None) -> torch.Tensor:
-    """This rank's piece in the dtype it is written in, contiguous, on the CPU."""
+def _local(shard: LocalShard | None) -> torch.Tensor:
     assert shard is not None
-    return shard.local.detach().to(device="cpu", dtype=shard.dtype.torch).contiguous()
+    return shard.local.detach()
+
+
+def _outgoing(shard: LocalShard | None, arena: _Arena) -> torch.Tensor:
+    """This rank's piece as it travels: its own bytes when they already are contiguous CPU
+    bytes of the written dtype, else cast or copied into ``arena``."""
+    local = _local(shard)
+    if not _staged(shard):
+        return local
+    assert shard is not None
+    return arena.take(tuple(local.shape), shard.dtype.torch).copy_(local)
+
+
+class _Arena:
+    """One host byte buffer of ``size`` bytes, allocated at its first use and filled again every
+    round: ``take`` hands out tensors one after the other in it (at ``aligned`` offsets),
+    ``reset`` starts the next round at its start. ``allocations``: the bytes of every buffer
+    allocated (the one; a tensor past its end, which sizing rules out, would be counted too)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.allocations: list[int] = []
+        self._buf: torch.Tensor | None = None
+        self._pos = 0
+
+    def reset(self) -> None:
+        self._pos = 0
+
+    def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if n == 0:
+            return torch.empty(shape, dtype=dtype)
+        if self._pos + n > self.size:
+            self.allocations.append(n)
+            return torch.empty(shape, dtype=dtype)
+        if self._buf is None:
+            self._buf = torch.empty(self.size, dtype=torch.uint8)
+            self.allocations.append(self.size)
+        view = self._buf[self._pos:self._pos + n].view(dtype).view(shape)
+        self._pos += aligned(n)
+        return view
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -182,7 +182,8 @@ def read_regions(source: Source, regions: Sequence[Region], *, buffer_bytes: int
 _ALIGN = 64
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` bytes rounded up to where the next tensor of a reused buffer starts."""
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -192,7 +193,7 @@ class BatchBuffers:
     into buffer ``k % slots``; a batch over the budget gets tensors of its own."""
 
     def __init__(self, plan: Sequence[list[Region]], budget: int, slots: int) -> None:
-        sizes = [sum(_aligned(r.nbytes) for r in b) for b in plan if _nbytes(b) <= budget]
+        sizes = [sum(aligned(r.nbytes) for r in b) for b in plan if _nbytes(b) <= budget]
         self.size = max(sizes, default=0)
         self._budget = budget
         self._buffers: list[torch.Tensor | None] = [None] * slots
@@ -210,7 +211,7 @@ class BatchBuffers:
         for r in batch:
             dt = from_name(r.entry.dtype, r.entry.key).torch
             out.append(buf[pos:pos + r.nbytes].view(dt).view(r.box.shape))
-            pos += _aligned(r.nbytes)
+            pos += aligned(r.nbytes)
         return out
 
 

@@ -84,6 +84,9 @@ class UnshardResult:
     kept: tuple[str, ...] = ()  #: files a resumed export found complete and left as they were
     #: where this rank's time went (phase -> wall seconds; its CPU seconds), tools/phases.py
     phases: PhaseTimes = field(default_factory=PhaseTimes)
+    #: ``export_hf``: the bytes of each host buffer this rank allocated for its rounds (one,
+    #: however many rounds ran; empty when nothing moved); ``unshard`` leaves it empty
+    host_buffers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
