@@ -14,7 +14,10 @@ rounds: in round k every rank receives the k-th batch of its files' tensors (at 
 ``buffer_bytes``, or one larger tensor) from the ranks holding their pieces (each piece sent by
 one holder; a rank's own pieces are copied, not sent) and writes them. A rank holds its batch
 plus the casts of its own pieces that the others' batches of the round need: about twice
-``buffer_bytes``, or the largest tensor plus ``buffer_bytes``, beside the state itself.
+``buffer_bytes``, or the largest tensor plus ``buffer_bytes``, beside the state itself. All of
+it lives in one host buffer per rank (``_Arena``), allocated once at the size of the rank's
+largest round and filled again by every round, so the allocator's freed blocks do not pile up
+between rounds.
 """
 
 from __future__ import annotations
