@@ -105,7 +105,9 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
             progress: bool = False, process_group: ProcessGroup | None = None) -> UnshardResult:
     """Write the whole (unsharded) tensors of the checkpoint at ``url`` (any backend, or a
     DCP, Megatron or Hugging Face directory; local or remote) as files in the local directory
-    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor, per rank.
+    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor, per rank
+    (a tensor whose chunks are raw row runs of a local checkpoint's files is copied from them
+    into a safetensors file in pieces through one small buffer instead, tools/raw_copy.py).
     Refuses to replace existing files unless ``overwrite``; ``resume`` keeps the files an
     interrupted export finished and writes the others.
 
