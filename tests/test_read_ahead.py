@@ -125,22 +125,29 @@ def test_reused_buffers_are_filled_again_by_later_batches(ckpt):
     assert not all(torch.equal(t, state[k]) for k, t in kept)
 
 
-def test_unshard_reports_where_its_time_went(ckpt, tmp_path):
+def test_unshard_reports_where_its_time_went(ckpt, tmp_path, monkeypatch):
     """``UnshardResult.phases``: this rank's phases (the parts of its own files within their
-    whole) and its CPU seconds; the files written from reused buffers hold the saved tensors."""
+    whole) and its CPU seconds; the files, copied raw from the checkpoint's files or written
+    from the read engine's reused buffers, hold the saved tensors."""
     from safetensors.torch import load_file
 
+    import ckptfs.tools.unshard as unshard_mod
+
     path, state = ckpt
-    res = ckptfs.unshard(path, tmp_path / "hf", format="hf", strategy="chunks", chunk_size=3 * MB,
-                         buffer_bytes=2 * MB)
-    got = {}
-    for f in sorted((tmp_path / "hf").glob("model-*.safetensors")):
-        got.update(load_file(str(f)))
-    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
-    p = res.phases
-    names = [n for n, _ in p.phases]
-    assert {"open", "plan", "prepare", "read wait", "write", "files", "own files",
-            "wait for ranks", "finish"} <= set(names)
-    assert all(s >= 0 for _, s in p.phases) and p.cpu_seconds > 0
-    assert p.get("read wait") + p.get("write") + p.get("files") <= p.get("own files") <= res.seconds
-    assert p.get("no such phase") == 0.0
+    common = {"open", "plan", "prepare", "files", "own files", "wait for ranks", "finish"}
+    for route, parts in (("raw", {"copy"}), ("engine", {"read wait", "write"})):
+        if route == "engine":  # every tensor through the read engine's reused buffers
+            monkeypatch.setattr(unshard_mod, "raw_runs", lambda src, entries: {})
+        res = ckptfs.unshard(path, tmp_path / route, format="hf", strategy="chunks",
+                             chunk_size=3 * MB, buffer_bytes=2 * MB)
+        got = {}
+        for f in sorted((tmp_path / route).glob("model-*.safetensors")):
+            got.update(load_file(str(f)))
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+        p = res.phases
+        names = [n for n, _ in p.phases]
+        assert common | parts <= set(names), route
+        assert all(s >= 0 for _, s in p.phases) and p.cpu_seconds > 0
+        inner = sum(p.get(n) for n in ("read wait", "write", "copy", "files"))
+        assert inner <= p.get("own files") <= res.seconds
+        assert p.get("no such phase") == 0.0

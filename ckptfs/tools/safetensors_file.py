@@ -64,15 +64,32 @@ class SafetensorsWriter:
         self._next = 0
         self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._f.write(header)
+        self._pos = len(header)  #: where the next tensor's bytes go
         self.nbytes = len(header) + sum(s.nbytes for s in self.order)
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        spec = self.order[self._next]
-        if name != spec.name or t.dtype != spec.dtype.torch or tuple(t.shape) != spec.shape:
-            raise ValueError(f"safetensors writer: expected {spec.name!r} {spec.dtype.name} "
-                             f"{list(spec.shape)} next, got {name!r} {t.dtype} {list(t.shape)}")
+        self._check(name, t.dtype, tuple(t.shape))
         self._f.write(tensor_bytes(t.contiguous()))
         self._next += 1
+        self._pos += self.order[self._next - 1].nbytes
+
+    def place(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(file descriptor, byte offset) where the next tensor, ``name``, goes, for the caller
+        to fill with ``os.pwrite`` instead of ``write``; the checks of ``write``."""
+        spec = self._check(name, dtype, shape)
+        self._f.flush()
+        at = self._pos
+        self._pos += spec.nbytes
+        self._f.seek(self._pos)  # the next write follows the placed bytes
+        self._next += 1
+        return self._f.fileno(), at
+
+    def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:
+        spec = self.order[self._next]
+        if name != spec.name or dtype != spec.dtype.torch or shape != spec.shape:
+            raise ValueError(f"safetensors writer: expected {spec.name!r} {spec.dtype.name} "
+                             f"{list(spec.shape)} next, got {name!r} {dtype} {list(shape)}")
+        return spec
 
     def abort(self) -> None:
         """Stop after a failure (the partial file stays for inspection)."""
@@ -112,15 +129,21 @@ class SafetensorsPart:
         self._fd = os.open(path, os.O_WRONLY)
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        spec, pos = self._places.get(name, (None, 0))
-        if spec is None or t.dtype != spec.dtype.torch or tuple(t.shape) != spec.shape:
-            want = "nothing" if spec is None else f"{spec.dtype.name} {list(spec.shape)}"
-            raise ValueError(f"safetensors part: {name!r} is {t.dtype} {list(t.shape)}, the "
-                             f"file's layout has {want} for it")
+        _, pos = self.place(name, t.dtype, tuple(t.shape))
         view = tensor_bytes(t.contiguous())
         while view.nbytes:
             n = os.pwrite(self._fd, view, pos)
             view, pos = view[n:], pos + n
+
+    def place(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(file descriptor, byte offset) of tensor ``name``'s place, for the caller to fill
+        with ``os.pwrite`` instead of ``write``; the checks of ``write``."""
+        spec, pos = self._places.get(name, (None, 0))
+        if spec is None or dtype != spec.dtype.torch or shape != spec.shape:
+            want = "nothing" if spec is None else f"{spec.dtype.name} {list(spec.shape)}"
+            raise ValueError(f"safetensors part: {name!r} is {dtype} {list(shape)}, the "
+                             f"file's layout has {want} for it")
+        return self._fd, pos
 
     def close(self) -> None:
         os.close(self._fd)

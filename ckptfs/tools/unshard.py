@@ -44,6 +44,7 @@ from ckptfs.options import REMOVED, moved_keywords
 from ckptfs.state.flatten import unflatten
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
 from ckptfs.tools.phases import PhaseClock, PhaseTimes
+from ckptfs.tools.raw_copy import RawCopier, RawRun, raw_runs
 from ckptfs.tools.safetensors_file import (
     SafetensorsPart,
     SafetensorsWriter,
@@ -107,7 +108,9 @@ def unshard(url: str | os.PathLike, out_dir: str | os.PathLike, *, format: str =
             progress: bool = False, process_group: ProcessGroup | None = None) -> UnshardResult:
     """Write the whole (unsharded) tensors of the checkpoint at ``url`` (any backend, or a
     DCP, Megatron or Hugging Face directory; local or remote) as files in the local directory
-    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor, per rank.
+    ``out_dir``. Holds at most ``buffer_bytes`` of tensor data, or one larger tensor, per rank
+    (a tensor whose chunks are raw row runs of a local checkpoint's files is copied from them
+    into a safetensors file in pieces through one small buffer instead, tools/raw_copy.py).
     Refuses to replace existing files unless ``overwrite``; ``resume`` keeps the files an
     interrupted export finished and writes the others.
 
@@ -250,30 +253,62 @@ def _write_share(src: Source, sel: Selection, items: list[tuple[_FilePlan, str]]
     """Write the tensors ``items`` (each with its shared file) into their places."""
     if not items:
         return 0
-    regions = [Region.whole(src.index.tensors[k]) for _, k in items]
-    bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
+    keys = [k for _, k in items]
+    bar = progress_bar(sum(nbytes(src.index.tensors[k]) for k in keys), label, progress,
+                       position=rank)
     parts: dict[str, SafetensorsPart] = {}
     total = 0
-    stream = _timed(read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
-                                 ahead=True, reuse=True), clock)
+    runs, stream = _sources(src, keys, format, buffer_bytes, verify, clock)
+    copier = RawCopier(src.url, verify)
     try:
-        for (plan, key), (_, data) in zip(items, stream):
+        for plan, key in items:
             part = parts.get(plan.name)
             if part is None:
                 with clock.phase("files"):
                     part = parts[plan.name] = SafetensorsPart(
                         out.partial(plan.name), _specs(src, sel, plan.tensors), _metadata(format))
-            with clock.phase("write"):
-                part.write(sel.relative(key), data)
-            bar.update(data.nbytes)
-            total += data.nbytes
-            del data
+            n = _put(src, part, sel.relative(key), key, runs, copier, stream, clock)
+            bar.update(n)
+            total += n
     finally:
         stream.close()  # no read left running into the reused buffers
+        copier.close()
         for part in parts.values():
             part.close()
         bar.close(done=False)
     return total
+
+
+def _sources(src: Source, keys: list[str], format: str, buffer_bytes: int, verify: bool,
+             clock: PhaseClock) -> tuple[dict[str, tuple[RawRun, ...]], Iterator]:
+    """How the tensors ``keys`` arrive: the runs of those copied straight from a local
+    checkpoint's files into safetensors files (raw_copy.py), and a stream of the others read
+    by the read engine, in order."""
+    entries = [src.index.tensors[k] for k in keys]
+    runs = raw_runs(src, entries) if format != "torch" else {}
+    regions = [Region.whole(e) for e in entries if e.key not in runs]
+    return runs, _timed(read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
+                                     ahead=True, reuse=True), clock)
+
+
+def _put(src: Source, writer: SafetensorsPart | SafetensorsWriter | TorchFileWriter, name: str,
+         key: str, runs: Mapping[str, tuple[RawRun, ...]], copier: RawCopier,
+         stream: Iterator, clock: PhaseClock) -> int:
+    """Tensor ``key`` into ``writer`` as ``name``: copied (phase "copy": read, checked and
+    written in one pass) when it has runs, else the next tensor of ``stream`` written (phase
+    "write"). Returns its bytes."""
+    mine = runs.get(key)
+    if mine is not None:
+        entry = src.index.tensors[key]
+        assert not isinstance(writer, TorchFileWriter)
+        with clock.phase("copy"):
+            fd, at = writer.place(name, from_name(entry.dtype, key).torch, tuple(entry.shape))
+            return copier.copy(key, mine, fd, at)
+    region, data = next(stream)
+    assert region.entry.key == key
+    with clock.phase("write"):
+        writer.write(name, data)
+    return data.nbytes
 
 
 def _timed(stream: Iterator[T], clock: PhaseClock) -> Generator[T, None, None]:
@@ -396,10 +431,11 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, 
     """Open each file's writer in turn and feed it from one stream of tensors; a file takes its
     name in ``out`` once complete (export_dir.py)."""
     clock = clock or PhaseClock()
-    regions = [Region.whole(src.index.tensors[k]) for p in plans for k in p.tensors]
-    stream = _timed(read_regions(src, regions, buffer_bytes=buffer_bytes, verify=verify,
-                                 ahead=True, reuse=True), clock)
-    bar = progress_bar(sum(nbytes(r.entry) for r in regions), label, progress, position=rank)
+    keys = [k for p in plans for k in p.tensors]
+    runs, stream = _sources(src, keys, format, buffer_bytes, verify, clock)
+    copier = RawCopier(src.url, verify)
+    bar = progress_bar(sum(nbytes(src.index.tensors[k]) for k in keys), label, progress,
+                       position=rank)
     total = 0
     try:
         for plan in plans:
@@ -407,13 +443,8 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, 
                 writer = _open_writer(src, sel, plan, out.partial(plan.name), format)
             try:
                 for key in plan.tensors:
-                    region, data = next(stream)
-                    assert region.entry.key == key
-                    with clock.phase("write"):
-                        writer.write(_file_key(sel, plan, key) if format == "torch"
-                                     else sel.relative(key), data)
-                    bar.update(data.nbytes)
-                    del data
+                    name = _file_key(sel, plan, key) if format == "torch" else sel.relative(key)
+                    bar.update(_put(src, writer, name, key, runs, copier, stream, clock))
             except BaseException:
                 writer.abort()
                 raise
@@ -423,6 +454,7 @@ def _write(src: Source, sel: Selection, plans: list[_FilePlan], out: ExportDir, 
             total += writer.nbytes
     finally:
         stream.close()  # no read left running into the reused buffers
+        copier.close()
         bar.close(done=False)  # the caller prints one line for every rank
     return total
 
