@@ -146,3 +146,20 @@ def test_a_non_contiguous_tensor_is_staged_then_hashed_and_still_referenced(tmp_
     for key in FROZEN:
         assert "base" in _chunks(tmp_path / "d", key)[0], key
     _assert_exact(tmp_path / "d", state)
+
+
+def test_a_save_that_searches_every_chunk_for_nan_stages_them_all_and_still_references(tmp_path):
+    """``check_finite`` reads every chunk, referenced ones included: all are staged."""
+    state = _state()
+    ckptfs.save(state, tmp_path / "b", options=ckptfs.SaveOptions(hashes=True))
+    state["adapter"][2, 2] += 1.0
+    try:
+        result = ckptfs.async_save(state, tmp_path / "d", check_finite=True,
+                                   options=ckptfs.SaveOptions(base=str(tmp_path / "b"))).result()
+    finally:
+        ckptfs.close()
+    total = sum(_nbytes(_frozen(state, k)) for k in FROZEN) + _nbytes(state["adapter"])
+    assert result.staged_bytes == total
+    for key in FROZEN:
+        assert "base" in _chunks(tmp_path / "d", key)[0], key
+    _assert_exact(tmp_path / "d", state)
