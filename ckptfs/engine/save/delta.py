@@ -1,9 +1,13 @@
 """Delta saves (formats/README.md §2.5): chunks whose bytes equal a chunk of a base checkpoint
 are recorded as references to it instead of being written.
 
-``DeltaHook`` is a ``SaveHook`` (engine/save/hooks.py). Once the chunks are staged
-(``after_stage``) each rank hashes its chunks (xxh3-128, layout/content_hash.py) and, with a
-base, reads the base's index and compares: a chunk is referenced only when the base holds a
+``DeltaHook`` is a ``SaveHook`` (engine/save/hooks.py). Each rank reads the base's index on a
+thread from ``before_stage`` on, hashes its chunks (xxh3-128, layout/content_hash.py) and, with
+a base, compares: in a save that copies (asynchronous, the manager's) the chunks of CPU,
+contiguous tensors are hashed in place before any is copied (``before_copy``), and those
+referenced are never copied; the others (a synchronous save's, read in place; CUDA and
+non-contiguous ones, whose bytes reach the host only as copies) once staged
+(``after_stage``). A chunk is referenced only when the base holds a
 chunk of the same key, dtype, global shape and box whose recorded hash equals the chunk's
 hash (a chunk of the base without a hash is never referenced; neither is one of another
 backend, nor a chunk streamed from a device, which is written and not hashed). The write
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +56,18 @@ class DeltaNote:
     refs: Mapping[ChunkId, ChunkEntry] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What ``before_stage`` and ``before_copy`` found before the chunks were staged: the memo's
+    sources, the base's index being read (None: no base, or read when needed), and the chunks
+    hashed and referenced before copying."""
+
+    sources: Sources | None = None
+    index: Future[Index] | None = None
+    hashes: Mapping[ChunkId, str] = field(default_factory=dict)
+    refs: Mapping[ChunkId, ChunkEntry] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class DeltaHook(SaveHook):
     """Record every chunk's content hash; with ``base`` (a checkpoint URL, opened like any),
@@ -70,14 +86,47 @@ class DeltaHook(SaveHook):
     #: copies take by default, engine/memory/copies.py)
     threads: int | None = None
 
-    def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> Sources | None:
-        return None if self.memo is None else self.memo.sources(state_dict, rank)
+    def reads_every_chunk(self) -> bool:
+        return False
+
+    def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> Pending:
+        """The memo's sources, and the base's index read on a thread of its own meanwhile."""
+        sources = None if self.memo is None else self.memo.sources(state_dict, rank)
+        if self.base is None:
+            return Pending(sources)
+        reader = ThreadPoolExecutor(1, thread_name_prefix="ckptfsBaseIndex")
+        try:
+            return Pending(sources, reader.submit(self._base_index))
+        finally:
+            reader.shutdown(wait=False)  # the read goes on; the thread ends with it
+
+    def before_copy(self, chunks: Sequence[ChunkData], note: Any
+                    ) -> tuple[Pending, Mapping[ChunkId, ChunkEntry]]:
+        """A save that copies (asynchronous, the manager's): ``chunks`` hashed in place, views
+        of the caller's CPU tensors, before any is copied; those the base holds with equal
+        hashes are references, never copied (the caller's bytes now are the ones hashed)."""
+        pending = note if isinstance(note, Pending) else Pending()
+        hashes = self._hashes(chunks, pending.sources)
+        refs = self._refs(chunks, hashes, pending) if self.base is not None else {}
+        return dataclasses.replace(pending, hashes={**pending.hashes, **hashes},
+                                   refs={**pending.refs, **refs}), refs
 
     def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
                     tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> DeltaNote:
-        sources = note if isinstance(note, Sources) else None
+        """The staged chunks not hashed by ``before_copy`` (all of a synchronous save, read in
+        place; an asynchronous save's CUDA and non-contiguous chunks, from their copies)
+        hashed and, with a base, compared with it."""
+        pending = note if isinstance(note, Pending) else Pending()
+        todo = [c for c in chunks if _id(c) not in pending.hashes]
+        hashes = {**pending.hashes, **self._hashes(todo, pending.sources)}
         if self.base is None:
-            return DeltaNote(self._hashes(chunks, sources))
+            return DeltaNote(hashes)
+        return DeltaNote(hashes, {**pending.refs, **self._refs(todo, hashes, pending)})
+
+    def _refs(self, chunks: Sequence[ChunkData], hashes: Mapping[ChunkId, str],
+              pending: Pending) -> dict[ChunkId, ChunkEntry]:
+        """The references of ``chunks`` to the base (its index as ``pending`` reads it)."""
+        assert self.base is not None
         if self.backend != RAW_BACKEND:
             raise ConfigError(f"a delta save on {self.base!r} needs backend "
                               f"{RAW_BACKEND[0]}-{RAW_BACKEND[1]}, not "
@@ -85,10 +134,7 @@ class DeltaHook(SaveHook):
         if split_url(self.base) == split_url(self.url):
             raise ConfigError(f"a delta save to {self.url!r} names itself as its base: a "
                               f"checkpoint cannot reference the files it replaces")
-        with ThreadPoolExecutor(1) as reader:  # the base's index read while the chunks hash
-            index = reader.submit(self._base_index)
-            hashes = self._hashes(chunks, sources)
-            base = index.result()
+        base = pending.index.result() if pending.index is not None else self._base_index()
         where = relative_url(self.base, self.url)
         refs = {}
         for c in chunks:
@@ -97,7 +143,7 @@ class DeltaHook(SaveHook):
             ref = _match(c, h, e, where, self.url) if h is not None and e is not None else None
             if ref is not None:
                 refs[_id(c)] = ref
-        return DeltaNote(hashes, refs)
+        return refs
 
     def _hashes(self, chunks: Sequence[ChunkData], sources: Sources | None) -> dict[ChunkId, str]:
         """Each host chunk's content hash: from the memo where its tensor is unchanged since

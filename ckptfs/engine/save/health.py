@@ -129,6 +129,10 @@ class HealthHook(SaveHook):
     def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> DeviceCheck:
         return check_on_device(state_dict, rank, self.check_finite)
 
+    def reads_every_chunk(self) -> bool:
+        """A search or a fingerprint covers every chunk, a base's referenced ones included."""
+        return self.check_finite or self.stats
+
     def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
                     tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> HealthNote:
         """Collective: the chunks streamed while written are searched now, the others left to

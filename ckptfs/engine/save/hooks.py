@@ -55,6 +55,14 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
 
     0) ``before_stage(state_dict, rank) -> note``: every rank, local, before the state is
        described or staged (the caller's tensors as they are, e.g. on their device).
+    0b) ``before_copy(chunks, note) -> (note, references)``: local, only in a save that copies
+       the caller's tensors (an asynchronous save's, the manager's), only for a hook that
+       overrides it and when no hook of the save ``reads_every_chunk``: ``chunks`` the chunks
+       this rank would copy from CPU, contiguous tensors, as views of them, before any byte is
+       copied; ``references`` ({(key, offsets, shape): ChunkEntry}) the chunks recorded as
+       references to a base checkpoint instead of written, as ``chunk_reference`` returns
+       them: they are neither copied nor handed to the later calls (``chunks`` there lacks
+       them). The caller's tensors may change once staged: read them here, keep no view.
     1) ``after_stage(chunks, comm, note, tensors=...) -> note``: collective, once this rank's
        chunks are staged (host copies or views; ``tensors``: (dtype, shape) of every tensor of
        the checkpoint on the coordinator, None elsewhere); nothing is claimed or written.
@@ -96,6 +104,17 @@ class SaveHook(ABC):  # noqa: B024 - every hook point has a default: override wh
 
     def before_stage(self, state_dict: Mapping[str, Any], rank: int) -> Any:
         return None
+
+    def reads_every_chunk(self) -> bool:
+        """Whether the hook reads the bytes of every chunk of the save in its calls, those a
+        hook records as references included (a check, a fingerprint): then a save copies all
+        its chunks and no hook's ``before_copy`` runs. True unless a hook says otherwise."""
+        return True
+
+    def before_copy(self, chunks: Sequence[ChunkData], note: Any
+                    ) -> tuple[Any, Mapping[tuple[str, tuple[int, ...], tuple[int, ...]],
+                                        ChunkEntry]]:
+        return note, {}
 
     def after_stage(self, chunks: Sequence[ChunkData], comm: Comm, note: Any, *,
                     tensors: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> Any:
@@ -142,6 +161,9 @@ class PhaseTimes(SaveHook):
     (the hook's own record, local to the process that runs the phase)."""
 
     seconds: list[tuple[str, float]] = field(default_factory=list)
+
+    def reads_every_chunk(self) -> bool:
+        return False
 
     def phase_done(self, phase: str, seconds: float) -> None:
         self.seconds.append((phase, seconds))

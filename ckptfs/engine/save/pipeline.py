@@ -55,24 +55,34 @@ from ckptfs.engine.save.commit import (
     take_claim,
     uncommit,
 )
-from ckptfs.engine.save.hooks import SaveHook, phase
+from ckptfs.engine.save.hooks import SaveHook, overrides, phase
 from ckptfs.engine.save.lock import Renewal
 from ckptfs.engine.save.segments import SegmentPlan, plan_segments
 from ckptfs.engine.save.stage import (
+    ChunkId,
     IndexContent,
+    Refer,
     StagedSave,
     has_cuda,
     release,
     stage,
     staging_allocator,
 )
-from ckptfs.engine.save.write import Written, WrittenRank, file_sums, write, write_files, write_rank
+from ckptfs.engine.save.write import (
+    Written,
+    WrittenRank,
+    checked_reference,
+    file_sums,
+    write,
+    write_files,
+    write_rank,
+)
 from ckptfs.io import Store, StoreOptions, open_store, run_sync
 from ckptfs.io.copy import copy_files
 from ckptfs.io.local_store import LocalStore
 from ckptfs.io.prefixed import PrefixedStore
 from ckptfs.layout.backend import Backend, ChunkData
-from ckptfs.layout.index import LOCK_FILE, Index
+from ckptfs.layout.index import LOCK_FILE, ChunkEntry, Index
 from ckptfs.layout.plan import TensorPlan
 
 
@@ -91,6 +101,10 @@ class SaveResult:
     #: what this rank moved through collectives (planning, outcomes, and index entries sent to
     #: the coordinator, counted apart in ``entry_bytes``)
     comm: CommStats = field(default_factory=CommStats)
+    #: bytes this rank copied into host staging buffers (an asynchronous save's copies; a
+    #: synchronous save's of data it cannot write in place): a delta save's chunks referenced
+    #: to its base are not copied, nor chunks streamed while written (``host_memory_limit``)
+    staged_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,8 +187,9 @@ def stage_phase(state_dict: Mapping[str, Any], request: SaveRequest, comm: Comm,
     hooks, opts = request.hooks, request.options
     with phase(hooks, "stage"):
         memos = [h.before_stage(state_dict, comm.rank) for h in hooks]
+        refer = _refer(hooks, memos) if how.get("copy") else None
         staged = stage(state_dict, comm, request.backend, pool, threads=opts.copy_threads,
-                       copy_piece=opts.copy_piece, **how)
+                       copy_piece=opts.copy_piece, refer=refer, **how)
         del state_dict  # the caller's tensors are not held once staged (an asynchronous save)
         if not hooks:
             return staged
@@ -186,6 +201,29 @@ def stage_phase(state_dict: Mapping[str, Any], request: SaveRequest, comm: Comm,
             release(staged, pool)
             raise
     return dataclasses.replace(staged, notes=notes)
+
+
+def _refer(hooks: Sequence[SaveHook], notes: list[Any]) -> Refer | None:
+    """The stage's ``refer`` (engine/save/stage.py) of the hooks' ``before_copy``, each hook's
+    note replaced in ``notes`` by what it returns (the first hook naming a chunk wins); None
+    when no hook has one or a hook reads every chunk (``SaveHook.reads_every_chunk``)."""
+    if (not any(overrides(h, "before_copy") for h in hooks)
+            or any(h.reads_every_chunk() for h in hooks)):
+        return None
+
+    def refer(chunks: Sequence[ChunkData]) -> dict[ChunkId, ChunkEntry]:
+        by_id = {(c.key, c.box.offsets, c.box.shape): c for c in chunks}
+        out: dict[ChunkId, ChunkEntry] = {}
+        for i, h in enumerate(hooks):
+            if overrides(h, "before_copy"):
+                left = [c for cid, c in by_id.items() if cid not in out]
+                notes[i], refs = h.before_copy(left, notes[i])
+                for cid, e in refs.items():
+                    if cid in by_id and cid not in out:
+                        out[cid] = checked_reference(h, by_id[cid], e)
+        return out
+
+    return refer
 
 
 def finish_staged(request: SaveRequest, staged: StagedSave, comm: Comm,
@@ -330,7 +368,7 @@ def _write_and_commit(request: SaveRequest, staged: StagedSave, target: Store, c
     files = written.mine.files
     return SaveResult(request.target_url, be.name, be.version, sum(files.values()), total,
                       tuple(files), time.perf_counter() - request.started, staged.cached,
-                      comm.stats.snapshot())
+                      comm.stats.snapshot(), staged.staged_bytes)
 
 
 def local_options(store_options: StoreOptions | None) -> StoreOptions:

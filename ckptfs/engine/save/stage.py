@@ -56,6 +56,7 @@ from ckptfs.layout.backend import Backend, ChunkData
 from ckptfs.layout.boxes import Box, full_box
 from ckptfs.layout.checksum import checksum
 from ckptfs.layout.dtypes import from_name
+from ckptfs.layout.index import ChunkEntry
 from ckptfs.layout.nogc import catch_up, paused_gc
 from ckptfs.layout.plan import PlannedChunk, TensorPlan
 from ckptfs.layout.tensor_bytes import tensor_bytes
@@ -67,6 +68,10 @@ from ckptfs.state.flatten import flatten, merge_order
 from ckptfs.state.shards import LocalShard, MeshTable, described_shards
 
 Json = Any
+ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  #: key, offsets, shape
+#: a save's test of the chunks it would copy, before any is copied: the references it records
+#: instead of copying them (engine/save/pipeline.py builds it from the hooks' ``before_copy``)
+Refer = Callable[[Sequence[ChunkData]], Mapping[ChunkId, ChunkEntry]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +135,11 @@ class StagedSave:
     content: IndexContent | None = None  #: the coordinator's; None on the other ranks
     #: each hook's note (engine/save/hooks.py), in the order of the save's hooks
     notes: tuple[Any, ...] = ()
+    #: the chunks this rank records as references to a base checkpoint, found before any byte
+    #: was copied (``refer``), by (key, offsets, shape): not copied, not in ``chunks``
+    references: Mapping[ChunkId, ChunkEntry] = field(default_factory=dict)
+    #: bytes this rank copied into host staging buffers (not those streamed while written)
+    staged_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +210,8 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
           on_copied: Callable[[], None] | None = None,
           threads: int | None = None, copy_piece: int = PIECE,
           device: DeviceParts | None = None, overflow: Overflow | None = None,
-          on_queued: Callable[[list[Any]], None] | None = None) -> StagedSave:
+          on_queued: Callable[[list[Any]], None] | None = None,
+          refer: Refer | None = None) -> StagedSave:
     """Describe, agree, plan, and take this rank's chunk bytes (collective over ``comm``).
     ``min_slice``: bytes below which replicated regions are not cut among their holders
     (default ``planning.save_plan.MIN_SLICE_BYTES``, read at each call). ``on_copied`` is
@@ -215,7 +226,11 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
     streamed through its ring while written, and ``on_copied`` waits for their last byte
     (engine/memory/overflow.py). ``on_queued(events)``: called once the CPU copies are done and the
     CUDA copies queued, with a CUDA event recorded after them on each side stream (not called
-    when nothing is copied from CUDA)."""
+    when nothing is copied from CUDA). ``refer`` (``copy=True``): called with the chunks to copy
+    from the caller's CPU, contiguous tensors, as views, before any is copied; the chunks it
+    names are references (``StagedSave.references``), neither copied nor counted against
+    ``overflow``'s bound (CUDA and non-contiguous chunks are copied first, then tested by the
+    hooks' ``after_stage``)."""
     if min_slice is None:
         min_slice = save_plan.MIN_SLICE_BYTES
     cache = plan_cache() if cache is None else cache
@@ -241,11 +256,12 @@ def stage(state_dict: Mapping[str, Any], comm: Comm, backend: Backend, pool: Buf
             on_copied = functools.partial(overflow.arm, on_copied)
     elif copy:
         device = None
-    chunks, leases = _take_agreed(comm, views, shards, pool, copy,
-                                  (copy_threads(threads), copy_piece), device, on_copied,
-                                  on_queued)
+    chunks, leases, refs = _take_agreed(comm, views, shards, pool, copy,
+                                        (copy_threads(threads), copy_piece), device, on_copied,
+                                        on_queued, refer if copy else None)
     return StagedSave(comm.rank, comm.size, _Plans(plan.plans, private_plans), chunks, leases,
-                      copy, sums, replicas, agreed.cached, content)
+                      copy, sums, replicas, agreed.cached, content, references=refs,
+                      staged_bytes=sum(lease.nbytes for lease in leases))
 
 
 def _describe_and_agree(state_dict: Mapping[str, Any], comm: Comm, backend: Backend,
@@ -319,13 +335,19 @@ def _take_agreed(comm: Comm, views: list, shards: dict[str, LocalShard], pool: B
                  copy: bool, threads: tuple[int, int], device: DeviceParts | None,
                  on_copied: Callable[[], None] | None,
                  on_queued: Callable[[list[Any]], None] | None = None,
-                 ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...]]:
-    """``_take``, then ``on_copied``; the ranks settle the outcome (a failed rank fails all,
-    its leases given back). Empties ``views`` and ``shards`` (what the chunks do not hold is
-    freed before ``on_copied``, and the young objects collected)."""
+                 refer: Refer | None = None,
+                 ) -> tuple[tuple[ChunkData, ...], tuple[Lease, ...], Mapping[ChunkId, ChunkEntry]]:
+    """``_take`` of the views ``refer`` does not name (all without it), then ``on_copied``; the
+    ranks settle the outcome (a failed rank fails all, its leases given back). Empties
+    ``views`` and ``shards`` (what the chunks do not hold is freed before ``on_copied``, and
+    the young objects collected)."""
     taken: list[tuple[tuple[ChunkData, ...], tuple[Lease, ...]]] = []
+    refs: dict[ChunkId, ChunkEntry] = {}
 
     def take() -> None:
+        if refer is not None:  # hashed in place before copying: a reference is never copied
+            refs.update(_referenced(views, shards, refer))
+            views[:] = [v for v in views if (v[0], v[2].offsets, v[2].shape) not in refs]
         taken.append(_take(views, shards, pool, copy, threads, device, on_queued))
         # the views and shards not held by a chunk are freed, and the collector paused by
         # ``stage`` catches up, here, before ``on_copied``: for thousands of tensors each takes
@@ -343,7 +365,17 @@ def _take_agreed(comm: Comm, views: list, shards: dict[str, LocalShard], pool: B
         if taken:
             _release(taken[0][1], pool)
         raise
-    return taken[0]
+    return (*taken[0], refs)
+
+
+def _referenced(views: list, shards: Mapping[str, LocalShard], refer: Refer
+                ) -> Mapping[ChunkId, ChunkEntry]:
+    """What ``refer`` records as references among the views it can read in place: CPU,
+    contiguous and not empty. A CUDA chunk's bytes are not on the host before they are copied:
+    it is staged, then hashed (the hooks' ``after_stage``), as a non-contiguous one is."""
+    host = [ChunkData(key, shards[key].dtype, shape, box, data) for key, shape, box, data in views
+            if data.numel() and not _needs_copy(data)]
+    return refer(host) if host else {}
 
 
 def _plan(d: Described, comm: Comm, backend: Backend, min_slice: int) -> SavePlan:

@@ -185,7 +185,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     for NaN and infinity); the chunks no block test runs on go to the hooks' ``during_write``
     meanwhile."""
     notes = staged.notes or (None,) * len(hooks)
-    refs = _references(staged.chunks, hooks, notes)
+    refs = {**staged.references, **_references(staged.chunks, hooks, notes)}
     chunks = tuple(c for c in staged.chunks if _chunk_id(c) not in refs) if refs \
         else staged.chunks
     keys = {c.key for c in chunks}
@@ -291,16 +291,22 @@ def _references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook], notes: S
             continue
         for c in chunks:
             e = h.chunk_reference(c, n) if _chunk_id(c) not in out else None
-            if e is None:
-                continue
-            if (not isinstance(e, ChunkEntry) or e.base is None or e.file is None
-                    or e.checksum is None or e.hash is None or e.byte_offset is None
-                    or (e.offsets, e.shape) != (c.box.offsets, c.box.shape)):
-                raise ConfigError(f"key {c.key!r}: {type(h).__name__} records chunk "
-                                  f"{c.box.offsets} as a reference that is not a whole chunk "
-                                  f"naming its base, file, byte range, checksum and hash: {e!r}")
-            out[_chunk_id(c)] = e
+            if e is not None:
+                out[_chunk_id(c)] = checked_reference(h, c, e)
     return out
+
+
+def checked_reference(hook: SaveHook, c: ChunkData, e: Any) -> ChunkEntry:
+    """``e``, the reference ``hook`` records for chunk ``c``; ConfigError naming the key and the
+    chunk unless it is a whole chunk of ``c``'s box naming its base, file, byte range, CRC-32C
+    and content hash."""
+    if (not isinstance(e, ChunkEntry) or e.base is None or e.file is None
+            or e.checksum is None or e.hash is None or e.byte_offset is None
+            or (e.offsets, e.shape) != (c.box.offsets, c.box.shape)):
+        raise ConfigError(f"key {c.key!r}: {type(hook).__name__} records chunk "
+                          f"{c.box.offsets} as a reference that is not a whole chunk "
+                          f"naming its base, file, byte range, checksum and hash: {e!r}")
+    return e
 
 
 async def _beside(*writes: Awaitable[None]) -> None:
