@@ -1,6 +1,6 @@
 """bench/dcp_plugin.py runs end to end at a tiny size and reports what it promises: times of
 both storages in every phase, and the bytes each read in the 2 -> 3 reshard (no timing is
-asserted)."""
+asserted). Its worlds run on the run's pool."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from bench import dcp_plugin
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the whole bench at its smallest size: `make test-extended`
+@pytest.mark.pooled_ranks  # the bench's 2- and 3-rank worlds: the run's pool
 def test_tiny_run_reports_every_phase(tmp_path):
     out = tmp_path / "result.json"
     got = dcp_plugin.main(["--gb", "0.002", "--runs", "1", "--dir", str(tmp_path / "ck"),

@@ -18,9 +18,9 @@ def test_a_ranks_rows_are_the_whole_states_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the whole bench at its smallest size: `make test-extended`
+@pytest.mark.pooled_ranks  # the bench's 2-rank world: the run's pool
 def test_the_harness_runs_every_row_on_cpu(tmp_path, capsys):
-    assert gpu.main(["--device", "cpu", "--gb", "0.02", "--repeats", "1", "--dtypes", "bf16",
+    assert gpu.main(["--device", "cpu", "--gb", "0.004", "--repeats", "1", "--dtypes", "bf16",
                      "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for row in ("page cache read GB/s by threads", "load ckptfs ", "load ckptfs verify=False",

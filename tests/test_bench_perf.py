@@ -22,7 +22,7 @@ WARM = {"W6 warm load 1->1", "W6 warm load 2->2", "W7 warm save 1", "W7 warm sav
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the whole bench at its smallest size: `make test-extended`
+@pytest.mark.pooled_ranks  # the bench's worlds of 1, 2 and 3 ranks: the run's pool
 def test_perf_tiny(tmp_path, capsys):
     rc = perf.main(["--gb", "0.0005", "--mid-gb", "0.0005", "--large-gb", "0.0005", "--reps", "1", "--warmup", "0", "--small", "40",
                     "--backends", "safetensors_chunks", "--peers", "DCP,OLMo-core",

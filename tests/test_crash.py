@@ -38,7 +38,6 @@ def test_killed_saves_local(tmp_path, ctx):
     _run(crash_trials.combos(str(tmp_path / "ck"), None, None), ctx, tmp_path, "local")
 
 
-@pytest.mark.extended  # the same trials on local files above; S3 faults: test_fault_matrix
 def test_killed_saves_s3(s3, tmp_path, ctx):
     combos = [c for c in crash_trials.combos(str(tmp_path / "ck"), f"{s3.url}/crash",
                                              s3_options(s3.direct)) if c.storage == "s3"]

@@ -41,6 +41,5 @@ def test_killed_delta_cycles_local(tmp_path, ctx):
     _run(str(tmp_path / "run"), None, tmp_path, ctx, 2)
 
 
-@pytest.mark.extended  # the local twin covers the same code in `make test`
 def test_killed_delta_cycles_s3(s3, tmp_path, ctx):
     _run(f"{s3.url}/chaos", s3_options(s3.direct), tmp_path, ctx, 1)

@@ -129,7 +129,7 @@ def _sharded(rank: int, world: int, path: str, ref_file: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("world", [2, 3])
 def test_mxfp4_loads_resharded_over_experts_columns_and_rows(checkpoint, world, tmp_path):
     path, ref = checkpoint
     torch.save({k: ref[k] for k in (UP, DOWN)}, tmp_path / "ref.pt")

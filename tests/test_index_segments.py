@@ -179,7 +179,7 @@ def test_eight_ranks_write_several_segments_and_the_coordinator_gets_no_entries(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [3, pytest.param(5, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("world", [3, 5])
 def test_a_segmented_checkpoint_of_eight_ranks_loads_at_another_world(saved, world):
     run_ranks(world, load_world, saved)
     if world == 3:

@@ -1,12 +1,13 @@
 """``ckptfs.lightning``: a real Lightning ``Trainer`` on CPU (``ddp_spawn``, 2 processes)
 checkpointing through ckptfs: a run is killed after an epoch's checkpoint, a new run resumes
 from ``ckpt_path="last"`` and ends bit-exact where an unbroken run ends, and so does a resume
-with the plug-in under ``AsyncCheckpointIO`` (on strategy ``ddp``; `make test-extended`). Each
-run is its own process (tests/lightning_train.py)."""
+with the plug-in under ``AsyncCheckpointIO`` (on strategy ``ddp``). Each run is its own process
+(tests/lightning_train.py); the unbroken run and the killed one run once for both resumes."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -41,32 +42,40 @@ def finish(*runs: subprocess.Popen) -> list[tuple[int, str]]:
     return got
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """An unbroken run and a run killed after epoch 1's checkpoint, side by side, once for the
+    module: (the unbroken run's final model, the killed run's directory, a copy of it as the
+    kill left it)."""
+    tmp = tmp_path_factory.mktemp("lightning")
+    (full, err), (code, _) = finish(train("full", tmp / "full", tmp / "full.pt"),
+                                    train("killed", tmp / "run", tmp / "never.pt"))
+    assert full == 0, err[-3000:]
+    assert code != 0 and not (tmp / "never.pt").exists()
+    last = ckptfs.load_metadata(tmp / "run" / "last.ckpt")
+    assert last.values["epoch"] == 1  # epoch 1's checkpoint, committed before the kill
+    shutil.copytree(tmp / "run", tmp / "killed")
+    return torch.load(tmp / "full.pt")["model"], tmp / "run", tmp / "killed"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("resume", [
-    "plain",
-    # the plug-in under AsyncCheckpointIO: the same runs again (`make test-extended`)
-    pytest.param("async", marks=pytest.mark.extended)])
-def test_killed_run_resumes_from_last_bit_exact(tmp_path, resume):
-    # the unbroken run and the killed one are independent: they run side by side
-    (full, err), (killed, _) = finish(train("full", tmp_path / "full", tmp_path / "full.pt"),
-                                      train("killed", tmp_path / "run", tmp_path / "never.pt"))
-    assert full == 0, err[-3000:]
-    assert killed != 0 and not (tmp_path / "never.pt").exists()
-    last = ckptfs.load_metadata(tmp_path / "run" / "last.ckpt")
-    assert last.values["epoch"] == 1  # epoch 1's checkpoint, committed before the kill
-    # the killed run resumes from the same directory (ModelCheckpoint keeps its state only
-    # where it was saved)
+@pytest.mark.parametrize("resume", ["plain", "async"])  # async: the plug-in under AsyncCheckpointIO
+def test_killed_run_resumes_from_last_bit_exact(killed, tmp_path, resume):
+    want, run, as_killed = killed
+    # the killed run resumes from its own directory (ModelCheckpoint keeps its state only where
+    # it was saved), put back as the kill left it for each way of resuming
+    shutil.rmtree(run)
+    shutil.copytree(as_killed, run)
     extra = ("--async",) if resume == "async" else ()
-    [(code, err)] = finish(train("resume", tmp_path / "run", tmp_path / "resumed.pt", *extra))
+    [(code, err)] = finish(train("resume", run, tmp_path / "resumed.pt", *extra))
     assert code == 0, err[-3000:]
-    want = torch.load(tmp_path / "full.pt")["model"]
     got = torch.load(tmp_path / "resumed.pt")["model"]
     assert want.keys() == got.keys()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
     # the last checkpoint is the final epoch's, same weights
-    final = ckptfs.load_keys(tmp_path / "run" / "last.ckpt")
+    final = ckptfs.load_keys(run / "last.ckpt")
     assert final["epoch"] == 3 and final["global_step"] == 16
     for k, v in want.items():
         assert torch.equal(final["state_dict"][k], v), k
@@ -76,8 +85,8 @@ def test_killed_run_resumes_from_last_bit_exact(tmp_path, resume):
         return
     # ModelCheckpoint kept its latest checkpoint and last, removing the others through the
     # plug-in (directories included)
-    assert sorted(os.listdir(tmp_path / "run")) == ["epoch=3-step=16.ckpt", "last.ckpt"]
-    state = ckptfs.load_keys(tmp_path / "run" / "last.ckpt")
+    assert sorted(os.listdir(run)) == ["epoch=3-step=16.ckpt", "last.ckpt"]
+    state = ckptfs.load_keys(run / "last.ckpt")
     assert set(state["optimizer_states"][0]["state"]) == {0, 1}  # int keys stay ints
 
 

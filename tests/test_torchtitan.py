@@ -231,7 +231,7 @@ def test_two_ranks_killed_during_an_async_save_resume_bit_exact(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the test above saves asynchronously and resumes bit-exact too
+@pytest.mark.pooled_ranks  # its ranks leave nothing behind: the run's pool
 def test_two_ranks_save_async_stop_and_resume_bit_exact(tmp_path):
     run_ranks(2, _resume, str(tmp_path), timeout=300)
     steps = sorted(os.listdir(tmp_path / "ref" / "ckpt"))
