@@ -21,8 +21,6 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
 from ckptfs.errors import IntegrityError
 from ckptfs.io import run_sync
 from ckptfs.io.local_store import LocalStore
@@ -115,7 +113,7 @@ class RawCopier:
 
     def __init__(self, url: str, verify: bool) -> None:
         self.url, self.verify = url, verify
-        self._buf = memoryview(np.empty(PIECE, dtype=np.uint8)).cast("B")
+        self._buf = memoryview(bytearray(PIECE))
         self._fds: dict[str, int] = {}
 
     def copy(self, key: str, runs: tuple[RawRun, ...], fd: int, at: int) -> int:

@@ -280,7 +280,7 @@ def _write_share(src: Source, sel: Selection, items: list[tuple[_FilePlan, str]]
 
 
 def _sources(src: Source, keys: list[str], format: str, buffer_bytes: int, verify: bool,
-             clock: PhaseClock) -> tuple[dict[str, tuple[RawRun, ...]], Iterator]:
+             clock: PhaseClock) -> tuple[dict[str, tuple[RawRun, ...]], Generator]:
     """How the tensors ``keys`` arrive: the runs of those copied straight from a local
     checkpoint's files into safetensors files (raw_copy.py), and a stream of the others read
     by the read engine, in order."""
