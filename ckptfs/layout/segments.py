@@ -16,6 +16,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 from ckptfs.errors import MalformedIndexError
@@ -41,6 +42,7 @@ ROWS_PER_BLOCK = 64
 SEGMENT_DIR = "index"
 _MAX = 2**62
 _HEX = re.compile("[0-9a-f]{8}")
+_HEX_RUN = re.compile("[0-9a-f]*")
 
 
 class _Chunk(Protocol):
@@ -85,7 +87,8 @@ class Block:
                     and 0 <= off <= _MAX and type(length) is int and 0 <= length <= _MAX
                     and type(crc) is str and len(crc) == 8 and _HEX.fullmatch(crc) is not None
                     and type(lo) is list and type(hi) is list and len(lo) == ndim == len(hi)
-                    and all(type(x) is int and 0 <= x <= y <= _MAX for x, y in zip(lo, hi))):
+                    and all(type(x) is int and type(y) is int and 0 <= x <= y <= _MAX
+                            for x, y in zip(lo, hi))):
                 return cls(seg, off, length, crc, tuple(lo), tuple(hi))
         return cls._from_row_checked(row, segments, ndim,
                                      where if isinstance(where, str) else where())
@@ -109,6 +112,29 @@ class Block:
         if any(map(operator.gt, lo, hi)):
             raise MalformedIndexError(f"{where}: lo {lo} lies beyond hi {hi}")
         return cls(seg, off, length, crc, tuple(lo), tuple(hi))
+
+
+def blocks_of(rows: Any, segments: int, ndim: int) -> tuple[Block, ...] | None:
+    """A root tensor's block rows, checked column by column when every one is well formed (as
+    ``Block.from_row`` checks it); None when some row is not (the row-by-row checks then name
+    it). A root lists tens of thousands of blocks: one pass per column instead of one per row."""
+    if type(rows) is not list or not all(type(r) is list and len(r) == 6 for r in rows):
+        return None
+    if not rows:
+        return ()
+    segs, offs, lens, crcs, los, his = zip(*rows)
+    ints = [*segs, *offs, *lens]
+    if (set(map(type, ints)) != {int} or min(ints) < 0 or max(ints) > _MAX
+            or max(segs) >= segments or set(map(type, crcs)) != {str}
+            or set(map(len, crcs)) != {8} or _HEX_RUN.fullmatch("".join(crcs)) is None
+            or set(map(type, los)) != {list} or set(map(type, his)) != {list}
+            or set(map(len, los + his)) != {ndim}):
+        return None
+    lo, hi = [*chain.from_iterable(los)], [*chain.from_iterable(his)]
+    if lo and (set(map(type, lo + hi)) != {int} or min(lo) < 0 or max(hi) > _MAX
+               or not all(map(operator.le, lo, hi))):
+        return None
+    return tuple(Block(*r[:4], tuple(r[4]), tuple(r[5])) for r in rows)
 
 
 def _int(v: Any) -> bool:
