@@ -356,3 +356,18 @@ def test_inspect_shows_the_segments():
     assert sorted(doc["segments"]) == sorted(ckptfs.load_metadata(g).segments)
     assert "segmented: 2 segment files" in render(doc)
     assert doc["totals"]["chunks"] == 26
+
+
+def test_a_read_roots_blocks_behave_as_the_tuple_of_its_blocks(tmp_path):
+    """A root read from its bytes makes its blocks when first used: they compare, slice, count
+    and pickle as the tuple the writer made."""
+    import pickle
+
+    root = _write(tmp_path, _grid_index(), rows_per_block=8)
+    back = Index.loads((tmp_path / INDEX_FILE).read_bytes())
+    want = root.tensors["w"].blocks
+    got = back.tensors["w"].blocks
+    assert len(got) == len(want) == ROWS and got == want and want == got
+    assert got[1:] == want[1:] and list(got) == list(want) and hash(got) == hash(tuple(want))
+    again = pickle.loads(pickle.dumps(back))
+    assert again.tensors["w"].blocks == want and again == back

@@ -209,7 +209,7 @@ class TensorEntry:
     stats: TensorStats | None = None
     #: a segmented index's blocks of rows (§2.6): ``chunks`` then holds only the rows read so
     #: far (those of the blocks a reader needed); None: ``chunks`` are all the tensor's
-    blocks: tuple[Block, ...] | None = None
+    blocks: Sequence[Block] | None = None
 
     @property
     def numel(self) -> int:

@@ -184,9 +184,11 @@ def _numbered_rows(doc: list[Any], block: Block, entry: TensorEntry, root: Index
         if min(column) < lo or max(map(add, column, [s[d] for s in shapes])) > hi:
             return None
     segments = frozenset(root.segments or ())
-    sizes = {f: root.files.get(table[f]) for f in set(fids)}
-    if any(n is None or table[f] in segments for f, n in sizes.items()) \
-            or not all(map(le, map(add, starts, lengths), map(sizes.__getitem__, fids))):
+    known = {f: root.files.get(table[f]) for f in set(fids)}
+    if any(n is None or table[f] in segments for f, n in known.items()):
+        return None
+    sizes = {f: n for f, n in known.items() if n is not None}
+    if not all(map(le, map(add, starts, lengths), map(sizes.__getitem__, fids))):
         return None
     return tuple(ChunkEntry(tuple(o), tuple(s), table[f], a, n, _CRC + c, {})
                  for o, s, f, a, n, c in zip(offsets, shapes, fids, starts, lengths, crcs))

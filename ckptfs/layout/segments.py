@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Protocol
@@ -114,10 +114,52 @@ class Block:
         return cls(seg, off, length, crc, tuple(lo), tuple(hi))
 
 
-def blocks_of(rows: Any, segments: int, ndim: int) -> tuple[Block, ...] | None:
+class ReadBlocks(Sequence[Block]):
+    """A root tensor's blocks as read, checked: made into ``Block`` values when first used. A
+    root lists tens of thousands of blocks and a rank looks at those of the tensors it loads."""
+
+    __slots__ = ("_blocks", "_rows")
+
+    def __init__(self, rows: list[list[Any]]) -> None:
+        self._rows: list[list[Any]] | None = rows
+        self._blocks: tuple[Block, ...] | None = None
+
+    def _made(self) -> tuple[Block, ...]:
+        if self._blocks is None:
+            assert self._rows is not None
+            self._blocks = tuple(Block(s, o, n, c, tuple(lo), tuple(hi))
+                                 for s, o, n, c, lo, hi in self._rows)
+            self._rows = None
+        return self._blocks
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._made())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._made()[i]
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._made())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReadBlocks | tuple):
+            return self._made() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._made())
+
+    def __repr__(self) -> str:
+        return repr(self._made())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return tuple, (self._made(),)
+
+
+def blocks_of(rows: Any, segments: int, ndim: int) -> Sequence[Block] | None:
     """A root tensor's block rows, checked column by column when every one is well formed (as
-    ``Block.from_row`` checks it); None when some row is not (the row-by-row checks then name
-    it). A root lists tens of thousands of blocks: one pass per column instead of one per row."""
+    ``Block.from_row`` checks it), made into ``Block`` values when first used; None when some
+    row is not well formed (the row-by-row checks then name it)."""
     if type(rows) is not list or not all(type(r) is list and len(r) == 6 for r in rows):
         return None
     if not rows:
@@ -134,7 +176,7 @@ def blocks_of(rows: Any, segments: int, ndim: int) -> tuple[Block, ...] | None:
     if lo and (set(map(type, lo + hi)) != {int} or min(lo) < 0 or max(hi) > _MAX
                or not all(map(operator.le, lo, hi))):
         return None
-    return tuple(Block(*r[:4], tuple(r[4]), tuple(r[5])) for r in rows)
+    return ReadBlocks(rows)
 
 
 def _int(v: Any) -> bool:
