@@ -178,6 +178,10 @@ def _reseal(path: Path, edit) -> None:
     (lambda d: d["tensors"]["b"]["blocks"][0].__setitem__(0, 5), "segment 5 is not an int"),
     (lambda d: d["tensors"]["b"]["blocks"][0].__setitem__(4, [4]), "lo .* lies beyond hi"),
     (lambda d: d["required_features"].remove("index_segments"), "without the required feature"),
+    (lambda d: d["tensors"]["b"]["blocks"][0].__setitem__(3, "0000zzzz"),
+     r"tensors\['b'\].blocks\[0\]: crc '0000zzzz' is not 8 lowercase hex digits"),
+    (lambda d: d["tensors"]["w"]["blocks"][0].__setitem__(5, [256, 64.0]),
+     r"tensors\['w'\].blocks\[0\]: hi must be 2 ints"),
 ])
 def test_a_malformed_root_is_refused_naming_the_field(tmp_path, edit, match):
     _write(tmp_path, _grid_index())
@@ -207,6 +211,65 @@ def test_a_corrupt_or_missing_segment_is_an_error_naming_it(tmp_path):
         _read(tmp_path, read_index)
     report = ckptfs.verify(tmp_path, checksums=False)
     assert ("missing-file", root.segments[0]) in {(p.kind, p.file) for p in report.problems}
+
+
+def _rewrite_rows(edit):
+    """A block edit for ``_edit_block``: its rows parsed, changed by ``edit`` and written back
+    compactly, padded with JSON space to the block's length."""
+    def go(raw: bytes) -> bytes:
+        rows = json.loads(raw)
+        edit(rows)
+        new = json.dumps(rows, separators=(",", ":")).encode()
+        assert len(new) <= len(raw)
+        return new + b" " * (len(raw) - len(new))
+    return go
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda rows: rows[2].__setitem__(3, 65559), r"row 2: bytes \[65559, 66583\) lie beyond the "
+                                                 r"end of data/abc/r0.bin"),
+    (lambda rows: rows[1][0].__setitem__(1, -8), r"row 1: offsets must be a list of ints"),
+    (lambda rows: rows[3].__setitem__(5, 7), r"row 3: checksum must be a string"),
+])
+def test_a_bad_row_among_good_ones_is_refused_naming_it(tmp_path, edit, match):
+    root = _write(tmp_path, _grid_index(), rows_per_block=8)
+    _edit_block(tmp_path, root, _rewrite_rows(edit))
+    with pytest.raises(ckptfs.MalformedIndexError, match=match):
+        _read(tmp_path, read_rows, Index.loads((tmp_path / INDEX_FILE).read_bytes()),
+              {"w": [Box((0, 0), (1, 1))]})
+
+
+def test_rows_checked_by_column_equal_the_rows_checked_one_by_one(tmp_path):
+    """A block of plain packed rows is decoded column by column; one whose rows need the
+    row-by-row path (a null checksum) gives the same entries but that one."""
+    index = _grid_index()
+    root = _write(tmp_path, index, rows_per_block=8)
+    whole, _, _ = _read(tmp_path, read_index)
+    assert whole.tensors["w"].chunks == index.tensors["w"].chunks
+    _edit_block(tmp_path, root, _rewrite_rows(lambda rows: rows[0].__setitem__(5, None)))
+    again, _, _ = _read(tmp_path, read_index)
+    got, want = again.tensors["w"].chunks, index.tensors["w"].chunks
+    assert [c for c in got if c.checksum is None] == [dataclasses.replace(want[0], checksum=None)]
+    assert [c for c in got if c.checksum is not None] == list(want[1:])
+
+
+def test_a_partial_read_reads_through_small_gaps_only(tmp_path, monkeypatch):
+    """Blocks of one segment closer than ``GAP_BYTES`` are read with one request; farther
+    ones (the other ranks' blocks between) each with their own, the bytes between not read."""
+    from ckptfs.engine import index_io
+
+    monkeypatch.setattr(index_io, "GAP_BYTES", 100)
+    root = _write(tmp_path, _grid_index(), rows_per_block=8)
+    blocks = root.tensors["w"].blocks  # row strips of 32 rows, about 380 bytes each
+
+    def strips(*rows: int) -> dict:
+        return {"w": [Box((32 * i, 0), (32, 64)) for i in rows]}
+
+    got, nbytes, requests = _read(tmp_path, read_rows, root, strips(0, 7))
+    assert len(got.tensors["w"].chunks) == 2 * COLS and requests == 2
+    assert nbytes == blocks[0].byte_length + blocks[7].byte_length
+    _, nbytes, requests = _read(tmp_path, read_rows, root, strips(0, 1))
+    assert requests == 1 and nbytes == blocks[1].byte_offset + blocks[1].byte_length
 
 
 def test_a_row_outside_its_blocks_box_is_refused(tmp_path):
@@ -293,3 +356,18 @@ def test_inspect_shows_the_segments():
     assert sorted(doc["segments"]) == sorted(ckptfs.load_metadata(g).segments)
     assert "segmented: 2 segment files" in render(doc)
     assert doc["totals"]["chunks"] == 26
+
+
+def test_a_read_roots_blocks_behave_as_the_tuple_of_its_blocks(tmp_path):
+    """A root read from its bytes makes its blocks when first used: they compare, slice, count
+    and pickle as the tuple the writer made."""
+    import pickle
+
+    root = _write(tmp_path, _grid_index(), rows_per_block=8)
+    back = Index.loads((tmp_path / INDEX_FILE).read_bytes())
+    want = root.tensors["w"].blocks
+    got = back.tensors["w"].blocks
+    assert len(got) == len(want) == ROWS and got == want and want == got
+    assert got[1:] == want[1:] and list(got) == list(want) and hash(got) == hash(tuple(want))
+    again = pickle.loads(pickle.dumps(back))
+    assert again.tensors["w"].blocks == want and again == back

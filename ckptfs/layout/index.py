@@ -30,6 +30,7 @@ from ckptfs.layout.segments import (
     SEGMENTS,
     SEGMENTS_MINOR_VERSION,
     Block,
+    blocks_of,
 )
 from ckptfs.layout.stats import MEMBER as STATS_MEMBER
 from ckptfs.layout.stats import STATS_MINOR_VERSION, TensorStats
@@ -208,7 +209,7 @@ class TensorEntry:
     stats: TensorStats | None = None
     #: a segmented index's blocks of rows (§2.6): ``chunks`` then holds only the rows read so
     #: far (those of the blocks a reader needed); None: ``chunks`` are all the tensor's
-    blocks: tuple[Block, ...] | None = None
+    blocks: Sequence[Block] | None = None
 
     @property
     def numel(self) -> int:
@@ -294,8 +295,11 @@ def _root_entry(key: str, d: Mapping[str, Json], segments: int) -> TensorEntry:
         raise MalformedIndexError(f"{where}: shape {list(shape)} has more than 2**62 elements")
     dtype = _req(d, "dtype", str, where)
     from_name(dtype, key)
-    blocks = tuple(Block.from_row(b, segments, len(shape), _block_at(where, i))
-                   for i, b in enumerate(_req(d, "blocks", list, where)))
+    rows = _req(d, "blocks", list, where)
+    blocks = blocks_of(rows, segments, len(shape))
+    if blocks is None:
+        blocks = tuple(Block.from_row(b, segments, len(shape), _block_at(where, i))
+                       for i, b in enumerate(rows))
     return TensorEntry(key, dtype, shape, (), _opt(d, "extra", dict, where) or {},
                        _stats(d, key), blocks)
 

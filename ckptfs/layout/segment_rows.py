@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from itertools import chain
+from operator import add, le
 from typing import Any
 
 from ckptfs.errors import IntegrityError, MalformedIndexError
 from ckptfs.layout.checksum import checksum, crc_of
 from ckptfs.layout.index import (
     HASHES_MINOR_VERSION,
+    MAX_DIM,
     PACKED_CHUNKS,
     ChunkEntry,
     Index,
@@ -35,6 +38,8 @@ from ckptfs.layout.segments import (
     segment_path,
     table_digest,
 )
+
+_CRC = "crc32c:"
 
 
 class _Paths(Mapping[str, str]):
@@ -135,6 +140,9 @@ def decode_block(raw: bytes, block: Block, entry: TensorEntry, root: Index, *,
     doc = parse_json(raw, where)
     if not isinstance(doc, list):
         raise MalformedIndexError(f"{where}: a block must be a JSON array of chunk entries")
+    fast = _numbered_rows(doc, block, entry, root) if root.file_table is not None else None
+    if fast is not None:
+        return fast
     if root.file_table is not None:
         table = root.file_table
         chunks = tuple(ChunkEntry.from_row(r, table, _at(where, i)) for i, r in enumerate(doc))
@@ -148,6 +156,42 @@ def decode_block(raw: bytes, block: Block, entry: TensorEntry, root: Index, *,
                                   f"[{list(block.lo)}, {list(block.hi)}) or the tensor")
     _check_files(chunks, root, where)
     return chunks
+
+
+def _numbered_rows(doc: list[Any], block: Block, entry: TensorEntry, root: Index
+                   ) -> tuple[ChunkEntry, ...] | None:
+    """The rows of an index 1.4 block checked column by column, when each is a plain packed row
+    (six items, none null, no ``extra``) that passes every check ``decode_block`` makes; None
+    when some row does not (the row-by-row checks then name it). A rank decodes tens of
+    thousands of rows: one pass per column instead of several per row."""
+    table = root.file_table
+    assert table is not None
+    if not doc or not all(type(r) is list and len(r) == 6 for r in doc):
+        return None
+    offsets, shapes, fids, starts, lengths, crcs = zip(*doc)
+    ndim = len(entry.shape)
+    if not (set(map(type, offsets)) == {list} == set(map(type, shapes))
+            and set(map(len, offsets)) == {ndim} == set(map(len, shapes))
+            and set(map(type, crcs)) == {str}):
+        return None
+    numbers = [*chain.from_iterable(offsets), *chain.from_iterable(shapes), *fids, *starts,
+               *lengths]
+    if set(map(type, numbers)) != {int} or min(numbers) < 0 or max(numbers) > MAX_DIM \
+            or max(fids) >= len(table):
+        return None
+    for d, (lo, hi) in enumerate(zip(block.lo, map(min, block.hi, entry.shape))):
+        column = [o[d] for o in offsets]
+        if min(column) < lo or max(map(add, column, [s[d] for s in shapes])) > hi:
+            return None
+    segments = frozenset(root.segments or ())
+    known = {f: root.files.get(table[f]) for f in set(fids)}
+    if any(n is None or table[f] in segments for f, n in known.items()):
+        return None
+    sizes = {f: n for f, n in known.items() if n is not None}
+    if not all(map(le, map(add, starts, lengths), map(sizes.__getitem__, fids))):
+        return None
+    return tuple(ChunkEntry(tuple(o), tuple(s), table[f], a, n, _CRC + c, {})
+                 for o, s, f, a, n, c in zip(offsets, shapes, fids, starts, lengths, crcs))
 
 
 def _at(where: str, i: int) -> Callable[[], str]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 from ckptfs.errors import MalformedIndexError
@@ -41,6 +42,7 @@ ROWS_PER_BLOCK = 64
 SEGMENT_DIR = "index"
 _MAX = 2**62
 _HEX = re.compile("[0-9a-f]{8}")
+_HEX_RUN = re.compile("[0-9a-f]*")
 
 
 class _Chunk(Protocol):
@@ -85,7 +87,8 @@ class Block:
                     and 0 <= off <= _MAX and type(length) is int and 0 <= length <= _MAX
                     and type(crc) is str and len(crc) == 8 and _HEX.fullmatch(crc) is not None
                     and type(lo) is list and type(hi) is list and len(lo) == ndim == len(hi)
-                    and all(type(x) is int and 0 <= x <= y <= _MAX for x, y in zip(lo, hi))):
+                    and all(type(x) is int and type(y) is int and 0 <= x <= y <= _MAX
+                            for x, y in zip(lo, hi))):
                 return cls(seg, off, length, crc, tuple(lo), tuple(hi))
         return cls._from_row_checked(row, segments, ndim,
                                      where if isinstance(where, str) else where())
@@ -109,6 +112,71 @@ class Block:
         if any(map(operator.gt, lo, hi)):
             raise MalformedIndexError(f"{where}: lo {lo} lies beyond hi {hi}")
         return cls(seg, off, length, crc, tuple(lo), tuple(hi))
+
+
+class ReadBlocks(Sequence[Block]):
+    """A root tensor's blocks as read, checked: made into ``Block`` values when first used. A
+    root lists tens of thousands of blocks and a rank looks at those of the tensors it loads."""
+
+    __slots__ = ("_blocks", "_rows")
+
+    def __init__(self, rows: list[list[Any]]) -> None:
+        self._rows: list[list[Any]] | None = rows
+        self._blocks: tuple[Block, ...] | None = None
+
+    def _made(self) -> tuple[Block, ...]:
+        if self._blocks is None:
+            assert self._rows is not None
+            self._blocks = tuple(Block(s, o, n, c, tuple(lo), tuple(hi))
+                                 for s, o, n, c, lo, hi in self._rows)
+            self._rows = None
+        return self._blocks
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._made())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._made()[i]
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._made())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReadBlocks | tuple):
+            return self._made() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._made())
+
+    def __repr__(self) -> str:
+        return repr(self._made())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return tuple, (self._made(),)
+
+
+def blocks_of(rows: Any, segments: int, ndim: int) -> Sequence[Block] | None:
+    """A root tensor's block rows, checked column by column when every one is well formed (as
+    ``Block.from_row`` checks it), made into ``Block`` values when first used; None when some
+    row is not well formed (the row-by-row checks then name it)."""
+    if type(rows) is not list or not all(type(r) is list and len(r) == 6 for r in rows):
+        return None
+    if not rows:
+        return ()
+    segs, offs, lens, crcs, los, his = zip(*rows)
+    ints = [*segs, *offs, *lens]
+    if (set(map(type, ints)) != {int} or min(ints) < 0 or max(ints) > _MAX
+            or max(segs) >= segments or set(map(type, crcs)) != {str}
+            or set(map(len, crcs)) != {8} or _HEX_RUN.fullmatch("".join(crcs)) is None
+            or set(map(type, los)) != {list} or set(map(type, his)) != {list}
+            or set(map(len, los + his)) != {ndim}):
+        return None
+    lo, hi = [*chain.from_iterable(los)], [*chain.from_iterable(his)]
+    if lo and (set(map(type, lo + hi)) != {int} or min(lo) < 0 or max(hi) > _MAX
+               or not all(map(operator.le, lo, hi))):
+        return None
+    return ReadBlocks(rows)
 
 
 def _int(v: Any) -> bool:

@@ -64,18 +64,26 @@ def plan_reads(entry: TensorEntry, local: Box) -> list[ReadPiece]:
     covered = 0
     shape, nd = entry.shape, len(entry.shape)
     l_off, l_end = local.offsets, local.ends
+    whole: dict[tuple[int, ...], Box] = {}  # the src of a chunk read whole, one per chunk shape
     for c in _candidates(entry, local):
-        off = c.offsets
-        ends = tuple(map(operator.add, off, c.shape))
-        if len(off) != nd or len(c.shape) != nd or not all(map(operator.le, ends, shape)) \
-                or (nd and (min(off) < 0 or min(c.shape) < 0)):
+        off, size = c.offsets, c.shape
+        ends = tuple(map(operator.add, off, size))
+        if len(off) != nd or len(size) != nd or not all(map(operator.le, ends, shape)) \
+                or (nd and (min(off) < 0 or min(size) < 0)):
             raise _outside(entry, c)
         lo = tuple(map(max, off, l_off))
-        common = tuple(map(operator.sub, map(min, ends, l_end), lo))
-        if nd and min(common) <= 0:
-            continue
-        pieces.append(ReadPiece(c, Box(tuple(map(operator.sub, lo, off)), common),
-                                Box(tuple(map(operator.sub, lo, l_off)), common)))
+        hi = tuple(map(min, ends, l_end))
+        if lo == off and hi == ends and (not nd or min(size) > 0):  # inside the region: whole
+            src = whole.get(size)
+            if src is None:
+                src = whole[size] = Box((0,) * nd, size)
+            common = size
+        else:
+            common = tuple(map(operator.sub, hi, lo))
+            if nd and min(common) <= 0:
+                continue
+            src = Box(tuple(map(operator.sub, lo, off)), common)
+        pieces.append(ReadPiece(c, src, Box(tuple(map(operator.sub, lo, l_off)), common)))
         covered += math.prod(common)
     if covered != local.volume:
         raise ShardingError(
