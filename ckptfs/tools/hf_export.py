@@ -318,8 +318,28 @@ def _round_bytes(mine: list[_Item], moves: list[_Move], shards: Mapping[str, Loc
     staged = [m for m in moves
               if (m.kind == "send" and _staged(shards[m.item.spec.name]))
               or (m.kind == "recv" and not _lands_contiguous(m.item.spec.shape, m.box))]
-    return (sum(aligned(it.nbytes) for it in mine)
+    own = _in_place(mine, moves, shards)
+    return (sum(aligned(it.nbytes) for i, it in enumerate(mine) if i not in own)
             + sum(aligned(m.box.volume * m.item.spec.dtype.itemsize) for m in staged))
+
+
+def _in_place(mine: list[_Item], moves: list[_Move], shards: Mapping[str, LocalShard | None]
+              ) -> dict[int, torch.Tensor]:
+    """The tensors of this rank's batch it holds whole as the bytes written (contiguous CPU
+    bytes of the written dtype: a rank's whole tensor, a replicated one): written straight from
+    the caller's tensor, never copied (slot -> that tensor)."""
+    pieces: dict[int, list[_Move]] = {}
+    for m in moves:
+        if m.kind != "send":
+            pieces.setdefault(m.slot, []).append(m)
+    out = {}
+    for slot, got in pieces.items():
+        m = got[0]
+        shard = shards[m.item.spec.name]
+        if (len(got) == 1 and m.kind == "copy" and m.box.shape == tuple(m.item.spec.shape)
+                and not _staged(shard)):
+            out[slot] = _local(shard).view(m.item.spec.shape)
+    return out
 
 
 def _staged(shard: LocalShard | None) -> bool:
@@ -340,10 +360,14 @@ def _exchange(comm: Comm, shards: Mapping[str, LocalShard | None], mine: list[_I
     own batch's; returns this rank's tensors whole, in order, as views into ``arena`` (valid
     until the next round)."""
     arena.reset()
-    whole = [arena.take(it.spec.shape, it.spec.dtype.torch) for it in mine]
+    own = _in_place(mine, moves, shards)
+    whole = [own[i] if i in own else arena.take(it.spec.shape, it.spec.dtype.torch)
+             for i, it in enumerate(mine)]
     ops: list[tuple[str, torch.Tensor, int, int]] = []
     landing: list[tuple[torch.Tensor, torch.Tensor]] = []
     for m in moves:
+        if m.kind == "copy" and m.slot in own:
+            continue
         if m.kind == "copy":  # cast on the way, as a send's
             whole[m.slot][m.box.slices()].copy_(_local(shards[m.item.spec.name]))
         elif m.kind == "send":
