@@ -119,6 +119,9 @@ def test_settle_gather_answers_and_gathers_in_two_collectives(outcomes):
     assert outcomes[0]["settle and gather"] == [
         "ok", [said, [{"r": 0, "pad": ""}, {"r": 1, "pad": "x" * 100}], 2, True]]
     assert outcomes[1]["settle and gather"] == ["ok", [said, None, 2, True]]
+
+
+@pytest.mark.slow
 def test_all_to_all_hands_each_rank_what_each_peer_sent_it(outcomes):
     # rank 0 sends itself nothing: an empty part travels as one
     assert [o["all to all"] for o in outcomes] == [

@@ -42,7 +42,7 @@ def _assert_exact(path: Path, state: dict) -> None:
     assert torch.equal(out["adapter"], state["adapter"])
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_an_asynchronous_delta_save_stages_only_the_changed_chunks(tmp_path, writer):
     state = _state()
     ckptfs.save(state, tmp_path / "b", options=ckptfs.SaveOptions(hashes=True))
@@ -90,7 +90,7 @@ def test_the_host_memory_limit_counts_only_the_chunks_staged(tmp_path):
     _assert_exact(tmp_path / "d", state)
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_tensors_changed_once_staged_leave_the_checkpoint_as_it_was_called(tmp_path, writer):
     state = _state()
     ckptfs.save(state, tmp_path / "b", options=ckptfs.SaveOptions(hashes=True))

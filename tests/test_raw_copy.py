@@ -19,6 +19,9 @@ import ckptfs.tools.raw_copy as raw_copy
 import ckptfs.tools.unshard as unshard_mod
 from ckptfs.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # every test exports a checkpoint saved by spawned ranks
+
+
 ROWS = 1000  #: rows of the row-split tensors: 2 chunks of 500 rows, several copy pieces each
 
 
