@@ -18,10 +18,9 @@ from ckptfs.engine.load.schedule import TensorRead
 from ckptfs.io.loop import submit
 from ckptfs.io.tasks import gather_all
 from ckptfs.layout.dtypes import from_name
-from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, region_pieces
+from ckptfs.tools.source import DEFAULT_BUFFER, Region, Source, aligned, region_pieces
 
 #: each region starts this many bytes into its buffer (any dtype's view of it is aligned)
-ALIGN = 64
 
 Pair = tuple[Region, Region]
 
@@ -56,11 +55,11 @@ def read_region_pairs(sa: Source, sb: Source, pairs: Sequence[Pair], *,
 
 def pair_batches(pairs: Sequence[Pair], budget: int) -> Iterator[list[Pair]]:
     """Consecutive pairs whose regions take at most ``budget`` bytes of buffer on either side
-    (each region aligned to ``ALIGN``); a larger pair alone."""
+    (each region aligned as ``source.aligned`` rounds); a larger pair alone."""
     batch: list[Pair] = []
     used = [0, 0]
     for p in pairs:
-        need = [_aligned(p[0].nbytes), _aligned(p[1].nbytes)]
+        need = [aligned(p[0].nbytes), aligned(p[1].nbytes)]
         if batch and any(u + n > budget for u, n in zip(used, need, strict=True)):
             yield batch
             batch, used = [], [0, 0]
@@ -70,12 +69,8 @@ def pair_batches(pairs: Sequence[Pair], budget: int) -> Iterator[list[Pair]]:
         yield batch
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def _span(regions: Sequence[Region]) -> int:
-    return sum(_aligned(r.nbytes) for r in regions)
+    return sum(aligned(r.nbytes) for r in regions)
 
 
 def _views(slab: torch.Tensor, regions: Sequence[Region]) -> list[torch.Tensor]:
@@ -85,7 +80,7 @@ def _views(slab: torch.Tensor, regions: Sequence[Region]) -> list[torch.Tensor]:
         dt = from_name(r.entry.dtype, r.entry.key)
         n = r.nbytes
         out.append(slab[at:at + n].view(dt.torch).reshape(r.box.shape))
-        at += _aligned(n)
+        at += aligned(n)
     return out
 
 

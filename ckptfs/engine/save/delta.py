@@ -33,7 +33,7 @@ from typing import Any
 from ckptfs.dist import Comm
 from ckptfs.engine.index_io import read_index
 from ckptfs.engine.memory.copies import copy_threads
-from ckptfs.engine.save.hash_memo import ChunkId, HashMemo, Sources
+from ckptfs.engine.save.hash_memo import ChunkId, HashMemo, Sources, chunk_id
 from ckptfs.engine.save.hooks import SaveHook, WriteOutcome
 from ckptfs.errors import ConfigError
 from ckptfs.io import run_sync
@@ -117,7 +117,7 @@ class DeltaHook(SaveHook):
         place; an asynchronous save's CUDA and non-contiguous chunks, from their copies)
         hashed and, with a base, compared with it."""
         pending = note if isinstance(note, Pending) else Pending()
-        todo = [c for c in chunks if _id(c) not in pending.hashes]
+        todo = [c for c in chunks if chunk_id(c) not in pending.hashes]
         hashes = {**pending.hashes, **self._hashes(todo, pending.sources)}
         if self.base is None:
             return DeltaNote(hashes)
@@ -138,11 +138,11 @@ class DeltaHook(SaveHook):
         where = relative_url(self.base, self.url)
         refs = {}
         for c in chunks:
-            h = hashes.get(_id(c))
+            h = hashes.get(chunk_id(c))
             e = base.tensors.get(c.key)
             ref = _match(c, h, e, where, self.url) if h is not None and e is not None else None
             if ref is not None:
-                refs[_id(c)] = ref
+                refs[chunk_id(c)] = ref
         return refs
 
     def _hashes(self, chunks: Sequence[ChunkData], sources: Sources | None) -> dict[ChunkId, str]:
@@ -151,7 +151,7 @@ class DeltaHook(SaveHook):
         out, todo = {}, []
         for c in chunks:
             if c.source is None:
-                cid = _id(c)
+                cid = chunk_id(c)
                 known = None if self.memo is None or sources is None else self.memo.get(cid, sources)
                 if known is None:
                     todo.append(c)
@@ -178,7 +178,7 @@ class DeltaHook(SaveHook):
         return index
 
     def chunk_reference(self, chunk: ChunkData, note: DeltaNote) -> ChunkEntry | None:
-        return note.refs.get(_id(chunk))
+        return note.refs.get(chunk_id(chunk))
 
     def after_write(self, suspect: Sequence[ChunkData], note: DeltaNote) -> WriteOutcome:
         return WriteOutcome(note, part=dict(note.hashes))
@@ -208,17 +208,13 @@ def hash_chunks(chunks: Sequence[ChunkData], threads: int) -> dict[ChunkId, str]
     big = sorted((c for c in chunks if c.data.nbytes >= PARALLEL_MIN),
                  key=lambda c: c.data.nbytes, reverse=True)
     if threads <= 1 or len(big) <= 1:
-        return {_id(c): content_hash(tensor_bytes(c.data)) for c in chunks}
+        return {chunk_id(c): content_hash(tensor_bytes(c.data)) for c in chunks}
     with ThreadPoolExecutor(min(threads, len(big))) as pool:
-        futures = [(_id(c), pool.submit(content_hash, tensor_bytes(c.data))) for c in big]
-        out = {_id(c): content_hash(tensor_bytes(c.data)) for c in chunks
+        futures = [(chunk_id(c), pool.submit(content_hash, tensor_bytes(c.data))) for c in big]
+        out = {chunk_id(c): content_hash(tensor_bytes(c.data)) for c in chunks
                if c.data.nbytes < PARALLEL_MIN}
         out.update((cid, f.result()) for cid, f in futures)
     return out
-
-
-def _id(c: ChunkData) -> ChunkId:
-    return c.key, c.box.offsets, c.box.shape
 
 
 def _hashed(key: str, t: TensorEntry, hashes: Mapping[ChunkId, str]) -> TensorEntry:

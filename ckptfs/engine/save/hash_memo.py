@@ -29,10 +29,16 @@ from typing import Any
 
 import torch
 
+from ckptfs.layout.backend import ChunkData
 from ckptfs.state.flatten import flatten
 from ckptfs.state.shards import local_shard
 
 ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  #: key, offsets, shape
+
+
+def chunk_id(c: ChunkData) -> ChunkId:
+    """A chunk's key, offsets and shape: how the save's hooks and phases name it."""
+    return c.key, c.box.offsets, c.box.shape
 
 
 @dataclass(frozen=True, slots=True)

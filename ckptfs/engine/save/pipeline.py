@@ -55,6 +55,7 @@ from ckptfs.engine.save.commit import (
     take_claim,
     uncommit,
 )
+from ckptfs.engine.save.hash_memo import chunk_id
 from ckptfs.engine.save.hooks import SaveHook, overrides, phase
 from ckptfs.engine.save.lock import Renewal
 from ckptfs.engine.save.segments import SegmentPlan, plan_segments
@@ -212,7 +213,7 @@ def _refer(hooks: Sequence[SaveHook], notes: list[Any]) -> Refer | None:
         return None
 
     def refer(chunks: Sequence[ChunkData]) -> dict[ChunkId, ChunkEntry]:
-        by_id = {(c.key, c.box.offsets, c.box.shape): c for c in chunks}
+        by_id = {chunk_id(c): c for c in chunks}
         out: dict[ChunkId, ChunkEntry] = {}
         for i, h in enumerate(hooks):
             if overrides(h, "before_copy"):

@@ -103,8 +103,7 @@ def plan_segments(options: SaveOptions, backend: Backend, plans: Mapping[str, Te
     planned = {k: len(p.chunks) for m in (split or (plans,)) for k, p in m.items()}
     counts = [planned.get(k, 1) for k in keys]
     total = sum(counts)
-    if want is None and (total < SEGMENT_MIN_CHUNKS or options.base is not None
-                         or finalizes_from_chunks(backend)):
+    if want is None and total < SEGMENT_MIN_CHUNKS:
         return None
     if options.base is not None:
         raise ConfigError("SaveOptions.index_segments=True with a delta save (base=...): a delta "

@@ -50,6 +50,7 @@ from ckptfs.engine.memory.copies import PIECE, copy_all, copy_threads
 from ckptfs.engine.memory.device_parts import DeviceParts
 from ckptfs.engine.memory.overflow import Overflow
 from ckptfs.engine.memory.ring import SideStreams
+from ckptfs.engine.save.hash_memo import ChunkId
 from ckptfs.errors import ShardingError
 from ckptfs.io import run_sync
 from ckptfs.layout.backend import Backend, ChunkData
@@ -68,7 +69,6 @@ from ckptfs.state.flatten import flatten, merge_order
 from ckptfs.state.shards import LocalShard, MeshTable, described_shards
 
 Json = Any
-ChunkId = tuple[str, tuple[int, ...], tuple[int, ...]]  #: key, offsets, shape
 #: a save's test of the chunks it would copy, before any is copied: the references it records
 #: instead of copying them (engine/save/pipeline.py builds it from the hooks' ``before_copy``)
 Refer = Callable[[Sequence[ChunkData]], Mapping[ChunkId, ChunkEntry]]

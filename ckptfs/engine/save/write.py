@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 from ckptfs.dist import Comm, run_throttled
 from ckptfs.engine.save.checked_parts import CheckedPart, address, checked_files
+from ckptfs.engine.save.hash_memo import chunk_id
 from ckptfs.engine.save.hooks import BlockTest, SaveHook, WriteOutcome, overrides
 from ckptfs.engine.save.segments import SegmentPlan, write_segments
 from ckptfs.engine.save.stage import StagedSave, replica_sums
@@ -186,7 +187,7 @@ def write_rank(staged: StagedSave, backend: Backend, store: Store, save_id: str,
     meanwhile."""
     notes = staged.notes or (None,) * len(hooks)
     refs = {**staged.references, **_references(staged.chunks, hooks, notes)}
-    chunks = tuple(c for c in staged.chunks if _chunk_id(c) not in refs) if refs \
+    chunks = tuple(c for c in staged.chunks if chunk_id(c) not in refs) if refs \
         else staged.chunks
     keys = {c.key for c in chunks}
     job = RankWriteJob(staged.rank, staged.world_size, save_id, chunks, _Some(staged.plans, keys))
@@ -275,10 +276,6 @@ def _any_of(tests: list[BlockTest]) -> BlockTest | None:
     return lambda block: any(t(block) for t in tests)
 
 
-def _chunk_id(c: ChunkData) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    return c.key, c.box.offsets, c.box.shape
-
-
 def _references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook], notes: Sequence[Any]
                 ) -> dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkEntry]:
     """The chunks the hooks record as references to a base checkpoint instead of writing them
@@ -290,9 +287,9 @@ def _references(chunks: Sequence[ChunkData], hooks: Sequence[SaveHook], notes: S
         if not overrides(h, "chunk_reference"):
             continue
         for c in chunks:
-            e = h.chunk_reference(c, n) if _chunk_id(c) not in out else None
+            e = h.chunk_reference(c, n) if chunk_id(c) not in out else None
             if e is not None:
-                out[_chunk_id(c)] = checked_reference(h, c, e)
+                out[chunk_id(c)] = checked_reference(h, c, e)
     return out
 
 
