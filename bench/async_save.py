@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--plain", action="store_true",
                    help="plain tensors instead of DTensors (world 1)")
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="where the results file goes (default bench/results/)")
     args = p.parse_args(argv)
     if args.plain and args.world != 1:
         sys.exit("--plain needs --world 1")
@@ -489,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     report = render(summary, per_rank, load)
     report += f"\nload average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
     print(report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = RESULTS / f"{stamp}-async-{args.mb}mb.json"
+    path = args.results / f"{stamp}-async-{args.mb}mb.json"
     path.write_text(json.dumps({
         "config": {k: v for k, v in cfg.items() if k not in ("root", "out")} | {"world": args.world},
         "host": {"cpus": os.cpu_count(), "load_average_start": load,

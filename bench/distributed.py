@@ -24,7 +24,8 @@ ranks (unique bytes with exchange, 4x without), bytes exchanged. Loads are check
 Local-disk loads run warm (the page cache serves the 3 other readers) and, as root, cold.
 
 moto is pure Python: it measures how many bytes cross the S3 API more than S3 itself.
-Medians; every measurement goes to bench/results/distributed-<time>.json.
+Medians; every measurement goes to bench/results/distributed-<time>.json (``--results``: another
+folder).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def exchange_rank(rank: int, world: int, urls: dict, opts: dict, mb: float, runs
             json.dump(records, f)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
@@ -231,7 +232,9 @@ def main() -> None:
                     help="save rows behind an emulated per-rank link of this many MiB/s "
                          "(0: none)")
     ap.add_argument("--dir", default=None, help="local directory (default: a temp dir)")
-    args = ap.parse_args()
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"),
+                    help="where the results file goes (default bench/results/)")
+    args = ap.parse_args(argv)
     parts = args.parts.split(",")
     root = tempfile.mkdtemp(prefix="ckptfs-bench-dist-", dir=args.dir)
     results = []
@@ -293,8 +296,8 @@ def main() -> None:
                 if len(ts) == 2:
                     print(f"| | ratio exchange/plain | {ts[True] / ts[False]:.2f} | | |")
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
-        path = os.path.join(os.path.dirname(__file__), "results", f"distributed-{stamp}.json")
+        os.makedirs(args.results, exist_ok=True)
+        path = os.path.join(args.results, f"distributed-{stamp}.json")
         with open(path, "w") as f:
             json.dump({"mb": args.mb, "runs": args.runs, "records": results}, f)
         print(f"\n# results: {path}")

@@ -44,12 +44,14 @@ same tensors as DCP's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 FLOOR = "plain copy (floor)"
@@ -178,10 +180,10 @@ def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chun
     if job == FLOOR:
         _copy_share(root, out, ranges)
     elif job in ("ckptfs unshard", FRESH):
-        if job == FRESH:  # each batch in tensors of its own, as before the buffers were reused
-            _fresh_batches()
-        got = ckptfs.unshard(f"{root}/ckpt", out, format="hf", strategy="chunks",
-                             chunk_size=chunk, keys=["model"], overwrite=True)
+        # FRESH: each batch in tensors of its own, as before the buffers were reused
+        with _fresh_batches() if job == FRESH else contextlib.nullcontext():
+            got = ckptfs.unshard(f"{root}/ckpt", out, format="hf", strategy="chunks",
+                                 chunk_size=chunk, keys=["model"], overwrite=True)
         phases = [*got.phases.phases, ("cpu", got.phases.cpu_seconds)]
     elif state is not None:
         ckptfs.export_hf(state, out, max_shard_size=chunk, overwrite=True)
@@ -199,12 +201,18 @@ def _job(rank: int, world: int, root: str, job: str, n: int, per_file: int, chun
          "phases": phases}))
 
 
-def _fresh_batches() -> None:
-    """This process's unshard reads every batch into new tensors (``reuse=False``)."""
+@contextlib.contextmanager
+def _fresh_batches() -> Iterator[None]:
+    """Within the block, this process's unshard reads every batch into new tensors
+    (``reuse=False``); after it, into its reused buffers again (a pooled rank outlives the job)."""
     import ckptfs.tools.unshard as unshard
 
     read = unshard.read_regions
     unshard.read_regions = lambda *a, **k: read(*a, **{**k, "reuse": False})  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        unshard.read_regions = read
 
 
 def _same_tensors(a: Path, b: Path) -> bool:

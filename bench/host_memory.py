@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="thread", help=argparse.SUPPRESS)
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="where the results file goes (default bench/results/)")
     a = p.parse_args(argv)
     if a.child:
         a.layout = a.layout or "contiguous"
@@ -172,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
               f"writer {r['writer_growth_mib']:.0f}), staged {r['staged_s']:.2f} s, "
               f"done {r['done_s']:.2f} s, bit-exact {r['bit_exact']}", flush=True)
     if not a.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"host_memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        a.results.mkdir(parents=True, exist_ok=True)
+        path = a.results / f"host_memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                     "cpus": os.cpu_count(), "python": platform.python_version(),
                                     "gb": a.gb, "rows": rows},
                                    indent=1) + "\n")
-        print(f"results: {path.relative_to(RESULTS.parent.parent)}")
+        print(f"results: {path}")
     return 0 if all(r["bit_exact"] and r["within_target"] is not False for r in rows) else 1
 
 

@@ -54,11 +54,11 @@ def read_all(root: str) -> int:
     return n
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     proc, endpoint = start_moto()
     work = tempfile.mkdtemp(prefix="ckptfs-bench-manager-")
     try:

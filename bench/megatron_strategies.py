@@ -112,13 +112,13 @@ def run(rank: int, world: int, port: int, root: str, gb: float, runs: int, out: 
     dist.destroy_process_group()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=0.5)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default="bench/results/megatron_strategies.json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if dc is None:
         print("bench.megatron_strategies needs megatron-core: run it in the Megatron venv "
               "(make bench-megatron)")

@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writers", nargs="+", default=list(WRITERS), choices=CHOICES,
                    help="what saves beside the loop, in turn")
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="where the results file goes (default bench/results/)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if any(w.startswith("DCP-") for w in a.writers):
@@ -150,13 +152,13 @@ def report(a: argparse.Namespace, base: list[float],
               f"{statistics.mean(st) * 1e3:.2f} ({statistics.mean(st) / mean:.2f}x) | "
               f"{statistics.median(st) * 1e3:.2f} |")
     if not a.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"python_bound-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        a.results.mkdir(parents=True, exist_ok=True)
+        path = a.results / f"python_bound-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path.write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
             "tensors": a.tensors, "reps": a.reps, "loop_mean_step_s": mean,
             "loop_median_step_s": statistics.median(base), "rows": out}, indent=1) + "\n")
-        print(f"results: {path.relative_to(RESULTS.parent.parent)}")
+        print(f"results: {path}")
 
 
 if __name__ == "__main__":

@@ -145,13 +145,13 @@ def rank_main(rank: int, world: int, url: str, locals_: list[str], opts: dict, m
     far.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=None,
                     help="results file (default bench/results/recovery-tiers-<time>.json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     with moto_endpoint() as endpoint, tempfile.TemporaryDirectory(
             prefix="ckptfs-bench-tiers-", ignore_cleanup_errors=True) as work:
         out_file = os.path.join(work, "out.txt")

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir in /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="where the results file goes (default bench/results/)")
     args = p.parse_args(argv)
 
     backends = parse_backends(args)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     specs = state_specs(args.gb)
     state_bytes = sum(s.nbytes for s in specs)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = args.dir or tempfile.mkdtemp(prefix="ckptfs-bench-")
     os.makedirs(root, exist_ok=True)
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(records)
     report = render(summary, state_bytes, args)
     print(report)
-    out = RESULTS / f"{stamp}-{args.gb:g}gb.json"
+    out = args.results / f"{stamp}-{args.gb:g}gb.json"
     out.write_text(json.dumps({
         "config": {**{k: v for k, v in cfg.items() if k not in ("out", "root")},
                    "state_bytes": state_bytes, "tensors": len(specs)},

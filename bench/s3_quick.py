@@ -4,7 +4,8 @@
 
 1. ``moto_server`` runs in its own process on 127.0.0.1 (a free port), so the server and the
    client do not share a GIL. Every library talks to it through its normal S3 client.
-2. Save the same ~``--mb`` MiB state (fp32 and bf16 matrices plus 64 small fp32 tensors), one
+2. Save the same ~``--mb`` MiB state (fp32 and bf16 2048x4096 matrices, below 48 MiB one of each
+   with fewer columns, plus 64 small fp32 tensors), one
    process, ``--runs`` times each, alternating: ckptfs with s3fs, ckptfs with obstore
    (``StoreOptions(client="obstore")``), and ``dcp.save(storage_writer=FsspecWriter("s3://..."))``.
 3. Whole load of each, same alternation (DCP through ``FsspecReader``); the loaded bytes are
@@ -43,15 +44,16 @@ BUCKET = "bench"
 
 def make_state(mb: float, fill: bool = True) -> dict:
     """fp32 and bf16 matrices (3/4 and 1/4 of the bytes) plus 64 small fp32 tensors."""
-    n32 = max(1, round(mb * 0.75 / (ROWS * COLS * 4 / MB)))
-    n16 = max(1, round(mb * 0.25 / (ROWS * COLS * 2 / MB)))
+    cols = min(COLS, max(8, int(mb * MB / (ROWS * 6))))  # fewer below 48 MiB
+    n32 = max(1, round(mb * 0.75 / (ROWS * cols * 4 / MB)))
+    n16 = max(1, round(mb * 0.25 / (ROWS * cols * 2 / MB)))
     g = torch.Generator().manual_seed(0)
 
     def t(shape, dtype):
         return torch.randn(shape, generator=g).to(dtype) if fill else torch.empty(shape, dtype=dtype)
 
-    return {"fp32": {str(i): t((ROWS, COLS), torch.float32) for i in range(n32)},
-            "bf16": {str(i): t((ROWS, COLS), torch.bfloat16) for i in range(n16)},
+    return {"fp32": {str(i): t((ROWS, cols), torch.float32) for i in range(n32)},
+            "bf16": {str(i): t((ROWS, cols), torch.bfloat16) for i in range(n16)},
             "small": {str(i): t((4096,), torch.float32) for i in range(64)}, "step": 100}
 
 
@@ -119,11 +121,11 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=256)
     ap.add_argument("--runs", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import fsspec
     import torch.distributed.checkpoint as dcp
@@ -184,8 +186,8 @@ def main() -> None:
         for lib in ("ckptfs-s3fs", "ckptfs-obstore"):
             times, res = [], None
             for _ in range(args.runs):
-                sd = {d: {k: ckptfs.ShardedTensor(torch.empty(ROWS // 2, COLS, dtype=v.dtype),
-                                                  (ROWS, COLS), (0, 0)) for k, v in like[d].items()}
+                sd = {d: {k: ckptfs.ShardedTensor(torch.empty(ROWS // 2, v.shape[1], dtype=v.dtype),
+                                                  tuple(v.shape), (0, 0)) for k, v in like[d].items()}
                       for d in ("fp32", "bf16")}
                 t0 = time.perf_counter()
                 res = ckptfs.load(sd, url[lib], storage_options=opts, strict=False, store_options=libs[lib])

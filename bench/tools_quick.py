@@ -4,8 +4,8 @@
 
 One state of ``--gb`` GB (fp32 and bf16 tensors of ``--tensor-mb`` MB) is saved once with ckptfs
 (safetensors_chunks) and once with ``torch.distributed.checkpoint``. Then each job runs in a fresh
-process that reports its peak resident-set rise over its own baseline after imports (VmHWM,
-reset through /proc/self/clear_refs) and its wall time:
+spawned process (``run_ranks``, one rank) that reports its peak resident-set rise over its own
+baseline after imports (VmHWM, reset through /proc/self/clear_refs) and its wall time:
 
 - ckptfs ``unshard --format torch`` (one file), ``unshard --format hf`` (5 GB shards, tensors
   only), ``convert`` to torch_dist and to zarr-3, ``verify``;
@@ -23,10 +23,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ckptfs.testing.ranks import RanksFailed, run_ranks
 
 JOBS = ("ckptfs unshard torch", "ckptfs unshard hf", "ckptfs convert torch_dist-1",
         "ckptfs convert zarr-3", "ckptfs verify", "dcp_to_torch_save")
@@ -37,6 +38,11 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def _job_rank(rank: int, world: int, job: str, root: str, report: str) -> None:
+    """The job on a rank of its own; what ``run_job`` reports goes to the file ``report``."""
+    Path(report).write_text(json.dumps(run_job(job, root)))
 
 
 def run_job(job: str, root: str) -> dict:
@@ -97,23 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--tensor-mb", type=int, default=64)
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-tools")
-    ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.job:
-        print(json.dumps(run_job(args.job, args.dir)))
-        return 0
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     size = build(root, args.gb, args.tensor_mb)
     print(f"state: {size / 1e9:.2f} GB of tensors, largest {args.tensor_mb} MB\n")
     print(f"{'job':<28}{'peak RSS rise':>16}{'x checkpoint':>14}{'seconds':>10}")
+    report = root / "job.json"
     for job in JOBS:
-        run = subprocess.run([sys.executable, "-m", "bench.tools_quick", "--dir", args.dir, "--job", job],
-                             capture_output=True, text=True)
-        if run.returncode:
-            print(f"{job:<28} failed: {run.stderr.strip().splitlines()[-1:]}")
+        try:
+            run_ranks(1, _job_rank, job, args.dir, str(report))
+        except RanksFailed as e:
+            print(f"{job:<28} failed: {str(e).strip().splitlines()[-1:]}")
             continue
-        r = json.loads(run.stdout.strip().splitlines()[-1])
+        r = json.loads(report.read_text())
         rise = r["peak_rise"]
         print(f"{job:<28}{rise / 2**20:>12.0f} MiB{rise / size:>14.2f}{r['seconds']:>10.2f}")
     shutil.rmtree(root)

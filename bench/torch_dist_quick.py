@@ -11,8 +11,8 @@
    bytes read vs bytes needed.
 4. Resharded load 1 -> 2: two spawned gloo ranks each load a Shard(0) DTensor half, cold; DCP
    deserialises whole chunks on every rank, ckptfs reads the rows each rank needs.
-5. Save, each in a fresh process: ``dcp.save`` vs ``ckptfs.save(backend="torch_dist")`` (both
-   fsync), time and peak RSS above the state itself.
+5. Save, each in a fresh spawned process (``run_ranks``, one rank): ``dcp.save`` vs
+   ``ckptfs.save(backend="torch_dist")`` (both fsync), time and peak RSS above the state itself.
 
 The machine is shared: medians of ``--runs``, and treat differences under ~20% as noise.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -44,9 +43,11 @@ COLS = 8192
 
 
 def make_state(gb: float, fill: bool = True) -> dict:
-    """fp32 and bf16 matrices (3/4 and 1/4 of the bytes) plus 64 small fp32 tensors."""
-    n32 = max(1, round(gb * 1024 * 0.75 / (ROWS * COLS * 4 / MB)))
-    n16 = max(1, round(gb * 1024 * 0.25 / (ROWS * COLS * 2 / MB)))
+    """fp32 and bf16 matrices (3/4 and 1/4 of the bytes) plus 64 small fp32 tensors; below one
+    fp32 and one bf16 matrix of ``ROWS`` x ``COLS`` (192 MiB), one of each with fewer columns."""
+    cols = min(COLS, max(8, int(gb * 1024 * MB / (ROWS * 6))))
+    n32 = max(1, round(gb * 1024 * 0.75 / (ROWS * cols * 4 / MB)))
+    n16 = max(1, round(gb * 1024 * 0.25 / (ROWS * cols * 2 / MB)))
     g = torch.Generator().manual_seed(0)
 
     def t(shape, dtype):
@@ -54,8 +55,8 @@ def make_state(gb: float, fill: bool = True) -> dict:
             return torch.empty(shape, dtype=dtype)
         return torch.randn(shape, generator=g).to(dtype)
 
-    return {"fp32": {str(i): t((ROWS, COLS), torch.float32) for i in range(n32)},
-            "bf16": {str(i): t((ROWS, COLS), torch.bfloat16) for i in range(n16)},
+    return {"fp32": {str(i): t((ROWS, cols), torch.float32) for i in range(n32)},
+            "bf16": {str(i): t((ROWS, cols), torch.bfloat16) for i in range(n16)},
             "small": {str(i): t((4096,), torch.float32) for i in range(64)}, "step": 100}
 
 
@@ -102,8 +103,8 @@ def partial(path: str, gb: float, runs: int) -> tuple[list[float], int, int, int
     like = make_state(gb, fill=False)
     times, res = [], None
     for _ in range(runs):
-        sd = {d: {k: ckptfs.ShardedTensor(torch.empty(ROWS // 2, COLS, dtype=v.dtype), (ROWS, COLS),
-                                          (0, 0)) for k, v in like[d].items()}
+        sd = {d: {k: ckptfs.ShardedTensor(torch.empty(ROWS // 2, v.shape[1], dtype=v.dtype),
+                                          tuple(v.shape), (0, 0)) for k, v in like[d].items()}
               for d in ("fp32", "bf16")}
         drop_caches()
         t0 = time.perf_counter()
@@ -158,7 +159,7 @@ def reshard(path: str, gb: float, runs: int) -> dict[int, list]:
 # -- saves ----------------------------------------------------------------------------------------
 
 
-def _save_child(lib: str, path: str, gb: float, q) -> None:
+def _save_rank(rank: int, world: int, lib: str, path: str, gb: float, report: str) -> None:
     import torch.distributed.checkpoint as dcp  # imported before timing, for both libraries
     import torch.distributed.checkpoint.filesystem  # noqa: F401
 
@@ -173,7 +174,8 @@ def _save_child(lib: str, path: str, gb: float, q) -> None:
     else:
         ckptfs.save(sd, path, backend="torch_dist")
     dt = time.perf_counter() - t0
-    q.put((dt, _status("VmHWM") - base))
+    with open(report, "w") as f:
+        json.dump([dt, _status("VmHWM") - base], f)
 
 
 def _status(field: str) -> int:
@@ -186,25 +188,25 @@ def _status(field: str) -> int:
 
 
 def save_in_child(lib: str, path: str, gb: float) -> tuple[float, int]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_save_child, args=(lib, path, gb, q))
-    p.start()
-    out = q.get()
-    p.join()
-    return out
+    """The save on a spawned rank of its own (``run_ranks``, one rank): (seconds, peak RSS rise)."""
+    with tempfile.TemporaryDirectory() as out:
+        report = os.path.join(out, "save.json")
+        run_ranks(1, _save_rank, lib, path, gb, report)
+        with open(report) as f:
+            dt, rise = json.load(f)
+    return dt, rise
 
 
 # -- main -----------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-td")
     ap.add_argument("--skip-save", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     dcp_dir, ck_dir = f"{args.dir}/dcp", f"{args.dir}/ckptfs"

@@ -3,10 +3,11 @@
     .venv/bin/python -m bench.zarr_quick [--gb 1.0] [--runs 3] [--dir /tmp/ckptfs-bench-zarr]
 
 World size 1, local disk, ~``--gb`` GB of state: fp32 and bf16 4096x8192 matrices (3/4 and 1/4
-of the bytes) plus 64 small fp32 tensors. For every run and every writer, in turn:
-save (fsync'ed: ckptfs's local store fsyncs, DCP gets ``FileSystemWriter(sync_files=True)``),
-``sync; echo 3 > /proc/sys/vm/drop_caches``, load into preallocated tensors, check the bytes,
-delete. The writers' order is shuffled (seeded) per run; each gets one untimed warm-up first.
+of the bytes; below 192 MiB one of each, with fewer columns) plus 64 small fp32 tensors. For
+every run and every writer, in turn: save (fsync'ed: ckptfs's local store fsyncs, DCP gets
+``FileSystemWriter(sync_files=True)``), ``sync; echo 3 > /proc/sys/vm/drop_caches``, load into
+preallocated tensors, check the bytes, delete. The writers' order is shuffled (seeded) per run;
+each gets one untimed warm-up first.
 Writers: ckptfs zarr-2, zarr-3, zarr-3 with sharding, safetensors_chunks, DCP, and zarr-python's
 own array API (v3, same chunking) as the reference for "chunks through zarr".
 
@@ -47,15 +48,16 @@ MB = 1 << 20
 
 
 def make_state(gb: float, fill: bool = True) -> dict:
-    n32 = max(1, round(gb * 1024 * 0.75 / (ROWS * COLS * 4 / MB)))
-    n16 = max(1, round(gb * 1024 * 0.25 / (ROWS * COLS * 2 / MB)))
+    cols = min(COLS, max(8, int(gb * 1024 * MB / (ROWS * 6))))  # fewer below 192 MiB
+    n32 = max(1, round(gb * 1024 * 0.75 / (ROWS * cols * 4 / MB)))
+    n16 = max(1, round(gb * 1024 * 0.25 / (ROWS * cols * 2 / MB)))
     g = torch.Generator().manual_seed(0)
 
     def t(shape, dtype):
         return torch.randn(shape, generator=g).to(dtype) if fill else torch.empty(shape, dtype=dtype)
 
-    return {"fp32": {f"w{i}": t((ROWS, COLS), torch.float32) for i in range(n32)},
-            "bf16": {f"w{i}": t((ROWS, COLS), torch.bfloat16) for i in range(n16)},
+    return {"fp32": {f"w{i}": t((ROWS, cols), torch.float32) for i in range(n32)},
+            "bf16": {f"w{i}": t((ROWS, cols), torch.bfloat16) for i in range(n16)},
             "small": {f"b{i}": t((4096,), torch.float32) for i in range(64)}}
 
 
@@ -256,14 +258,14 @@ def report_reshard(times: dict[str, list[list[float]]], nbytes: int, args: argpa
     print(f"# results: {path}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-zarr")
     ap.add_argument("--only", nargs="*", help="writers to run (default: all)")
     ap.add_argument("--reshard", action="store_true", help="the warm 2->1 resharded load instead")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.reshard:
         reshard_main(args)
         return

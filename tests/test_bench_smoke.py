@@ -1,27 +1,35 @@
-"""Every bench module with a ``main`` runs end to end at its smallest size, as ``python -m
-bench.NAME`` runs it (a subprocess), so a bench that breaks fails the suite: it exits 0, prints
-its table and, where it keeps results, writes its JSON.
+"""Every bench module with a ``main`` runs end to end at its smallest size, so a bench that
+breaks fails the suite: it exits 0, prints its table and, where it keeps results, writes its JSON.
 
-The bench package is copied into the test's directory and put first on the path, so that
-results land there and not in the checkout's ``bench/results/``. ``bench.gpu`` and ``bench.perf``
-(with its worker ``bench.perf_world``) have end-to-end tests of their own; the first test below
-checks that no bench module is left without one.
+Most run in the test's own process, ``main(argv)`` as ``python -m bench.NAME`` would call it,
+with their output captured and their results sent to the test's directory (``--results`` or
+``--out``); the ranks they spawn (``run_ranks``) are the module's ``RankPool``, kept for all of
+them, so no run starts Python and imports torch for every rank. The environment, working
+directory and torch's thread count are put back after each. The others (``SUBPROCESS``) run as
+``python -m bench.NAME`` in a subprocess, the bench package copied into the test's directory and
+put first on the path, so that their results land there and not in the checkout's
+``bench/results/``. ``bench.gpu`` and ``bench.perf`` (with its worker ``bench.perf_world``) have
+end-to-end tests of their own; the first test below checks that no bench module is left without
+one.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+
+import ckptfs
+from ckptfs.testing.ranks import RankPool, pooled
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -40,11 +48,12 @@ COVERED_ELSEWHERE = {
 
 @dataclass(frozen=True)
 class Smoke:
-    """One bench's smallest run and what proves it completed."""
+    """One bench's smallest run and what proves it completed (``{tmp}`` in its arguments: the
+    test's directory; results go to ``{tmp}/results``)."""
 
     args: tuple[str, ...]
     prints: tuple[str, ...]  #: lines of its table that must be in its output
-    writes: str | None = None  #: the results file it writes, a glob under bench/results/
+    writes: str | None = None  #: the results file it writes, a glob under {tmp}/results/
 
 
 def _gpu_tune() -> Smoke:
@@ -55,10 +64,11 @@ def _gpu_tune() -> Smoke:
 
 SMOKES = {
     "delta": Smoke(("--mb", "4", "--tensor-mb", "1", "--reps", "1", "--steps", "5",
-                    "--manager-mb", "2", "--reuse-hashes", "--dir", "{tmp}"),
+                    "--manager-mb", "2", "--reuse-hashes", "--dir", "{tmp}",
+                    "--out", "{tmp}/results/delta-smoke.json"),
                    ("save (reuse_hashes): changed", "load (", "manager: 5 steps, kept [1, 3, 4, 5]"),
                    "delta-*.json"),
-    "scale": Smoke(("--quick", "--variants", "zero1"),
+    "scale": Smoke(("--quick", "--variants", "zero1", "--out", "{tmp}/results/scale-smoke.json"),
                    ("| world | variant | chunks (ckptfs / DCP) |", "| 64 | zero1 |", "| 256 | zero1 |",
                     "| 256 | zero1 -> other |", "growth per stored chunk", "index segments",
                     "| world | load | index | metadata, whole"), "scale-*.json"),
@@ -74,18 +84,18 @@ SMOKES = {
                          ("ckptfs unshard torch ", "ckptfs unshard hf ", "ckptfs convert zarr-3 ",
                           "ckptfs verify ", "dcp_to_torch_save ")),
     "run": Smoke(("--gb", "0.001", "--reps", "1", "--warmup", "0", "--worlds", "1", "--reshard", "",
-                  "--no-drop-caches", "--no-warm", "--dir", "{tmp}/run"),
+                  "--no-drop-caches", "--no-warm", "--dir", "{tmp}/run", "--results", "{tmp}/results"),
                  ("save 1  ckptfs[safetensors_chunks-1]", "load 1  ckptfs[safetensors_chunks-1]",
                   "targets:"), "*-0.001gb.json"),
     "async_save": Smoke(("--mb", "1", "--reps", "2", "--libs", "ckptfs", "--train-s", "0.1",
-                         "--plain", "--dir", "{tmp}"),
+                         "--plain", "--dir", "{tmp}", "--results", "{tmp}/results"),
                         ("checkpointer  first staged", "targets (ckptfs):"), "*-async-1mb.json"),
-    "python_bound": Smoke(("--tensors", "200", "--reps", "1", "--dir", "{tmp}/pb", "--writers",
-                           "thread", "process"),
+    "python_bound": Smoke(("--tensors", "200", "--reps", "1", "--dir", "{tmp}/pb", "--results",
+                           "{tmp}/results", "--writers", "thread", "process"),
                           ("| writer | staged (s) min / median |", "| thread |", "| process |"),
                           "python_bound-*.json"),
     "host_memory": Smoke(("--gb", "0.03", "--tensor-mib", "8", "--limit-mib", "16", "--modes",
-                          "process", "--root", "{tmp}"),
+                          "process", "--root", "{tmp}", "--results", "{tmp}/results"),
                          ("process  contiguous  limit 16 MiB", "bit-exact True"),
                          "host_memory-*.json"),
     "s3_quick": Smoke(("--mb", "1", "--runs", "1"),
@@ -95,24 +105,28 @@ SMOKES = {
                      ("| local tier (all copies intact; index from S3) |", "| S3 (moto), no local tier |",
                       "| manager save |", "| async_save |")),
     # needs megatron-core (its own venv: make bench-megatron); here it says so and exits 2
-    "megatron_strategies": Smoke(("--gb", "0.01", "--runs", "1"),
+    "megatron_strategies": Smoke(("--gb", "0.01", "--runs", "1", "--out",
+                                  "{tmp}/results/megatron_strategies.json"),
                                  ("bench.megatron_strategies needs megatron-core",)),
-    "recovery_tiers": Smoke(("--mb", "1", "--runs", "1"),
+    "recovery_tiers": Smoke(("--mb", "1", "--runs", "1", "--out",
+                             "{tmp}/results/recovery-tiers-smoke.json"),
                             ("| what | median s | min s |", "S3 restore / local restore:",
                              "in the local ones: 0"), "recovery-tiers-*.json"),
     "save_phases": Smoke(("--gb", "0.01", "--reps", "1", "--warmup", "0", "--worlds", "1",
-                          "--cache", "warm", "--dir", "{tmp}/sp"),
+                          "--cache", "warm", "--dir", "{tmp}/sp", "--results",
+                          "{tmp}/results/save_phases.json"),
                          ("1 rank(s), page cache warm, DCP:", "crc: whole files", "io: fsync",
                           "page cache warm: ckptfs / fsync floor = "),
                          "save_phases.json"),
     "hf_export": Smoke(("--mb", "4", "--tensor-mb", "1", "--files", "2", "--reps", "1", "--phases",
-                        "--dir", "{tmp}/hf"),
+                        "--dir", "{tmp}/hf", "--results", "{tmp}/results"),
                        ("| ckptfs unshard | 2 |", "| ckptfs export_hf | 2 |", "| dcp consolidate | 2 |",
                         "| plain copy (floor) | 2 |", "| ckptfs unshard, fresh batches | 2 |",
                         "2 ranks against 1: ckptfs unshard ", "| ranks | rank | plan | open |",
                         "from 1 and 2 ranks and both routes: True; same tensors as DCP's: True"),
                        "hf_export-*.json"),
-    "distributed": Smoke(("--mb", "1", "--runs", "1", "--link-mibs", "0", "--dir", "{tmp}"),
+    "distributed": Smoke(("--mb", "1", "--runs", "1", "--link-mibs", "0", "--dir", "{tmp}",
+                          "--results", "{tmp}/results"),
                          ("| local disk | ckptfs |", "| moto S3 | dcp |", "| moto S3 | True |",
                           "| local disk, cold | False |"), "distributed-*.json"),
 }
@@ -129,33 +143,56 @@ def test_every_bench_with_a_main_has_a_smoke_run():
         assert imports in (REPO / path).read_text(), name
 
 
-#: the smoke runs of the larger benches (tens of seconds each): `make test-extended`
-EXTENDED = frozenset({"distributed", "torch_dist_quick", "tools_quick", "scale", "recovery_tiers",
-                      "manager", "s3_quick", "zarr_quick", "hf_export", "python_bound", "host_memory",
-                      "run", "async_save"})
+@pytest.fixture(scope="module")
+def bench_ranks():
+    """The ranks every bench of this module runs on (``run_ranks`` inside ``pooled``): started
+    at the first bench that spawns ranks, kept for the others."""
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
+    """``bench.NAME``'s ``main(argv)`` in this process, its ranks on ``pool``: its exit status
+    (``sys.exit`` included). What a bench changes in the process (the environment, the working
+    directory, the path, torch's thread count, a default process group) is put back."""
+    environ, cwd, path, threads = dict(os.environ), os.getcwd(), list(sys.path), torch.get_num_threads()
+    try:
+        with pooled(pool):
+            rc = importlib.import_module(f"bench.{name}").main(argv)
+    except SystemExit as e:  # as the interpreter exits on it: a message is printed, status 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        rc = e.code if isinstance(e.code, int | None) else 1
+    finally:
+        ckptfs.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        sys.path[:] = path
+        torch.set_num_threads(threads)
+    return rc or 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED
-                                  else n for n in sorted(SMOKES)])
-def test_bench_runs_at_its_smallest_size(name, tmp_path):
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_bench_runs_at_its_smallest_size(name, tmp_path, capfd, bench_ranks):
     smoke = SMOKES[name]
-    shutil.copytree(BENCH, tmp_path / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(tmp_path), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     args = [a.format(tmp=tmp_path) for a in smoke.args]
-    run = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=540)
-    out = run.stdout + run.stderr
+    rc = _run_main(name, args, bench_ranks)
+    captured = capfd.readouterr()
+    out = captured.out + captured.err
     want_rc = 2 if (name == "gpu_tune" and not torch.cuda.is_available()) or (
         name == "megatron_strategies" and importlib.util.find_spec("megatron") is None) else 0
-    assert run.returncode == want_rc, out[-4000:]
+    assert rc == want_rc, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
-    assert not re.search(r" failed: ", run.stdout), out[-4000:]
+    assert not re.search(r" failed: ", captured.out), out[-4000:]
     for line in smoke.prints:
         assert line in out, f"bench.{name} did not print {line!r}:\n{out[-4000:]}"
     if smoke.writes:
-        found = list((tmp_path / "bench" / "results").glob(smoke.writes))
+        found = list((tmp_path / "results").glob(smoke.writes))
         assert len(found) == 1, f"bench.{name} wrote {found}, expected one {smoke.writes}"
         assert json.loads(found[0].read_text())

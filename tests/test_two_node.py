@@ -4,8 +4,8 @@ identity from the launcher's environment, running tests/two_node_job.py.
 
 In ``make test``: one node's agent and processes are SIGKILLed mid-run and its local directory
 wiped (a replaced node); both restart and restore the newest local step bit-exact, reading 0
-bytes from the URL. ``make test-extended`` adds a plain ``ckptfs.save`` on the 4 ranks loaded
-bit-exact on 2 ranks, one per node (one launch). ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
+bytes from the URL; the same launch then makes a plain ``ckptfs.save`` on the 4 ranks, loaded
+bit-exact on 2 ranks, one per node. ``make test-two-node`` (``CKPTFS_TWO_NODE_FULL=1``) goes on: the job
 restarts on one node (world 4 -> 2) from that node's tier alone, then with the last copy of one
 of the other node's files spoiled it falls back to the persistent step and says why; a node
 killed while receiving the other node's copy leaves no step restorable that is not; a SIGTERM
@@ -113,11 +113,23 @@ def train_and_lose_a_node(tmp_path: Path) -> tuple[str, list[str]]:
     return url, nodes
 
 
-def test_two_torchrun_nodes_restore_a_replaced_node_from_its_peer(tmp_path):
+@pytest.fixture(scope="module")
+def replaced(tmp_path_factory):
+    """A two-node job that lost node n1 (``train_and_lose_a_node``), resumed on both nodes with
+    n1 replaced; the same launch then saves a plain checkpoint on its 4 ranks and loads it on 2,
+    one per node (``--plain-url``): (URL, the nodes' directories, the launch's output folder,
+    the steps at the URL before the restore)."""
+    tmp_path = tmp_path_factory.mktemp("two-node")
     url, nodes = train_and_lose_a_node(tmp_path)
-    assert sorted(os.listdir(url)) == ["step-00000004"]  # step 6 is a local step only
+    steps = sorted(os.listdir(url))
     out = tmp_path / "replaced"
-    finish(agents(nodes, out, "resume", "--url", url), out)
+    finish(agents(nodes, out, "resume", "--url", url, "--plain-url", str(tmp_path / "plain")), out)
+    return url, nodes, out, steps
+
+
+def test_two_torchrun_nodes_restore_a_replaced_node_from_its_peer(replaced, tmp_path):
+    url, nodes, out, steps = replaced
+    assert steps == ["step-00000004"]  # step 6 is a local step only
     got = results(out)
     assert len(got) == 4 and all(r["step"] == 6 and r["source"] == "local" for r in got), got
     assert all(r["remote"] == 0 for r in got) and sum(r["peer"] for r in got) > 0, got
@@ -168,12 +180,11 @@ def test_a_node_killed_mid_copy_leaves_no_false_step(tmp_path):
     assert all("local step 6: no node holds" in r["reason"] for r in got), got
 
 
-@pytest.mark.extended  # its launch is the one of the restore test above; resharding: test_reshard
-def test_a_plain_save_on_two_nodes_loads_on_two_ranks_bit_exact(tmp_path):
-    """``ckptfs.save`` on 4 ranks (2 nodes x 2), ``ckptfs.load`` on 2 (one per node)."""
-    url, out = str(tmp_path / "ckpt"), tmp_path / "reshard"
-    finish(agents([str(tmp_path / "n0"), str(tmp_path / "n1")], out, "reshard", "--url", url), out)
-    got = results(out)
+def test_a_plain_save_on_two_nodes_loads_on_two_ranks_bit_exact(replaced):
+    """``ckptfs.save`` on 4 ranks (2 nodes x 2), ``ckptfs.load`` on 2 (one per node), checked
+    bit-exact by the job (tests/two_node_job.py ``reshard``); in the restore test's launch.
+    Resharding itself: tests/test_reshard.py."""
+    got = [json.loads(p.read_text()) for p in sorted(replaced[2].glob("plain*.json"))]
     assert [r["loaded_as"] for r in got] == [0, 1] and all(r["bytes"] > 0 for r in got), got
 
 

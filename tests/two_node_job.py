@@ -4,8 +4,8 @@ local directory of its own; the node's identity comes from the launcher's enviro
 ``train``: steps 1..``--steps`` with local steps every 2 and persistent ones every 4, then it
 keeps stepping without saving (the test kills a node there, mid-run). ``resume``: restore,
 check the state bit-exact against the step restored, and write what the restore reports to
-``<out>/rank<N>.json``. ``reshard``: a plain ``ckptfs.save`` on every rank, then ``ckptfs.load`` on two ranks, one per
-node, checked bit-exact. ``preempt``: step until a preemption notice (SIGTERM to any rank)
+``<out>/rank<N>.json``; with ``--plain-url``, then a plain ``ckptfs.save`` there on every rank and
+``ckptfs.load`` on two ranks, one per node, checked bit-exact (``<out>/plain<N>.json``). ``preempt``: step until a preemption notice (SIGTERM to any rank)
 has been saved (no other saves), wait for its persistence (unless ``--no-persist``) and write
 the step and the steps committed at the URL to ``<out>/rank<N>.json``. Every rank writes its
 pid and local directory to ``<out>/pids/``; ``<out>/stepping`` appears once the ranks step.
@@ -38,13 +38,14 @@ def manager(url: str, local: str, *, local_interval_steps: int = 2, **kw: Any
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["train", "resume", "preempt", "reshard"])
+    p.add_argument("mode", choices=["train", "resume", "preempt"])
     p.add_argument("--url", required=True)
     p.add_argument("--node-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--die-receiving", type=int, default=None)
     p.add_argument("--no-persist", action="store_true")
+    p.add_argument("--plain-url", default=None, help="resume: then a plain save there, loaded on 2 ranks")
     a = p.parse_args()
     if a.die_receiving is not None:
         die_receiving(a.die_receiving)
@@ -53,9 +54,7 @@ def main() -> None:
     os.makedirs(os.path.join(a.out, "pids"), exist_ok=True)
     with open(os.path.join(a.out, "pids", f"rank{rank}"), "w") as f:
         f.write(f"{os.getpid()} {a.node_dir}")
-    if a.mode == "reshard":
-        reshard(rank, world, a.url, a.out)
-    elif a.mode == "preempt":
+    if a.mode == "preempt":
         policy = ckptfs.PreemptionPolicy(signals=(signal.SIGTERM,), exit=False,
                                          persist=not a.no_persist)
         with manager(a.url, a.node_dir, local_interval_steps=10**6, save_interval_steps=10**6,
@@ -67,6 +66,8 @@ def main() -> None:
     else:
         with manager(a.url, a.node_dir) as mgr:
             resume(mgr, rank, world, a.out)
+        if a.plain_url:
+            reshard(rank, world, a.plain_url, a.out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -114,7 +115,7 @@ def reshard(rank: int, world: int, url: str, out: str) -> None:
         sd = blank(me, len(pair))
         r = ckptfs.load(sd, url, process_group=sub)
         check(sd, me, len(pair), 7)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        with open(os.path.join(out, f"plain{rank}.json"), "w") as f:
             json.dump({"loaded_as": me, "bytes": r.bytes_read}, f)
 
 
