@@ -418,17 +418,26 @@ def kept_load(root_raw: bytes, target: dict, rank: int, where: str) -> dict:
 
 
 def held(s: Shape, variant: str, rank: int, where: str) -> dict:
-    """In a fresh process: the index data one rank holds after its metadata phase (the root and
-    its rows, tracemalloc), and the peak while reading them."""
-    import subprocess
+    """In a fresh process (a spawned rank of its own, ``run_ranks``): the index data one rank
+    holds after its metadata phase (the root and its rows, tracemalloc), and the peak while
+    reading them."""
+    from ckptfs.testing.ranks import run_ranks
 
-    code = ("import json, sys; from bench.scale import _held_child; "
-            "print(json.dumps(_held_child(*json.loads(sys.argv[1]))))")
-    arg = json.dumps([[s.tp, s.pp, s.dp, s.layers, s.hidden, s.ffn, s.kv, s.vocab], variant,
-                      rank, where])
-    out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    shape = [s.tp, s.pp, s.dp, s.layers, s.hidden, s.ffn, s.kv, s.vocab]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "held.json")
+        run_ranks(1, _held_rank, shape, variant, rank, where, report)
+        with open(report) as f:
+            return json.load(f)
+
+
+def _held_rank(_rank: int, _world: int, shape: list, variant: str, rank: int, where: str,
+               report: str) -> None:
+    """``_held_child`` on a rank of its own, its figures written to the file ``report``. Its
+    ``init_fake`` puts the measured world's fake group in place of the rank's own, which the
+    rank's teardown (a barrier, no-op on it, and its destruction) then ends."""
+    with open(report, "w") as f:
+        json.dump(_held_child(shape, variant, rank, where), f)
 
 
 def _held_child(shape: list, variant: str, rank: int, where: str) -> dict:
@@ -900,6 +909,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the whole-or-segmented measure at these chunk counts")
     ap.add_argument("--out", default=None, help="results file (default bench/results/scale-*.json)")
     args = ap.parse_args(argv)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = []
     variants = args.variants.split(",")
     if args.quick:
