@@ -1,16 +1,16 @@
 """Every bench module with a ``main`` runs end to end at its smallest size, so a bench that
-breaks fails the suite: it exits 0, prints its table and, where it keeps results, writes its JSON.
+breaks fails the suite: it exits 0 (``sys.exit`` included), prints its table and, where it keeps
+results, writes its JSON.
 
-Most run in the test's own process, ``main(argv)`` as ``python -m bench.NAME`` would call it,
-with their output captured and their results sent to the test's directory (``--results`` or
-``--out``); the ranks they spawn (``run_ranks``) are the module's ``RankPool``, kept for all of
-them, so no run starts Python and imports torch for every rank. The environment, working
-directory and torch's thread count are put back after each. The others (``SUBPROCESS``) run as
-``python -m bench.NAME`` in a subprocess, the bench package copied into the test's directory and
-put first on the path, so that their results land there and not in the checkout's
-``bench/results/``. ``bench.gpu`` and ``bench.perf`` (with its worker ``bench.perf_world``) have
-end-to-end tests of their own; the first test below checks that no bench module is left without
-one.
+Each runs in the test's own process, ``main(argv)`` as ``python -m bench.NAME`` calls it, its
+output captured (file descriptors too: what its programs print) and its results sent to the
+test's directory (``--results`` or ``--out``), not to the checkout's ``bench/results/``. The
+ranks it spawns (``run_ranks``) are the module's ``RankPool``, kept from one bench to the next,
+so that no bench starts Python and imports torch for every rank of every world; a rank function
+of a bench leaves its process as it found it. The environment, working directory, path, torch's
+thread count and the default process group are put back after each bench. ``bench.gpu`` and
+``bench.perf`` (with its worker ``bench.perf_world``) have end-to-end tests of their own; the
+first test below checks that no bench module is left without one.
 """
 
 from __future__ import annotations
