@@ -1,9 +1,9 @@
 """``python -m bench.host_memory``: the host memory a save takes under ``host_memory_limit``.
 
-Each case runs in a fresh process (``--child``) holding a state of ``--gb`` GB of fp32 tensors of
-``--tensor-mib`` MiB each (and 50 small ones), seeded, and saves it once: ``async_save`` with the
-thread writer, ``async_save`` with the process writer, or the synchronous ``save``. What is
-measured is the growth of resident memory during the save:
+Each case runs in a fresh spawned process (``run_ranks``, one rank) holding a state of ``--gb``
+GB of fp32 tensors of ``--tensor-mib`` MiB each (and 50 small ones), seeded, and saves it once:
+``async_save`` with the thread writer, ``async_save`` with the process writer, or the synchronous
+``save``. What is measured is the growth of resident memory during the save:
 
 - the training process: its peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` just
   before the save) less its RSS before the save. Its staging buffers, shared memory included,
@@ -24,8 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -125,16 +123,22 @@ def child(a: argparse.Namespace) -> dict:
 
 def measure(mode: str, limit_mib: int | None, root: str, *, gb: float, tensor_mib: int,
             layout: str = "contiguous", timeout: float = 900) -> dict:
-    """Run one case in a fresh process; its measurements."""
-    repo = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "bench.host_memory", "--child", "--mode", mode, "--root", root,
-           "--gb", str(gb), "--tensor-mib", str(tensor_mib), "--layout", layout,
-           "--limit-mib", str(limit_mib or 0)]
-    out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{mode}: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Run one case in a fresh process (a spawned rank of its own); its measurements."""
+    from ckptfs.testing.ranks import run_ranks
+
+    case = argparse.Namespace(mode=mode, root=root, gb=gb, tensor_mib=tensor_mib, layout=layout,
+                              limit_mib=limit_mib or 0)
+    report = os.path.join(root, "case.json")
+    run_ranks(1, _case_rank, case, report, timeout=timeout)
+    with open(report) as f:
+        return json.load(f)
+
+
+def _case_rank(rank: int, world: int, case: argparse.Namespace, report: str) -> None:
+    """``child(case)`` on a rank of its own, its measurements written to the file ``report``."""
+    out = child(case)
+    with open(report, "w") as f:
+        json.dump(out, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,16 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=["contiguous", "transposed"], default=None,
                    help="tensor layout (default: transposed for sync, contiguous otherwise)")
     p.add_argument("--root", default=None, help="where checkpoints go (default: a temp dir)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="thread", help=argparse.SUPPRESS)
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
     p.add_argument("--results", type=Path, default=RESULTS,
                    help="where the results file goes (default bench/results/)")
     a = p.parse_args(argv)
-    if a.child:
-        a.layout = a.layout or "contiguous"
-        print(json.dumps(child(a)))
-        return 0
     import tempfile
 
     rows = []
