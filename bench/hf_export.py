@@ -36,15 +36,17 @@ floor's speed-up from a second rank. ``--phases`` prints ``unshard``'s phases pe
 
 Each rank reports its wall time and its peak resident-set rise over its baseline after imports
 and joining the group (VmHWM, reset through /proc/self/clear_refs; for ``export_hf``, after the
-live state is loaded), against the target of the largest tensor plus 256 MiB. The outputs are
-checked: ckptfs's files are the same bytes from 1 and 2 ranks and from both routes, and hold the
-same tensors as DCP's.
+live state is loaded), against the target of the largest tensor plus 256 MiB. Each run's
+output is checked as soon as it ends, then removed (``_Outputs``): ckptfs's files are the same
+bytes from 1 and 2 ranks and from both routes, and hold the same tensors as DCP's. So every run
+writes while ``--dir`` holds the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import filecmp
 import json
 import os
 import shutil
@@ -225,14 +227,47 @@ def _same_tensors(a: Path, b: Path) -> bool:
     return True
 
 
-def _files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.glob("model*"))}
+def _same_files(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` hold the same ``model*`` files, byte for byte."""
+    names = sorted(p.name for p in a.glob("model*"))
+    return names == sorted(p.name for p in b.glob("model*")) and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names)
+
+
+class _Outputs:
+    """Each run's files checked as soon as it ends, then removed: the first ckptfs output is
+    kept as the reference, the others must be the same bytes, DCP's the same tensors. So every
+    run writes while the folder holds the same bytes (the checkpoint, DCP's input, the
+    reference): on a tmpfs a new run's pages would otherwise come from memory untouched for
+    longer and longer, which a virtual machine may back lazily (the same 1.47 GB written in
+    0.7 s or 2.4-3.4 s depending on how much the tmpfs already holds)."""
+
+    def __init__(self, root: Path) -> None:
+        self.reference = root / "reference"
+        self.same: list[bool] = []
+        self.same_dcp: list[bool] = []
+
+    def check(self, job: str, out: Path) -> None:
+        if job.startswith("ckptfs"):
+            if not self.reference.exists():
+                out.rename(self.reference)
+                return
+            self.same.append(_same_files(out, self.reference))
+        elif job == "dcp consolidate" and self.reference.exists():
+            self.same_dcp.append(_same_tensors(self.reference, out))
+        shutil.rmtree(out, ignore_errors=True)
+
+    def verdicts(self) -> tuple[bool | None, bool | None]:
+        """(ckptfs's files the same bytes from 1 and 2 ranks and both routes, the same tensors
+        as DCP's); None where the runs to compare did not happen."""
+        return (all(self.same) if self.same else None,
+                all(self.same_dcp) if self.same_dcp else None)
 
 
 def _run_all(root: Path, jobs: list[str], reps: int, n: int, per_file: int, chunk: int,
-             rows: int) -> tuple[list[dict], list[list[float]]]:
+             rows: int, outputs: _Outputs) -> tuple[list[dict], list[list[float]]]:
     """Every job at 1 and 2 ranks, ``reps`` times, alternating; the load average before each
-    repetition."""
+    repetition. Each run's output is checked and removed by ``outputs``."""
     from ckptfs.testing.ranks import run_ranks
 
     runs: list[dict] = []
@@ -245,6 +280,7 @@ def _run_all(root: Path, jobs: list[str], reps: int, n: int, per_file: int, chun
                 shutil.rmtree(out, ignore_errors=True)
                 run_ranks(world, _job, str(root), job, n, per_file, chunk, rows, timeout=1800)
                 got = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
+                outputs.check(job, Path(out))
                 runs.append({"job": job, "ranks": world, "rep": rep,
                              "seconds": max(g["seconds"] for g in got),
                              "peak_rise_per_rank": [g["peak_rise"] for g in got],
@@ -378,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     per_file = -(-n // args.files)
     tensor = rows * 4096
     run_ranks(2, _build, str(root), n, rows, per_file, timeout=1800)
-    runs, loads = _run_all(root, jobs, args.reps, n, per_file, per_file * tensor, rows)
-    same, same_dcp = _check_outputs(root, jobs)
+    outputs = _Outputs(root)
+    runs, loads = _run_all(root, jobs, args.reps, n, per_file, per_file * tensor, rows, outputs)
+    same, same_dcp = outputs.verdicts()
     by = _medians(runs)
     ratios = _report(by, n, tensor, args.files, loads, args.phases)
     print(f"target per rank (largest tensor + 256 MiB): {(tensor + (256 << 20)) / 2**20:.0f} MiB; "
@@ -395,21 +432,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.results, f"hf_export-{int(doc['mb'])}mb.json").write_text(json.dumps(doc, indent=2) + "\n")
     shutil.rmtree(root)
     return 0 if same is not False and same_dcp is not False else 1
-
-
-def _check_outputs(root: Path, jobs: list[str]) -> tuple[bool | None, bool | None]:
-    """(ckptfs's files the same bytes from 1 and 2 ranks and both routes, the same tensors as
-    DCP's); None where the jobs to compare did not run."""
-    outs = [Path(_out("", job, w)).name[4:] for job in jobs if job.startswith("ckptfs")
-            for w in (1, 2)]
-    same = None
-    if len(outs) > 1:
-        ref = _files(root / f"out-{outs[0]}")
-        same = all(_files(root / f"out-{d}") == ref for d in outs[1:])
-    same_dcp = None
-    if "dcp consolidate" in jobs and outs:
-        same_dcp = _same_tensors(root / f"out-{outs[0]}", root / "out-consolidate-2")
-    return same, same_dcp
 
 
 if __name__ == "__main__":
