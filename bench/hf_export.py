@@ -239,8 +239,8 @@ class _Outputs:
     kept as the reference, the others must be the same bytes, DCP's the same tensors. So every
     run writes while the folder holds the same bytes (the checkpoint, DCP's input, the
     reference): on a tmpfs a new run's pages would otherwise come from memory untouched for
-    longer and longer, which a virtual machine may back lazily (the same 1.47 GB written in
-    0.7 s or 2.4-3.4 s depending on how much the tmpfs already holds)."""
+    longer and longer, which a virtual machine may back lazily (the performance page has the
+    measurement)."""
 
     def __init__(self, root: Path) -> None:
         self.reference = root / "reference"
