@@ -388,6 +388,28 @@ def _s3_list(s3, prefix: str) -> list[str]:
     return [o["Key"][len(prefix):] for o in out]
 
 
+def test_a_lock_left_after_a_commit_is_removed_by_the_next_retention(tmp_path):
+    """A save killed between its commit and the lock's release leaves a complete step with its
+    lock: the next save's retention removes it (``verify`` reports it until then); a lock a
+    save still renews stays."""
+    mgr = ckptfs.CheckpointManager(str(tmp_path), ckptfs.ManagerOptions(
+        retention=ckptfs.Retention(keep_last=3), preemption=ckptfs.PreemptionPolicy(signals=())))
+    for s in (1, 2):
+        mgr.save_sync(s, {"w": torch.arange(8.0) + s})
+    now = time.time()
+    dead = LockInfo("a" * 12, "safetensors_chunks-1", "other-host", 1, now - 900, now - 900)
+    live = LockInfo("b" * 12, "safetensors_chunks-1", "other-host", 1, now, now)
+    for step, info in ((1, dead), (2, live)):
+        (tmp_path / f"step-{step:08d}" / LOCK_FILE).write_bytes(info.dumps())
+    report = ckptfs.verify(str(tmp_path / "step-00000001"))
+    assert [(p.kind, p.file) for p in report.problems] == [("extra-file", LOCK_FILE)]
+    mgr.save_sync(3, {"w": torch.arange(8.0) + 3})
+    assert not (tmp_path / "step-00000001" / LOCK_FILE).exists()
+    assert (tmp_path / "step-00000002" / LOCK_FILE).read_bytes() == live.dumps()
+    assert ckptfs.verify(str(tmp_path / "step-00000001")).ok
+    mgr.close()
+
+
 def test_steps_are_numbers_and_retention_settings_are_checked():
     from ckptfs.manager.steps import Retention, read_listing, step_dir
 

@@ -40,7 +40,7 @@ from ckptfs.engine.save.pipeline import SaveRequest, clear_dead, local_options
 from ckptfs.errors import CheckpointNotFoundError, CkptfsError, CollectiveError, ConfigError
 from ckptfs.io import Store, open_store, run_sync
 from ckptfs.io.prefixed import PrefixedStore
-from ckptfs.layout.index import Index
+from ckptfs.layout.index import LOCK_FILE, Index
 from ckptfs.manager.health import LAST_GOOD, last_good
 from ckptfs.manager.options import MOVED, ManagerOptions
 from ckptfs.manager.peers import Nodes
@@ -379,6 +379,7 @@ class CheckpointManager:
                     if s not in listing.committed and s < latest and not _saving(self._at(listing.dirs[s]))]
             for s in [*drop, *dead]:
                 run_sync(delete_checkpoint(self._at(listing.dirs[s]), missing_ok=True))
+            _drop_stale_locks(self, listing, set(listing.committed) - set(drop))
             return sorted(set(listing.committed) - set(drop))
 
         try:
@@ -534,6 +535,16 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drop_stale_locks(manager: CheckpointManager, listing: Listing, kept: set[int]) -> None:
+    """The lock a save killed between its commit and its release left in a kept step: the
+    step is complete, the lock only debris that ``verify`` would report for ever. Removed
+    unless a save still renews it (a replacing save of that step now running)."""
+    for s in sorted(listing.locked & kept):
+        store = manager._at(listing.dirs[s])
+        if not _saving(store):
+            run_sync(store.delete([LOCK_FILE]))
 
 
 def _saving(store: Store) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ckptfs.errors import ConfigError
 from ckptfs.io.base_urls import resolve_url, split_url
-from ckptfs.layout.index import INDEX_FILE
+from ckptfs.layout.index import INDEX_FILE, LOCK_FILE
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -37,11 +37,14 @@ class Listing:
     committed: tuple[int, ...]  #: steps with an index, ascending
     present: frozenset[int]  #: steps with any file (committed or a dead save's leftovers)
     dirs: dict[int, str]  #: step -> folder name as found
+    #: steps whose folder holds a save lock (a save running, or one killed before it let go)
+    locked: frozenset[int] = frozenset()
 
 
 def read_listing(paths: Iterable[str]) -> Listing:
     """Parse a recursive listing (paths relative to the manager's URL)."""
     committed: set[int] = set()
+    locked: set[int] = set()
     dirs: dict[int, str] = {}
     for p in paths:
         head, _, rest = p.partition("/")
@@ -51,7 +54,9 @@ def read_listing(paths: Iterable[str]) -> Listing:
         dirs.setdefault(step, head)
         if rest == INDEX_FILE:
             committed.add(step)
-    return Listing(tuple(sorted(committed)), frozenset(dirs), dirs)
+        elif rest == LOCK_FILE:
+            locked.add(step)
+    return Listing(tuple(sorted(committed)), frozenset(dirs), dirs, frozenset(locked))
 
 
 @dataclass(frozen=True, slots=True)
