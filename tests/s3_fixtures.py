@@ -247,7 +247,7 @@ class FaultProxy:
     def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
         path, _, query = h.path.partition("?")
         if path.startswith("/__proxy__/"):
-            return self._control(h, path, _read_body(h))
+            return self._control(h, path, _read_body(h) or b"")
         t0 = time.monotonic()
         with self._lock:
             f = self.faults
@@ -259,6 +259,10 @@ class FaultProxy:
         if fault == "reset_upload":
             return self._reset_upload(h, path, query, t0)
         body = _read_body(h)
+        if body is None:  # the client went away mid-body: a server stores nothing of it
+            self._record(h, path, query, 0, t0, "client_gone")
+            h.close_connection = True
+            return
         self._wait_at_gate(path, query)
         if f.latency:
             time.sleep(f.latency)
@@ -391,19 +395,28 @@ def _reset(h) -> None:
         os.close(h.connection.detach())
 
 
-def _read_body(h) -> bytes:
+def _read_body(h) -> bytes | None:
+    """The request's whole body, or None when the connection ended before all of it came (a
+    client killed mid-request: its request never reaches the upstream, as with a real server)."""
     if h.headers.get("Transfer-Encoding", "").lower() == "chunked":
         out = bytearray()
         while True:
-            size = int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            line = h.rfile.readline()
+            if not line:
+                return None
+            size = int(line.split(b";")[0].strip() or b"0", 16)
             if size == 0:
                 while h.rfile.readline() not in (b"\r\n", b"\n", b""):
                     pass
                 return bytes(out)
-            out += h.rfile.read(size)
+            data = h.rfile.read(size)
+            if len(data) < size:
+                return None
+            out += data
             h.rfile.readline()
     n = int(h.headers.get("Content-Length") or 0)
-    return h.rfile.read(n) if n else b""
+    data = h.rfile.read(n) if n else b""
+    return data if len(data) == n else None
 
 
 def _reply(h, status: int, headers, payload: bytes, head: bool = False) -> None:

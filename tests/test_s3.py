@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import time
 import traceback
 
 import boto3
@@ -225,6 +226,25 @@ def test_retried_create_that_landed_counts_as_done(s3, engine):
     # a real conflict is still one: another save's index is not this save's bytes
     with pytest.raises(ckptfs.CheckpointExistsError):
         ckptfs.save(sd, url, storage_options=s3.options, store_options=cfg)
+
+
+def test_the_proxy_forwards_no_request_whose_client_died_mid_body(s3):
+    """A client killed after its headers and part of its body: like a real server, the proxy
+    stores nothing (moto would keep the short body under the announced checksum)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(s3.endpoint)
+    with socket.create_connection((where.hostname, where.port)) as c:
+        c.sendall(f"PUT /{s3.bucket}/cut HTTP/1.1\r\nHost: {where.netloc}\r\n"
+                  f"Content-Length: 100\r\n\r\n".encode() + b"x" * 10)
+    deadline = time.monotonic() + 10
+    while not [r for r in s3.proxy.log() if r.path.endswith("/cut")]:
+        assert time.monotonic() < deadline, "the proxy never saw the request"
+        time.sleep(0.02)
+    assert [r.fault for r in s3.proxy.log() if r.path.endswith("/cut")] == ["client_gone"]
+    client = boto3.client("s3", endpoint_url=s3.direct, region_name="us-east-1")
+    assert "Contents" not in client.list_objects_v2(Bucket=s3.bucket, Prefix="cut")
 
 
 def _deletions(log: list[Record]) -> list[tuple[list[str], float, float]]:
