@@ -277,7 +277,6 @@ def _run_all(root: Path, jobs: list[str], reps: int, n: int, per_file: int, chun
         for job in jobs:
             for world in (1, 2):
                 out = _out(str(root), job, world)
-                shutil.rmtree(out, ignore_errors=True)
                 run_ranks(world, _job, str(root), job, n, per_file, chunk, rows, timeout=1800)
                 got = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
                 outputs.check(job, Path(out))

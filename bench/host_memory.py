@@ -124,21 +124,11 @@ def child(a: argparse.Namespace) -> dict:
 def measure(mode: str, limit_mib: int | None, root: str, *, gb: float, tensor_mib: int,
             layout: str = "contiguous", timeout: float = 900) -> dict:
     """Run one case in a fresh process (a spawned rank of its own); its measurements."""
-    from ckptfs.testing.ranks import run_ranks
+    from bench.worker import on_own_rank
 
     case = argparse.Namespace(mode=mode, root=root, gb=gb, tensor_mib=tensor_mib, layout=layout,
                               limit_mib=limit_mib or 0)
-    report = os.path.join(root, "case.json")
-    run_ranks(1, _case_rank, case, report, timeout=timeout)
-    with open(report) as f:
-        return json.load(f)
-
-
-def _case_rank(rank: int, world: int, case: argparse.Namespace, report: str) -> None:
-    """``child(case)`` on a rank of its own, its measurements written to the file ``report``."""
-    out = child(case)
-    with open(report, "w") as f:
-        json.dump(out, f)
+    return on_own_rank(child, case, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

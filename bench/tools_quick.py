@@ -20,14 +20,14 @@ Default malloc settings (what a user gets). The machine may be shared: times are
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from ckptfs.testing.ranks import RanksFailed, run_ranks
+from bench.worker import on_own_rank
+from ckptfs.testing.ranks import RanksFailed
 
 JOBS = ("ckptfs unshard torch", "ckptfs unshard hf", "ckptfs convert torch_dist-1",
         "ckptfs convert zarr-3", "ckptfs verify", "dcp_to_torch_save")
@@ -38,11 +38,6 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
-
-
-def _job_rank(rank: int, world: int, job: str, root: str, report: str) -> None:
-    """The job on a rank of its own; what ``run_job`` reports goes to the file ``report``."""
-    Path(report).write_text(json.dumps(run_job(job, root)))
 
 
 def run_job(job: str, root: str) -> dict:
@@ -109,14 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     size = build(root, args.gb, args.tensor_mb)
     print(f"state: {size / 1e9:.2f} GB of tensors, largest {args.tensor_mb} MB\n")
     print(f"{'job':<28}{'peak RSS rise':>16}{'x checkpoint':>14}{'seconds':>10}")
-    report = root / "job.json"
     for job in JOBS:
         try:
-            run_ranks(1, _job_rank, job, args.dir, str(report))
+            r = on_own_rank(run_job, job, args.dir)
         except RanksFailed as e:
             print(f"{job:<28} failed: {str(e).strip().splitlines()[-1:]}")
             continue
-        r = json.loads(report.read_text())
         rise = r["peak_rise"]
         print(f"{job:<28}{rise / 2**20:>12.0f} MiB{rise / size:>14.2f}{r['seconds']:>10.2f}")
     shutil.rmtree(root)

@@ -33,7 +33,7 @@ import torch
 
 import ckptfs
 from bench.libs import dir_bytes
-from bench.worker import drop_caches
+from bench.worker import drop_caches, on_own_rank
 from ckptfs.testing.ranks import run_ranks
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -159,7 +159,8 @@ def reshard(path: str, gb: float, runs: int) -> dict[int, list]:
 # -- saves ----------------------------------------------------------------------------------------
 
 
-def _save_rank(rank: int, world: int, lib: str, path: str, gb: float, report: str) -> None:
+def _save(lib: str, path: str, gb: float) -> list:
+    """One save in this process: [seconds, peak RSS rise in bytes]."""
     import torch.distributed.checkpoint as dcp  # imported before timing, for both libraries
     import torch.distributed.checkpoint.filesystem  # noqa: F401
 
@@ -174,8 +175,7 @@ def _save_rank(rank: int, world: int, lib: str, path: str, gb: float, report: st
     else:
         ckptfs.save(sd, path, backend="torch_dist")
     dt = time.perf_counter() - t0
-    with open(report, "w") as f:
-        json.dump([dt, _status("VmHWM") - base], f)
+    return [dt, _status("VmHWM") - base]
 
 
 def _status(field: str) -> int:
@@ -189,11 +189,7 @@ def _status(field: str) -> int:
 
 def save_in_child(lib: str, path: str, gb: float) -> tuple[float, int]:
     """The save on a spawned rank of its own (``run_ranks``, one rank): (seconds, peak RSS rise)."""
-    with tempfile.TemporaryDirectory() as out:
-        report = os.path.join(out, "save.json")
-        run_ranks(1, _save_rank, lib, path, gb, report)
-        with open(report) as f:
-            dt, rise = json.load(f)
+    dt, rise = on_own_rank(_save, lib, path, gb)
     return dt, rise
 
 

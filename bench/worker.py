@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,22 @@ def proc_read_bytes() -> int:
     except OSError:
         pass
     return -1
+
+
+def on_own_rank(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+    """``fn(*args)`` on a spawned rank of its own (``run_ranks``, one rank: a process that
+    holds nothing of the bench's, or a pooled one under ``pooled``); its result, which must be
+    JSON, comes back through a file. ``fn`` is a module-level function (it is pickled)."""
+    with tempfile.TemporaryDirectory(prefix="ckptfs-bench-") as tmp:
+        report = os.path.join(tmp, "result.json")
+        run_ranks(1, _reporting_rank, fn, args, report, timeout=timeout)
+        with open(report) as f:
+            return json.load(f)
+
+
+def _reporting_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, report: str) -> None:
+    with open(report, "w") as f:
+        json.dump(fn(*args), f)
 
 
 def drop_caches() -> bool:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import ckptfs
-from ckptfs.testing.ranks import RankPool, pooled
+from ckptfs.testing.ranks import RankPool, kept_process_state, pooled
 from tests import spec_audit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,26 +157,21 @@ def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
     """``bench.NAME``'s ``main(argv)`` in this process, its ranks on ``pool``: its exit status
     (``sys.exit`` included). What a bench changes in the process (the environment, the working
     directory, the path, torch's thread count, a default process group) is put back."""
-    environ, cwd, path, threads = dict(os.environ), os.getcwd(), list(sys.path), torch.get_num_threads()
-    # no spec audit (tests/spec_audit.py), as in a bench's own process: bench.scale dumps
-    # synthetic indexes of entries alone, and the audit's read-back is not the bench's work
-    os.environ[spec_audit.ENV] = "off"
-    try:
-        with pooled(pool):
-            rc = importlib.import_module(f"bench.{name}").main(argv)
-    except SystemExit as e:  # as the interpreter exits on it: a message is printed, status 1
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        rc = e.code if isinstance(e.code, int | None) else 1
-    finally:
-        ckptfs.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(cwd)
-        sys.path[:] = path
-        torch.set_num_threads(threads)
+    with kept_process_state():
+        # no spec audit (tests/spec_audit.py), as in a bench's own process: bench.scale dumps
+        # synthetic indexes of entries alone, and the audit's read-back is not the bench's work
+        os.environ[spec_audit.ENV] = "off"
+        try:
+            with pooled(pool):
+                rc = importlib.import_module(f"bench.{name}").main(argv)
+        except SystemExit as e:  # as the interpreter exits on it: a message is printed, status 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            rc = e.code if isinstance(e.code, int | None) else 1
+        finally:
+            ckptfs.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return rc or 0
 
 

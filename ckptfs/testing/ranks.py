@@ -143,6 +143,19 @@ def _put_back(environ: Mapping[str, str], cwd: str, path: list[str]) -> None:
     sys.path[:] = path
 
 
+@contextlib.contextmanager
+def kept_process_state() -> Iterator[None]:
+    """What the block changes in this process's environment, working directory, import path
+    and torch's intra-op thread count is put back when it ends (a pooled rank between calls,
+    a program's ``main`` run in the calling process)."""
+    environ, cwd, path, threads = dict(os.environ), os.getcwd(), list(sys.path), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        _put_back(environ, cwd, path)
+        torch.set_num_threads(threads)
+
+
 def _forget_resources() -> None:
     """What ckptfs's runtime still holds after an earlier call (save plans keyed by the group's
     ranks, ckptfs's process groups, backends and stores registered by the call): a new process
@@ -155,7 +168,6 @@ def _forget_resources() -> None:
 def _serve(slot: int, conn: Connection) -> None:
     """A pooled rank: runs one call after another as rank ``slot`` until told to stop or until a
     call fails (a failed rank is never reused)."""
-    threads = torch.get_num_threads()
     while True:
         try:
             job = conn.recv()
@@ -164,18 +176,15 @@ def _serve(slot: int, conn: Connection) -> None:
         if job is None:
             return
         environ, cwd, path, entry_args = job
-        mine = dict(os.environ), os.getcwd(), list(sys.path)
-        _put_back(environ, cwd, path)
-        torch.seed()  # a new process's generator starts from a random seed too
-        _forget_resources()
-        try:
-            _entry(slot, *entry_args)
-        except BaseException:
-            conn.send(False)
-            return
-        finally:
-            _put_back(*mine)
-            torch.set_num_threads(threads)
+        with kept_process_state():
+            _put_back(environ, cwd, path)
+            torch.seed()  # a new process's generator starts from a random seed too
+            _forget_resources()
+            try:
+                _entry(slot, *entry_args)
+            except BaseException:
+                conn.send(False)
+                return
         conn.send(True)
 
 
