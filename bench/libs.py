@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -155,10 +154,9 @@ def group_of_one() -> None:
     # DCP's shared-memory stager opens one shared-memory object per tensor: by name, not by
     # file descriptor, or 20,000 tensors exhaust the descriptors
     torch.multiprocessing.set_sharing_strategy("file_system")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+    from ckptfs.testing.ranks import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
 

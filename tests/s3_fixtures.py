@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from ckptfs.testing.ranks import free_port
+
 BUCKET = "ckpt"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
@@ -41,12 +43,6 @@ _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 _DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
            b"<Message>Access Denied</Message></Error>")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_moto() -> tuple[object, str]:

@@ -15,13 +15,16 @@ import pytest
 import torch
 
 import ckptfs
+from ckptfs.testing.ranks import free_port
 
 pytest.importorskip("lightning")
 
 
 def train(mode: str, root, out, *extra: str) -> subprocess.Popen:
     """Start one run (the test waits on it with ``finish``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    # Lightning's own pick of a free port is the kernel's ephemeral one, which the connections
+    # of the tests beside it may take before the run listens there
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MASTER_PORT": str(free_port())}
     return subprocess.Popen([sys.executable, "-m", "tests.lightning_train", mode, str(root),
                              str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)

@@ -2,12 +2,14 @@
 another. The calls share the processes, never their state: each call gets a new process group,
 the caller's environment and directory, a freshly seeded torch generator and an empty ckptfs
 runtime (no plan, group or backend of an earlier call); a failed, dead or hung call
-takes the pool's processes with it, and the next call starts from fresh ones."""
+takes the pool's processes with it, and the next call starts from fresh ones. The port ranks meet
+on is drawn outside the kernel's ephemeral range."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 import pytest
@@ -113,3 +115,18 @@ def test_a_failed_call_reports_and_the_next_starts_fresh(pool, tmp_path, how, me
     assert pool.started == started + 2
     assert {s["pid"] for s in after}.isdisjoint(s["pid"] for s in before)
     assert [s["sum"] for s in after] == [3, 3]
+
+
+def test_free_ports_are_drawn_outside_the_ephemeral_range(monkeypatch):
+    """The kernel hands the local ends of connections out of its ephemeral range, so a port
+    drawn there may be taken before its rank listens: ``free_port`` draws outside it (where
+    there is room), a port a bind accepts, and falls back to the kernel's pick otherwise."""
+    from ckptfs.testing import ranks
+
+    low, high = ranks._ephemeral_ports()
+    got = {ranks.free_port() for _ in range(20)}
+    assert all(not low <= p <= high for p in got), (low, high, got)
+    assert len(got) > 1
+    monkeypatch.setattr(ranks, "_ephemeral_ports", lambda: (1024, 65535))  # no room outside
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ranks.free_port()))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -48,10 +49,36 @@ class RanksFailed(AssertionError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, drawn outside the kernel's range of
+    ephemeral ports where that range leaves room: the local ends of every connection of the
+    processes beside (gloo's pairs, HTTP clients) are taken from that range, so a port the
+    kernel hands out there may be taken again before the process it was meant for listens;
+    outside it only another explicit bind can take it."""
+    low, high = _ephemeral_ports()
+    spans = [(r0, r1) for r0, r1 in ((10000, low - 1), (high + 1, 65535)) if r1 - r0 >= 1000]
+    draw = random.SystemRandom()
+    for _ in range(64 if spans else 0):
+        r0, r1 = draw.choice(spans)
+        port = draw.randint(r0, r1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ephemeral ports (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errdir: str,
