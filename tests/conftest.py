@@ -61,7 +61,8 @@ POOLED = frozenset({"test_reshard", "test_torch_dist", "test_zarr", "test_dcp_pl
                     "test_comm_verbs", "test_health", "test_schema", "test_errors",
                     "test_model_state", "test_distributed", "test_s3", "test_index_segments",
                     "test_dcp_parity", "test_delta_manager", "test_delta",
-                    "test_hf_mxfp4", "test_manager", "test_writer_process", "test_async_save"})
+                    "test_hf_mxfp4", "test_manager", "test_writer_process", "test_async_save",
+                    "test_hf_export", "test_raw_copy", "test_recovery_tiers"})
 
 
 def _place(item: pytest.Item) -> int:
