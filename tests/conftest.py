@@ -46,11 +46,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name
 
 
-#: modules whose tests run longest (tens of seconds each) go first and the many short docs
+#: modules whose tests run longest (tens of seconds each; the two-node job mostly waits on its
+#: agents, so it starts first and its wait overlaps the others' work) go first and the many short docs
 #: blocks last, so that parallel workers (``-n``) end together instead of one finishing a long
 #: test alone. Under ``--dist loadgroup`` (``make test``) the tests of a module that defines a
 #: fixture of module scope run on one worker, so the fixture is set up once
-FIRST = ("test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugin",
+FIRST = ("test_two_node", "test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugin",
          "test_bench_smoke", "test_reshard")
 LAST = ("test_docs_blocks",)
 

@@ -6,7 +6,11 @@ in one long-lived interpreter (tests/block_runner.py: each as ``__main__`` with 
 environment and output, ckptfs closed after it), which saves starting Python and importing torch
 for each. A comment on the line before its fence says how else to run it:
 
-- ``<!-- run: torchrun N -->``: under ``torchrun --standalone --nproc-per-node N`` (gloo);
+- ``<!-- run: torchrun N -->``: as ``torchrun --standalone --nproc-per-node N`` runs it (gloo):
+  on N of those interpreters at once, in the same folder, each given the variables torchrun
+  gives its processes (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``, ...), without the agent process (real agents launch jobs in
+  tests/test_two_node.py and tests/test_hf_export.py);
 - ``<!-- run: s3 -->``: against the suite's moto S3 server; the block reads its bucket URL and
   storage options from ``CKPTFS_S3_URL`` and ``CKPTFS_S3_OPTIONS`` (JSON), as a user would
   read their own from the environment;
@@ -22,10 +26,13 @@ import re
 import select
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from ckptfs.testing.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = re.compile(r"<!--\s*run:\s*(.*?)\s*-->")
@@ -91,29 +98,31 @@ class BlockRunner:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
 
-    def _answer(self, timeout: float) -> dict:
+    def _answer(self, deadline: float) -> dict:
         assert self.proc is not None and self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            raise TimeoutError(f"no answer in {timeout} s")
+        if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise TimeoutError("no answer in time")
         line = self.proc.stdout.readline()
         if not line:
             raise EOFError(f"the block runner ended (exit status {self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, script: Path, env: dict[str, str], timeout: float) -> tuple[int | str, str]:
-        """(exit status or what went wrong, output) of ``script`` run in its own folder."""
+    def send(self, script: Path, env: dict[str, str], out: Path) -> None:
+        """Start ``script`` in its own folder, its output to the file ``out``."""
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.block_runner"], cwd=ROOT,
                                          env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)
-            self._answer(120)
+            self._answer(time.monotonic() + 120)
         assert self.proc.stdin is not None
-        out = script.with_suffix(".out")
         self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(script.parent),
                                           "env": env, "out": str(out)}) + "\n")
         self.proc.stdin.flush()
+
+    def result(self, out: Path, deadline: float) -> tuple[int | str, str]:
+        """(exit status or what went wrong, output) of the script sent last."""
         try:
-            got: int | str = self._answer(timeout)["rc"]
+            got: int | str = self._answer(deadline)["rc"]
         except (TimeoutError, EOFError) as e:
             self.close()
             got = str(e)
@@ -126,11 +135,43 @@ class BlockRunner:
         self.proc = None
 
 
+class BlockRunners:
+    """As many ``BlockRunner`` as the widest block asked for; the first also runs plain blocks."""
+
+    def __init__(self) -> None:
+        self.runners: list[BlockRunner] = []
+
+    def run(self, script: Path, envs: list[dict[str, str]], timeout: float) -> list[tuple[int | str, str]]:
+        """``script`` on one runner per environment at once: (status, output) of each."""
+        while len(self.runners) < len(envs):
+            self.runners.append(BlockRunner())
+        outs = [script.with_suffix(f".{i}.out") for i in range(len(envs))]
+        for runner, env, out in zip(self.runners, envs, outs, strict=False):
+            runner.send(script, env, out)
+        deadline = time.monotonic() + timeout
+        return [runner.result(out, deadline) for runner, out in zip(self.runners, outs, strict=False)]
+
+    def close(self) -> None:
+        for r in self.runners:
+            r.close()
+
+
 @pytest.fixture(scope="session")
-def block_runner():
-    runner = BlockRunner()
-    yield runner
-    runner.close()
+def block_runners():
+    runners = BlockRunners()
+    yield runners
+    runners.close()
+
+
+def torchrun_envs(env: dict[str, str], n: int) -> list[dict[str, str]]:
+    """The variables ``torchrun --standalone --nproc-per-node N`` gives its N processes."""
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
+              "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+              "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(n), "TORCHELASTIC_RUN_ID": "none",
+              "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+              "OMP_NUM_THREADS": "1"}
+    return [{**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+            for r in range(n)]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file}:{b.line}" for b in BLOCKS])
@@ -141,15 +182,11 @@ def test_block_runs(block, tmp_path, request):
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
     env = _env(request.getfixturevalue("s3_env") if block.mode == "s3" else None)
-    if not block.mode.startswith("torchrun"):
-        rc, out = request.getfixturevalue("block_runner").run(script, env, TIMEOUT)
-        assert rc == 0, f"{block.file}:{block.line} failed ({rc}):\n{out[-8000:]}"
-        return
-    n = block.mode.split()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           str(script)]
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert res.returncode == 0, f"{block.file}:{block.line} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    n = int(block.mode.split()[1]) if block.mode.startswith("torchrun") else 1
+    envs = torchrun_envs(env, n) if block.mode.startswith("torchrun") else [env]
+    got = request.getfixturevalue("block_runners").run(script, envs, TIMEOUT)
+    for rank, (rc, out) in enumerate(got):
+        assert rc == 0, f"{block.file}:{block.line} failed on rank {rank} of {n} ({rc}):\n{out[-8000:]}"
 
 
 def test_performance_page_tables_come_from_the_json_results():
