@@ -1,7 +1,7 @@
 """Hugging Face export spread over the ranks: ckptfs vs DCP's consolidation, same ranks and bytes.
 
     python -m bench.hf_export [--mb 1500] [--tensor-mb 32] [--files 8] [--reps 3] [--dir /tmp/ckptfs-bench-hf]
-                              [--jobs floor,unshard,export_hf,dcp] [--phases]
+                              [--jobs floor,unshard,export_hf,dcp] [--phases] [--live-reps 3]
 
 A state of ``--mb`` MB (fp32 tensors of ``--tensor-mb`` MB, FSDP-style DTensors sharded by rows
 over 2 gloo ranks) is saved twice by those 2 ranks: as a ckptfs checkpoint, and with DCP's
@@ -33,6 +33,12 @@ Each rank also reports its CPU seconds (every thread): CPU over wall seconds is 
 rank kept busy; a 1-rank export that already keeps most of the cores busy cannot gain the
 floor's speed-up from a second rank. ``--phases`` prints ``unshard``'s phases per rank
 (``UnshardResult.phases``, medians over the repetitions); ``--jobs`` runs some jobs only.
+
+Last (``--live-reps``, 0 to skip), the live export against the checkpoint route inside one
+world of 1 and then 2 ranks that holds the live state, as the training job that exports does:
+``export_hf``, the route's ``ckptfs.save`` and its ``unshard``, and a floor (each rank's own
+shard bytes written with plain calls), alternating; the target is the live export no slower
+than the route without its save and read, which the floor bounds from below.
 
 Each rank reports its wall time and its peak resident-set rise over its baseline after imports
 and joining the group (VmHWM, reset through /proc/self/clear_refs; for ``export_hf``, after the
@@ -385,6 +391,75 @@ def _print_phases(by: dict[tuple[str, int], dict]) -> None:
         print(f"| {w} | {r} | {' | '.join(f'{p.get(n, 0.0):.3f}' for n in names)} |")
 
 
+LIVE = ("ckptfs export_hf", "ckptfs.save", "ckptfs unshard", "plain write (floor)")
+
+
+def _live_rank(rank: int, world: int, root: str, n: int, rows: int, chunk: int, reps: int) -> None:
+    """The live export against the checkpoint route inside one job that holds the state, as a
+    training job does (so every job writes while the same memory is in use): each repetition
+    runs the export, the route's save and its unshard, and the floor (each rank's own shard
+    bytes written with plain calls), the order reversed every other repetition; each output is
+    removed after it. The seconds of each job (to its last rank) go to a JSON file per rank."""
+    import ckptfs
+    from ckptfs.dist import Comm
+
+    state = _live(world, root, n, rows)
+    comm, got = Comm(None), []
+    for rep in range(reps):
+        for job in (LIVE if rep % 2 == 0 else (LIVE[3], LIVE[1], LIVE[2], LIVE[0])):
+            out = f"{root}/live-{('export', 'save', 'unshard', 'floor')[LIVE.index(job)]}-{world}"
+            comm.barrier()
+            t0 = time.perf_counter()
+            if job == LIVE[0]:
+                ckptfs.export_hf(state, out, max_shard_size=chunk, overwrite=True)
+            elif job == LIVE[1]:
+                ckptfs.save({"model": state}, out, overwrite=True)
+            elif job == LIVE[2]:
+                ckptfs.unshard(f"{root}/live-save-{world}", out, format="hf", strategy="chunks",
+                               chunk_size=chunk, keys=["model"], overwrite=True)
+            else:
+                _write_shards(state, out, rank)
+            comm.barrier()
+            got.append({"job": job, "rep": rep, "seconds": time.perf_counter() - t0})
+            if rank == 0 and job != LIVE[1]:
+                shutil.rmtree(out, ignore_errors=True)
+                if job == LIVE[2]:
+                    shutil.rmtree(f"{root}/live-save-{world}", ignore_errors=True)
+    Path(f"{root}/live-{world}.rank{rank}.json").write_text(json.dumps(got))
+
+
+def _write_shards(state: dict, out: str, rank: int) -> None:
+    """The floor: this rank's shard of every tensor written with one plain ``write`` each."""
+    os.makedirs(out, exist_ok=True)
+    for i, t in enumerate(state.values()):
+        with open(f"{out}/{i:05d}.rank{rank}.bin", "wb", buffering=0) as f:
+            f.write(memoryview(t.to_local().numpy()).cast("B"))
+
+
+def _run_live(root: Path, reps: int, n: int, rows: int, chunk: int) -> dict:
+    """``_live_rank`` at 1 and 2 ranks: per world, each job's median and every run's seconds."""
+    from ckptfs.testing.ranks import run_ranks
+
+    out: dict = {}
+    for world in (1, 2):
+        run_ranks(world, _live_rank, str(root), n, rows, chunk, reps, timeout=1800)
+        runs = json.loads(Path(f"{root}/live-{world}.rank0.json").read_text())
+        out[str(world)] = {job: {"median": statistics.median(r["seconds"] for r in runs if r["job"] == job),
+                                 "all": [r["seconds"] for r in runs if r["job"] == job]} for job in LIVE}
+    _report_live(out)
+    return out
+
+
+def _report_live(out: dict) -> None:
+    print("\nFrom live state, inside the job that holds it (the route: ckptfs.save, then unshard):\n")
+    print(f"| ranks | {' | '.join(LIVE)} | export_hf / unshard | export_hf / floor |")
+    print(f"|---|{'---|' * (len(LIVE) + 2)}")
+    for world, row in out.items():
+        m = {job: row[job]["median"] for job in LIVE}
+        cells = " | ".join(f"{m[j]:.2f} ({' '.join(f'{x:.2f}' for x in row[j]['all'])})" for j in LIVE)
+        print(f"| {world} | {cells} | {m[LIVE[0]] / m[LIVE[2]]:.2f}x | {m[LIVE[0]] / m[LIVE[3]]:.2f}x |")
+
+
 def _jobs(arg: str) -> list[str]:
     picked = [SHORT[j.strip()] for j in arg.split(",") if j.strip()]
     return [j for j in JOBS if j in picked]
@@ -401,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--jobs", default=",".join(SHORT), help=f"some of {', '.join(SHORT)}")
     ap.add_argument("--phases", action="store_true", help="print unshard's phases per rank")
+    ap.add_argument("--live-reps", type=int, default=3,
+                    help="repetitions of the live export against the checkpoint route inside "
+                         "one job holding the state (0: none)")
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-hf")
     ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -418,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     same, same_dcp = outputs.verdicts()
     by = _medians(runs)
     ratios = _report(by, n, tensor, args.files, loads, args.phases)
+    live = _run_live(root, args.live_reps, n, rows, per_file * tensor) if args.live_reps else None
     print(f"target per rank (largest tensor + 256 MiB): {(tensor + (256 << 20)) / 2**20:.0f} MiB; "
           f"ckptfs files the same bytes from 1 and 2 ranks and both routes: {same}; "
           f"same tensors as DCP's: {same_dcp}")
@@ -426,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
            "load_average_after": os.getloadavg(), "mb": n * tensor / 1e6, "tensor_bytes": tensor,
            "files": args.files, "reps": args.reps, "jobs": jobs, "runs": runs,
            "median_seconds": {f"{j} / {w}": v["seconds"] for (j, w), v in by.items()},
-           "ratios": ratios, "same_bytes_1_vs_2_ranks": same, "same_tensors_as_dcp": same_dcp}
+           "ratios": ratios, "same_bytes_1_vs_2_ranks": same, "same_tensors_as_dcp": same_dcp,
+           "live_in_one_job": live}
     Path(args.results).mkdir(parents=True, exist_ok=True)
     Path(args.results, f"hf_export-{int(doc['mb'])}mb.json").write_text(json.dumps(doc, indent=2) + "\n")
     shutil.rmtree(root)
