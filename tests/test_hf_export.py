@@ -15,14 +15,17 @@ resumed, and the FP8 checkpoint loads from the bucket reading only a shard's byt
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ckptfs
 from ckptfs.io import open_store, run_sync
@@ -124,8 +127,11 @@ def _world(rank: int, world: int, root: str) -> None:
     assert all(type(v).__name__ == "DTensor" for v in sd.values())
     r = ckptfs.export_hf(sd, f"{root}/live-fp32-{world}", max_shard_size=CHUNK)
     assert r.ranks == world and r.files[-1] == "model.safetensors.index.json"
-    ckptfs.export_hf({_native(k): v for k, v in sd.items()}, f"{root}/live-bf16-{world}",
-                     key_mapping=_to_hf, dtype=torch.bfloat16, max_shard_size=CHUNK)
+    # FSDP2's row shards: each rank writes its rows in place in the shared files, no buffer
+    assert r.host_buffers == ()
+    b = ckptfs.export_hf({_native(k): v for k, v in sd.items()}, f"{root}/live-bf16-{world}",
+                         key_mapping=_to_hf, dtype=torch.bfloat16, max_shard_size=CHUNK)
+    assert b.host_buffers == ()
     if world == 2:
         ckptfs.save({"model": sd}, f"{root}/ckpt")
     else:  # refusals reach every rank, whichever rank's input is wrong
@@ -349,6 +355,35 @@ ROUNDS_FILES = {
         "model.safetensors.index.json": "79a01a6befcd945cc475f4466a2ce35a6ead3ce66a25659bfbfded20dd60ff07",
     },
 }
+
+
+def _failing_write(rank: int, world: int, root: str) -> None:
+    """Rank 1's writes fail (a full disk): every rank raises, and no file of the export is
+    left, published or partial."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {f"w{i}": distribute_tensor(torch.full((8, 6), float(i)), mesh, [Shard(0)]) for i in range(4)}
+    real = os.pwrite
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    os.pwrite = full if rank == 1 else real  # type: ignore[assignment]
+    try:
+        with pytest.raises((OSError, ckptfs.RankError), match="No space left|rank 1"):
+            ckptfs.export_hf(state, f"{root}/full", max_shard_size=200)
+    finally:
+        os.pwrite = real  # type: ignore[assignment]
+    dist.barrier()
+    left = sorted(p.name for p in Path(f"{root}/full").rglob("*") if p.is_file())
+    assert left == [], left
+
+
+@pytest.mark.slow
+def test_a_failed_write_into_shared_files_fails_every_rank_and_leaves_no_file(tmp_path):
+    run_ranks(2, _failing_write, str(tmp_path), timeout=120)
 
 
 def _many_rounds(rank: int, world: int, root: str) -> None:

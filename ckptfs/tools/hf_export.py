@@ -9,10 +9,19 @@ tensors are cast to ``dtype`` on the rank that holds them, before any byte moves
 Which file holds which tensor depends on the names, dtypes and shapes only: ``file_index``
 (name -> 1-based file number, as torchtitan's ``fqn_to_index_mapping``) or, without it, files
 of at most ``max_shard_size`` bytes packed in name order (``None``: one ``model.safetensors``).
-The files go to the ranks balanced by bytes (``unshard.assign_files``). The work then runs in
-rounds: in round k every rank receives the k-th batch of its files' tensors (at most
-``buffer_bytes``, or one larger tensor) from the ranks holding their pieces (each piece sent by
-one holder; a rank's own pieces are copied, not sent) and writes them. A rank holds its batch
+The files go to the ranks balanced by bytes (``unshard.assign_files``).
+
+Where every rank's piece of every tensor is one run of the tensor's bytes (FSDP2's and other
+row-wise shards, whole replicas) and the output is a local directory (shared by the ranks), no
+byte travels between ranks: each file's rank creates it at its full size with its header, every
+piece is written into its place by the one rank that gives it (cast on the way), and each
+file's rank then gives it its name. A write that fails on any rank fails the export on every
+rank, and the files are removed.
+
+Otherwise (column shards, an object store) the work runs in rounds: in round k every rank
+receives the k-th batch of its files' tensors (at most ``buffer_bytes``, or one larger tensor)
+from the ranks holding their pieces (each piece sent by one holder; a rank's own pieces are
+copied, not sent) and writes them. A rank holds its batch
 plus the casts of its own pieces that the others' batches of the round need: about twice
 ``buffer_bytes``, or the largest tensor plus ``buffer_bytes``, beside the state itself. All of
 it lives in one host buffer per rank (``_Arena``), allocated once at the size of the rank's
@@ -38,9 +47,16 @@ from ckptfs.io import StoreOptions
 from ckptfs.io.progress import summary
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name, from_torch
+from ckptfs.layout.tensor_bytes import tensor_bytes
 from ckptfs.state.shards import LocalShard, ShardedTensor, local_shard
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
-from ckptfs.tools.safetensors_file import SafetensorsWriter, TensorSpec, layout
+from ckptfs.tools.safetensors_file import (
+    SafetensorsPart,
+    SafetensorsWriter,
+    TensorSpec,
+    create_sized,
+    layout,
+)
 from ckptfs.tools.source import DEFAULT_BUFFER, aligned, progress_bar
 from ckptfs.tools.unshard import UnshardResult, assign_files, hf_index
 
@@ -113,10 +129,14 @@ def _export(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None], ou
     comm.run_on_coordinator(f"preparing {out}", lambda: out.claim(
         names + ([HF_INDEX] if indexed else []), True, overwrite, False, {}))
     label = f"ckptfs export_hf -> {out}" + (f" [rank {comm.rank}/{comm.size}]" if comm.size > 1 else "")
-    (_, buffers), counts = comm.run_everywhere(
-        f"writing the files of {out}",
-        lambda: _run_rounds(comm, plan, shards, out, buffer_bytes, progress, label),
-        lambda r: r[0], to="all")
+    buffers: tuple[int, ...] = ()
+    if _in_shared_files(plan, out, comm.size):
+        counts = _write_shared(comm, plan, shards, out, progress, label)
+    else:
+        (_, buffers), counts = comm.run_everywhere(
+            f"writing the files of {out}",
+            lambda: _run_rounds(comm, plan, shards, out, buffer_bytes, progress, label),
+            lambda r: r[0], to="all")
     specs = [s for _, file in plan.files for s in file]
     index = hf_index({s.name: n for n, file in plan.files for s in file},
                      sum(s.nbytes for s in specs), sum(s.nbytes // s.dtype.itemsize for s in specs))
@@ -276,6 +296,91 @@ def _run_rounds(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None]
     if failed is not None:
         raise failed
     return writers.total, tuple(arena.allocations)
+
+
+def _in_shared_files(plan: _Plan, out: ExportDir, ranks: int) -> bool:
+    """Whether every rank writes its own pieces in place into files the ranks share: more than
+    one rank, a local (shared) directory, and every piece one run of its tensor's bytes (rows
+    of an FSDP2 or row-wise shard, a whole replica), so that no byte travels between ranks."""
+    return ranks > 1 and out.store is None and all(
+        _lands_contiguous(tuple(spec.shape), p.box)
+        for _, file in plan.files for spec in file for p in plan.pieces[spec.name])
+
+
+def _write_shared(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | None],
+                  out: ExportDir, progress: bool, label: str) -> list[int]:
+    """Each file created at its full size by its rank, then every piece written into its
+    place by the one rank that gives it (``_Piece.sender``), then each file published by its
+    rank; a failure anywhere raises on every rank and removes the files. Returns the bytes
+    each rank wrote."""
+    mine = [i for i, owner in enumerate(plan.owner) if owner == comm.rank]
+    try:
+        headers = comm.run_everywhere(f"creating the files of {out}",
+                                      lambda: sum(_create(out, *plan.files[i]) for i in mine))
+        _, counts = comm.run_everywhere(
+            f"writing the files of {out}",
+            lambda: headers + _fill(plan, shards, out, comm.rank, progress, label), lambda n: n,
+            to="all")
+        comm.run_everywhere(f"publishing the files of {out}", lambda: _publish(out, plan, mine))
+    except BaseException:
+        for i in mine:
+            out.partial(plan.files[i][0]).unlink(missing_ok=True)
+        raise
+    return counts
+
+
+def _publish(out: ExportDir, plan: _Plan, files: list[int]) -> None:
+    for i in files:
+        out.publish(plan.files[i][0])
+
+
+def _create(out: ExportDir, name: str, specs: tuple[TensorSpec, ...]) -> int:
+    """The file ``name`` at its full size, its header written; the header's bytes."""
+    header, _ = layout(specs, {"format": "pt"})
+    out.partial(name).parent.mkdir(parents=True, exist_ok=True)
+    create_sized(out.partial(name), header, len(header) + sum(s.nbytes for s in specs))
+    return len(header)
+
+
+def _fill(plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir, me: int,
+          progress: bool, label: str) -> int:
+    """The pieces this rank gives, each cast to the written dtype where it differs and written
+    at its place with ``pwrite``; the bytes written."""
+    todo = [(i, spec, p) for i, (_, file) in enumerate(plan.files) for spec in file
+            for p in plan.pieces[spec.name] if p.box.volume and p.sender(plan.owner[i]) == me]
+    bar = progress_bar(sum(p.box.volume * s.dtype.itemsize for _, s, p in todo), label, progress,
+                       position=me)
+    parts: dict[int, SafetensorsPart] = {}
+    written = 0
+    try:
+        for i, spec, piece in todo:
+            if i not in parts:
+                parts[i] = SafetensorsPart(out.partial(plan.files[i][0]), plan.files[i][1],
+                                           {"format": "pt"})
+            fd, pos = parts[i].place(spec.name, spec.dtype.torch, tuple(spec.shape))
+            shard = shards[spec.name]
+            local = _local(shard)
+            data = local.to(device="cpu", dtype=spec.dtype.torch).contiguous() if _staged(shard) else local
+            view = tensor_bytes(data)
+            at = pos + _first_element(tuple(spec.shape), piece.box) * spec.dtype.itemsize
+            written += view.nbytes
+            while view.nbytes:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+            bar.update(data.nbytes)
+    finally:
+        for part in parts.values():
+            part.close()
+        bar.close(done=False)  # the coordinator prints one line for every rank
+    return written
+
+
+def _first_element(shape: tuple[int, ...], box: Box) -> int:
+    """The C-order position of ``box``'s first element in a tensor of ``shape``."""
+    pos = 0
+    for offset, size in zip(box.offsets, shape, strict=True):
+        pos = pos * size + offset
+    return pos
 
 
 @dataclass(frozen=True, slots=True)
