@@ -319,7 +319,7 @@ def _write_shared(comm: Comm, plan: _Plan, shards: Mapping[str, LocalShard | Non
                                       lambda: sum(_create(out, *plan.files[i]) for i in mine))
         _, counts = comm.run_everywhere(
             f"writing the files of {out}",
-            lambda: headers + _fill(plan, shards, out, comm.rank, progress, label), lambda n: n,
+            lambda: headers + _fill(plan, shards, out, comm.rank, comm.size, progress, label), lambda n: n,
             to="all")
         comm.run_everywhere(f"publishing the files of {out}", lambda: _publish(out, plan, mine))
     except BaseException:
@@ -343,11 +343,15 @@ def _create(out: ExportDir, name: str, specs: tuple[TensorSpec, ...]) -> int:
 
 
 def _fill(plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir, me: int,
-          progress: bool, label: str) -> int:
+          ranks: int, progress: bool, label: str) -> int:
     """The pieces this rank gives, each cast to the written dtype where it differs and written
     at its place with ``pwrite``; the bytes written."""
     todo = [(i, spec, p) for i, (_, file) in enumerate(plan.files) for spec in file
             for p in plan.pieces[spec.name] if p.box.volume and p.sender(plan.owner[i]) == me]
+    # each rank starts at a file of its own and goes round: writes into one file take turns
+    # (the file system locks it for each), so ranks in different files do not wait on each other
+    start = me * len(plan.files) // ranks
+    todo.sort(key=lambda t: (t[0] - start) % len(plan.files))
     bar = progress_bar(sum(p.box.volume * s.dtype.itemsize for _, s, p in todo), label, progress,
                        position=me)
     parts: dict[int, SafetensorsPart] = {}
