@@ -167,6 +167,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 
 @pytest.fixture(scope="session")
+def block_runners():
+    """Long-lived interpreters that run scripts as ``python script.py`` (tests/block_client.py),
+    one per rank of the widest script asked for, kept for the run (one set per xdist worker)."""
+    from tests.block_client import BlockRunners
+
+    runners = BlockRunners()
+    yield runners
+    runners.close()
+
+
+@pytest.fixture(scope="session")
 def rank_pool():
     """Spawned ranks kept for the whole run (one pool per xdist worker), started at first use: what
     ``pooled_ranks`` tests run ``run_ranks`` on."""

@@ -21,18 +21,14 @@ for each. A comment on the line before its fence says how else to run it:
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from ckptfs.testing.ranks import free_port
+from tests.block_client import block_env as _env
+from tests.block_client import torchrun_envs
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = re.compile(r"<!--\s*run:\s*(.*?)\s*-->")
@@ -76,11 +72,6 @@ def test_every_mark_is_known():
             f"{b.file}:{b.line}: unknown run mark {b.mode!r}"
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(extra or {})}
-
-
 @pytest.fixture
 def s3_env(request):
     """The bucket and options of the suite's moto server (started only for S3 blocks)."""
@@ -89,89 +80,6 @@ def s3_env(request):
     endpoint = request.getfixturevalue("moto_server")
     reset_bucket(endpoint)
     return {"CKPTFS_S3_URL": f"s3://{BUCKET}", "CKPTFS_S3_OPTIONS": json.dumps(s3_options(endpoint))}
-
-
-class BlockRunner:
-    """tests/block_runner.py in a subprocess, started on first use and again after a block that
-    ended it (or ran past its time, which kills it)."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-
-    def _answer(self, deadline: float) -> dict:
-        assert self.proc is not None and self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            raise TimeoutError("no answer in time")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise EOFError(f"the block runner ended (exit status {self.proc.wait()})")
-        return json.loads(line)
-
-    def send(self, script: Path, env: dict[str, str], out: Path) -> None:
-        """Start ``script`` in its own folder, its output to the file ``out``."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.block_runner"], cwd=ROOT,
-                                         env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
-            self._answer(time.monotonic() + 120)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(script.parent),
-                                          "env": env, "out": str(out)}) + "\n")
-        self.proc.stdin.flush()
-
-    def result(self, out: Path, deadline: float) -> tuple[int | str, str]:
-        """(exit status or what went wrong, output) of the script sent last."""
-        try:
-            got: int | str = self._answer(deadline)["rc"]
-        except (TimeoutError, EOFError) as e:
-            self.close()
-            got = str(e)
-        return got, out.read_text(errors="replace") if out.exists() else ""
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-
-class BlockRunners:
-    """As many ``BlockRunner`` as the widest block asked for; the first also runs plain blocks."""
-
-    def __init__(self) -> None:
-        self.runners: list[BlockRunner] = []
-
-    def run(self, script: Path, envs: list[dict[str, str]], timeout: float) -> list[tuple[int | str, str]]:
-        """``script`` on one runner per environment at once: (status, output) of each."""
-        while len(self.runners) < len(envs):
-            self.runners.append(BlockRunner())
-        outs = [script.with_suffix(f".{i}.out") for i in range(len(envs))]
-        for runner, env, out in zip(self.runners, envs, outs, strict=False):
-            runner.send(script, env, out)
-        deadline = time.monotonic() + timeout
-        return [runner.result(out, deadline) for runner, out in zip(self.runners, outs, strict=False)]
-
-    def close(self) -> None:
-        for r in self.runners:
-            r.close()
-
-
-@pytest.fixture(scope="session")
-def block_runners():
-    runners = BlockRunners()
-    yield runners
-    runners.close()
-
-
-def torchrun_envs(env: dict[str, str], n: int) -> list[dict[str, str]]:
-    """The variables ``torchrun --standalone --nproc-per-node N`` gives its N processes."""
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(n),
-              "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-              "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(n), "TORCHELASTIC_RUN_ID": "none",
-              "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-              "OMP_NUM_THREADS": "1"}
-    return [{**env, **common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
-            for r in range(n)]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file}:{b.line}" for b in BLOCKS])

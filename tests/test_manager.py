@@ -23,7 +23,8 @@ import torch.distributed as dist
 import ckptfs
 from ckptfs.engine.save.lock import LockInfo
 from ckptfs.layout.index import LOCK_FILE
-from ckptfs.testing.ranks import free_port, run_ranks
+from ckptfs.testing.ranks import run_ranks
+from tests.block_client import block_env, torchrun_envs
 from tests.scenarios import outcomes_of, passed, run_steps
 
 ROWS = 8  #: rows of the weight per rank (tiny: these tests are about bookkeeping)
@@ -434,24 +435,17 @@ def readme_example() -> str:
 
 @pytest.mark.slow  # two processes as ranks
 @pytest.mark.timeout(200)
-def test_readme_training_loop_example(tmp_path):
-    """The manager page's example as written, twice with 2 ranks (torchrun's environment): the first
-    run trains and saves, the second resumes from the last step and finds the same weights."""
-    (tmp_path / "train.py").write_text(readme_example())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(ckptfs.__file__)), os.environ.get("PYTHONPATH", "")]),
-        OMP_NUM_THREADS="1")
+def test_readme_training_loop_example(tmp_path, block_runners):
+    """The manager page's example as written, twice with 2 ranks (torchrun's environment, on
+    the run's block runners): the first run trains and saves, the second resumes from the last
+    step and finds the same weights."""
+    script = tmp_path / "train.py"
+    script.write_text(readme_example())
     outs = []
-    for _ in range(2):  # the variables torchrun sets, without its agent process
-        port = str(free_port())
-        procs = [subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                           LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=port)) for r in range(2)]
-        out = [p.communicate(timeout=150)[0] for p in procs]
-        assert all(p.returncode == 0 for p in procs), out
-        outs.append("".join(out))
+    for _ in range(2):
+        got = block_runners.run(script, torchrun_envs(block_env(), 2), 150)
+        assert all(rc == 0 for rc, _ in got), got
+        outs.append("".join(out for _, out in got))
     first = re.findall(r"rank 0: restored (\S+), weight sum (\S+), steps (\[.*\])", outs[0])
     second = re.findall(r"rank 0: restored (\S+), weight sum (\S+), steps (\[.*\])", outs[1])
     assert first and second, outs
