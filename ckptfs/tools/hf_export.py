@@ -15,8 +15,9 @@ Where every rank's piece of every tensor is one run of the tensor's bytes (FSDP2
 row-wise shards, whole replicas) and the output is a local directory (shared by the ranks), no
 byte travels between ranks: each file's rank creates it at its full size with its header, every
 piece is written into its place by the one rank that gives it (cast on the way), and each
-file's rank then gives it its name. A write that fails on any rank fails the export on every
-rank, and the files are removed.
+file's rank then gives it its name. Beside the state a rank holds one copied piece at a time
+(none where its pieces already are contiguous CPU bytes of the written dtype). A write that
+fails on any rank fails the export on every rank, and the files are removed.
 
 Otherwise (column shards, an object store) the work runs in rounds: in round k every rank
 receives the k-th batch of its files' tensors (at most ``buffer_bytes``, or one larger tensor)
