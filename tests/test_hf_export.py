@@ -357,6 +357,36 @@ ROUNDS_FILES = {
 }
 
 
+def test_row_runs_written_into_a_shared_file_make_the_safetensors_file(tmp_path):
+    """``SafetensorsPart.write_run``: two row runs of one tensor written by two writers in any
+    order make the file safetensors writes; a run past the tensor's end, or of another dtype,
+    is refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from ckptfs.layout.dtypes import from_torch
+    from ckptfs.tools.safetensors_file import SafetensorsPart, TensorSpec, create_sized, layout
+
+    w, b = torch.arange(24.0).reshape(6, 4), torch.arange(3, dtype=torch.int64)
+    specs = [TensorSpec("w", from_torch(torch.float32, "w"), (6, 4)),
+             TensorSpec("b", from_torch(torch.int64, "b"), (3,))]
+    header, _ = layout(specs, {"format": "pt"})
+    path = tmp_path / "model.safetensors"
+    create_sized(path, header, len(header) + sum(s.nbytes for s in specs))
+    first, second = SafetensorsPart(path, specs, {"format": "pt"}), SafetensorsPart(path, specs, {"format": "pt"})
+    second.write_run("w", (6, 4), 2 * 4, w[2:])
+    first.write_run("w", (6, 4), 0, w[:2])
+    first.write("b", b)
+    with pytest.raises(ValueError, match="'w': 32 bytes from element 20"):
+        second.write_run("w", (6, 4), 20, w[:2])
+    with pytest.raises(ValueError, match="'w' is torch.float64"):
+        second.write_run("w", (6, 4), 0, w[:2].double())
+    first.close()
+    second.close()
+    save_file({"w": w, "b": b}, tmp_path / "reference.safetensors", {"format": "pt"})
+    assert path.read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert torch.equal(load_file(path)["w"], w)
+
+
 def _failing_write(rank: int, world: int, root: str) -> None:
     """Rank 1's writes fail (a full disk): every rank raises, and no file of the export is
     left, published or partial."""

@@ -22,17 +22,17 @@ fails on any rank fails the export on every rank, and the files are removed.
 Otherwise (column shards, an object store) the work runs in rounds: in round k every rank
 receives the k-th batch of its files' tensors (at most ``buffer_bytes``, or one larger tensor)
 from the ranks holding their pieces (each piece sent by one holder; a rank's own pieces are
-copied, not sent) and writes them. A rank holds its batch
-plus the casts of its own pieces that the others' batches of the round need: about twice
-``buffer_bytes``, or the largest tensor plus ``buffer_bytes``, beside the state itself. All of
-it lives in one host buffer per rank (``_Arena``), allocated once at the size of the rank's
-largest round and filled again by every round, so the allocator's freed blocks do not pile up
-between rounds.
+copied, not sent) and writes them. A rank holds its batch plus the casts of its own pieces
+that the others' batches of the round need: about twice ``buffer_bytes``, or the largest tensor
+plus ``buffer_bytes``, beside the state itself. All of it lives in one host buffer per rank
+(``_Arena``), allocated once at the size of the rank's largest round and filled again by every
+round, so the allocator's freed blocks do not pile up between rounds.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
 import time
@@ -48,7 +48,7 @@ from ckptfs.io import StoreOptions
 from ckptfs.io.progress import summary
 from ckptfs.layout.boxes import Box
 from ckptfs.layout.dtypes import from_name, from_torch
-from ckptfs.layout.tensor_bytes import tensor_bytes
+from ckptfs.layout.geometry import c_strides
 from ckptfs.state.shards import LocalShard, ShardedTensor, local_shard
 from ckptfs.tools.export_dir import HF_INDEX, HF_SINGLE, ExportDir
 from ckptfs.tools.safetensors_file import (
@@ -338,7 +338,6 @@ def _publish(out: ExportDir, plan: _Plan, files: list[int]) -> None:
 def _create(out: ExportDir, name: str, specs: tuple[TensorSpec, ...]) -> int:
     """The file ``name`` at its full size, its header written; the header's bytes."""
     header, _ = layout(specs, {"format": "pt"})
-    out.partial(name).parent.mkdir(parents=True, exist_ok=True)
     create_sized(out.partial(name), header, len(header) + sum(s.nbytes for s in specs))
     return len(header)
 
@@ -351,8 +350,8 @@ def _fill(plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir, 
             for p in plan.pieces[spec.name] if p.box.volume and p.sender(plan.owner[i]) == me]
     # each rank starts at a file of its own and goes round: writes into one file take turns
     # (the file system locks it for each), so ranks in different files do not wait on each other
-    start = me * len(plan.files) // ranks
-    todo.sort(key=lambda t: (t[0] - start) % len(plan.files))
+    first = me * len(plan.files) // ranks
+    todo.sort(key=lambda t: (t[0] - first) % len(plan.files))
     bar = progress_bar(sum(p.box.volume * s.dtype.itemsize for _, s, p in todo), label, progress,
                        position=me)
     parts: dict[int, SafetensorsPart] = {}
@@ -362,30 +361,18 @@ def _fill(plan: _Plan, shards: Mapping[str, LocalShard | None], out: ExportDir, 
             if i not in parts:
                 parts[i] = SafetensorsPart(out.partial(plan.files[i][0]), plan.files[i][1],
                                            {"format": "pt"})
-            fd, pos = parts[i].place(spec.name, spec.dtype.torch, tuple(spec.shape))
             shard = shards[spec.name]
             local = _local(shard)
             data = local.to(device="cpu", dtype=spec.dtype.torch).contiguous() if _staged(shard) else local
-            view = tensor_bytes(data)
-            at = pos + _first_element(tuple(spec.shape), piece.box) * spec.dtype.itemsize
-            written += view.nbytes
-            while view.nbytes:
-                n = os.pwrite(fd, view, at)
-                view, at = view[n:], at + n
+            start = sum(map(operator.mul, piece.box.offsets, c_strides(tuple(spec.shape))))
+            parts[i].write_run(spec.name, tuple(spec.shape), start, data)
+            written += data.nbytes
             bar.update(data.nbytes)
     finally:
         for part in parts.values():
             part.close()
         bar.close(done=False)  # the coordinator prints one line for every rank
     return written
-
-
-def _first_element(shape: tuple[int, ...], box: Box) -> int:
-    """The C-order position of ``box``'s first element in a tensor of ``shape``."""
-    pos = 0
-    for offset, size in zip(box.offsets, shape, strict=True):
-        pos = pos * size + offset
-    return pos
 
 
 @dataclass(frozen=True, slots=True)

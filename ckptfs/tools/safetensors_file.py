@@ -129,8 +129,19 @@ class SafetensorsPart:
         self._fd = os.open(path, os.O_WRONLY)
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        _, pos = self.place(name, t.dtype, tuple(t.shape))
+        self.write_run(name, tuple(t.shape), 0, t)
+
+    def write_run(self, name: str, shape: tuple[int, ...], start: int, t: torch.Tensor) -> None:
+        """``t``'s bytes as tensor ``name``'s elements from its C-order element ``start`` on (a
+        row shard's rows; ``shape``: the whole tensor's), with the checks of ``write``; a run
+        past the tensor's end raises ValueError naming it."""
+        _, pos = self.place(name, t.dtype, shape)
+        spec = self._places[name][0]
         view = tensor_bytes(t.contiguous())
+        if start < 0 or start * spec.dtype.itemsize + view.nbytes > spec.nbytes:
+            raise ValueError(f"safetensors part: {name!r}: {view.nbytes} bytes from element "
+                             f"{start} do not fit its {spec.nbytes} bytes")
+        pos += start * spec.dtype.itemsize
         while view.nbytes:
             n = os.pwrite(self._fd, view, pos)
             view, pos = view[n:], pos + n
