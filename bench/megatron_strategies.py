@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 import ckptfs
 from bench.worker import drop_caches
+from ckptfs.testing.ranks import free_port
 
 try:
     import ckptfs.megatron
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               "(make bench-megatron)")
         return 2
     root = tempfile.mkdtemp(prefix="ckptfs-bench-megatron-", dir=a.dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     try:
         mp.start_processes(run, args=(2, port, root, a.gb, a.runs, os.path.abspath(a.out)),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from contextlib import contextmanager
 import torch
 
 import ckptfs
+from ckptfs.testing.ranks import free_port
 
 warnings.filterwarnings("ignore")
 MB = 1 << 20
@@ -81,9 +81,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     are set in this process's environment (where none are set) for the clients that follow."""
     for k, v in CREDENTIALS.items():
         os.environ.setdefault(k, v)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -26,6 +26,7 @@ import torch
 import ckptfs
 from ckptfs.io.loop import run_sync
 from ckptfs.io.open import open_store
+from ckptfs.testing.ranks import free_port
 
 pytestmark = pytest.mark.slow  # starts Azurite
 
@@ -45,9 +46,7 @@ def azurite():
         pytest.skip("azurite-blob is not installed (node and npm are missing: `make venv` "
                     "installs it with npm)")
     blob = pytest.importorskip("azure.storage.blob", reason="azure-storage-blob makes the container")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([exe, "--blobHost", "127.0.0.1", "--blobPort", str(port),
                              "--inMemoryPersistence", "--skipApiVersionCheck", "--silent"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
