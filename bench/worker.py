@@ -53,8 +53,17 @@ def _reporting_rank(rank: int, world: int, fn: Callable[..., Any], args: tuple, 
         json.dump(fn(*args), f)
 
 
+#: set (to anything but "") to keep the page cache: ``drop_caches`` then drops nothing and
+#: returns False, as where it is not permitted. The test suite sets it: a drop there would evict
+#: the files every other test's processes are reading, and a bench's smoke run measures nothing
+KEEP_CACHES = "CKPTFS_BENCH_KEEP_CACHES"
+
+
 def drop_caches() -> bool:
-    """sync; echo 3 > /proc/sys/vm/drop_caches. False if not permitted."""
+    """sync; echo 3 > /proc/sys/vm/drop_caches. False if not permitted (or ``$KEEP_CACHES``
+    is set)."""
+    if os.environ.get(KEEP_CACHES):
+        return False
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:

@@ -41,6 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "pooled_ranks: run_ranks in this test (on a module: in its "
                                        "tests and fixtures) runs on ranks kept for the whole run "
                                        "(ckptfs.testing.ranks.RankPool) instead of new ones")
+    # benches run in the suite keep the page cache (bench.worker.KEEP_CACHES): a drop would
+    # evict what every other test's processes are reading
+    os.environ.setdefault("CKPTFS_BENCH_KEEP_CACHES", "1")
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name

@@ -2,11 +2,13 @@
 ``ckptfs.lightning.CheckpointIO``; tests/test_lightning.py runs it as a script, one process per
 run, so that a run killed on purpose takes nothing of the test's down with it.
 
-    python -m tests.lightning_train MODE ROOT OUT [--async]
+    python -m tests.lightning_train MODE ROOT OUT [--async | --ddp]
 
-``--async``: the plug-in under ``AsyncCheckpointIO``, on strategy ``ddp`` (under ``ddp_spawn``
-Lightning hands its final weights to the main process through the plug-in after tearing it
-down, in a thread that runs while the worker exits: docs/lightning.md).
+The strategy is ``ddp_spawn`` unless ``--ddp`` or ``--async`` is given. ``--ddp``: strategy
+``ddp``, whose main process is rank 0 (one process fewer to start). ``--async``: the plug-in
+under ``AsyncCheckpointIO``, on strategy ``ddp`` (under ``ddp_spawn`` Lightning hands its final
+weights to the main process through the plug-in after tearing it down, in a thread that runs
+while the worker exits: docs/lightning.md).
 
 MODE: ``full`` trains 4 epochs; ``killed`` dies (every rank, ``os._exit``) as epoch 2 starts,
 after epoch 1's checkpoint is written; ``resume`` continues from ``ckpt_path="last"`` to epoch
@@ -56,12 +58,12 @@ class Kill(Callback):
             os._exit(3)
 
 
-def main(mode: str, root: str, out: str, use_async: bool) -> None:
+def main(mode: str, root: str, out: str, use_async: bool, ddp: bool) -> None:
     torch.manual_seed(0)
     model = Net()
     io = ckptfs.lightning.CheckpointIO()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp" if use_async else "ddp_spawn",
+        accelerator="cpu", devices=2, strategy="ddp" if use_async or ddp else "ddp_spawn",
         max_epochs=EPOCHS,
         plugins=[AsyncCheckpointIO(io) if use_async else io],
         callbacks=[ModelCheckpoint(dirpath=root, save_last=True),
@@ -74,4 +76,4 @@ def main(mode: str, root: str, out: str, use_async: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], "--async" in sys.argv)
+    main(sys.argv[1], sys.argv[2], sys.argv[3], "--async" in sys.argv, "--ddp" in sys.argv)

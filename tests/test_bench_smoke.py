@@ -5,7 +5,7 @@ results, writes its JSON.
 Each runs in the test's own process, ``main(argv)`` as ``python -m bench.NAME`` calls it, its
 output captured (file descriptors too: what its programs print) and its results sent to the
 test's directory (``--results`` or ``--out``), not to the checkout's ``bench/results/``. The
-ranks it spawns (``run_ranks``) are the module's ``RankPool``, kept from one bench to the next,
+ranks it spawns (``run_ranks``) are the run's ``RankPool``, kept from one bench to the next,
 so that no bench starts Python and imports torch for every rank of every world; a rank function
 of a bench leaves its process as it found it. The environment, working directory, path, torch's
 thread count and the default process group are put back after each bench. ``bench.gpu`` and
@@ -131,7 +131,7 @@ SMOKES = {
     "distributed": Smoke(("--mb", "1", "--runs", "1", "--link-mibs", "0", "--dir", "{tmp}",
                           "--results", "{tmp}/results"),
                          ("| local disk | ckptfs |", "| moto S3 | dcp |", "| moto S3 | True |",
-                          "| local disk, cold | False |"), "distributed-*.json"),
+                          "| local disk, warm | False |"), "distributed-*.json"),
 }
 
 
@@ -146,13 +146,12 @@ def test_every_bench_with_a_main_has_a_smoke_run():
         assert imports in (REPO / path).read_text(), name
 
 
-@pytest.fixture(scope="module")
-def bench_ranks():
-    """The ranks every bench of this module runs on (``run_ranks`` inside ``pooled``): started
-    at the first bench that spawns ranks, kept for the others."""
-    pool = RankPool()
-    yield pool
-    pool.close()
+@pytest.fixture
+def bench_ranks(rank_pool):
+    """The ranks every bench of this module runs on (``run_ranks`` inside ``pooled``): the
+    run's pool (tests/conftest.py), started at the first call that spawns ranks and kept for
+    the other benches and the other modules' pooled ranks."""
+    return rank_pool
 
 
 def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
