@@ -5,6 +5,7 @@ the same run, the targets printed, every load verified, a missing peer skipped w
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
@@ -202,3 +203,13 @@ def test_the_floors_of_many_small_files_recreate_and_read_the_checkpoint_files(t
     assert [bytes(b) for b in bufs] == [open(p, "rb").read() for p in paths]
     with pytest.raises(FileExistsError):  # never over an existing file: a floor writes new files
         floors.write_like(dirs, files, str(tmp_path / "plain"), data)
+
+
+def test_benches_in_the_suite_keep_the_page_cache(monkeypatch):
+    """The suite sets ``bench.worker.KEEP_CACHES`` (tests/conftest.py): ``drop_caches`` then
+    neither syncs nor drops, and says it did not drop, as where it is not permitted."""
+    from bench import worker
+
+    assert os.environ.get(worker.KEEP_CACHES)
+    monkeypatch.setattr(worker.os, "sync", lambda: pytest.fail("drop_caches synced"))
+    assert worker.drop_caches() is False
