@@ -61,8 +61,8 @@ check-tests: $(STAMP)
 	$(COMPILE)
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(TEST_DIST) -m "not extended"
 
-# The longer runs `make test` leaves out (marker `extended`): the conformance suite from an
-# installed wheel (the same suite runs in-process in `make test`) and the larger benches' smoke runs
+# The longer run `make test` leaves out (marker `extended`): the conformance suite from an
+# installed wheel (the same suite runs in-process in `make test`)
 test-extended: $(STAMP)
 	$(COMPILE)
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(TEST_DIST) -m extended

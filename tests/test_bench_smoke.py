@@ -176,17 +176,9 @@ def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
     return rc or 0
 
 
-#: the smoke runs of the larger benches: `make test-extended` (beside them in `make test` their
-#: shared rank pool kept one worker busy for minutes and slowed every other test's worker)
-EXTENDED = frozenset({"distributed", "torch_dist_quick", "tools_quick", "scale", "recovery_tiers",
-                      "manager", "s3_quick", "zarr_quick", "hf_export", "python_bound", "host_memory",
-                      "run", "async_save"})
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED
-                                  else n for n in sorted(SMOKES)])
+@pytest.mark.parametrize("name", sorted(SMOKES))
 def test_bench_runs_at_its_smallest_size(name, tmp_path, capfd, bench_ranks):
     smoke = SMOKES[name]
     args = [a.format(tmp=tmp_path) for a in smoke.args]
