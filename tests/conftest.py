@@ -50,13 +50,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: modules whose tests run longest (tens of seconds each; the two-node job mostly waits on its
-#: agents, so it starts first and its wait overlaps the others' work) go first and the many short docs
-#: blocks last, so that parallel workers (``-n``) end together instead of one finishing a long
-#: test alone. Under ``--dist loadgroup`` (``make test``) the tests of a module that defines a
-#: fixture of module scope run on one worker, so the fixture is set up once
+#: agents, so it starts first and its wait overlaps the others' work) go first, so that parallel
+#: workers (``-n``) end together instead of one finishing a long test alone. Under ``--dist
+#: loadgroup`` (``make test``) the tests of a module that defines a fixture of module scope run on
+#: one worker, so the fixture is set up once, and so do those of ``ONE_WORKER``
 FIRST = ("test_two_node", "test_lightning", "test_demo", "test_bench_perf", "test_bench_dcp_plugin",
          "test_bench_smoke", "test_reshard")
-LAST = ("test_docs_blocks",)
+#: modules whose tests share a session fixture that starts processes: on one worker, they start
+#: once (the docs blocks' long-lived block runners)
+ONE_WORKER = frozenset({"tests/test_docs_blocks.py"})
 
 #: modules whose ``run_ranks`` calls run on the run's ``rank_pool`` (as if marked
 #: ``pooled_ranks``): their rank functions change nothing in the process that outlives the call
@@ -73,7 +75,7 @@ def _place(item: pytest.Item) -> int:
     name = item.module.__name__.rpartition(".")[2] if item.module else ""
     if name in FIRST:
         return FIRST.index(name)
-    return len(FIRST) + 1 if name in LAST else len(FIRST)
+    return len(FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -109,7 +111,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class ModuleGroups(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
-            return module if module in shared else super()._split_scope(nodeid)
+            return module if module in shared | ONE_WORKER else super()._split_scope(nodeid)
 
     return ModuleGroups(config, log)
 
