@@ -47,6 +47,39 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(spec_audit.ENV):
         config._spec_audit_dir = tempfile.TemporaryDirectory(prefix="ckptfs-spec-audit-")
         os.environ[spec_audit.ENV] = config._spec_audit_dir.name
+    _rewrite_asserts_once(config)
+
+
+def _rewrite_asserts_once(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker rewrites the asserts of every test module it collects, and
+    the workers start together, so where ``PYTHONDONTWRITEBYTECODE`` is set (no rewritten module
+    is ever cached) or the cache is empty each worker does all of it (seconds of CPU each). The
+    controller writes pytest's cache of rewritten modules once, before the workers start; the
+    workers read it as they read a cache of their own. Only a speed-up: where pytest's
+    internals differ, the workers rewrite as before."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    try:
+        from _pytest.assertion.rewrite import (
+            PYC_TAIL,
+            _read_pyc,
+            _rewrite_test,
+            _write_pyc,
+            assertstate_key,
+            get_cache_dir,
+        )
+
+        state = config.stash[assertstate_key]
+        for fn in sorted(Path(__file__).parent.glob("*.py")):
+            if not (fn.name.startswith("test_") or fn.name == "conftest.py"):
+                continue
+            pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
+            if _read_pyc(fn, pyc) is None:
+                pyc.parent.mkdir(exist_ok=True)
+                source_hash, code = _rewrite_test(fn, config)
+                _write_pyc(state, code, source_hash, pyc)
+    except (ImportError, KeyError, TypeError, OSError):
+        return
 
 
 #: modules whose tests run longest (tens of seconds each; the two-node job mostly waits on its
