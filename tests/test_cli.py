@@ -95,18 +95,32 @@ def test_exit_codes(ckpt, capsys, tmp_path):
     assert cli(capsys, "verify", ckpt, "-q")[0] == EXIT_PROBLEMS
 
 
+#: one program runs the commands one after another (one interpreter start, not three), each
+#: command's stderr ended by this line with its exit status
+_COMMANDS = """import sys
+from ckptfs.cli import main
+for args in {commands!r}:
+    rc = main(args)
+    print(f"-- exit {{rc}}", file=sys.stderr, flush=True)
+"""
+
+
 @pytest.mark.slow
 def test_progress_in_a_log_is_one_summary_line(ckpt, tmp_path):
     """stderr is a pipe here, as in a CI log: no bar frames, one line with bytes, seconds, GB/s."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for args in (["verify", str(ckpt)], ["convert", str(ckpt), str(tmp_path / "t"), "--backend", "torch_dist"],
-                 ["unshard", str(ckpt), str(tmp_path / "u"), "--format", "torch"]):
-        res = subprocess.run([sys.executable, "-m", "ckptfs", *args], capture_output=True, text=True,
-                             env=env, timeout=240)
-        assert res.returncode == 0, res.stderr
-        lines = [line for line in res.stderr.splitlines() if line.strip()]
+    commands = [["verify", str(ckpt)], ["convert", str(ckpt), str(tmp_path / "t"), "--backend", "torch_dist"],
+                ["unshard", str(ckpt), str(tmp_path / "u"), "--format", "torch"]]
+    res = subprocess.run([sys.executable, "-c", _COMMANDS.format(commands=commands)], capture_output=True,
+                         text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stderr
+    outputs = re.split(r"^-- exit (\d+)\n", res.stderr, flags=re.MULTILINE)
+    assert len(outputs) == 2 * len(commands) + 1 and outputs[-1] == "", res.stderr
+    for args, err, rc in zip(commands, outputs[0::2], outputs[1::2]):
+        assert rc == "0", (args, err)
+        lines = [line for line in err.splitlines() if line.strip()]
         summaries = [line for line in lines if re.search(r": \d+(\.\d\d [kMG]B| B) in \d+\.\d\d s \(\d+\.\d\d GB/s\)$", line)]
-        assert len(summaries) == 1 and "%|" not in res.stderr and "\r" not in res.stderr, (args, res.stderr)
+        assert len(summaries) == 1 and "%|" not in err and "\r" not in err, (args, err)
 
 
 def test_key_mapping_naming_a_key_the_model_lacks(tmp_path):
