@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ckptfs
-from ckptfs.testing.ranks import RankPool, RanksFailed, pooled, run_ranks
+from ckptfs.testing.ranks import RanksFailed, pooled, run_ranks
 
 pytestmark = pytest.mark.slow  # every test spawns ranks
 
@@ -55,11 +55,10 @@ def breaks(rank: int, world: int, how: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    """One pool for the module's tests, as the suite shares one between modules."""
-    p = RankPool()
-    yield p
-    p.close()
+def pool(rank_pool):
+    """The run's pool (tests/conftest.py), which the other modules' pooled ranks share: what a
+    call here leaves or kills, they would see."""
+    return rank_pool
 
 
 def test_calls_reuse_the_processes_but_not_their_state(pool, tmp_path, monkeypatch):
