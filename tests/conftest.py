@@ -11,6 +11,7 @@ test cannot slip into the lane.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import tempfile
@@ -340,3 +341,12 @@ def gcs(gcs_server):
         direct=gcs_server.endpoint,
         client_options=lambda engine, timeout=None: g.options(proxy.url, engine, timeout))
     proxy.reset()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection left alive (every test module, torch and what else they import) lives
+    until the process ends: it is moved out of the collector's reach, so the collections the
+    tests' own objects set off do not walk it again each time (about a tenth of the CPU time of
+    in-process tests)."""
+    gc.collect()
+    gc.freeze()

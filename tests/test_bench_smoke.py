@@ -15,7 +15,6 @@ first test below checks that no bench module is left without one.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import importlib.util
 import json
@@ -163,10 +162,6 @@ def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
         # no spec audit (tests/spec_audit.py), as in a bench's own process: bench.scale dumps
         # synthetic indexes of entries alone, and the audit's read-back is not the bench's work
         os.environ[spec_audit.ENV] = "off"
-        # what this worker holds (every test module, and what they import) is left out of the
-        # collections a bench runs between its measurements (bench.scale), as in a bench's own
-        # process, where they cost a fraction of what they cost here
-        gc.freeze()
         try:
             with pooled(pool):
                 rc = importlib.import_module(f"bench.{name}").main(argv)
@@ -175,7 +170,6 @@ def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
                 print(e.code, file=sys.stderr)
             rc = e.code if isinstance(e.code, int | None) else 1
         finally:
-            gc.unfreeze()
             ckptfs.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
