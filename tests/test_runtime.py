@@ -155,5 +155,6 @@ def two_managers(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.pooled_ranks  # each pooled call starts from an empty runtime: no plan of before
 def test_two_managers_alternating_structures_keep_both_plans(tmp_path):
     run_ranks(2, two_managers, str(tmp_path), timeout=600)
