@@ -146,14 +146,6 @@ def test_every_bench_with_a_main_has_a_smoke_run():
         assert imports in (REPO / path).read_text(), name
 
 
-@pytest.fixture
-def bench_ranks(rank_pool):
-    """The ranks every bench of this module runs on (``run_ranks`` inside ``pooled``): the
-    run's pool (tests/conftest.py), started at the first call that spawns ranks and kept for
-    the other benches and the other modules' pooled ranks."""
-    return rank_pool
-
-
 def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
     """``bench.NAME``'s ``main(argv)`` in this process, its ranks on ``pool``: its exit status
     (``sys.exit`` included). What a bench changes in the process (the environment, the working
@@ -179,10 +171,10 @@ def _run_main(name: str, argv: list[str], pool: RankPool) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", sorted(SMOKES))
-def test_bench_runs_at_its_smallest_size(name, tmp_path, capfd, bench_ranks):
+def test_bench_runs_at_its_smallest_size(name, tmp_path, capfd, rank_pool):
     smoke = SMOKES[name]
     args = [a.format(tmp=tmp_path) for a in smoke.args]
-    rc = _run_main(name, args, bench_ranks)
+    rc = _run_main(name, args, rank_pool)
     captured = capfd.readouterr()
     out = captured.out + captured.err
     want_rc = 2 if (name == "gpu_tune" and not torch.cuda.is_available()) or (

@@ -542,7 +542,8 @@ def test_ml_dtypes_in_zarr_python(tmp_path):
     assert zarr.create_array(str(tmp_path / "u"), shape=(2,), dtype="uint16").dtype == np.uint16
     import ml_dtypes
 
-    for name, npdt in ((n, getattr(ml_dtypes, n)) for n in ML):
+    for name in ML:
+        npdt = getattr(ml_dtypes, name)
         for fmt in (2, 3):
             x = (np.arange(12, dtype=np.float32) - 6).reshape(3, 4).astype(npdt)
             p = str(tmp_path / f"{name}-{fmt}")
