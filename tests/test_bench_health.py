@@ -26,7 +26,9 @@ def test_tiny_health_bench_writes_its_results(tmp_path):
     assert "cost_pct_paired" in cf and "fold_check_cpu_s" in cf
     assert "cost_pct_quartile" in cf and "durable_cost_pct_quartile" in cf
     assert cf["one_writer_save_s"] > 0 and "one_writer_cost_pct_paired" in cf
-    assert cf["user_cpu_s"] > 0 and "user_cpu_added_s" in cf
+    # Linux splits a process's CPU time between user and system by the ticks it sampled: a
+    # save of a few milliseconds may show no user time at all
+    assert cf["user_cpu_s"] >= 0 and "user_cpu_added_s" in cf
     assert len(cf["load_average"]) == 3
     assert diff["from_checksums_s"] > 0 and diff["streamed_s"] > 0 and diff["floor_s"] > 0
     assert diff["memory_bound"] > 0 and diff["files_bytes"] >= 2 * 4_000_000
