@@ -11,6 +11,7 @@ test cannot slip into the lane.
 
 from __future__ import annotations
 
+import fnmatch
 import gc
 import os
 import re
@@ -71,8 +72,9 @@ def _rewrite_asserts_once(config: pytest.Config) -> None:
         )
 
         state = config.stash[assertstate_key]
+        patterns = config.getini("python_files")  # what pytest's import hook rewrites, as it reads them
         for fn in sorted(Path(__file__).parent.glob("*.py")):
-            if not (fn.name.startswith("test_") or fn.name == "conftest.py"):
+            if not (fn.name == "conftest.py" or any(fnmatch.fnmatch(fn.name, p) for p in patterns)):
                 continue
             pyc = get_cache_dir(fn) / (fn.name[:-3] + PYC_TAIL)
             if _read_pyc(fn, pyc) is None:
