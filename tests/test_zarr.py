@@ -32,8 +32,9 @@ from ckptfs.layout.dtypes import BY_NAME, NAMES
 from ckptfs.layout.keys import encode_key
 from ckptfs.testing.ranks import run_ranks
 
-ML = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  #: ml_dtypes' names (imported where used:
-#: a second of every test worker's collection, as tests/test_tools.py imports this module)
+#: the ML dtypes by their names in ml_dtypes, which the tests using them import (at the top it
+#: would cost every test worker a second of collection: tests/test_tools.py imports this module)
+ML = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 VARIANTS: dict[str, tuple[int, dict]] = {
     "v2": (2, {}),
     "v2-slash": (2, {"dimension_separator": "/"}),
